@@ -1,0 +1,1 @@
+"""hap: SPMD training on heterogeneous GPU clusters by program synthesis."""

@@ -1,0 +1,244 @@
+"""Capture: a plain nn.Module whose forward returns the loss -> the planner's Graph.
+
+We use torch.export's ATen-level training graph: it traces through Python control flow on
+shapes (which torch.fx.symbolic_trace cannot), keeps high-level ops such as linear, conv2d,
+layer_norm and scaled_dot_product_attention whole, and lifts parameters and buffers to
+graph inputs with their state_dict keys.
+
+FLOPs come from torch.utils.flop_counter: every node is run once on meta tensors under
+FlopCounterMode for the forward, and once more through autograd for the backward of exactly
+the inputs that need a gradient. Nodes with equal signatures (identical layers) share that
+work.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.utils.flop_counter import FlopCounterMode
+
+from .ir import Graph, Node, Tensor, TensorRef
+
+# Nodes that produce nothing the program needs.
+_SKIPPED_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}
+_KIND_OF_INPUT = {
+    InputKind.USER_INPUT: "input",
+    InputKind.PARAMETER: "param",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+}
+
+
+class CaptureError(ValueError):
+    """The model cannot be captured; the message says why."""
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | None = None) -> Graph:
+    """Capture `model` (forward returns the scalar training loss) on `example_inputs`."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}")
+    example_inputs = tuple(example_inputs)
+    was_training = model.training
+    model.train()
+    try:
+        ep = torch.export.export(model, example_inputs)
+    except Exception as e:  # torch raises many types; the user needs the first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}: {first}") from e
+    finally:
+        model.train(was_training)
+    graph = graph_from_exported(ep, name or type(model).__name__)
+    _count_flops(graph)
+    return graph
+
+
+def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:
+    kinds, targets = {}, {}
+    for spec in ep.graph_signature.input_specs:
+        kind = _KIND_OF_INPUT.get(spec.kind)
+        if kind is None:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} for {spec.arg}")
+        kinds[spec.arg.name] = kind
+        targets[spec.arg.name] = spec.target
+
+    tensors: dict[str, Tensor] = {}
+    nodes: list[Node] = []
+    inputs: list[str] = []
+    params: list[str] = []
+    getitem_names: dict[tuple[str, int], str] = {}  # (multi-output node, index) -> getitem name
+    loss = None
+
+    for fx in ep.graph.nodes:
+        if fx.op == "call_function" and fx.target is operator.getitem:
+            src, i = fx.args
+            getitem_names[(src.name, i)] = fx.name
+    for fx in ep.graph.nodes:
+        if fx.op == "placeholder":
+            val = fx.meta["val"]
+            if not isinstance(val, torch.Tensor):
+                raise CaptureError(f"input {fx.name} is not a tensor ({type(val).__name__}); pass tensors only")
+            kind = kinds[fx.name]
+            tensors[fx.name] = _tensor(fx.name, val, kind, targets[fx.name])
+            (params if kind == "param" else inputs if kind == "input" else []).append(fx.name)
+        elif fx.op == "call_function":
+            if fx.target is operator.getitem:
+                continue
+            op = str(fx.target)
+            val = fx.meta.get("val")
+            if op in _SKIPPED_OPS or val is None:
+                continue
+            if isinstance(val, (list, tuple)):
+                outs = [getitem_names.get((fx.name, i), f"{fx.name}#{i}") for i in range(len(val))]
+                vals = list(val)
+            else:
+                outs, vals = [fx.name], [val]
+            index = len(nodes)
+            args, kwargs, ins = _tensorize_args(fx.args, fx.kwargs, tensors)
+            for t in ins:
+                if index not in tensors[t].consumers:
+                    tensors[t].consumers.append(index)
+            node = Node(index=index, name=fx.name, op=op, target=fx.target, args=args, kwargs=kwargs,
+                        inputs=tuple(ins), outputs=(), scope=_scope(fx))
+            nodes.append(node)
+            out_names = []
+            for out, v in zip(outs, vals):
+                if not isinstance(v, torch.Tensor):
+                    raise CaptureError(f"{op} at {fx.name} returns {type(v).__name__}; only tensor outputs are supported")
+                out_names.append(out)
+                tensors[out] = _tensor(out, v, "activation", None, producer=index)
+            node.outputs = tuple(out_names)
+        elif fx.op == "output":
+            outs = fx.args[0]
+            if len(outs) != 1:
+                raise CaptureError(f"forward must return only the scalar loss, it returns {len(outs)} values")
+            loss = outs[0].name if hasattr(outs[0], "name") else None
+    if loss is None or loss not in tensors:
+        raise CaptureError("forward must return the scalar loss tensor")
+    lt = tensors[loss]
+    if lt.shape != () or not lt.dtype.startswith(("float", "bfloat")):
+        raise CaptureError(f"forward must return a scalar float loss, it returns shape {lt.shape} {lt.dtype}")
+    graph = Graph(nodes=nodes, tensors=tensors, inputs=inputs, params=params, loss=loss, model_name=name)
+    _mark_requires_grad(graph)
+    return graph
+
+
+def _tensor(name, val: torch.Tensor, kind, target, producer=-1) -> Tensor:
+    return Tensor(name=name, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype).removeprefix("torch."),
+                  itemsize=val.element_size(), kind=kind, target=target, producer=producer)
+
+
+def _tensorize_args(args, kwargs, tensors):
+    ins: list[str] = []
+
+    def conv(a):
+        if isinstance(a, torch.fx.Node):
+            if a.name not in tensors:
+                raise CaptureError(f"argument {a.name} is not a tensor the planner tracks")
+            ins.append(a.name)
+            return TensorRef(a.name)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v) for k, v in a.items()}
+        return a
+
+    return conv(tuple(args)), conv(dict(kwargs)), ins
+
+
+def _scope(fx) -> str:
+    stack = fx.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def _mark_requires_grad(graph: Graph) -> None:
+    for p in graph.params:
+        t = graph.tensors[p]
+        t.requires_grad = _is_float(t.dtype)
+    for n in graph.nodes:
+        flows = any(graph.tensors[i].requires_grad for i in n.inputs)
+        for o in n.outputs:
+            t = graph.tensors[o]
+            t.requires_grad = flows and _is_float(t.dtype) and n.op not in _NON_DIFFERENTIABLE
+
+
+_NON_DIFFERENTIABLE = {"aten.detach.default", "aten.zeros_like.default", "aten.ones_like.default",
+                       "aten.empty_like.default", "aten.full_like.default"}
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def _count_flops(graph: Graph) -> None:
+    seen: dict[tuple, tuple[float, float]] = {}
+    for n in graph.nodes:
+        key = _signature(n, graph)
+        if key not in seen:
+            seen[key] = _node_flops(n, graph)
+        n.flops, n.bwd_flops = seen[key]
+        n.bytes_moved = sum(graph.tensors[t].nbytes for t in (*n.inputs, *n.outputs))
+
+
+def _signature(n: Node, graph: Graph) -> tuple:
+    def sig(a):
+        if isinstance(a, TensorRef):
+            t = graph.tensors[a.name]
+            return ("T", t.shape, t.dtype, t.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return tuple(sig(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, sig(v)) for k, v in a.items()))
+        return repr(a)
+
+    outs = tuple(graph.tensors[o].requires_grad for o in n.outputs)
+    return (n.op, sig(n.args), sig(n.kwargs), outs)
+
+
+def meta_args(n: Node, graph: Graph, with_grad: bool):
+    """Node args with TensorRefs replaced by meta tensors of the right shape and dtype."""
+
+    def conv(a):
+        if isinstance(a, TensorRef):
+            t = graph.tensors[a.name]
+            m = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
+            return m.requires_grad_(with_grad and t.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v) for k, v in a.items()}
+        return a
+
+    return conv(n.args), conv(n.kwargs)
+
+
+def _node_flops(n: Node, graph: Graph) -> tuple[float, float]:
+    needs_bwd = any(graph.tensors[o].requires_grad for o in n.outputs)
+    try:
+        args, kwargs = meta_args(n, graph, with_grad=needs_bwd)
+        with FlopCounterMode(display=False) as fwd:
+            out = n.target(*args, **kwargs)
+        fwd_flops = float(fwd.get_total_flops())
+        bwd_flops = 0.0
+        if needs_bwd:
+            outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                with FlopCounterMode(display=False) as bwd:
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                bwd_flops = float(bwd.get_total_flops())
+        return fwd_flops, bwd_flops
+    except Exception:
+        # No meta kernel: the op is counted as doing no matmul-class FLOPs, like torch's own
+        # accounting does for every op outside its table. Its memory traffic is still costed.
+        return 0.0, 0.0

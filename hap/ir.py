@@ -1,0 +1,120 @@
+"""The planner's graph IR: the single-device training program as captured from a model.
+
+Leaf tensors (user inputs, parameters, buffers, constants) have no producer. Every compute
+node reads tensors by name and writes one or more tensors; nodes are in topological order,
+the order the single-device program runs them. The graph's output is the scalar loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TensorKind = Literal["input", "param", "buffer", "constant", "activation"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Stands in a node's args where a tensor is passed."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+@dataclass(slots=True, kw_only=True)
+class Tensor:
+    name: str
+    """Unique name (the torch.export node name)."""
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name without the 'torch.' prefix, e.g. 'float32'."""
+    itemsize: int
+    """Bytes per element."""
+    kind: TensorKind
+    requires_grad: bool = False
+    """True where the loss's gradient flows through this tensor (float and downstream of a parameter)."""
+    producer: int = -1
+    """Index of the producing node, -1 for leaves."""
+    consumers: list[int] = field(default_factory=list)
+    """Indices of consuming nodes, ascending, with repeats removed."""
+    target: str | None = None
+    """For parameters and buffers: the state_dict key (e.g. 'blocks.0.attn.qkv.weight')."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.producer < 0
+
+
+@dataclass(slots=True, kw_only=True)
+class Node:
+    index: int
+    name: str
+    op: str
+    """Operator key, e.g. 'aten.linear.default'; rules are registered under it."""
+    target: Any
+    """The callable (a torch OpOverload) that computes the node on local tensors."""
+    args: tuple
+    kwargs: dict
+    """Arguments as in the captured graph, tensors replaced by TensorRef."""
+    inputs: tuple[str, ...]
+    """Names of the tensor arguments, in the order they appear in args/kwargs (repeats kept)."""
+    outputs: tuple[str, ...]
+    """Names of the tensors the node produces (several for split, topk, ...)."""
+    flops: float = 0.0
+    """Forward FLOPs (torch.utils.flop_counter accounting)."""
+    bwd_flops: float = 0.0
+    """Backward FLOPs for the gradients this node must produce."""
+    bytes_moved: int = 0
+    """Bytes read and written by the forward (inputs + outputs), for memory-bound ops."""
+    scope: str = ""
+    """Module path of the innermost module that called the op ('' at the top)."""
+
+    def __repr__(self) -> str:
+        return f"{self.name} = {self.op}({', '.join(self.inputs)})"
+
+
+@dataclass(slots=True, kw_only=True)
+class Graph:
+    nodes: list[Node]
+    tensors: dict[str, Tensor]
+    inputs: list[str]
+    """User inputs in the order the model's forward takes them."""
+    params: list[str]
+    loss: str
+    model_name: str = "model"
+
+    def tensor(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def node_of(self, tensor_name: str) -> Node | None:
+        p = self.tensors[tensor_name].producer
+        return self.nodes[p] if p >= 0 else None
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.tensors[p].nbytes for p in self.params)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(n.flops + n.bwd_flops for n in self.nodes)
+
+    def summary(self) -> str:
+        ops: dict[str, int] = {}
+        for n in self.nodes:
+            ops[n.op] = ops.get(n.op, 0) + 1
+        return (
+            f"{self.model_name}: {len(self.nodes)} nodes, {len(self.params)} parameters "
+            f"({self.param_bytes / 2**20:.1f} MiB), {self.total_flops / 1e9:.1f} GFLOP per iteration, "
+            f"{len(ops)} distinct ops"
+        )

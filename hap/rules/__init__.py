@@ -1,0 +1,156 @@
+"""The rule library: Hoare triples for every op, generated from the graph.
+
+A rule is a small pure function registered for one or more op keys. Given a node and the
+graph, it returns the node's strategies: each is a Hoare triple
+    { inputs[i] | in_placements[i] }  node  { outputs[k] | out_placements[k] }
+with a short name ("batch", "column", "row", "heads", ...) and, where the op must run
+differently on a shard than on the whole tensor, a `local` variant name that
+hap.rules.local implements (e.g. "mean_over_shards" divides a local sum by the global count).
+
+Two strategies hold for every deterministic op and are added here, not by rules:
+    all inputs R -> all outputs R   (replicated compute, gradients summed later)
+    all inputs D -> all outputs D   (duplicated compute, e.g. sufficient factor broadcasting)
+An op without a registered rule gets only these two: it runs replicated and the plan says so.
+
+One file per op family, each rule with its algebraic law as a comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..ir import Graph, Node, TensorRef
+from ..placement import D, P, Placement, R, S
+
+__all__ = ["Strategy", "register", "strategies_for", "has_rule", "RULES", "R", "D", "P", "S"]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    inputs: tuple[Placement, ...]
+    """One placement per entry of node.inputs."""
+    outputs: tuple[Placement, ...]
+    """One placement per entry of node.outputs."""
+    name: str = ""
+    """What the strategy is called in listings: 'batch', 'column', 'row', 'heads', 'vocab', ..."""
+    local: str | None = None
+    """A local implementation variant (see hap.rules.local), or None to run the op as is."""
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        outs = ", ".join(map(str, self.outputs))
+        return f"{self.name or '?'}: ({ins}) -> ({outs})"
+
+
+RuleFn = Callable[[Node, Graph], list[Strategy]]
+RULES: dict[str, RuleFn] = {}
+
+# Ops whose output depends on a random generator: replicated compute needs the same seed on
+# every device and sharded compute a mask drawn for the whole tensor (the runtime's job).
+RANDOM_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.bernoulli.p",
+              "aten.rand_like.default", "aten.randn_like.default", "aten.feature_dropout.default"}
+
+
+def register(*ops: str) -> Callable[[RuleFn], RuleFn]:
+    def deco(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            if op in RULES:
+                raise ValueError(f"two rules registered for {op}")
+            RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def has_rule(op: str) -> bool:
+    _load_families()
+    return op in RULES
+
+
+def strategies_for(node: Node, graph: Graph) -> list[Strategy]:
+    """All valid strategies of `node`: its rule's, then replicated and duplicated compute."""
+    _load_families()
+    out: list[Strategy] = []
+    seen = set()
+    rule = RULES.get(node.op)
+    found = rule(node, graph) if rule is not None else []
+    for st in found:
+        st = _canonical(st, node, graph)
+        if st is not None and (st.inputs, st.outputs) not in seen:
+            seen.add((st.inputs, st.outputs))
+            out.append(st)
+    for st in (_uniform(node, R, "replicated"), _uniform(node, D, "duplicated")):
+        st = _canonical(st, node, graph)
+        if (st.inputs, st.outputs) not in seen:
+            seen.add((st.inputs, st.outputs))
+            out.append(st)
+    return out
+
+
+def _uniform(node: Node, p: Placement, name: str) -> Strategy:
+    return Strategy(tuple(p for _ in node.inputs), tuple(p for _ in node.outputs), name)
+
+
+def _canonical(st: Strategy, node: Node, graph: Graph) -> Strategy | None:
+    """Check shape sanity, write R for D on tensors that carry no gradient, drop impossible ones."""
+    assert len(st.inputs) == len(node.inputs), f"{node.op}: rule gave {len(st.inputs)} input placements for {len(node.inputs)} inputs"
+    assert len(st.outputs) == len(node.outputs), f"{node.op}: rule gave {len(st.outputs)} output placements for {len(node.outputs)} outputs"
+    ins, outs = [], []
+    for names, places, acc in ((node.inputs, st.inputs, ins), (node.outputs, st.outputs, outs)):
+        for name, p in zip(names, places):
+            t = graph.tensors[name]
+            if p.kind == "S":
+                assert p.dim < len(t.shape), f"{node.op}: S({p.dim}) on rank-{len(t.shape)} tensor {name}"
+                if t.shape[p.dim] < 2:
+                    return None  # a length-1 dim is never sharded: the tensor stays whole (and its gradient summed)
+            if p.kind == "P" and not t.dtype.startswith(("float", "bfloat", "complex")):
+                return None  # integer partial sums are not supported
+            if p.kind == "D" and not t.requires_grad:
+                p = R
+            acc.append(p)
+    return Strategy(tuple(ins), tuple(outs), st.name, st.local)
+
+
+_loaded = False
+
+
+def _load_families() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import elementwise, matmul, nn, reduction, shape  # noqa: F401  (registers rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers for rule functions.
+
+
+def arg(node: Node, pos: int, name: str, default=None):
+    """The node's argument by position or keyword."""
+    if pos < len(node.args):
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def shape_of(graph: Graph, ref) -> tuple[int, ...]:
+    return graph.tensors[ref.name if isinstance(ref, TensorRef) else ref].shape
+
+
+def ndim(graph: Graph, ref) -> int:
+    return len(shape_of(graph, ref))
+
+
+def norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def tensor_positions(node: Node) -> list[int]:
+    """For each node.inputs entry, the index in node.args (or -1 where it sits deeper or in kwargs)."""
+    pos = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, TensorRef):
+            pos.append(i)
+        elif isinstance(a, (list, tuple)):
+            pos.extend(-1 for x in a if isinstance(x, TensorRef))
+    return pos + [-1] * (len(node.inputs) - len(pos))

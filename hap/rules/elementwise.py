@@ -1,0 +1,81 @@
+"""Elementwise ops with broadcasting.
+
+Law (pointwise independence): f(x)[i] depends on x[i] only, so for any output dim d
+    f(concat_j x_j) = concat_j f(x_j)
+and an operand that broadcasts along d (absent there, or of length 1) is needed whole on
+every device. Linear ops also pass partial sums through:
+    neg(A1 + A2) = neg(A1) + neg(A2);  (A1 + A2) + (B1 + B2) = (A1 + B1) + (A2 + B2);
+    (A1 + A2) * c = A1 * c + A2 * c   for c replicated.
+"""
+
+from __future__ import annotations
+
+from ..ir import Graph, Node
+from . import P, R, S, Strategy, register
+
+UNARY = [
+    "relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "sqrt", "rsqrt", "abs", "erf", "sin", "cos",
+    "reciprocal", "square", "log1p", "expm1", "sign", "logical_not", "bitwise_not", "isnan", "hardtanh",
+    "leaky_relu", "elu", "softplus", "mish", "hardswish", "hardsigmoid", "relu6", "zeros_like", "ones_like",
+    "empty_like", "full_like", "rand_like", "randn_like", "dropout", "native_dropout", "feature_dropout",
+    "alias", "lift_fresh_copy", "pow", "clamp", "clamp_min", "clamp_max", "floor", "ceil", "round", "trunc",
+    "masked_fill", "type_as", "bernoulli", "exponential", "eq", "ne", "lt", "gt", "le", "ge", "add", "sub",
+    "mul", "div", "rsub", "remainder", "fmod", "where", "maximum", "minimum", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "logical_and", "logical_or", "logical_xor", "atan2", "copy", "lerp", "addcmul", "addcdiv",
+    "gelu_backward", "threshold", "nan_to_num", "scalar_tensor",
+]
+# Overload suffixes that are elementwise for the names above.
+OVERLOADS = ["default", "Tensor", "Scalar", "self", "ScalarOther", "ScalarSelf", "Tensor_Scalar",
+             "Tensor_Tensor", "Scalar_Tensor", "Tensor_Scalar", "dtype", "other", "p"]
+
+# Linear in every tensor operand jointly: partial inputs give a partial output.
+LINEAR_ALL = {"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.clone.default",
+              "aten.contiguous.default", "aten.alias.default", "aten._to_copy.default", "aten.to.dtype",
+              "aten.to.dtype_layout", "aten.mul.Scalar", "aten.div.Scalar", "aten.where.self"}
+# Linear in exactly one operand when the others are replicated (and not partial).
+LINEAR_ONE = {"aten.mul.Tensor", "aten.div.Tensor"}  # div: linear in the numerator only
+
+
+def broadcast_strategies(node: Node, graph: Graph) -> list[Strategy]:
+    out_shape = graph.tensors[node.outputs[0]].shape
+    in_shapes = [graph.tensors[t].shape for t in node.inputs]
+    found = []
+    for d in range(len(out_shape)):
+        ins = []
+        for shp in in_shapes:
+            k = d - (len(out_shape) - len(shp))  # right-aligned broadcasting
+            ins.append(S(k) if k >= 0 and shp[k] == out_shape[d] and shp[k] > 1 else R)
+        found.append(Strategy(tuple(ins), tuple(S(d) for _ in node.outputs), f"dim{d}"))
+    n_in = len(node.inputs)
+    # Partial sums pass through linear ops. Operands that broadcast would be added once per
+    # device, so they must not broadcast (a + b with b smaller is only linear if b is partial too).
+    if node.op in LINEAR_ALL and all(graph.tensors[t].shape == out_shape for t in node.inputs) and n_in >= 1:
+        cond = node.op == "aten.where.self"
+        ins = tuple(R if (cond and i == 0) else P for i in range(n_in))
+        found.append(Strategy(ins, tuple(P for _ in node.outputs), "partial"))
+    if node.op in LINEAR_ONE and n_in == 1:  # times a Python scalar
+        found.append(Strategy((P,), (P,), "partial"))
+    if node.op in LINEAR_ONE and n_in == 2:
+        for i in ((0, 1) if node.op == "aten.mul.Tensor" else (0,)):
+            if graph.tensors[node.inputs[i]].shape == out_shape:
+                ins = tuple(P if k == i else R for k in range(n_in))
+                found.append(Strategy(ins, (P,), "partial"))
+    return found
+
+
+def _register_all():
+    import torch
+
+    keys = []
+    for name in UNARY + ["neg", "clone", "contiguous", "_to_copy", "to", "detach"]:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for ov in packet.overloads():
+            if ov in OVERLOADS or name in ("to", "_to_copy", "clone", "contiguous", "detach", "neg"):
+                keys.append(f"aten.{name}.{ov}")
+    keys = [k for k in dict.fromkeys(keys) if not k.endswith((".out", "_out"))]
+    register(*keys)(broadcast_strategies)
+
+
+_register_all()

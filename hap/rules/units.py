@@ -1,0 +1,92 @@
+"""Shard classes: which tensor dims must be split alike, and into how many granules.
+
+A strategy that shards several dims at once (x on dim 0 and the output on dim 0; the merged
+dim of a reshape and its outermost source dim) needs their shards to line up. We union all
+dims a strategy shards together; a class of dims with lengths L1..Lk is split in
+N = gcd(L1..Lk) granules, and a dim of length L gets (L / N) * n_j elements on device j,
+where n = round_sizes(N, ratios). So the rows of a [B, S] tensor and of its [B*S] view are
+split at the same sequence boundaries, and 12 heads and their 768 hidden features at the
+same head boundaries, whatever the ratios.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from ..ir import Graph
+from . import Strategy
+
+
+def round_sizes(n: int, ratios: Sequence[float]) -> list[int]:
+    """Integer sizes summing to n, nearest to n * ratios (HAP section 5.1).
+
+    Start from the nearest integers; while the sum is off, move one unit on the shard whose
+    rounding error grows least.
+    """
+    if n < 0:
+        raise ValueError(f"cannot split a negative length {n}")
+    total = float(sum(ratios))
+    if total <= 0 or any(r < 0 for r in ratios):
+        raise ValueError(f"ratios must be non-negative with a positive sum, got {list(ratios)}")
+    ideal = [n * r / total for r in ratios]
+    sizes = [int(round(x)) for x in ideal]
+    while (diff := sum(sizes) - n) != 0:
+        step = -1 if diff > 0 else 1
+        cands = [j for j in range(len(sizes)) if sizes[j] + step >= 0]
+        j = min(cands, key=lambda j: (abs(sizes[j] + step - ideal[j]) - abs(sizes[j] - ideal[j]), j))
+        sizes[j] += step
+    return sizes
+
+
+class ShardClasses:
+    """Union-find over (tensor, dim) pairs, built from every strategy of every node."""
+
+    def __init__(self, graph: Graph, strategies: Iterable[tuple[int, list[Strategy]]]):
+        self._parent: dict[tuple[str, int], tuple[str, int]] = {}
+        for node_index, sts in strategies:
+            node = graph.nodes[node_index]
+            for st in sts:
+                dims = [(t, p.dim) for t, p in zip(node.inputs, st.inputs) if p.kind == "S"]
+                dims += [(t, p.dim) for t, p in zip(node.outputs, st.outputs) if p.kind == "S"]
+                for a in dims[1:]:
+                    self._union(dims[0], a)
+                if dims:
+                    self._find(dims[0])
+        self.granules: dict[tuple[str, int], int] = {}
+        for key in list(self._parent):
+            root = self._find(key)
+            length = graph.tensors[key[0]].shape[key[1]]
+            self.granules[root] = math.gcd(self.granules.get(root, 0), length)
+        self._graph = graph
+
+    def _find(self, a):
+        parent = self._parent.setdefault(a, a)
+        while parent != a:
+            grand = self._parent.setdefault(parent, parent)
+            self._parent[a] = grand
+            a, parent = parent, grand
+        return a
+
+    def _union(self, a, b):
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            self._parent[rb] = ra
+
+    def class_of(self, tensor: str, dim: int) -> tuple[str, int]:
+        """The class representative; a dim no strategy shards is a class of its own."""
+        return self._find((tensor, dim))
+
+    def granule_count(self, tensor: str, dim: int) -> int:
+        root = self.class_of(tensor, dim)
+        return self.granules.get(root) or self._graph.tensors[tensor].shape[dim]
+
+    def split_sizes(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[int]:
+        n = self.granule_count(tensor, dim)
+        unit = self._graph.tensors[tensor].shape[dim] // n
+        return [unit * k for k in round_sizes(n, ratios)]
+
+    def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
+        """Fraction of the dim on each device after rounding."""
+        n = self.granule_count(tensor, dim)
+        return tuple(k / n for k in round_sizes(n, ratios))
