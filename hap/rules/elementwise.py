@@ -75,7 +75,7 @@ def _register_all():
             if ov in OVERLOADS or name in ("to", "_to_copy", "clone", "contiguous", "detach", "neg"):
                 keys.append(f"aten.{name}.{ov}")
     keys = [k for k in dict.fromkeys(keys) if not k.endswith((".out", "_out"))]
-    register(*keys)(broadcast_strategies)
+    register(*keys, "aten.broadcast_tensors.default")(broadcast_strategies)
 
 
 _register_all()

@@ -1,0 +1,30 @@
+# Two commands: `make run` (install, then plan ViT-24 on the paper's heterogeneous testbed)
+# and `make test` (install, then the whole test suite). Everything lives in ./.venv.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Pinned: on a CPU machine any other torch spec pulls gigabytes of CUDA wheels.
+TORCH  := torch==2.13.0
+
+.PHONY: install run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	mkdir -p out
+	$(VENV)/bin/hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out/plan-vit24.json
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+bench: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/synthesis_time.py
+
+clean:
+	rm -rf $(VENV) out

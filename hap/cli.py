@@ -1,0 +1,121 @@
+"""The `hap` command line.
+
+    hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
+    hap clusters                      # list the built-in clusters
+    hap cluster paper-hetero-8        # show one (or a YAML file) as the planner reads it
+
+Bad input gets one line on stderr naming the problem and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="vgg19, vit, bert or bert-moe")
+    p.add_argument("--layers", type=int, help="transformer layers (default: the paper's)")
+    p.add_argument("--hidden", type=int, help="hidden width (default: the paper's)")
+    p.add_argument("--batch", type=int, help="global batch (default: 64 per GPU, 32 for bert-moe)")
+    p.add_argument("--seq", type=int, help="sequence length (bert, bert-moe)")
+    p.add_argument("--experts", type=int, help="experts per MoE layer (bert-moe; default 2 per GPU)")
+    p.add_argument("--scale", choices=["paper", "small"], default="paper", help="paper size or a tiny CPU variant")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hap", description="SPMD training on heterogeneous clusters by program synthesis")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="synthesize a plan and print its summary")
+    _add_model_args(p)
+    p.add_argument("--cluster", default="paper-hetero-8", help="built-in cluster name or YAML file")
+    p.add_argument("--segments", type=int, default=1, help="model segments with their own ratios")
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    p.add_argument("--listing", action="store_true", help="print the program, one instruction per line")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    sub.add_parser("clusters", help="list the built-in clusters")
+    c = sub.add_parser("cluster", help="show a cluster as the planner reads it")
+    c.add_argument("name", help="built-in cluster name or YAML file")
+    return ap
+
+
+def _build_graph(args, devices: int):
+    from .capture import capture
+    from .models import build
+
+    try:
+        model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
+                              experts=args.experts, devices=devices, scale=args.scale)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return capture(model, inputs, name=args.model)
+
+
+def cmd_plan(args) -> int:
+    from .cost.cluster import load_cluster
+    from .planner import PlannerConfig, plan
+
+    cluster = load_cluster(args.cluster)
+    if args.segments < 1:
+        raise UserError(f"--segments must be at least 1, got {args.segments}")
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    say(f"capturing {args.model} ...")
+    graph = _build_graph(args, cluster.gpus)
+    say(f"{graph.summary()} (captured in {time.perf_counter() - t0:.1f} s)")
+    say(cluster.describe())
+    result = plan(graph, cluster, PlannerConfig(segments=args.segments), progress=say)
+    print(result.summary())
+    if args.listing:
+        print(result.listing())
+    if args.json:
+        result.to_json(args.json)
+        say(f"wrote {args.json}")
+    return 0
+
+
+def cmd_clusters(args) -> int:
+    from .cost.cluster import BUILTIN
+
+    for name in BUILTIN:
+        print(BUILTIN[name]().describe())
+    return 0
+
+
+def cmd_cluster(args) -> int:
+    import yaml
+
+    from .cost.cluster import load_cluster
+
+    cluster = load_cluster(args.name)
+    print(cluster.describe())
+    print(yaml.safe_dump(cluster.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .balance.lp import BalanceError
+    from .capture import CaptureError
+    from .cost.cluster import ClusterError
+
+    args = _parser().parse_args(argv)
+    handlers = {"plan": cmd_plan, "clusters": cmd_clusters, "cluster": cmd_cluster}
+    try:
+        return handlers[args.command](args)
+    except (UserError, ClusterError, CaptureError, BalanceError) as e:
+        print(f"hap: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hap: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

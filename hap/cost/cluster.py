@@ -1,0 +1,309 @@
+"""Cluster specifications: devices and collective fits, from a YAML file or built in.
+
+A cluster is a list of virtual devices. A virtual device is one GPU, or one machine of
+`gpus` identical GPUs that train data-parallel among themselves (HAP section 3: the planner
+shards across machines; inside a machine the GPUs split the machine's share of the batch).
+
+Every collective is costed as time = alpha + volume / beta (seconds, bytes, bytes/s), where
+volume is defined per collective in hap/cost/model.py. A file may give the fits directly
+(as `hap profile` writes them) or give the network's link bandwidth and latency, from which
+ring-algorithm fits are derived (see `fits_from_network`).
+
+File format (YAML):
+
+    name: my-cluster
+    devices:                      # in rank order; `count` repeats an entry
+      - {name: v100, count: 2, flops: 3.86e12, memory: 16GiB, gpus: 1}
+      - {name: p100, count: 6, flops: 2.15e12, memory: 16GiB}
+    network: {bandwidth: 10.4Gbps, latency: 30us}   # or:
+    collectives:
+      all_reduce: {alpha: 2e-4, beta: 7.4e8}
+      all_gather: {alpha: 1e-4, beta: 1.5e9}
+      reduce_scatter: {alpha: 1e-4, beta: 1.5e9}
+      all_to_all: {alpha: 1e-4, beta: 1.5e9}
+      broadcast: {alpha: 5e-5, beta: 1.2e9}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+COLLECTIVES: tuple[Collective, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+LAUNCH_OVERHEAD = 20e-6  # seconds a collective costs beyond its link latency (kernel launch, sync)
+
+
+class ClusterError(ValueError):
+    """A malformed cluster file or spec; the message names the problem."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Device:
+    name: str
+    """Label shown in plans, e.g. 'v100'."""
+    flops: float
+    """Achieved FLOP/s of one GPU (profiled, not the datasheet peak)."""
+    memory: float
+    """Bytes of memory of one GPU."""
+    gpus: int = 1
+    """GPUs in this virtual device (a machine); they run data parallel inside it."""
+    intra_bandwidth: float = 0.0
+    """Bytes/s between the GPUs of a machine (all-reduce bus bandwidth); needed when gpus > 1."""
+    mem_bandwidth: float = 0.0
+    """Bytes/s of GPU memory, to cost memory-bound ops; 0 leaves them uncosted."""
+    slowdown: float = 1.0
+    """For emulated local devices: computation is stretched by this factor (1 = none)."""
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops * self.gpus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    alpha: float
+    """Seconds of latency per collective call."""
+    beta: float
+    """Bytes of volume per second."""
+
+    def time(self, volume: float) -> float:
+        return self.alpha + volume / self.beta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    name: str
+    devices: tuple[Device, ...]
+    collectives: dict[str, Fit] = field(default_factory=dict)
+    """One fit per name in COLLECTIVES."""
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def gpus(self) -> int:
+        return sum(d.gpus for d in self.devices)
+
+    def fit(self, name: Collective) -> Fit:
+        return self.collectives[name]
+
+    def compute_proportional(self) -> list[float]:
+        total = sum(d.total_flops for d in self.devices)
+        return [d.total_flops / total for d in self.devices]
+
+    def even(self) -> list[float]:
+        return [1.0 / self.size] * self.size
+
+    def describe(self) -> str:
+        groups: list[list] = []
+        for d in self.devices:
+            if groups and groups[-1][0] == d:
+                groups[-1][1] += 1
+            else:
+                groups.append([d, 1])
+        parts = [f"{n} x {d.name} ({d.gpus} GPU{'s' if d.gpus > 1 else ''}, {d.flops / 1e12:.2f} TFLOP/s, "
+                 f"{d.memory / 2**30:.0f} GiB)" for d, n in groups]
+        return f"{self.name}: {self.size} devices, {self.gpus} GPUs: " + ", ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "devices": [{k: getattr(d, k) for k in Device.__slots__} for d in self.devices],
+            "collectives": {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()},
+        }
+
+
+def fits_from_network(m: int, bandwidth: float, latency: float) -> dict[str, Fit]:
+    """Ring-algorithm fits for m devices joined by links of `bandwidth` bytes/s and `latency` s.
+
+    With shard size s (bytes) and volume defined as in cost/model.py:
+      all-reduce of n bytes:       2(m-1)/m * n / bw      -> beta = bw * m / (2(m-1))
+      all-gather, reduce-scatter,
+      all-to-all, volume m*s:      (m-1) * s / bw         -> beta = bw * m / (m-1)
+      broadcast of n bytes (pipelined chain): n / bw      -> beta = bw
+    """
+    if m <= 1:
+        free = Fit(alpha=0.0, beta=math.inf)
+        return {k: free for k in COLLECTIVES}
+    steps = m - 1
+    return {
+        "all_reduce": Fit(alpha=2 * steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / (2 * steps)),
+        "all_gather": Fit(alpha=steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / steps),
+        "reduce_scatter": Fit(alpha=steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / steps),
+        "all_to_all": Fit(alpha=steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / steps),
+        "broadcast": Fit(alpha=math.ceil(math.log2(m)) * latency + LAUNCH_OVERHEAD, beta=bandwidth),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+_SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_RATE_UNITS = {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "b/s": 1, "kb/s": 1e3, "mb/s": 1e6,
+               "gb/s": 1e9, "kib/s": 2**10, "mib/s": 2**20, "gib/s": 2**30}
+_TIME_UNITS = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_FLOP_UNITS = {"": 1, "flops": 1, "gflops": 1e9, "tflops": 1e12}
+
+
+def _quantity(value, units: dict[str, float], what: str) -> float:
+    if isinstance(value, bool):
+        raise ClusterError(f"{what}: expected a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z/]*)\s*", value)
+        if m:
+            unit = m.group(2).lower()
+            try:
+                number = float(m.group(1))
+            except ValueError:
+                number = None
+            if number is not None and unit in units:
+                return number * units[unit]
+    allowed = ", ".join(u for u in units if u)
+    raise ClusterError(f"{what}: cannot read {value!r} (a number, or a number with a unit: {allowed})")
+
+
+def _positive(x: float, what: str, allow_zero: bool = False) -> float:
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ClusterError(f"{what} must be {'non-negative' if allow_zero else 'positive'}, got {x:g}")
+    return x
+
+
+_DEVICE_KEYS = {"name", "count", "flops", "memory", "gpus", "intra_bandwidth", "mem_bandwidth", "slowdown"}
+
+
+def _parse_device(spec, i: int) -> list[Device]:
+    where = f"devices[{i}]"
+    if not isinstance(spec, dict):
+        raise ClusterError(f"{where}: expected a mapping with name, flops, memory; got {spec!r}")
+    unknown = set(spec) - _DEVICE_KEYS
+    if unknown:
+        raise ClusterError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_DEVICE_KEYS)}")
+    for key in ("flops", "memory"):
+        if key not in spec:
+            raise ClusterError(f"{where}: missing '{key}'")
+    name = str(spec.get("name", f"device{i}"))
+    count = spec.get("count", 1)
+    gpus = spec.get("gpus", 1)
+    for key, v in (("count", count), ("gpus", gpus)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ClusterError(f"{where} ({name}): {key} must be a positive integer, got {v!r}")
+    dev = Device(
+        name=name,
+        flops=_positive(_quantity(spec["flops"], _FLOP_UNITS, f"{where}.flops"), f"{where} ({name}) flops"),
+        memory=_positive(_quantity(spec["memory"], _SIZE_UNITS, f"{where}.memory"), f"{where} ({name}) memory"),
+        gpus=gpus,
+        intra_bandwidth=_positive(_quantity(spec.get("intra_bandwidth", 0), _RATE_UNITS, f"{where}.intra_bandwidth"),
+                                  f"{where} ({name}) intra_bandwidth", allow_zero=True),
+        mem_bandwidth=_positive(_quantity(spec.get("mem_bandwidth", 0), _RATE_UNITS, f"{where}.mem_bandwidth"),
+                                f"{where} ({name}) mem_bandwidth", allow_zero=True),
+        slowdown=_positive(float(spec.get("slowdown", 1.0)), f"{where} ({name}) slowdown"),
+    )
+    if dev.gpus > 1 and dev.intra_bandwidth <= 0:
+        raise ClusterError(f"{where} ({name}): a machine of {dev.gpus} GPUs needs intra_bandwidth")
+    return [dev] * count
+
+
+def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
+    if not isinstance(spec, dict):
+        raise ClusterError(f"a cluster spec is a mapping with 'devices'; got {type(spec).__name__}")
+    unknown = set(spec) - {"name", "devices", "network", "collectives"}
+    if unknown:
+        raise ClusterError(f"unknown top-level key(s) {sorted(unknown)}; allowed: name, devices, network, collectives")
+    devs_spec = spec.get("devices")
+    if not isinstance(devs_spec, list) or not devs_spec:
+        raise ClusterError("'devices' must be a non-empty list")
+    devices = tuple(d for i, s in enumerate(devs_spec) for d in _parse_device(s, i))
+    fits: dict[str, Fit] = {}
+    if "network" in spec:
+        net = spec["network"]
+        if not isinstance(net, dict) or "bandwidth" not in net:
+            raise ClusterError("'network' needs a bandwidth (e.g. {bandwidth: 10Gbps, latency: 30us})")
+        bw = _positive(_quantity(net["bandwidth"], _RATE_UNITS, "network.bandwidth"), "network bandwidth")
+        lat = _positive(_quantity(net.get("latency", 0), _TIME_UNITS, "network.latency"), "network latency", allow_zero=True)
+        fits.update(fits_from_network(len(devices), bw, lat))
+    for key, f in (spec.get("collectives") or {}).items():
+        if key not in COLLECTIVES:
+            raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
+        if not isinstance(f, dict) or set(f) != {"alpha", "beta"}:
+            raise ClusterError(f"collectives.{key}: expected {{alpha: seconds, beta: bytes/s}}, got {f!r}")
+        fits[key] = Fit(alpha=_positive(_quantity(f["alpha"], _TIME_UNITS, f"collectives.{key}.alpha"), f"{key} alpha", allow_zero=True),
+                        beta=_positive(_quantity(f["beta"], _RATE_UNITS, f"collectives.{key}.beta"), f"{key} beta"))
+    missing = [k for k in COLLECTIVES if k not in fits]
+    if missing and len(devices) > 1:
+        raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: give 'network' or 'collectives'")
+    if len(devices) == 1:
+        fits = fits_from_network(1, 1.0, 0.0)
+    return Cluster(name=str(spec.get("name", default_name)), devices=devices, collectives=fits)
+
+
+def load_cluster(path_or_name: str | Path) -> Cluster:
+    """A built-in cluster by name, or a YAML file by path."""
+    text = str(path_or_name)
+    if text in BUILTIN:
+        return BUILTIN[text]()
+    path = Path(text)
+    if not path.exists():
+        raise ClusterError(f"no cluster named '{text}' and no such file; built in: {', '.join(sorted(BUILTIN))}")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ClusterError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    try:
+        return cluster_from_dict(spec, default_name=path.stem)
+    except ClusterError as e:
+        raise ClusterError(f"{path}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in clusters
+
+
+GiB = 2**30
+V100 = dict(flops=3.86e12, memory=16 * GiB, mem_bandwidth=900e9, intra_bandwidth=100e9)  # NVLink machine
+P100 = dict(flops=2.15e12, memory=16 * GiB, mem_bandwidth=732e9, intra_bandwidth=10e9)  # PCIe machine
+PAPER_BANDWIDTH = 10.4e9 / 8  # 10.4 Gbps between machines (iperf3, HAP section 7.1)
+PAPER_LATENCY = 30e-6
+
+
+def paper_cluster(gpus: int, heterogeneous: bool) -> Cluster:
+    """The HAP testbed: 8 machines (2 V100 + 6 P100, or 8 P100), gpus/8 GPUs used in each.
+
+    FLOP/s are the published artifact's profiled values (2 x 3.86e12 + 6 x 2.15e12).
+    """
+    if gpus % 8:
+        raise ClusterError(f"paper clusters span 8 machines: gpus must be a multiple of 8, got {gpus}")
+    per = gpus // 8
+    kinds = [("v100", V100)] * 2 + [("p100", P100)] * 6 if heterogeneous else [("p100", P100)] * 8
+    devices = tuple(Device(name=n, gpus=per, **spec) for n, spec in kinds)
+    label = "hetero" if heterogeneous else "homo"
+    return Cluster(name=f"paper-{label}-{gpus}", devices=devices,
+                   collectives=fits_from_network(len(devices), PAPER_BANDWIDTH, PAPER_LATENCY))
+
+
+def local_cluster(slowdowns: tuple[float, ...], name: str) -> Cluster:
+    """Local CPU processes on this machine (one torch thread each), slow ones emulated.
+
+    flops is a typical single-core fp32 matmul rate; `hap profile` measures the real one.
+    """
+    devices = tuple(Device(name=f"cpu{i}" + (f"/{s:g}x" if s != 1 else ""), flops=2e10 / s, memory=4 * GiB,
+                           mem_bandwidth=5e9 / s, slowdown=s) for i, s in enumerate(slowdowns))
+    return Cluster(name=name, devices=devices, collectives=fits_from_network(len(devices), 1e9, 50e-6))
+
+
+BUILTIN = {
+    **{f"paper-hetero-{n}": (lambda n=n: paper_cluster(n, True)) for n in (8, 16, 24, 32, 64)},
+    **{f"paper-homo-{n}": (lambda n=n: paper_cluster(n, False)) for n in (8, 16, 24, 32, 64)},
+    "local": lambda: local_cluster((1.0, 3.0), "local"),
+    "local-homo": lambda: local_cluster((1.0, 1.0), "local-homo"),
+    "local-4": lambda: local_cluster((1.0, 1.0, 2.0, 3.0), "local-4"),
+}

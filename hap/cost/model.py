@@ -1,0 +1,140 @@
+"""The cost model: time of computation and of collectives, in seconds, from FLOPs and bytes.
+
+Units are uniform: FLOPs and FLOP/s, bytes and bytes/s, seconds. A tensor's size is always
+its byte size (numel * itemsize), never its element count.
+
+Computation (HAP section 3.2): a node that shards an iteration dim runs the fraction
+share_j of its work on device j, otherwise all of it; time on device j is
+    share_j * (flops / (gpus_j * flops_j) + bytes_moved / (gpus_j * mem_bandwidth_j)).
+The backward is costed with its own FLOPs from torch's flop counter (2x for matmuls) and twice
+the memory traffic. A machine of several GPUs also all-reduces its local parameter gradients
+over its internal links: 2(k-1)/k * bytes / intra_bandwidth, added to its backward time.
+
+Collectives (volume V as in cluster.py, time = alpha + V / beta; s_j the share of device j):
+    all_reduce            V = n
+    all_gather_padded     V = m * max_j(s_j) * n        (shards padded to the largest)
+    all_gather_grouped    sum over devices with s_j > 0 of  alpha_bc + s_j * n / beta_bc
+    reduce_scatter        V = m * max_j(s_j) * n        (padded like NCCL's)
+    all_to_all            V = m * max_j(max(s_j before, s_j after)) * n
+On machines of several GPUs each collective also gathers to and broadcasts from one GPU
+inside the machine: + 2 * (local bytes) / intra_bandwidth.
+Every collective is thus const + slope * max_j(s_j), linear in the largest share, which is
+what the load balancer's LP needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from ..ir import Graph, Node
+from ..rules import Strategy
+from ..rules.units import ShardClasses
+from .cluster import Cluster
+
+Optimizer = Literal["adam", "sgd", "momentum"]
+OPTIMIZER_STATES = {"adam": 2, "momentum": 1, "sgd": 0}  # fp32 state tensors per parameter
+
+
+@dataclass(frozen=True, slots=True)
+class CommCost:
+    const: float
+    """Seconds that do not depend on the ratios."""
+    slope: float
+    """Seconds per unit of the largest share."""
+
+    def at(self, max_share: float) -> float:
+        return self.const + self.slope * max_share
+
+
+class CostModel:
+    def __init__(self, graph: Graph, cluster: Cluster, classes: ShardClasses, optimizer: Optimizer = "adam"):
+        self.graph, self.cluster, self.classes = graph, cluster, classes
+        self.m = cluster.size
+        devs = cluster.devices
+        self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
+        self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
+        self.intra_grad = tuple(2 * (d.gpus - 1) / d.gpus / d.intra_bandwidth if d.gpus > 1 else 0.0 for d in devs)
+        machines = [d for d in devs if d.gpus > 1]
+        self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
+        self.state_factor = 2 + OPTIMIZER_STATES[optimizer]  # weights + gradients + optimizer states
+
+    # -- shares --------------------------------------------------------------------------------
+
+    def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
+        return self.classes.shares(tensor, dim, ratios)
+
+    def work_shard(self, node: Node, st: Strategy) -> tuple[str, int] | None:
+        """The (tensor, dim) whose split decides how the node's work divides, or None."""
+        for name, p in zip(node.inputs, st.inputs):
+            if p.kind == "S":
+                return name, p.dim
+        for name, p in zip(node.outputs, st.outputs):
+            if p.kind == "S":
+                return name, p.dim
+        return None
+
+    # -- computation ---------------------------------------------------------------------------
+
+    def base_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Forward and backward seconds per device for the whole node (share 1)."""
+        needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
+        fwd = tuple(node.flops * s + node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
+        if not needs_bwd:
+            return fwd, (0.0,) * self.m
+        bwd = tuple(node.bwd_flops * s + 2 * node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
+        return fwd, bwd
+
+    def grad_intra(self, nbytes: float) -> tuple[float, ...]:
+        """Seconds each machine spends all-reducing nbytes of local gradient among its GPUs."""
+        return tuple(c * nbytes for c in self.intra_grad)
+
+    # -- communication -------------------------------------------------------------------------
+
+    def comm(self, kind: str, nbytes: float) -> CommCost:
+        """The collective `kind` on a tensor of nbytes, as const + slope * (largest share)."""
+        m, c = self.m, self.cluster
+        if m == 1:
+            return CommCost(0.0, 0.0)
+        if kind == "all_reduce":
+            return CommCost(c.fit("all_reduce").time(nbytes) + self.intra_coll * nbytes, 0.0)
+        if kind == "all_gather_padded":
+            f = c.fit("all_gather")
+            return CommCost(f.alpha + self.intra_coll * nbytes, m * nbytes / f.beta)
+        if kind == "all_gather_grouped":
+            f = c.fit("broadcast")
+            return CommCost(m * f.alpha + nbytes / f.beta + self.intra_coll * nbytes, 0.0)
+        if kind == "reduce_scatter":
+            f = c.fit("reduce_scatter")
+            return CommCost(f.alpha + self.intra_coll * nbytes, m * nbytes / f.beta)
+        if kind == "all_to_all":
+            f = c.fit("all_to_all")
+            return CommCost(f.alpha, m * nbytes / f.beta + self.intra_coll * nbytes)
+        raise ValueError(f"unknown collective {kind}")
+
+    def comm_time(self, kind: str, nbytes: float, shares: Sequence[float]) -> float:
+        """Exact time under the given (rounded) shares; grouped broadcasts skip empty shards."""
+        if kind == "all_gather_grouped" and self.m > 1:
+            f = self.cluster.fit("broadcast")
+            live = sum(1 for s in shares if s > 0)
+            return live * f.alpha + nbytes / f.beta + self.intra_coll * nbytes
+        return self.comm(kind, nbytes).at(max(shares) if shares else 1.0)
+
+    def grad_sync(self, nbytes: float) -> float:
+        """One bucketed all-reduce of the replicated parameters' gradients."""
+        return self.comm("all_reduce", nbytes).const if nbytes > 0 else 0.0
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def gpus(self, j: int) -> int:
+        return self.cluster.devices[j].gpus
+
+
+def max_share(shares: Sequence[float]) -> float:
+    return max(shares) if shares else 1.0
+
+
+def finite(x: float) -> float:
+    assert math.isfinite(x), "cost model produced a non-finite time"
+    return x

@@ -1,0 +1,234 @@
+"""The planner: alternate program synthesis and load balancing (HAP section 3.1).
+
+    B(0) = compute-proportional ratios
+    Q(s) = argmin_Q t(Q, B(s-1))      A* synthesis         (search/astar.py)
+    B(s) = argmin_B t(Q(s), B)        linear programming   (balance/lp.py)
+
+until the program repeats (converged, or oscillating between programs seen before). The
+alternation is run from compute-proportional and from even ratios, every (Q, B) pair met is
+priced exactly (integer shards), and the cheapest pair that fits in memory is returned; the
+ratios returned are always the ones the returned program was priced with. Data parallelism
+with even and compute-proportional ratios (DP-EV, DP-CP) and Megatron-style tensor
+parallelism (inputs whole, parameters sharded) are found by the same search restricted to
+those families and priced by the same model, and are candidates too: the plan never costs
+more than any of them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from .balance.lp import BalanceError, balance
+from .cost.cluster import Cluster
+from .cost.model import CostModel
+from .ir import Graph
+from .plan import Plan, program_to_dicts
+from .rules import has_rule, strategies_for
+from .rules.units import ShardClasses
+from .search.astar import Restriction, SearchError, synthesize
+from .search.program import Estimate, Step, replay
+
+
+@dataclass(kw_only=True, slots=True)
+class PlannerConfig:
+    segments: int = 1
+    """Model segments with their own ratios (contiguous, FLOP-balanced); all-to-all at boundaries."""
+    max_rounds: int = 6
+    """Most Q/B alternations from each starting point."""
+    optimizer: Literal["adam", "momentum", "sgd"] = "adam"
+    """Optimizer whose state the memory estimate counts."""
+    heuristic: bool = True
+    """Use the admissible A* heuristic (False: uniform-cost search, for comparison)."""
+    baselines: bool = True
+    """Also price DP-EV, DP-CP and tensor parallelism."""
+
+
+def _dp() -> Restriction:
+    def allow_load(kind, name, p):
+        if kind == "param":
+            return p.kind == "R"
+        if kind == "input":
+            return p.kind == "S" and p.dim == 0
+        return p.kind == "R"
+
+    return Restriction(name="data parallelism", allow_load=allow_load, allow_move=lambda mv: not mv.communicates)
+
+
+def _params_only(r: Restriction):
+    """Keep a restriction's rule for parameters, free the data inputs."""
+    return lambda kind, name, p: r.allow_load(kind, name, p) if kind == "param" else True
+
+
+def _tp() -> Restriction:
+    return Restriction(name="tensor parallelism", allow_load=lambda kind, name, p: kind == "param" or p.kind in ("R", "D"))
+
+
+def segment_graph(graph: Graph, segments: int) -> list[int]:
+    """Contiguous segments of about equal FLOPs, each cut where the fewest bytes are live."""
+    n = len(graph.nodes)
+    if segments < 1:
+        raise ValueError(f"segments must be at least 1, got {segments}")
+    if segments == 1 or n < 2 * segments:
+        return [0] * n
+    work = [nd.flops + nd.bwd_flops + 1.0 for nd in graph.nodes]
+    total = sum(work)
+    live = _live_bytes(graph)
+    cuts, acc, k = [], 0.0, 0
+    for s in range(1, segments):
+        target = total * s / segments
+        while k < n and acc + work[k] < target:
+            acc += work[k]
+            k += 1
+        window = range(max(cuts[-1] + 1 if cuts else 1, k - n // (4 * segments)), min(n - 1, k + n // (4 * segments)) + 1)
+        cuts.append(min(window, key=lambda i: (live[i], abs(i - k))) if window else k)
+    seg, out = 0, []
+    for i in range(n):
+        while seg < len(cuts) and i >= cuts[seg]:
+            seg += 1
+        out.append(seg)
+    return out
+
+
+def _live_bytes(graph: Graph) -> list[float]:
+    """Bytes of activations produced before node i and used at or after it."""
+    delta = [0.0] * (len(graph.nodes) + 1)
+    for t in graph.tensors.values():
+        if t.producer >= 0 and t.consumers:
+            delta[t.producer + 1] += t.nbytes
+            delta[max(t.consumers) + 1] -= t.nbytes
+    out, acc = [], 0.0
+    for i in range(len(graph.nodes)):
+        acc += delta[i]
+        out.append(acc)
+    return out
+
+
+def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
+         progress: Callable[[str], None] | None = None) -> Plan:
+    """Synthesize the fastest program and ratios for `graph` on `cluster`."""
+    config = config or PlannerConfig()
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    strategies = _strategies(graph)
+    classes = ShardClasses(graph, enumerate(strategies))
+    cost = CostModel(graph, cluster, classes, config.optimizer)
+    segment_of = segment_graph(graph, config.segments)
+    g = max(segment_of) + 1
+    capacity = [d.memory for d in cluster.devices]
+
+    candidates: list[tuple[float, str, list[Step], list[list[float]], Estimate]] = []
+    stats = {"rounds": 0, "expanded": 0, "generated": 0}
+
+    def price(name, program, ratios):
+        est = replay(program, cost, segment_of, ratios)
+        candidates.append((est.seconds, name, program, ratios, est))
+        return est
+
+    def search(ratios, restriction=None):
+        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic)
+        stats["expanded"] += res.expanded
+        stats["generated"] += res.generated
+        return res.program
+
+    starts = {"cp": cluster.compute_proportional(), "ev": cluster.even()}
+    for start_name, start in starts.items():
+        ratios = [list(start) for _ in range(g)]
+        seen = set()
+        for rnd in range(config.max_rounds):
+            stats["rounds"] += 1
+            program = search(ratios)
+            est = price(f"hap from {start_name}, round {rnd + 1}", program, ratios)
+            say(f"round {rnd + 1} from {start_name}: program priced {est.seconds * 1e3:.2f} ms at its input ratios")
+            key = tuple(program)
+            if key in seen:
+                break  # converged, or back to a program already balanced
+            seen.add(key)
+            try:
+                ratios = balance(program, cost, segment_of, g, capacity).ratios
+            except BalanceError as e:
+                say(f"  load balancer: {e}")
+                break
+            est = price(f"hap from {start_name}, round {rnd + 1} balanced", program, ratios)
+            say(f"  balanced ratios {', '.join(f'{x:.3f}' for x in ratios[0])}: {est.seconds * 1e3:.2f} ms")
+
+    baselines = {}
+    if config.baselines:
+        for name, restriction, ratios in (("dp_ev", _dp(), cluster.even()), ("dp_cp", _dp(), cluster.compute_proportional()),
+                                          ("tp", _tp(), cluster.even())):
+            rs = [list(ratios) for _ in range(g)]
+            try:
+                program = search(rs, restriction)
+            except SearchError:  # no communication-free data-parallel program: allow collectives
+                program = search(rs, Restriction(name=restriction.name, allow_load=_params_only(restriction)))
+            est = price(name, program, rs)
+            baselines[name] = {"seconds": est.seconds, "memory_bytes": est.memory, "ratios": rs[0], "breakdown": est.breakdown(),
+                               "fits": _fits(est, capacity)}
+            say(f"{name}: {est.seconds * 1e3:.2f} ms")
+
+    feasible = [c for c in candidates if _fits(c[4], capacity)]
+    if not feasible:
+        worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
+        j = max(range(len(capacity)), key=lambda j: worst[4].memory[j] / capacity[j])
+        raise BalanceError(f"out of memory: the most frugal program found needs {worst[4].memory[j] / 2**30:.2f} GiB on "
+                           f"device {j} ({cluster.devices[j].name}), which has {capacity[j] / 2**30:.2f} GiB")
+    seconds, winner, program, ratios, est = min(feasible, key=lambda c: c[0])
+    elapsed = time.perf_counter() - t0
+    return Plan(
+        model=graph.model_name, cluster=cluster.to_dict(), devices=[d.name for d in cluster.devices],
+        segments=_segment_ranges(segment_of), ratios=ratios, program=program_to_dicts(program, graph),
+        splits=_splits(program, graph, classes, segment_of, ratios),
+        estimated_iteration_seconds=seconds, breakdown=est.breakdown(),
+        stages=[{"comm": s.comm, "collectives": s.collectives, "fwd": max(s.fwd, default=0.0), "bwd": max(s.bwd, default=0.0)}
+                for s in est.stages],
+        memory_bytes=est.memory, baselines=baselines, synthesis_seconds=elapsed,
+        replicated_ops=sorted({n.op for n in graph.nodes if not has_rule(n.op)}),
+        search={**stats, "winner": winner, "candidates": len(candidates)},
+    )
+
+
+def _fits(est: Estimate, capacity) -> bool:
+    return all(m <= c for m, c in zip(est.memory, capacity))
+
+
+def _strategies(graph: Graph):
+    """Strategies per node; nodes with the same op, arguments and shapes share the work."""
+    from .capture import _signature
+
+    memo: dict = {}
+    out = []
+    for node in graph.nodes:
+        key = _signature(node, graph)
+        if key not in memo:
+            memo[key] = (node, strategies_for(node, graph))
+            out.append(memo[key][1])
+        else:
+            out.append(memo[key][1])
+    return out
+
+
+def _segment_ranges(segment_of: list[int]) -> list[list[int]]:
+    ranges: list[list[int]] = []
+    for i, s in enumerate(segment_of):
+        if s == len(ranges):
+            ranges.append([i, i])
+        ranges[s][1] = i
+    return ranges
+
+
+def _splits(program: list[Step], graph: Graph, classes: ShardClasses, segment_of, ratios) -> dict:
+    out: dict[str, dict[str, list[int]]] = {}
+
+    def note(t, p, seg):
+        if p.is_shard:
+            out.setdefault(t, {})[str(p.dim)] = classes.split_sizes(t, p.dim, ratios[seg])
+
+    for step in program:
+        seg = segment_of[step.node]
+        node = graph.nodes[step.node]
+        for t, p in zip(node.inputs, step.strategy.inputs):
+            note(t, p, seg)
+        for t, p in zip(node.outputs, step.strategy.outputs):
+            note(t, p, seg)
+    return out

@@ -1,0 +1,151 @@
+"""A* synthesis: optimal against exhaustive enumeration, consistent with the exact pricing."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as hs
+
+from hap.capture import capture
+from hap.cost.cluster import Cluster, Device, fits_from_network, paper_cluster
+from hap.cost.model import CostModel
+from hap.planner import _strategies
+from hap.rules.units import ShardClasses
+from hap.search.astar import synthesize
+from hap.search.moves import moves_between
+from hap.search.program import Load, MoveStep, Step, replay
+
+torch.set_num_threads(1)
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, d_in=12, d_hidden=20, d_out=6):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.fc2(torch.tanh(self.fc1(x)))).sum()
+
+
+class Residual(nn.Module):
+    def __init__(self, d=10):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return (x * 2 + self.fc(x)).sum()
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return {
+        "two_layer": capture(TwoLayer(), (torch.randn(16, 12),)),
+        "residual": capture(Residual(), (torch.randn(8, 10),)),
+    }
+
+
+def make_cluster(speeds, bandwidth, latency=1e-5):
+    devices = tuple(Device(name=f"d{i}", flops=s, memory=2**34) for i, s in enumerate(speeds))
+    return Cluster(name="test", devices=devices, collectives=fits_from_network(len(devices), bandwidth, latency))
+
+
+def brute_force(graph, strategies, cost, segment_of, ratios):
+    """Cheapest program by enumerating every strategy and move choice, priced by replay."""
+    tensors = graph.tensors
+    best = [float("inf"), None]
+
+    def rec(k, props, communicated, steps):
+        if k == len(graph.nodes):
+            c = replay(steps, cost, segment_of, ratios).seconds
+            if c < best[0]:
+                best[:] = [c, list(steps)]
+            return
+        node = graph.nodes[k]
+        for st in strategies[k]:
+            loads = tuple(dict.fromkeys(Load(t, p) for t, p in zip(node.inputs, st.inputs) if tensors[t].is_leaf))
+            needs = list(dict.fromkeys((t, p) for t, p in zip(node.inputs, st.inputs) if not tensors[t].is_leaf))
+            options = []
+            for t, p in needs:
+                if p in props.get(t, ()):
+                    options.append([None])
+                    continue
+                cands = [(t, mv) for src in props.get(t, ()) for mv in moves_between(src, p, tensors[t].requires_grad)
+                         if not (mv.fwd is not None and t in communicated)]
+                options.append(cands)
+            for combo in itertools.product(*options):
+                new_props = {t: set(v) for t, v in props.items()}
+                comm = set(communicated)
+                moves = []
+                for choice in combo:
+                    if choice is None:
+                        continue
+                    t, mv = choice
+                    new_props[t].add(mv.dst)
+                    if mv.fwd is not None:
+                        comm.add(t)
+                    moves.append(MoveStep(t, mv))
+                for t, p in zip(node.outputs, st.outputs):
+                    new_props[t] = {p}
+                rec(k + 1, new_props, comm, steps + [Step(k, st, loads, tuple(moves))])
+
+    rec(0, {}, set(), [])
+    return best
+
+
+def setup(graph, cluster):
+    strategies = _strategies(graph)
+    classes = ShardClasses(graph, enumerate(strategies))
+    return strategies, CostModel(graph, cluster, classes), [0] * len(graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["two_layer", "residual"])
+@pytest.mark.parametrize("speeds,bandwidth,ratios", [
+    ((3e9, 1e9), 1e9, (0.75, 0.25)),     # compute-bound, skewed
+    ((3e9, 1e9), 1e5, (0.6, 0.4)),       # communication-bound
+    ((2e9, 2e9, 1e9), 1e7, (0.55, 0.3, 0.15)),
+])
+def test_astar_matches_exhaustive_enumeration(graphs, name, speeds, bandwidth, ratios):
+    graph = graphs[name]
+    strategies, cost, seg = setup(graph, make_cluster(speeds, bandwidth))
+    optimum, _ = brute_force(graph, strategies, cost, seg, [ratios])
+    found = synthesize(graph, strategies, cost, seg, [ratios])
+    assert found.cost == pytest.approx(optimum, rel=1e-9)
+    # The search's incremental price is the exact replay price of the program it returns.
+    assert replay(found.program, cost, seg, [ratios]).seconds == pytest.approx(found.cost, rel=1e-9)
+
+
+def test_heuristic_is_admissible_and_prunes(graphs):
+    graph = graphs["two_layer"]
+    strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 1e8))
+    with_h = synthesize(graph, strategies, cost, seg, [(0.7, 0.3)])
+    without = synthesize(graph, strategies, cost, seg, [(0.7, 0.3)], heuristic=False)
+    assert with_h.cost == pytest.approx(without.cost, rel=1e-12)
+    assert with_h.expanded <= without.expanded
+
+
+@settings(max_examples=20, deadline=None)
+@given(r0=hs.floats(0.05, 0.95), log_bw=hs.floats(4, 11), slow=hs.floats(1, 5))
+def test_astar_optimal_for_random_ratios_and_links(graphs, r0, log_bw, slow):
+    graph = graphs["residual"]
+    strategies, cost, seg = setup(graph, make_cluster((1e9 * slow, 1e9), 10 ** log_bw))
+    ratios = [(r0, 1 - r0)]
+    optimum, _ = brute_force(graph, strategies, cost, seg, ratios)
+    assert synthesize(graph, strategies, cost, seg, ratios).cost == pytest.approx(optimum, rel=1e-9)
+
+
+def test_machines_as_virtual_devices_cost_intra_machine_sync(graphs):
+    graph = graphs["two_layer"]
+    one = paper_cluster(8, heterogeneous=True)
+    four = paper_cluster(32, heterogeneous=True)
+    s1, c1, seg = setup(graph, one)
+    s4, c4, _ = setup(graph, four)
+    r = [one.compute_proportional()]
+    p1 = synthesize(graph, s1, c1, seg, r)
+    # The same program on machines of 4 GPUs: 4x the compute, plus intra-machine gradient sync.
+    e1 = replay(p1.program, c1, seg, r)
+    e4 = replay(p1.program, c4, seg, r)
+    compute1 = e1.breakdown()["forward_compute"]
+    assert e4.breakdown()["forward_compute"] == pytest.approx(compute1 / 4, rel=1e-9)
+    assert e4.breakdown()["backward_compute"] > e1.breakdown()["backward_compute"] / 4
