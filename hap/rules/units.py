@@ -34,7 +34,8 @@ def round_sizes(n: int, ratios: Sequence[float]) -> list[int]:
     while (diff := sum(sizes) - n) != 0:
         step = -1 if diff > 0 else 1
         cands = [j for j in range(len(sizes)) if sizes[j] + step >= 0]
-        j = min(cands, key=lambda j: (abs(sizes[j] + step - ideal[j]) - abs(sizes[j] - ideal[j]), j))
+        # Errors are compared at 1e-9 so that ties (exact in real arithmetic) go to the first shard.
+        j = min(cands, key=lambda j: (round(abs(sizes[j] + step - ideal[j]) - abs(sizes[j] - ideal[j]), 9), j))
         sizes[j] += step
     return sizes
 

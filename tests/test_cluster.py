@@ -1,0 +1,73 @@
+"""Cluster files: parsing, units, validation with one-line errors, built-ins."""
+
+import math
+
+import pytest
+
+from hap.cost.cluster import BUILTIN, ClusterError, cluster_from_dict, load_cluster
+
+GOOD = """
+name: two-kinds
+devices:
+  - {name: fast, count: 2, flops: 3.5TFLOPS, memory: 16GiB}
+  - {name: slow, flops: 1e12, memory: 8GB, gpus: 4, intra_bandwidth: 10GB/s}
+network: {bandwidth: 10Gbps, latency: 30us}
+"""
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_parse_units_and_counts(tmp_path):
+    c = load_cluster(write(tmp_path, GOOD))
+    assert c.name == "two-kinds" and c.size == 3 and c.gpus == 6
+    assert c.devices[0].flops == 3.5e12 and c.devices[0].memory == 16 * 2**30
+    assert c.devices[2].memory == 8e9 and c.devices[2].intra_bandwidth == 10e9
+    # 10 Gbps = 1.25e9 bytes/s; ring all-reduce beta = bw * m / (2 (m - 1)) with m = 3.
+    assert c.fit("all_reduce").beta == pytest.approx(1.25e9 * 3 / 4)
+    assert c.compute_proportional() == pytest.approx([3.5 / 11, 3.5 / 11, 4 / 11])
+
+
+@pytest.mark.parametrize("text,message", [
+    ("devices: [{name: a, flops: 1e12, memory: 0}]", r"devices\[0\] \(a\) memory must be positive, got 0"),
+    ("devices: [{name: a, flops: 1e12}]", r"devices\[0\]: missing 'memory'"),
+    ("devices: [{name: a, flops: fast, memory: 1GiB}]", r"devices\[0\].flops: cannot read 'fast'"),
+    ("devices: [{name: a, flops: 1e12, memory: 1GiB, colour: red}]", r"unknown key\(s\) \['colour'\]"),
+    ("devices: []", "'devices' must be a non-empty list"),
+    ("devices: [{flops: 1, memory: 1}, {flops: 1, memory: 1}]", "no cost for collective"),
+    ("devices: [{flops: 1, memory: 1, gpus: 2}]", "needs intra_bandwidth"),
+    ("devices: [{flops: 1, memory: 1, count: 0}]", "count must be a positive integer"),
+    ("devices: [{flops: 1, memory: 1}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
+    ("devices: [{flops: 1, memory: 1}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),
+    ("[1, 2]", "a cluster spec is a mapping"),
+    ("devices: [{flops: 1, memory: 1}\n", "not valid YAML"),
+])
+def test_bad_files_name_the_problem(tmp_path, text, message):
+    with pytest.raises(ClusterError, match=message) as e:
+        load_cluster(write(tmp_path, text))
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_name():
+    with pytest.raises(ClusterError, match="no cluster named 'nope'"):
+        load_cluster("nope")
+
+
+def test_builtins_are_valid_and_paper_shaped():
+    for name, make in BUILTIN.items():
+        c = make()
+        assert c.name == name and c.size >= 2
+        assert all(math.isfinite(f.beta) and f.alpha >= 0 for f in c.collectives.values())
+    het = BUILTIN["paper-hetero-32"]()
+    assert [d.name for d in het.devices] == ["v100"] * 2 + ["p100"] * 6
+    assert het.gpus == 32 and all(d.gpus == 4 for d in het.devices)
+    assert all(d.name == "p100" for d in BUILTIN["paper-homo-8"]().devices)
+
+
+def test_round_trip_through_dict():
+    c = BUILTIN["paper-hetero-16"]()
+    again = cluster_from_dict(c.to_dict())
+    assert again == c

@@ -1,0 +1,83 @@
+"""Cost model: FLOPs from torch's accounting, bytes (not elements), collectives, machines."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hap.capture import capture
+from hap.cost.cluster import Cluster, Device, fits_from_network
+from hap.cost.model import CostModel
+from hap.planner import _strategies
+from hap.rules.units import ShardClasses
+
+torch.set_num_threads(1)
+
+
+class ConvAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.proj = nn.Linear(16, 24)
+
+    def forward(self, img, seq):
+        y = self.conv(img).sum()
+        q = self.proj(seq).view(2, 5, 2, 12).transpose(1, 2)  # [B, heads, S, head_dim]
+        return y + F.scaled_dot_product_attention(q, q, q).sum()
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture(ConvAttn(), (torch.randn(2, 3, 6, 6), torch.randn(2, 5, 16)))
+
+
+def node(graph, op):
+    return next(n for n in graph.nodes if n.op == op)
+
+
+def test_flops_follow_torch_accounting(graph):
+    conv = node(graph, "aten.conv2d.default")
+    # 2 * N * Cout * H * W * Cin * kh * kw: the kernel size counts (3x3 -> 9x a 1x1 conv).
+    assert conv.flops == 2 * 2 * 8 * 6 * 6 * 3 * 3 * 3
+    lin = node(graph, "aten.linear.default")
+    assert lin.flops == 2 * 2 * 5 * 16 * 24
+    assert lin.bwd_flops == lin.flops  # only the weight gradient: the input needs none
+    sdpa = node(graph, "aten.scaled_dot_product_attention.default")
+    assert sdpa.flops == 2 * (2 * 2 * 2 * 5 * 5 * 12)  # QK^T and AV
+
+
+def test_bytes_not_elements(graph):
+    t = graph.tensors[node(graph, "aten.linear.default").outputs[0]]
+    assert t.nbytes == 4 * t.numel  # float32
+    devs = (Device(name="a", flops=1e12, memory=2**34), Device(name="b", flops=1e12, memory=2**34))
+    cl = Cluster(name="t", devices=devs, collectives=fits_from_network(2, 1e9, 0.0))
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(_strategies(graph))))
+    # all-reduce of n bytes on 2 devices over 1e9 B/s: 2 (m-1)/m * n / bw = n / 1e9 (+ launch).
+    launch = cl.fit("all_reduce").alpha
+    assert cost.comm("all_reduce", t.nbytes).const - launch == pytest.approx(t.nbytes / 1e9)
+
+
+def test_padded_gather_vs_grouped_broadcast_crossover(graph):
+    devs = tuple(Device(name=f"d{i}", flops=1e12, memory=2**34) for i in range(4))
+    cl = Cluster(name="t", devices=devs, collectives=fits_from_network(4, 1e9, 1e-5))
+    cost = CostModel(graph, cl, ShardClasses(graph, []))
+    n = 4 * 2**20
+    even = [0.25] * 4
+    skewed = [0.85, 0.05, 0.05, 0.05]
+    padded = lambda s: cost.comm_time("all_gather_padded", n, s)
+    grouped = lambda s: cost.comm_time("all_gather_grouped", n, s)
+    assert padded(even) < grouped(even)      # near-even: NCCL's all-gather wins
+    assert grouped(skewed) < padded(skewed)  # skewed: padding wastes bandwidth, broadcasts win
+    assert padded(skewed) == pytest.approx(padded(even) + 4 * (0.85 - 0.25) * n / cl.fit("all_gather").beta)
+
+
+def test_machine_devices_divide_compute_and_add_intra_sync(graph):
+    one = Device(name="g", flops=1e12, memory=2**34)
+    machine = Device(name="m", flops=1e12, memory=2**34, gpus=4, intra_bandwidth=1e10)
+    cl = Cluster(name="t", devices=(one, machine), collectives=fits_from_network(2, 1e9, 0.0))
+    cost = CostModel(graph, cl, ShardClasses(graph, []))
+    conv = node(graph, "aten.conv2d.default")
+    fwd, bwd = cost.base_times(conv)
+    assert fwd[1] == pytest.approx(fwd[0] / 4)
+    # 2 (k-1)/k * bytes / intra_bw for a machine, nothing for a single GPU.
+    assert cost.grad_intra(1e6) == pytest.approx((0.0, 2 * 3 / 4 * 1e6 / 1e10))
