@@ -1,0 +1,93 @@
+"""Synthesis time and plan quality of the planner on the paper's benchmark models.
+
+    .venv/bin/python benchmarks/synthesis_time.py [--repeats 3] [--quick]
+
+Prints (1) synthesis seconds for ViT with 1..24 layers and for VGG19, BERT-base and BERT-MoE
+on paper-hetero-8, next to the published implementation's figures measured on a machine like
+this one (shared/notes/published-hap.md), and (2) for every model on paper-hetero-8 and
+paper-hetero-32 the estimated iteration time of the plan against DP-EV, DP-CP and tensor
+parallelism under the same cost model. Synthesis time is the planner's own clock (search,
+balancing and baselines), not model capture. Medians of `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from hap.capture import capture
+from hap.cost.cluster import load_cluster
+from hap.models import build
+from hap.planner import plan
+
+PUBLISHED = {("vit", 1): 0.022, ("vit", 4): 0.15, ("vit", 8): 0.53, ("vit", 12): 1.16, ("vit", 16): 2.06,
+             ("vit", 24): 4.8, ("bert", None): 1.45, ("vgg19", None): 0.045, ("bert-moe", None): 3.1}
+
+
+def timed_plan(graph, cluster, repeats):
+    times, result = [], None
+    for _ in range(repeats):
+        result = plan(graph, cluster)
+        times.append(result.synthesis_seconds)
+    return statistics.median(times), result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="ViT up to 8 layers, one repeat")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    repeats = 1 if args.quick else args.repeats
+    het8 = load_cluster("paper-hetero-8")
+
+    print("Synthesis time on paper-hetero-8 (seconds; published = the Rust prototype, same machine class)")
+    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'per layer':>9}")
+    rows = []
+    layer_counts = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16, 24]
+    for layers in layer_counts:
+        model, inputs = build("vit", layers=layers, devices=het8.gpus)
+        graph = capture(model, inputs, name=f"vit-{layers}")
+        secs, _ = timed_plan(graph, het8, repeats)
+        pub = PUBLISHED.get(("vit", layers))
+        rows.append((layers, secs))
+        print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {secs / layers:9.4f}", flush=True)
+    for name in ("vgg19", "bert", "bert-moe"):
+        model, inputs = build(name, devices=het8.gpus)
+        graph = capture(model, inputs, name=name)
+        secs, _ = timed_plan(graph, het8, repeats)
+        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {PUBLISHED[(name, None)]:>9}", flush=True)
+    if len(rows) >= 2:
+        (l0, t0), (l1, t1) = rows[0], rows[-1]
+        print(f"growth: {l1 / l0:.0f}x the layers took {t1 / t0:.1f}x the time")
+
+    print("\nEstimated iteration time (ms) under one cost model; hap's plan vs baselines")
+    print(f"{'model':>10} {'cluster':>16} {'hap':>9} {'dp_ev':>9} {'dp_cp':>9} {'tp':>9} {'vs dp_ev':>8} {'vs dp_cp':>8}  plan")
+    worse = []
+    for cluster_name in ("paper-hetero-8", "paper-hetero-32"):
+        cluster = load_cluster(cluster_name)
+        for name in ("vgg19", "vit", "bert", "bert-moe"):
+            model, inputs = build(name, devices=cluster.gpus)
+            graph = capture(model, inputs, name=name)
+            result = plan(graph, cluster)
+            b = result.baselines
+            hap_s = result.estimated_iteration_seconds
+            print(f"{name:>10} {cluster_name:>16} {hap_s * 1e3:9.1f} {b['dp_ev']['seconds'] * 1e3:9.1f} "
+                  f"{b['dp_cp']['seconds'] * 1e3:9.1f} {b['tp']['seconds'] * 1e3:9.1f} "
+                  f"{b['dp_ev']['seconds'] / hap_s:7.2f}x {b['dp_cp']['seconds'] / hap_s:7.2f}x  {result.search['winner']}", flush=True)
+            for k in ("dp_ev", "dp_cp", "tp"):
+                if b[k]["fits"] and b[k]["seconds"] < hap_s * (1 - 1e-9):
+                    worse.append(f"{name} on {cluster_name}: hap {hap_s:.4f} s > {k} {b[k]['seconds']:.4f} s")
+    if worse:
+        print("\nPLAN WORSE THAN A BASELINE:\n  " + "\n  ".join(worse))
+        return 1
+    print("\nhap's plan is never slower than DP-EV, DP-CP or TP under the cost model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

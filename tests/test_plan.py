@@ -1,0 +1,133 @@
+"""End-to-end planning: the Plan, its JSON, gradient semantics, unknown ops, the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hap import Plan, capture, load_cluster, plan
+from hap.cli import main
+from hap.cost.cluster import Cluster, Device, fits_from_network
+from hap.planner import PlannerConfig, segment_graph
+from hap.rules import strategies_for
+
+torch.set_num_threads(1)
+
+
+class MLP(nn.Module):
+    def __init__(self, d=64, h=256):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1, d))  # a length-1 dim: must never be "sharded"
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return (self.fc2(torch.relu(self.fc1(x * self.scale))) ** 2).mean()
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture(MLP(), (torch.randn(32, 64),))
+
+
+@pytest.fixture(scope="module")
+def result(graph):
+    return plan(graph, load_cluster("paper-hetero-8"))
+
+
+def test_plan_never_worse_than_baselines(result):
+    for name in ("dp_ev", "dp_cp", "tp"):
+        assert result.estimated_iteration_seconds <= result.baselines[name]["seconds"] * (1 + 1e-12)
+    assert result.synthesis_seconds > 0
+    assert all(abs(sum(r) - 1) < 1e-9 for r in result.ratios)
+
+
+def test_json_round_trip(result, graph, tmp_path):
+    path = tmp_path / "plan.json"
+    result.to_json(path)
+    data = json.loads(path.read_text())
+    for key in ("synthesis_seconds", "estimated_iteration_seconds", "baselines", "program", "ratios", "memory_bytes"):
+        assert key in data
+    assert set(data["baselines"]) >= {"dp_ev", "dp_cp"}
+    again = Plan.from_json(path)
+    assert again.to_dict() == result.to_dict()
+    assert again.digest == result.digest
+    steps = again.steps(graph)
+    assert [s.node for s in steps] == list(range(len(graph.nodes)))
+
+
+def test_length_one_dims_are_never_sharded(graph, result):
+    for node in graph.nodes:
+        for st in strategies_for(node, graph):
+            for name, p in zip((*node.inputs, *node.outputs), (*st.inputs, *st.outputs)):
+                if p.is_shard:
+                    assert graph.tensors[name].shape[p.dim] > 1
+    # The [1, d] parameter is loaded whole: R (its gradient is summed), D or P, never S(0).
+    loads = [p for ins in result.program for t, p in ins["loads"] if t == "p_scale"]
+    assert loads and all(p in ("R", "D", "P") or p == "S(1)" for p in loads)
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.special.bessel_j0(self.fc(x)).sum()  # no sharding rule for bessel_j0
+
+
+def test_unknown_op_runs_replicated_and_is_listed():
+    g = capture(Odd(), (torch.randn(4, 8),))
+    p = plan(g, load_cluster("local"))
+    assert any("bessel_j0" in op for op in p.replicated_ops)
+    entry = next(ins for ins in p.program if "bessel_j0" in ins["op"])
+    assert entry["strategy"] in ("replicated", "duplicated")
+
+
+def test_segments_partition_in_order(graph):
+    seg = segment_graph(graph, 2)
+    assert seg == sorted(seg) and seg[0] == 0 and seg[-1] == 1
+    p = plan(graph, load_cluster("paper-hetero-8"), PlannerConfig(segments=2))
+    assert len(p.ratios) == 2 and len(p.segments) == 2
+
+
+def test_memory_infeasible_is_an_error(graph):
+    tiny = Cluster(name="tiny", devices=(Device(name="a", flops=1e12, memory=1000.0),
+                                         Device(name="b", flops=1e12, memory=1000.0)),
+                   collectives=fits_from_network(2, 1e9, 1e-5))
+    from hap.balance.lp import BalanceError
+    with pytest.raises(BalanceError, match="out of memory"):
+        plan(graph, tiny)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "resnet"], "unknown model 'resnet'"),
+    (["plan", "--model", "vit", "--cluster", "no-such-cluster"], "no cluster named 'no-such-cluster'"),
+    (["plan", "--model", "vit", "--segments", "0"], "--segments must be at least 1"),
+])
+def test_cli_errors_are_one_line_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_cli_zero_memory_device(tmp_path, capsys):
+    f = tmp_path / "bad.yaml"
+    f.write_text("devices:\n  - {name: gpu0, flops: 1e12, memory: 0}\n  - {name: gpu1, flops: 1e12, memory: 1GiB}\n"
+                 "network: {bandwidth: 1GB/s}\n")
+    assert main(["plan", "--model", "vit", "--cluster", str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "memory must be positive" in err and "gpu0" in err and len(err.splitlines()) == 1
+
+
+def test_cli_plan_writes_json(tmp_path):
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "hap", "plan", "--model", "vit", "--scale", "small", "--cluster", "local",
+                           "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["estimated_iteration_seconds"] > 0 and "dp_cp" in data["baselines"]
+    assert "estimated iteration" in proc.stdout
