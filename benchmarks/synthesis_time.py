@@ -50,14 +50,14 @@ def main() -> int:
     rows = []
     layer_counts = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16, 24]
     for layers in layer_counts:
-        model, inputs = build("vit", layers=layers, devices=het8.gpus)
+        model, inputs = build("vit", layers=layers, devices=het8.gpus, device="meta")
         graph = capture(model, inputs, name=f"vit-{layers}")
         secs, _ = timed_plan(graph, het8, repeats)
         pub = PUBLISHED.get(("vit", layers))
         rows.append((layers, secs))
         print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {secs / layers:9.4f}", flush=True)
     for name in ("vgg19", "bert", "bert-moe"):
-        model, inputs = build(name, devices=het8.gpus)
+        model, inputs = build(name, devices=het8.gpus, device="meta")
         graph = capture(model, inputs, name=name)
         secs, _ = timed_plan(graph, het8, repeats)
         print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {PUBLISHED[(name, None)]:>9}", flush=True)
@@ -71,7 +71,7 @@ def main() -> int:
     for cluster_name in ("paper-hetero-8", "paper-hetero-32"):
         cluster = load_cluster(cluster_name)
         for name in ("vgg19", "vit", "bert", "bert-moe"):
-            model, inputs = build(name, devices=cluster.gpus)
+            model, inputs = build(name, devices=cluster.gpus, device="meta")
             graph = capture(model, inputs, name=name)
             result = plan(graph, cluster)
             b = result.baselines

@@ -52,7 +52,7 @@ def _build_graph(args, devices: int):
 
     try:
         model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
-                              experts=args.experts, devices=devices, scale=args.scale)
+                              experts=args.experts, devices=devices, scale=args.scale, device="meta")
     except ValueError as e:
         raise UserError(str(e)) from None
     return capture(model, inputs, name=args.model)

@@ -59,11 +59,16 @@ class CostModel:
         machines = [d for d in devs if d.gpus > 1]
         self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
         self.state_factor = 2 + OPTIMIZER_STATES[optimizer]  # weights + gradients + optimizer states
+        self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
 
     # -- shares --------------------------------------------------------------------------------
 
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
-        return self.classes.shares(tensor, dim, ratios)
+        key = (self.classes.granule_count(tensor, dim), tuple(ratios))
+        found = self._shares.get(key)
+        if found is None:
+            found = self._shares[key] = self.classes.shares(tensor, dim, ratios)
+        return found
 
     def work_shard(self, node: Node, st: Strategy) -> tuple[str, int] | None:
         """The (tensor, dim) whose split decides how the node's work divides, or None."""

@@ -260,27 +260,39 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
 
 
 def _dominated_or_insert(table: dict, child: _State) -> bool:
-    key = (child.k, child.props, child.comm, child.synced)
+    """Fig. 10 lines 9-14: drop the child if a program with at least its properties (and no more
+    tensors communicated) costs no more; drop queued programs the child so dominates."""
+    # Only programs holding the same live tensors are compared (any of their placements).
+    key = (child.k, child.synced, frozenset(p // CODE_BITS for p in child.props))
     entries = table.get(key)
     if entries is None:
         table[key] = [child]
         return False
+    props, comm = child.props, child.comm
     c_fwd, c_bwd, c_closed = child.fwd, child.bwd, child.closed
     c_total = c_closed + max(c_fwd) + max(c_bwd)
     keep = []
     for e in entries:
-        if e.closed <= c_closed and all(map(float.__le__, e.fwd, c_fwd)) and all(map(float.__le__, e.bwd, c_bwd)):
+        if e.dead:
+            continue
+        if props <= e.props and e.comm <= comm and _cheaper(e, c_closed, c_fwd, c_bwd):
             return True
-        if e.closed + max(e.fwd) + max(e.bwd) <= c_closed:
-            return True
-        if (c_closed <= e.closed and all(map(float.__le__, c_fwd, e.fwd)) and all(map(float.__le__, c_bwd, e.bwd))) \
-                or c_total <= e.closed:
+        if e.props <= props and comm <= e.comm and (
+                (c_closed <= e.closed and all(map(float.__le__, c_fwd, e.fwd)) and all(map(float.__le__, c_bwd, e.bwd)))
+                or c_total <= e.closed):
             e.dead = True
         else:
             keep.append(e)
     keep.append(child)
     table[key] = keep
     return False
+
+
+def _cheaper(e: _State, closed: float, fwd, bwd) -> bool:
+    """e costs no more than (closed, fwd, bwd) for every continuation."""
+    if e.closed + max(e.fwd) + max(e.bwd) <= closed:
+        return True
+    return e.closed <= closed and all(map(float.__le__, e.fwd, fwd)) and all(map(float.__le__, e.bwd, bwd))
 
 
 def _dead_sets(graph: Graph, tid: dict[str, int], loss_id: int) -> list[frozenset[int]]:

@@ -1,0 +1,204 @@
+"""Shape rules: every offered strategy recomputes the op exactly on uneven simulated devices."""
+
+import math
+
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as hs
+
+from hap.capture import capture
+from hap.placement import P, R, S
+from hap.rules import strategies_for
+from hap.rules.check import check_strategy
+from hap.rules.units import ShardClasses
+
+torch.set_num_threads(1)
+RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15])
+
+
+class Fn(nn.Module):
+    """loss = fn(x * w, *rest): the parameter w makes gradients flow through every op of fn."""
+
+    def __init__(self, fn, shape):
+        super().__init__()
+        self.fn = fn
+        self.w = nn.Parameter(torch.randn(shape))
+
+    def forward(self, x, *rest):
+        return self.fn(x * self.w, *rest)
+
+
+def graph_of(fn, shape, *rest):
+    return capture(Fn(fn, shape), (torch.randn(shape), *rest))
+
+
+def check_ops(graph, ops) -> dict:
+    """Check every strategy of every node running one of `ops`; return {op: [nodes]}."""
+    table = [(n.index, strategies_for(n, graph)) for n in graph.nodes]
+    classes = ShardClasses(graph, table)
+    found = {op: [n for n in graph.nodes if n.op == op] for op in ops}
+    assert all(found.values()), f"not captured: {[op for op, ns in found.items() if not ns]}"
+    for nodes in found.values():
+        for n in nodes:
+            for st in table[n.index][1]:
+                for ratios in RATIOS:
+                    check_strategy(n, graph, st, ratios, classes)
+    return found
+
+
+def offered(node, graph) -> set:
+    return {(st.inputs, st.outputs) for st in strategies_for(node, graph)}
+
+
+def test_view_family():
+    def fn(y):  # y: [10, 6, 4]
+        a = y.view(60, 4)
+        b = y.reshape(20, 3, 4)  # 10*6 = 20*3: one block, split at multiples of gcd(10, 20)
+        c = y.flatten(1).unflatten(1, (2, 12))
+        d = y.view(10, 6, 2, 2)
+        return a.sum() + (b * b).sum() + c.sum() + d.sum()
+
+    g = graph_of(fn, (10, 6, 4))
+    ops = check_ops(g, ["aten.view.default", "aten.reshape.default", "aten.flatten.using_ints", "aten.unflatten.int"])
+    merge = ops["aten.view.default"][0]
+    assert {((S(0),), (S(0),)), ((S(2),), (S(1),)), ((P,), (P,))} <= offered(merge, g)
+    assert not any(ins == (S(1),) for ins, _ in offered(merge, g))  # inside the merged dim
+    assert ((S(0),), (S(0),)) in offered(ops["aten.reshape.default"][0], g)
+    split = ops["aten.view.default"][1]
+    assert ((S(2),), (S(2),)) in offered(split, g) and ((S(2),), (S(3),)) not in offered(split, g)
+
+
+def test_squeeze_unsqueeze_keep_shards_of_length_one():
+    # Dim 0 has length 4: on three devices one shard has a single row, which squeeze must keep.
+    def fn(y):  # y: [4, 1, 10]
+        return y.squeeze().sum() + y.squeeze(1).sum() + torch.squeeze(y, (1,)).sum() + y.unsqueeze(2).sum()
+
+    g = graph_of(fn, (4, 1, 10))
+    ops = check_ops(g, ["aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default"])
+    assert ((S(2),), (S(1),)) in offered(ops["aten.squeeze.dim"][0], g)
+    assert ((S(2),), (S(3),)) in offered(ops["aten.unsqueeze.default"][0], g)
+
+
+def test_permutations():
+    def fn(y):  # y: [10, 6, 4]
+        return (y.permute(2, 0, 1).sum() + y.transpose(1, 2).sum() + y.mT.sum() + y[0].t().sum()
+                + torch.movedim(y, 0, 2).sum())
+
+    g = graph_of(fn, (10, 6, 4))
+    ops = check_ops(g, ["aten.permute.default", "aten.transpose.int", "aten.mT.default", "aten.t.default"])
+    tr = offered(ops["aten.transpose.int"][0], g)
+    assert {((S(1),), (S(2),)), ((S(2),), (S(1),)), ((S(0),), (S(0),)), ((P,), (P,))} <= tr
+    assert ((S(0),), (S(1),)) in offered(ops["aten.permute.default"][0], g)
+
+
+def test_expand_and_repeat():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(10, 1, 4))
+
+        def forward(self, x):  # x: [10, 6, 4]
+            e = self.w.expand(10, 6, 4)
+            return (e * x).sum() + self.w.expand_as(x).sum() + self.w.repeat(1, 3, 2).sum() + (e.repeat(2, 1, 1) ** 2).sum()
+
+    g = capture(M(), (torch.randn(10, 6, 4),))
+    ops = check_ops(g, ["aten.expand.default", "aten.expand_as.default", "aten.repeat.default"])
+    ex = offered(ops["aten.expand.default"][0], g)
+    assert {((S(0),), (S(0),)), ((R,), (S(1),)), ((P,), (P,))} <= ex
+    rep = offered(ops["aten.repeat.default"][0], g)
+    assert ((S(0),), (S(0),)) in rep and not any(outs == (S(2),) for _, outs in rep)
+
+
+def test_slice_select_narrow_split():
+    def fn(y):  # y: [10, 12, 4]
+        parts = y.split(5, dim=1)
+        sizes = torch.split(y, [7, 5], dim=1)
+        return (y[:, 2:9].sum() + y[:, 3].sum() + y.narrow(2, 1, 2).sum() + (parts[0] * parts[1]).sum()
+                + (sizes[0].sum() + sizes[1].sum()) + sum(c.sum() for c in y.chunk(3, dim=2))
+                + sum((u * u).sum() for u in y.unbind(1)))
+
+    g = graph_of(fn, (10, 12, 4))
+    ops = check_ops(g, ["aten.slice.Tensor", "aten.select.int", "aten.narrow.default", "aten.split.Tensor",
+                        "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int"])
+    sl = offered(ops["aten.slice.Tensor"][0], g)
+    assert ((S(0),), (S(0),)) in sl and ((S(1),), (S(1),)) not in sl
+    assert ((S(2),), (S(1),)) in offered(ops["aten.select.int"][0], g)
+    assert ((S(0),), (S(0),) * 12) in offered(ops["aten.unbind.int"][0], g)
+    assert ((P,), (P, P, P)) in offered(ops["aten.split.Tensor"][0], g)
+
+
+def test_cat_stack():
+    def fn(y):  # y: [10, 12, 4]
+        return (torch.cat([y, y * 2, y], dim=1) ** 2).sum() + (torch.stack([y, -y], dim=1) ** 2).sum()
+
+    g = graph_of(fn, (10, 12, 4))
+    ops = check_ops(g, ["aten.cat.default", "aten.stack.default"])
+    cat = offered(ops["aten.cat.default"][0], g)
+    assert ((S(0),) * 3, (S(0),)) in cat and ((P,) * 3, (P,)) in cat
+    assert not any(outs == (S(1),) for _, outs in cat)
+    assert ((S(1), S(1)), (S(2),)) in offered(ops["aten.stack.default"][0], g)
+
+
+def test_indexing():
+    def fn(y, idx, rows):  # y: [10, 12, 4], idx: [10, 5, 4] into dim 1, rows: [6, 2] into dim 1
+        return ((torch.index_select(y, 1, rows[:, 0]) ** 2).sum() + (torch.gather(y, 1, idx) ** 2).sum()
+                + (y[:, rows] ** 2).sum() + (y[rows[:, 0], :, rows[:, 1]] ** 2).sum())
+
+    g = graph_of(fn, (10, 12, 4), torch.randint(0, 12, (10, 5, 4)), torch.randint(0, 4, (6, 2)))
+    ops = check_ops(g, ["aten.index_select.default", "aten.gather.default", "aten.index.Tensor"])
+    sel = offered(ops["aten.index_select.default"][0], g)
+    assert {((S(0), R), (S(0),)), ((R, S(0)), (S(1),)), ((P, R), (P,))} <= sel
+    assert ((S(1), R), (S(1),)) not in sel
+    gat = offered(ops["aten.gather.default"][0], g)
+    assert ((S(0), S(0)), (S(0),)) in gat and ((R, S(1)), (S(1),)) in gat
+    assert ((S(2), S(2)), (S(2),)) in gat
+    adjacent, spread = ops["aten.index.Tensor"]
+    assert {((S(2), R), (S(3),)), ((R, S(0)), (S(1),))} <= offered(adjacent, g)
+    assert ((S(1), R, R), (S(1),)) in offered(spread, g)  # non-adjacent: the index dims go first
+
+
+def test_scatter_regions():
+    def fn(y, src):  # y: [10, 12, 4]
+        a = torch.select_scatter(y, src[:, 0] * 2, 1, 3)
+        b = torch.slice_scatter(y, src * 3, 1, 2, 5)
+        return (a * a).sum() + (b * b).sum()
+
+    g = graph_of(fn, (10, 12, 4), torch.randn(10, 3, 4))
+    ops = check_ops(g, ["aten.select_scatter.default", "aten.slice_scatter.default"])
+    assert ((S(2), S(1)), (S(2),)) in offered(ops["aten.select_scatter.default"][0], g)
+    assert ((P, P), (P,)) in offered(ops["aten.slice_scatter.default"][0], g)
+
+
+def _shape(data, factors) -> list[int]:
+    """Group consecutive factors into dims at random, with a length-1 dim somewhere maybe."""
+    dims: list[int] = []
+    for f in factors:
+        if dims and data.draw(hs.booleans()):
+            dims[-1] *= f
+        else:
+            dims.append(f)
+    if data.draw(hs.booleans()):
+        dims.insert(data.draw(hs.integers(0, len(dims))), 1)
+    return dims
+
+
+@settings(max_examples=25, deadline=None)
+@given(hs.data())
+def test_view_property(data):
+    factors = data.draw(hs.lists(hs.sampled_from([2, 3, 4, 5]), min_size=1, max_size=4))
+    src = _shape(data, factors)
+    dst = _shape(data, data.draw(hs.permutations(factors)))
+    method = data.draw(hs.sampled_from(["view", "reshape"]))
+    g = graph_of(lambda y: (getattr(y, method)(dst) ** 2).sum(), tuple(src))
+    table = [(n.index, strategies_for(n, g)) for n in g.nodes]
+    classes = ShardClasses(g, table)
+    for n in g.nodes:
+        if n.op in ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"):
+            for st in table[n.index][1]:
+                for ratios in RATIOS:
+                    check_strategy(n, g, st, ratios, classes)
+            # The outermost non-1 dims always line up when their lengths share a factor.
+            i = next(d for d, k in enumerate(src) if k > 1)
+            o = next(d for d, k in enumerate(dst) if k > 1)
+            if math.gcd(src[i], dst[o]) > 1:
+                assert ((S(i),), (S(o),)) in offered(n, g)
