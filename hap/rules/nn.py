@@ -1,1 +1,392 @@
-"""(being written)"""
+"""Neural-network layer ops: softmax, norms, embedding, attention, convolution, pooling,
+losses, and the routing ops of mixture-of-experts layers (topk, one_hot, scatter, sort).
+
+Each of these couples elements along some dims (the softmax dim, the normalized dims, the
+attention sequence, a convolution window, the sorted dim) and is independent along the
+others (batch, heads, channels). Rules shard only independent dims:
+    f(concat_j x_j) = concat_j f(x_j)   along an independent dim,
+with parameters that apply to every position replicated (their gradients summed). The
+exceptions are noted at their rules: contracted channels give partial sums, the vocabulary-
+parallel embedding and mean-reduced losses run local variants.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ir import Graph, Node
+from . import P, R, S, Strategy, arg, ndim, norm_dim, register, shape_of
+from .local import variant
+
+MEAN, SUM, NONE = 1, 2, 0  # at::Reduction
+
+
+def _dim_name(d: int, names: tuple[str, ...] = ("batch",)) -> str:
+    return names[d] if d < len(names) else f"dim{d}"
+
+
+def _along(node: Node, d: int, name: str) -> Strategy:
+    """The first input and every output sharded on d, the other inputs replicated."""
+    ins = (S(d),) + (R,) * (len(node.inputs) - 1)
+    return Strategy(ins, tuple(S(d) for _ in node.outputs), name)
+
+
+def _is_float(graph: Graph, name: str) -> bool:
+    return graph.tensors[name].dtype.startswith(("float", "bfloat"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax, sorting and top-k: coupled along one dim only.
+
+
+@register("aten._softmax.default", "aten.softmax.int", "aten._log_softmax.default", "aten.log_softmax.int")
+def softmax(node: Node, graph: Graph) -> list[Strategy]:
+    # softmax(x, k)[i] = exp(x[i]) / sum_k exp(x[..k..]): rows along any other dim are independent.
+    rank = ndim(graph, node.inputs[0])
+    k = norm_dim(arg(node, 1, "dim"), rank)
+    return [_along(node, d, _dim_name(d)) for d in range(rank) if d != k]
+
+
+@register("aten.topk.default", "aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable")
+def sort_like(node: Node, graph: Graph) -> list[Strategy]:
+    # topk/sort/argsort act on the slices along `dim` one at a time; values and indices
+    # (positions within a slice) are unchanged when other dims are split.
+    rank = ndim(graph, node.inputs[0])
+    pos = 2 if node.op == "aten.topk.default" else 1
+    dim = node.kwargs.get("dim", -1) if node.op.endswith(".stable") else arg(node, pos, "dim", -1)
+    k = norm_dim(dim, rank)
+    return [_along(node, d, _dim_name(d)) for d in range(rank) if d != k]
+
+
+@register("aten.one_hot.default")
+def one_hot(node: Node, graph: Graph) -> list[Strategy]:
+    # one_hot(i)[..., c] = (i[...] == c): pointwise in i, with a new trailing class dim.
+    if arg(node, 1, "num_classes", -1) < 0:
+        return []  # the class count would come from each device's local maximum
+    return [_along(node, d, _dim_name(d)) for d in range(ndim(graph, node.inputs[0]))]
+
+
+@register("aten.scatter.src", "aten.scatter.value", "aten.scatter.reduce", "aten.scatter.value_reduce",
+          "aten.scatter_add.default", "aten.scatter_reduce.two")
+def scatter(node: Node, graph: Graph) -> list[Strategy]:
+    # out[.., index[.., i, ..], ..] (op)= src[.., i, ..] along `dim`; every other dim d pairs
+    # self, index and src elementwise, provided index spans self and src on d (it may be shorter).
+    shapes = [shape_of(graph, t) for t in node.inputs]
+    k = norm_dim(arg(node, 1, "dim"), len(shapes[0]))
+    found = [Strategy(tuple(S(d) for _ in shapes), (S(d),), _dim_name(d))
+             for d in range(len(shapes[0])) if d != k and len({s[d] for s in shapes}) == 1]
+    if node.op == "aten.scatter_add.default":
+        # Linear in (self, src) jointly:  scatter_add(a1 + a2, i, s1 + s2) = sum of the parts.
+        found.append(Strategy((P, R, P), (P,), "partial"))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalization.
+
+
+@register("aten.layer_norm.default", "aten.native_layer_norm.default", "aten.rms_norm.default",
+          "aten._fused_rms_norm.default")
+def layer_norm(node: Node, graph: Graph) -> list[Strategy]:
+    # Statistics run over the trailing normalized dims, so each leading position is normalized
+    # on its own; weight and bias span the normalized dims and stay whole. The saved mean/rstd
+    # outputs have the leading dims too.   LN(concat_j x_j) = concat_j LN(x_j).
+    lead = ndim(graph, node.inputs[0]) - len(arg(node, 1, "normalized_shape"))
+    return [_along(node, d, _dim_name(d)) for d in range(lead)]
+
+
+@register("aten.group_norm.default")
+def group_norm(node: Node, graph: Graph) -> list[Strategy]:
+    # Statistics are per (sample, group): samples are independent. Channel sharding is not
+    # offered: shard classes may cut the channels finer than the groups.
+    return [_along(node, 0, "batch")] if ndim(graph, node.inputs[0]) >= 2 else []
+
+
+@register("aten.native_group_norm.default")
+def native_group_norm(node: Node, graph: Graph) -> list[Strategy]:
+    # As group_norm; the op also takes the batch size N, which becomes the local one.
+    st = _along(node, 0, "batch")
+    return [Strategy(st.inputs, st.outputs, st.name, "local_batch_size")]
+
+
+@variant("local_batch_size")
+def _local_batch_size(node, st, args, kwargs, ctx, graph):
+    return node.target(args[0], args[1], args[2], args[0].shape[0], *args[4:], **kwargs)
+
+
+# Position of the `training` flag; None: always inference.
+_BATCH_NORMS = {
+    "aten.batch_norm.default": 5, "aten.native_batch_norm.default": 5, "aten._native_batch_norm_legit.default": 5,
+    "aten._native_batch_norm_legit.no_stats": 3, "aten._native_batch_norm_legit_functional.default": 5,
+    "aten._native_batch_norm_legit_no_training.default": None,
+}
+
+
+@register(*_BATCH_NORMS)
+def batch_norm(node: Node, graph: Graph) -> list[Strategy]:
+    # Statistics are per channel (dim 1) over every other dim: channels are independent, and
+    # weight, bias, running and saved statistics (all [C]) follow the channel shards.
+    # Sharding the batch would change the batch statistics: offered only in inference, where
+    # the running statistics are used and the extra outputs are empty.
+    x = graph.tensors[node.inputs[0]].shape
+    if len(x) < 2:
+        return []
+
+    def channel(name: str):
+        shape = shape_of(graph, name)
+        if shape == x:
+            return S(1)
+        return S(0) if shape == (x[1],) else R if math.prod(shape) == 0 else None
+
+    ins, outs = [channel(t) for t in node.inputs], [channel(t) for t in node.outputs]
+    found = [Strategy(tuple(ins), tuple(outs), "channel")] if None not in ins + outs else []
+    pos = _BATCH_NORMS[node.op]
+    training = pos is not None and arg(node, pos, "training")
+    if not training and all(math.prod(shape_of(graph, t)) == 0 for t in node.outputs[1:]):
+        found.append(Strategy((S(0),) + (R,) * (len(node.inputs) - 1), (S(0),) + (R,) * (len(node.outputs) - 1), "batch"))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding.
+
+
+@register("aten.embedding.default")
+def embedding(node: Node, graph: Graph) -> list[Strategy]:
+    # out[..., h] = W[ids[...], h]
+    #   batch:  pointwise in ids, W whole (its gradient summed over devices);
+    #   hidden: W sharded on h gives the output sharded on its last dim;
+    #   vocab:  W sharded on rows; each device looks up the ids it holds and writes zeros for
+    #           the others, so the outputs add up:  W[i] = sum_j [i in rows_j] W_j[i - lo_j].
+    if arg(node, 4, "sparse", False):
+        return []  # sparse gradients: replicated only
+    ids_rank = ndim(graph, node.inputs[1])
+    freq = arg(node, 3, "scale_grad_by_freq", False)  # gradient scaled by each id's count in the whole batch
+    found = [Strategy((S(1), R), (S(ids_rank),), "hidden")]
+    if not freq:
+        found += [Strategy((R, S(d)), (S(d),), _dim_name(d)) for d in range(ids_rank)]
+        if arg(node, 2, "padding_idx", -1) >= -1:
+            found.append(Strategy((S(0), R), (P,), "vocab", "vocab_parallel"))
+    return found
+
+
+@variant("vocab_parallel")
+def _vocab_parallel(node, st, args, kwargs, ctx, graph):
+    weight, ids = args[0], args[1]
+    lo, rows = ctx.offset(node.inputs[0], 0), weight.shape[0]
+    local = ids - lo
+    inside = (local >= 0) & (local < rows)
+    pad = arg(node, 2, "padding_idx", -1)
+    pad = pad - lo if pad >= 0 and 0 <= pad - lo < rows else -1  # the padding row lives on one device
+    if rows == 0:
+        return weight.new_zeros((*ids.shape, weight.shape[1]))
+    out = torch.ops.aten.embedding.default(weight, torch.where(inside, local, 0), pad)
+    # A multiply, not indexing: out-of-range positions then send exactly zero gradient to row 0.
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention.
+
+
+@register("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+          "aten._scaled_dot_product_attention_math.default", "aten._scaled_dot_product_efficient_attention.default")
+def attention(node: Node, graph: Graph) -> list[Strategy]:
+    # out = softmax(q k^T * scale + mask) v mixes positions along the sequence dims (the last
+    # two) only; every leading (batch, head) index is an independent attention problem.
+    # Masks broadcast against the scores [.., L, S]: sharded where they have the full dim,
+    # replicated where they broadcast. With grouped-query attention the q heads are a whole
+    # multiple of the k/v heads; shard classes split both at k/v-head boundaries.
+    q, k, v = (shape_of(graph, t) for t in node.inputs[:3])
+    rank = len(q)
+    if rank < 3 or len(k) != rank or len(v) != rank:
+        return []
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    names = ("batch", "heads") if rank == 4 else ("batch",)
+    found = []
+    for d in range(rank - 2):
+        heads_grouped = gqa and d == rank - 3 and k[d] == v[d] and q[d] % k[d] == 0
+        if not (q[d] == k[d] == v[d] or heads_grouped):
+            continue
+        masks = [_mask_place(shape_of(graph, t), d, rank, q[d]) for t in node.inputs[3:]]
+        if None in masks:
+            continue
+        outs = tuple(S(d) if ndim(graph, o) > d else R for o in node.outputs)  # rank-0 outputs: RNG state
+        found.append(Strategy((S(d), S(d), S(d), *masks), outs, _dim_name(d, names)))
+    return found
+
+
+def _mask_place(shape: tuple[int, ...], d: int, rank: int, size: int):
+    k = d - (rank - len(shape))  # right-aligned broadcasting against the scores
+    if k < 0 or shape[k] == 1:
+        return R
+    return S(k) if shape[k] == size else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution.
+
+# op -> (position of `transposed` or a fixed bool, position of `groups`)
+_CONVS = {
+    "aten.conv1d.default": (False, 6), "aten.conv2d.default": (False, 6), "aten.conv3d.default": (False, 6),
+    "aten.conv1d.padding": (False, 6), "aten.conv2d.padding": (False, 6), "aten.conv3d.padding": (False, 6),
+    "aten.conv_transpose1d.default": (True, 6), "aten.conv_transpose2d.input": (True, 6),
+    "aten.conv_transpose3d.input": (True, 6), "aten.convolution.default": (6, 8), "aten._convolution.default": (6, 8),
+    "aten._convolution.deprecated": (6, 8),
+}
+
+
+@register(*_CONVS)
+def convolution(node: Node, graph: Graph) -> list[Strategy]:
+    # out[n, o, p] = sum_{i, k} x[n, i, p + k] W[o, i, k] + b[o]    (W[i, o, k] when transposed)
+    #   batch:       independent samples, W and b whole;
+    #   out-channel: W and b sharded on o give out sharded on o;
+    #   in-channel:  x and W sharded on the contracted i give a partial sum (b on one device);
+    #   partial:     linear in x and in W, so a partial operand gives a partial output.
+    # Grouped convolutions tie channel shards to group boundaries: batch only.
+    transposed, groups_pos = _CONVS[node.op]
+    if not isinstance(transposed, bool):
+        transposed = arg(node, transposed, "transposed")
+    groups = arg(node, groups_pos, "groups", 1)
+    x, w = node.inputs[0], node.inputs[1]
+    bias = len(node.inputs) > 2
+    batched = ndim(graph, x) == ndim(graph, w)  # unbatched input: [C, spatial...]
+    c = 1 if batched else 0
+    w_out, w_in = (1, 0) if transposed else (0, 1)
+
+    def st(x_p, w_p, b_p, out_p, name):
+        return Strategy((x_p, w_p, b_p) if bias else (x_p, w_p), (out_p,), name)
+
+    found = [st(S(0), R, R, S(0), "batch")] if batched else []
+    if groups == 1:
+        found += [st(R, S(w_out), S(0), S(c), "out-channel"), st(S(c), S(w_in), P, P, "in-channel")]
+    found += [st(P, R, P, P, "partial-input"), st(R, P, P, P, "partial-weight")]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling.
+
+_POOLS = {  # op -> number of trailing spatial dims
+    **{f"aten.{k}_pool{n}d.default": n for k in ("max", "avg") for n in (1, 2, 3)},
+    **{f"aten.adaptive_{k}_pool{n}d.default": n for k in ("max", "avg") for n in (1, 2, 3)},
+    **{f"aten.max_pool{n}d_with_indices.default": n for n in (1, 2, 3)},
+    "aten._adaptive_avg_pool2d.default": 2, "aten._adaptive_avg_pool3d.default": 3,
+}
+
+
+@register(*_POOLS)
+def pool(node: Node, graph: Graph) -> list[Strategy]:
+    # Windows slide over the trailing spatial dims only: every (batch, channel) plane is pooled
+    # on its own, and max-pool indices are positions within a plane. Average pooling is linear,
+    # so partial sums pass through:  avg(x1 + x2) = avg(x1) + avg(x2).
+    lead = ndim(graph, node.inputs[0]) - _POOLS[node.op]
+    names = ("batch", "channel") if lead == 2 else ("channel",)
+    found = [_along(node, d, _dim_name(d, names)) for d in range(lead)]
+    if "avg" in node.op:
+        found.append(Strategy((P,), (P,), "partial"))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses.
+#
+# A loss is independent along its sample dims, and its reduction decides the output:
+#   none: the per-sample losses, sharded like the samples;
+#   sum:  sum over samples = sum over devices of local sums, a partial sum;
+#   mean: sum / normalizer, a partial sum when each device divides its local sum by the GLOBAL
+#         normalizer (local variant "loss_mean"). The normalizer is the element count, or for
+#         class-index targets the summed class weight of the non-ignored targets: data
+#         dependent, so each device counts its own and all-reduces the counts.
+# Class-sharded (vocabulary-parallel) cross entropy is not offered: its log-softmax needs
+# differentiable max/sum all-reduces.
+
+_CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss.default", "aten.nll_loss_nd.default",
+                 "aten.nll_loss2d.default", "aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default"}
+_POINTWISE_LOSSES = {"aten.mse_loss.default": 2, "aten.l1_loss.default": 2, "aten.smooth_l1_loss.default": 2,
+                     "aten.huber_loss.default": 2, "aten.soft_margin_loss.default": 2, "aten.kl_div.default": 2,
+                     "aten.binary_cross_entropy.default": 3, "aten.binary_cross_entropy_with_logits.default": 4}
+
+
+def _reduction(node: Node) -> int:
+    return arg(node, 3 if node.op in _CLASS_LOSSES else _POINTWISE_LOSSES[node.op], "reduction", MEAN)
+
+
+def _reduced(node: Node, name: str, ins: tuple, out_shard) -> Strategy:
+    """The strategy with input placements `ins` whose per-sample output is `out_shard`."""
+    red = _reduction(node)
+    main = out_shard if red == NONE else P
+    extra = (R,) if red == NONE else (P,)  # nll_loss_forward's total_weight: 0 for none, else a sum
+    outs = (main, *extra[: len(node.outputs) - 1])
+    return Strategy(ins, outs, name, "loss_mean" if red == MEAN else None)
+
+
+@register(*_CLASS_LOSSES)
+def class_loss(node: Node, graph: Graph) -> list[Strategy]:
+    # input [N, C, d...] with target [N, d...] (class indices) or [N, C, d...] (probabilities);
+    # every dim but the class dim 1 is a sample dim.
+    x_rank = ndim(graph, node.inputs[0])
+    if x_rank < 2:
+        return []  # unbatched [C]: a single sample
+    probs = _is_float(graph, node.inputs[1])
+    weight_trains = any(graph.tensors[t].requires_grad for t in node.inputs[2:])
+    if weight_trains and not probs and _reduction(node) == MEAN:
+        return []  # the normalizer would depend on a trained weight, and its gradient is not a sum
+    found = []
+    for a in [0, *range(2, x_rank)]:
+        t = a if probs or a == 0 else a - 1  # the sample dim in the target and per-sample output
+        ins = (S(a), S(t), *(R,) * (len(node.inputs) - 2))  # class weights whole
+        found.append(_reduced(node, _dim_name(a), ins, S(a if a == 0 else a - 1)))
+    return found
+
+
+@register(*_POINTWISE_LOSSES)
+def pointwise_loss(node: Node, graph: Graph) -> list[Strategy]:
+    # l = f(x, y[, weight, pos_weight]) elementwise with broadcasting, then reduced: every dim of
+    # x is a sample dim; operands that broadcast along it stay whole.
+    shapes = [shape_of(graph, t) for t in node.inputs]
+    x = shapes[0]
+    if tuple(torch.broadcast_shapes(*shapes)) != x:
+        return []
+    found = []
+    for d in range(len(x)):
+        ins = tuple(_broadcast_place(s, d, len(x)) for s in shapes)
+        found.append(_reduced(node, _dim_name(d), ins, S(d)))
+    return found
+
+
+def _broadcast_place(shape: tuple[int, ...], d: int, rank: int):
+    k = d - (rank - len(shape))
+    return S(k) if k >= 0 and shape[k] > 1 else R
+
+
+@variant("loss_mean")
+def _loss_mean(node, st, args, kwargs, ctx, graph):
+    pos = 3 if node.op in _CLASS_LOSSES else _POINTWISE_LOSSES[node.op]
+    if pos < len(args):
+        args = (*args[:pos], SUM, *args[pos + 1:])
+    else:
+        kwargs = {**kwargs, "reduction": SUM}
+    out = node.target(*args, **kwargs)
+    if isinstance(out, (tuple, list)):  # nll_loss_forward: (local sum, local total weight)
+        return out[0] / ctx.all_reduce(out[1]), out[1]
+    return out / _normalizer(node, graph, args, kwargs, ctx, out.dtype)
+
+
+def _normalizer(node, graph, args, kwargs, ctx, dtype) -> float | torch.Tensor:
+    """The global denominator of the mean: static from the graph's shapes, or all-reduced."""
+    x = graph.tensors[node.inputs[0]]
+    if node.op not in _CLASS_LOSSES:
+        return float(x.numel)
+    if _is_float(graph, node.inputs[1]):  # probabilities: mean over the samples
+        return float(x.numel // x.shape[1])
+    target = args[1]
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    ignore = target == (args[4] if len(args) > 4 else kwargs.get("ignore_index", -100))
+    if weight is None:
+        count = (~ignore).sum()
+    else:
+        count = (weight[target.masked_fill(ignore, 0)] * ~ignore).sum()
+    return ctx.all_reduce(count.double()).to(dtype)  # counted in float64: exact at any batch size

@@ -1,0 +1,386 @@
+"""Rules of hap/rules/nn.py against the ground-truth checker, on uneven splits.
+
+Every strategy of every node of the ops under test is run on simulated devices with the
+shard classes of the whole graph, and its forward values and gradients compared with one
+device. Integer tensors (ids, targets, indices) carry the values the model really computes.
+Capture and the single-op graphs cover the training-IR ops; core_graph covers their core-ATen
+lowerings (native_layer_norm, convolution, _softmax, native_group_norm, ...).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hap.capture import capture, graph_from_exported
+from hap.ir import Graph, Node, Tensor, TensorRef
+from hap.placement import P, R, S
+from hap.rules import strategies_for
+from hap.rules.check import check_strategy
+from hap.rules.local import substitute
+from hap.rules.units import ShardClasses
+
+torch.set_num_threads(1)
+RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15])
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Models and examples in float64: summing random partial summands is then exact enough
+    that any difference the checker sees is a rule's fault, not float32 rounding."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def graph_values(graph: Graph, model: nn.Module, inputs) -> dict[str, torch.Tensor]:
+    """Every tensor of the captured graph, computed on the real inputs."""
+    state = model.state_dict()
+    values = dict(zip(graph.inputs, inputs))
+    values |= {t.name: state[t.target].detach().clone() for t in graph.tensors.values() if t.kind in ("param", "buffer")}
+    for n in graph.nodes:
+        out = n.target(*substitute(n.args, values), **substitute(n.kwargs, values))
+        values |= zip(n.outputs, out if isinstance(out, (list, tuple)) else (out,))
+    return {k: v.detach() for k, v in values.items()}
+
+
+def core_graph(model: nn.Module, inputs) -> Graph:
+    """The model in core ATen (native_layer_norm, convolution, _softmax, ...), as a lowering would give it."""
+    ep = torch.export.export(model, tuple(inputs)).run_decompositions()
+    return graph_from_exported(ep, type(model).__name__)
+
+
+def op_graph(target, *args, **kwargs) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """A one-node graph of target(*args); tensors that require grad become parameters."""
+    tensors: dict[str, Tensor] = {}
+    values: dict[str, torch.Tensor] = {}
+
+    def ref(a):
+        if isinstance(a, torch.Tensor):
+            name = f"t{len(values)}"
+            values[name] = a.detach()
+            tensors[name] = Tensor(name=name, shape=tuple(a.shape), dtype=str(a.dtype).removeprefix("torch."),
+                                   itemsize=a.element_size(), kind="param" if a.requires_grad else "input",
+                                   requires_grad=a.requires_grad, consumers=[0])
+            return TensorRef(name)
+        return type(a)(ref(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+    targs, tkwargs = ref(args), {k: ref(v) for k, v in kwargs.items()}
+    out = target(*args, **kwargs)
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    names = [f"out{k}" for k in range(len(outs))]
+    for name, o in zip(names, outs):
+        tensors[name] = Tensor(name=name, shape=tuple(o.shape), dtype=str(o.dtype).removeprefix("torch."),
+                               itemsize=o.element_size(), kind="activation", requires_grad=o.requires_grad, producer=0)
+    node = Node(index=0, name="op", op=str(target), target=target, args=targs, kwargs=tkwargs,
+                inputs=tuple(values), outputs=tuple(names))
+    params = [n for n, t in tensors.items() if t.kind == "param"]
+    graph = Graph(nodes=[node], tensors=tensors, inputs=[n for n in values if n not in params], params=params, loss=names[0])
+    return graph, values
+
+
+def check_ops(graph: Graph, values: dict[str, torch.Tensor], ops: set[str]) -> dict[str, list]:
+    """Check every strategy of every node of `ops`; return the strategies found, by op."""
+    found = {n.index: strategies_for(n, graph) for n in graph.nodes}
+    classes = ShardClasses(graph, found.items())
+    by_op: dict[str, list] = {}
+    for n in graph.nodes:
+        if n.op not in ops:
+            continue
+        by_op.setdefault(n.op, []).extend(found[n.index])
+        inputs = {t: values[t] for t in n.inputs}
+        for st in found[n.index]:
+            for ratios in RATIOS:
+                check_strategy(n, graph, st, ratios, classes, inputs=inputs)
+    missing = ops - set(by_op)
+    assert not missing, f"ops not in the graph: {missing}"
+    return by_op
+
+
+def named(strategies, name: str, inputs=None, outputs=None) -> bool:
+    return any(st.name == name and (inputs is None or st.inputs == inputs) and (outputs is None or st.outputs == outputs)
+               for st in strategies)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: each forward returns a scalar loss that depends on every parameter.
+
+VOCAB, HIDDEN, HEADS, BATCH, SEQ, PAD, IGNORE = 10, 12, 3, 5, 4, 0, 7
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, HIDDEN)
+        self.pos = nn.Embedding(VOCAB, HIDDEN, padding_idx=PAD)
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.rms = nn.RMSNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, targets, mask):
+        h = self.ln(self.tok(ids) + self.pos(ids))
+        q, k, v = self.qkv(self.rms(h)).view(BATCH, SEQ, 3, HEADS, HIDDEN // HEADS).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        h = h + (a + b).transpose(1, 2).reshape(BATCH, SEQ, HIDDEN)
+        logits = self.head(h)
+        loss = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=IGNORE)
+        logp = F.log_softmax(logits, -1)
+        return loss + F.nll_loss(logp.view(-1, VOCAB), targets.view(-1), reduction="sum") + F.softmax(logits, 1).var()
+
+
+def lm_inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids[0, :2] = PAD
+    targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    targets[:, 0] = IGNORE  # some ignored targets on every device
+    mask = torch.rand(BATCH, 1, SEQ, SEQ, generator=g) > 0.3
+    mask[..., 0] = True  # no fully masked row
+    return ids, targets, mask
+
+
+class TinyCNN(nn.Module):
+    def __init__(self, running_stats=True):
+        super().__init__()
+        self.conv = nn.Conv2d(6, 10, 3, padding=1)
+        self.bn = nn.BatchNorm2d(10, track_running_stats=running_stats)
+        self.gn = nn.GroupNorm(2, 10)
+        self.conv1 = nn.Conv1d(10, 4, 3, bias=False)
+        self.fc = nn.Linear(10, 10)
+        self.register_buffer("class_weight", torch.linspace(0.5, 2.0, 10))
+
+    def forward(self, img, labels):
+        c = self.gn(self.bn(self.conv(img)))
+        p = F.max_pool2d(c, 2) + F.avg_pool2d(c, 2, ceil_mode=True) + F.adaptive_avg_pool2d(c, (4, 4))
+        seq = self.conv1(p.flatten(2)).square().mean()
+        logits = self.fc(p.mean((2, 3)))
+        return F.cross_entropy(logits, labels, weight=self.class_weight, label_smoothing=0.1) + seq
+
+
+def cnn_inputs():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(BATCH, 6, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+class Losses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(BATCH, 6))
+        self.maps = nn.Parameter(torch.randn(BATCH, 3, 10))  # [N, C, d] logits
+        self.register_buffer("pos_weight", torch.rand(6) + 0.5)
+
+    def forward(self, y, probs, labels_2d, signs):
+        x = self.w * 2
+        return (F.mse_loss(x, y) + F.l1_loss(x, y, reduction="sum") + F.smooth_l1_loss(x, y, reduction="none").sum()
+                + F.huber_loss(x, y, delta=0.5)
+                + F.binary_cross_entropy_with_logits(x, y.sigmoid(), pos_weight=self.pos_weight)
+                + F.binary_cross_entropy(x.sigmoid(), y.sigmoid(), weight=self.pos_weight) + F.soft_margin_loss(x, signs)
+                + F.kl_div(F.log_softmax(x, 1), probs, reduction="sum")
+                + F.cross_entropy(x, probs) + F.cross_entropy(x, probs, reduction="none").sum()
+                + F.cross_entropy(self.maps, labels_2d, ignore_index=2))
+
+
+def losses_inputs():
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 3, (BATCH, 10), generator=g)
+    y = torch.randn(BATCH, 6, generator=g)
+    return y, torch.rand(BATCH, 6, generator=g).softmax(1), labels, y.sign()
+
+
+class Gate(nn.Module):
+    """GShard-style top-2 gating and dispatch over 4 experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, 4)
+
+    def forward(self, x):
+        gates = F.softmax(self.router(x), dim=-1)
+        top, idx = torch.topk(gates, 2, dim=-1)
+        mask = F.one_hot(idx, 4).to(gates.dtype)
+        dispatch = torch.zeros_like(gates).scatter_add(1, idx, top) + torch.zeros_like(gates).scatter(1, idx, top)
+        ranked, order = torch.sort(gates, dim=0, descending=True)
+        rank = torch.argsort(gates, dim=1).to(gates.dtype)
+        return (dispatch * mask.sum(1)).sum() + (ranked * order.to(gates.dtype)).sum() + (gates * rank).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests on captured models
+
+
+def test_language_model():
+    model, inputs = TinyLM(), lm_inputs()
+    graph = capture(model, inputs)
+    ops = {"aten.embedding.default", "aten.layer_norm.default", "aten.rms_norm.default",
+           "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default",
+           "aten.log_softmax.int", "aten.nll_loss_nd.default", "aten.softmax.int"}
+    found = check_ops(graph, graph_values(graph, model, inputs), ops)
+    emb = found["aten.embedding.default"]
+    assert named(emb, "batch", (R, S(0)), (S(0),)) and named(emb, "hidden", (S(1), R), (S(2),))
+    assert named(emb, "vocab", (S(0), R), (P,))
+    sdpa = found["aten.scaled_dot_product_attention.default"]
+    assert named(sdpa, "batch") and named(sdpa, "heads")
+    assert named(sdpa, "batch", (S(0), S(0), S(0), S(0))) and named(sdpa, "heads", (S(1), S(1), S(1), R))
+    assert named(found["aten.cross_entropy_loss.default"], "batch", (S(0), S(0)), (P,))
+    assert named(found["aten.nll_loss_nd.default"], "batch", (S(0), S(0)), (P,))
+    assert named(found["aten.layer_norm.default"], "dim1", (S(1), R, R), (S(1),))
+    assert not named(found["aten.softmax.int"], "dim1")  # the softmax dim is never sharded
+
+
+def test_cnn():
+    model, inputs = TinyCNN(), cnn_inputs()
+    graph = capture(model, inputs)
+    ops = {"aten.conv2d.default", "aten.conv1d.default", "aten.batch_norm.default", "aten.group_norm.default",
+           "aten.max_pool2d.default", "aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default",
+           "aten.cross_entropy_loss.default"}
+    found = check_ops(graph, graph_values(graph, model, inputs), ops)
+    conv = found["aten.conv2d.default"]
+    assert named(conv, "batch", (S(0), R, R), (S(0),))
+    assert named(conv, "out-channel", (R, S(0), S(0)), (S(1),))
+    assert named(conv, "in-channel", (S(1), S(1), P), (P,))
+    assert named(found["aten.conv1d.default"], "in-channel", (S(1), S(1)), (P,))
+    bn = found["aten.batch_norm.default"]
+    assert named(bn, "channel", (S(1), S(0), S(0), S(0), S(0)), (S(1),))
+    assert not any(st.inputs[0] == S(0) for st in bn)  # training batch norm: batch statistics
+    assert named(found["aten.max_pool2d.default"], "channel")
+    assert named(found["aten.cross_entropy_loss.default"], "batch", (S(0), S(0), R), (P,))
+
+
+def test_losses():
+    model, inputs = Losses(), losses_inputs()
+    graph = capture(model, inputs)
+    ops = {"aten.mse_loss.default", "aten.l1_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default",
+           "aten.binary_cross_entropy_with_logits.default", "aten.binary_cross_entropy.default",
+           "aten.soft_margin_loss.default", "aten.kl_div.default", "aten.cross_entropy_loss.default"}
+    found = check_ops(graph, graph_values(graph, model, inputs), ops)
+    assert named(found["aten.smooth_l1_loss.default"], "dim1", outputs=(S(1),))
+    bce = found["aten.binary_cross_entropy_with_logits.default"]
+    assert named(bce, "dim1", (S(1), S(1), S(0)), (P,))
+    ce = found["aten.cross_entropy_loss.default"]
+    assert named(ce, "dim2", (S(2), S(1)), (P,))  # spatial sample dim of [N, C, d] logits
+    assert all(st.inputs[0] != S(1) for st in ce)  # never the class dim
+
+
+def test_moe_gating():
+    model = Gate()
+    inputs = (torch.randn(10, HIDDEN),)
+    graph = capture(model, inputs)
+    ops = {"aten.topk.default", "aten.one_hot.default", "aten.scatter_add.default", "aten.scatter.src",
+           "aten.sort.default", "aten.argsort.default", "aten.softmax.int"}
+    found = check_ops(graph, graph_values(graph, model, inputs), ops)
+    assert named(found["aten.topk.default"], "batch", (S(0),), (S(0), S(0)))
+    assert named(found["aten.scatter_add.default"], "partial", (P, R, P), (P,))
+    assert not named(found["aten.scatter.src"], "dim1")
+    assert named(found["aten.sort.default"], "dim1") and not named(found["aten.sort.default"], "batch")
+
+
+def test_core_aten_lm():
+    """The same layers lowered to core ATen, as a compiler would give them."""
+    model, inputs = TinyLM(), lm_inputs()
+    graph = core_graph(model, inputs)
+    found = check_ops(graph, graph_values(graph, model, inputs),
+                      {"aten.native_layer_norm.default", "aten._softmax.default", "aten._log_softmax.default"})
+    assert named(found["aten.native_layer_norm.default"], "batch", outputs=(S(0), S(0), S(0)))
+
+
+def test_core_aten_cnn():
+    model, inputs = TinyCNN(running_stats=False), cnn_inputs()  # running stats would become graph outputs
+    graph = core_graph(model, inputs)
+    found = check_ops(graph, graph_values(graph, model, inputs),
+                      {"aten.convolution.default", "aten._native_batch_norm_legit.no_stats",
+                       "aten.native_group_norm.default", "aten.max_pool2d_with_indices.default"})
+    assert named(found["aten.convolution.default"], "in-channel")
+    assert named(found["aten.native_group_norm.default"], "batch")
+    assert named(found["aten._native_batch_norm_legit.no_stats"], "channel", outputs=(S(1), S(0), S(0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Single ops that export does not emit for the models above
+
+
+def _param(*shape):
+    return torch.randn(*shape).requires_grad_()
+
+
+def _check_op(target, *args, **kwargs):
+    graph, values = op_graph(target, *args, **kwargs)
+    return check_ops(graph, values, {str(target)})[str(target)]
+
+
+def test_embedding_variants():
+    ids = torch.tensor([[0, 3, 9, 3], [5, 0, 1, 9], [2, 2, 8, 4]])
+    weight = _param(VOCAB, 6)
+    # padding row 8 lies off device 0 under both ratio sets: its owner must translate it
+    vocab = _check_op(aten.embedding.default, weight, ids, 8)
+    assert named(vocab, "vocab")
+    freq = _check_op(aten.embedding.default, weight, ids, -1, True)
+    assert {st.name for st in freq} == {"hidden", "replicated", "duplicated"}  # counts span the whole batch
+
+
+@pytest.mark.parametrize("case", ["gqa", "mask4d", "flash_cpu", "math"])
+def test_attention_variants(case):
+    q, kv = _param(3, 4, 5, 2), _param(3, 4, 6, 2)
+    if case == "gqa":
+        found = _check_op(aten.scaled_dot_product_attention.default, q, _param(3, 2, 6, 2), _param(3, 2, 6, 2), enable_gqa=True)
+        assert named(found, "heads", (S(1), S(1), S(1)))
+    elif case == "mask4d":
+        mask = torch.randn(3, 4, 5, 6)
+        found = _check_op(aten.scaled_dot_product_attention.default, q, kv, kv, mask)
+        assert named(found, "heads", (S(1), S(1), S(1), S(1)))
+    elif case == "flash_cpu":
+        found = _check_op(aten._scaled_dot_product_flash_attention_for_cpu.default, q, kv, kv, is_causal=True)
+        assert named(found, "batch", outputs=(S(0), S(0)))
+    else:
+        found = _check_op(aten._scaled_dot_product_attention_math.default, q, kv, kv, torch.randn(5, 6))
+        assert named(found, "heads", (S(1), S(1), S(1), R), (S(1), S(1)))
+
+
+def test_batch_norm_variants():
+    x, w, b = _param(5, 4, 3), _param(4), _param(4)
+    mean, var = torch.randn(4), torch.rand(4) + 0.5
+    inference = _check_op(aten.native_batch_norm.default, x, w, b, mean, var, False, 0.1, 1e-5)
+    assert named(inference, "batch", outputs=(S(0), R, R)) and named(inference, "channel")
+    functional = _check_op(aten._native_batch_norm_legit_functional.default, x, w, b, mean, var, True, 0.1, 1e-5)
+    assert named(functional, "channel", outputs=(S(1), S(0), S(0), S(0), S(0)))
+    assert not named(functional, "batch")
+    _check_op(aten._native_batch_norm_legit_no_training.default, x, w, b, mean, var, 0.1, 1e-5)
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_nll_loss_forward(reduction):
+    logp = torch.randn(BATCH, 4, 3).log_softmax(1).requires_grad_()
+    target = torch.tensor([[0, 1, 3], [3, 3, 2], [1, 0, 0], [2, 3, 1], [3, 2, 1]])
+    weight = torch.tensor([0.5, 1.0, 1.5, 2.0])
+    found = _check_op(aten.nll_loss2d_forward.default, logp.unsqueeze(-1).detach().requires_grad_(),
+                      target.unsqueeze(-1), weight, reduction, 3)
+    found += _check_op(aten.nll_loss_forward.default, logp[:, :, 0].detach().requires_grad_(), target[:, 0], weight, reduction, 3)
+    assert named(found, "batch", outputs=(S(0), R) if reduction == 0 else (P, P))
+
+
+def test_convolution_variants():
+    x = torch.randn(4, 6, 7).requires_grad_()
+    _check_op(aten.conv1d.default, x[0].detach().requires_grad_(), _param(10, 6, 3), _param(10))  # unbatched
+    found = _check_op(aten.conv_transpose1d.default, x, _param(6, 10, 3), _param(10), [2])
+    assert named(found, "out-channel", (R, S(1), S(0)), (S(1),)) and named(found, "in-channel", (S(1), S(0), P), (P,))
+    grouped = _check_op(aten.conv1d.default, x, _param(4, 3, 3), None, [1], [0], [1], 2)
+    assert {st.name for st in grouped} == {"batch", "partial-input", "partial-weight", "replicated", "duplicated"}
+
+
+def test_misc_ops():
+    x = torch.randn(5, 10, 6).requires_grad_()
+    _check_op(aten._fused_rms_norm.default, x, [6], _param(6), 1e-6)
+    _check_op(aten.adaptive_max_pool2d.default, x, [3, 2])
+    _check_op(aten.argsort.stable, x.detach(), stable=True, dim=1)
+    idx = torch.randint(0, 10, (5, 4, 6))
+    found = _check_op(aten.scatter_reduce.two, x, 1, idx, torch.randn(5, 4, 6), "amax", include_self=False)
+    assert named(found, "batch") and named(found, "dim2") and not named(found, "dim1")
+    assert [st.name for st in _check_op(aten.one_hot.default, torch.tensor([1, 2, 0]), -1)] == ["replicated"]
