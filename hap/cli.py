@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _build_graph(args, devices: int):
+def _build_graph(args, devices: int, say):
     from .capture import capture
     from .models import build
 
@@ -55,6 +55,7 @@ def _build_graph(args, devices: int):
                               experts=args.experts, devices=devices, scale=args.scale, device="meta")
     except ValueError as e:
         raise UserError(str(e)) from None
+    say(f"capturing {args.model} ...")
     return capture(model, inputs, name=args.model)
 
 
@@ -67,8 +68,7 @@ def cmd_plan(args) -> int:
         raise UserError(f"--segments must be at least 1, got {args.segments}")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    say(f"capturing {args.model} ...")
-    graph = _build_graph(args, cluster.gpus)
+    graph = _build_graph(args, cluster.gpus, say)
     say(f"{graph.summary()} (captured in {time.perf_counter() - t0:.1f} s)")
     say(cluster.describe())
     result = plan(graph, cluster, PlannerConfig(segments=args.segments), progress=say)

@@ -27,7 +27,7 @@ from .ir import Graph
 from .plan import Plan, program_to_dicts
 from .rules import has_rule, strategies_for
 from .rules.units import ShardClasses
-from .search.astar import Restriction, SearchError, synthesize
+from .search.astar import Restriction, SearchError, chunk_cuts, synthesize
 from .search.program import Estimate, Step, replay
 
 
@@ -43,6 +43,10 @@ class PlannerConfig:
     """Use the admissible A* heuristic (False: uniform-cost search, for comparison)."""
     baselines: bool = True
     """Also price DP-EV, DP-CP and tensor parallelism."""
+    layer_cuts: bool = True
+    """Search layer by layer: end a stage at every point where one activation is live (see
+    search.astar.synthesize). Plans are always priced exactly afterwards; False searches the
+    exact stage model, which is slower on deep models."""
 
 
 def _dp() -> Restriction:
@@ -126,16 +130,18 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         candidates.append((est.seconds, name, program, ratios, est))
         return est
 
+    cuts = chunk_cuts(graph) if config.layer_cuts else None
+
     def search(ratios, restriction=None):
-        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic)
+        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic, cuts=cuts)
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
         return res.program
 
     starts = {"cp": cluster.compute_proportional(), "ev": cluster.even()}
+    seen = set()  # programs already balanced, by any chain: balancing again would repeat its work
     for start_name, start in starts.items():
         ratios = [list(start) for _ in range(g)]
-        seen = set()
         for rnd in range(config.max_rounds):
             stats["rounds"] += 1
             program = search(ratios)

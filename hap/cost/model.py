@@ -60,11 +60,20 @@ class CostModel:
         self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
         self.state_factor = 2 + OPTIMIZER_STATES[optimizer]  # weights + gradients + optimizer states
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
+        self._granules: dict[str, tuple[int, ...]] = {}
 
     # -- shares --------------------------------------------------------------------------------
 
+    def granules(self, tensor: str) -> tuple[int, ...]:
+        """Split granules of every dim of a tensor (what its shares depend on)."""
+        found = self._granules.get(tensor)
+        if found is None:
+            ndim = len(self.graph.tensors[tensor].shape)
+            found = self._granules[tensor] = tuple(self.classes.granule_count(tensor, d) for d in range(ndim))
+        return found
+
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
-        key = (self.classes.granule_count(tensor, dim), tuple(ratios))
+        key = (self.granules(tensor)[dim], tuple(ratios))
         found = self._shares.get(key)
         if found is None:
             found = self._shares[key] = self.classes.shares(tensor, dim, ratios)

@@ -26,6 +26,7 @@ more than the lowest score in the queue (line 5).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import time
@@ -87,130 +88,226 @@ class SearchResult:
 
 def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int],
                ratios: Sequence[Sequence[float]], restriction: Restriction | None = None,
-               heuristic: bool = True, max_expansions: int = 5_000_000) -> SearchResult:
-    """The cheapest program under `ratios` (per segment) in the canonical-order space."""
+               heuristic: bool = True, cuts: Sequence[int] | None = None,
+               max_expansions: int = 5_000_000) -> SearchResult:
+    """The cheapest program under `ratios` (per segment) in the canonical-order space.
+
+    cuts=None: stages end only at communication, the exact cost model. cuts=[k, ...] (layer
+    boundaries, see `chunk_cuts`): a stage also ends before each node k, which can only add
+    cost (max(a + b) <= max(a) + max(b)) and is exact where no stage would cross a cut. In
+    exchange the costs of the chunks between cuts add up, and the heuristic gains, for every
+    chunk still ahead, the cost of that chunk's best program from the most favourable entry
+    state (every placement of its inputs at hand): a lower bound that already counts the
+    communication and gradient synchronisation each layer cannot avoid. Identical chunks
+    (transformer layers) share that bound, found once by the same A*.
+    """
     t0 = time.perf_counter()
-    m = cost.m
-    zero = (0.0,) * m
-    nodes = graph.nodes
-    n = len(nodes)
-    tid = {name: i for i, name in enumerate(t for t in graph.tensors if graph.tensors[t].producer >= 0)}
-    needs_grad = {i: graph.tensors[name].requires_grad for name, i in tid.items()}
-    names = {i: name for name, i in tid.items()}
-    loss_id = tid[graph.loss]
-    dead_at = _dead_sets(graph, tid, loss_id)
+    # The search allocates many small acyclic objects; with a large captured graph alive, the
+    # cyclic collector's full passes would cost more than the search itself.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts or ())
+        start = _State(0, frozenset(), frozenset(), False, 0.0, space.zero, space.zero, None, None)
+        best, best_cost = _astar(space, start, space.n, True, max_expansions)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return SearchResult(_steps_to(best, start), best_cost, space.expanded, space.generated, time.perf_counter() - t0)
 
-    # Options per node under the segment's ratios; identical nodes share the computation.
-    opts: list[list[_Option]] = []
-    for k, node in enumerate(nodes):
-        r = ratios[segment_of[k]]
-        ok = []
-        for st in strategies[k]:
-            loads, reqs, allowed = [], [], True
-            for name, p in zip(node.inputs, st.inputs):
-                t = graph.tensors[name]
-                if t.is_leaf:
-                    if restriction and not restriction.allow_load(t.kind, name, p):
-                        allowed = False
-                    loads.append(Load(name, p))
-                else:
-                    reqs.append((tid[name], p.code))
-            if not allowed:
-                continue
-            loads = tuple(dict.fromkeys(loads))
-            fwd, bwd, sync_bytes = step_compute(cost, k, st, loads, r)
-            outs = tuple(tid[o] * CODE_BITS + p.code for o, p in zip(node.outputs, st.outputs) if tid[o] not in dead_at[k] or tid[o] == loss_id)
-            ok.append(_Option(st, tuple(dict.fromkeys(reqs)), loads, fwd, bwd, sync_bytes, outs))
-        if not ok:
-            raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
-        opts.append(ok)
 
-    # Admissible heuristic: per device, the cheapest remaining computation.
-    suffix_f = [zero] * (n + 1)
-    suffix_b = [zero] * (n + 1)
-    for k in range(n - 1, -1, -1):
-        lf = tuple(min(o.fwd[j] for o in opts[k]) for j in range(m))
-        lb = tuple(min(o.bwd[j] for o in opts[k]) for j in range(m))
-        suffix_f[k] = tuple(a + b for a, b in zip(suffix_f[k + 1], lf))
-        suffix_b[k] = tuple(a + b for a, b in zip(suffix_b[k + 1], lb))
-    if not heuristic:
-        suffix_f = suffix_b = [zero] * (n + 1)
+def chunk_cuts(graph: Graph, max_live: int = 1) -> list[int]:
+    """Node indices before which at most `max_live` activations are live (layer boundaries)."""
+    live = _live_counts(graph)
+    return [k for k in range(1, len(graph.nodes)) if live[k] <= max_live]
 
-    seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
-    alpha_sync = cost.grad_sync(1.0) - cost.grad_sync(0.0) if m > 1 else 0.0
-    sync_slope = cost.grad_sync(2.0) - cost.grad_sync(1.0) if m > 1 else 0.0
-    alpha_sync -= sync_slope
 
-    move_cache: dict[tuple, list] = {}
+def _live_counts(graph: Graph) -> list[int]:
+    delta = [0] * (len(graph.nodes) + 2)
+    for t in graph.tensors.values():
+        if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer:
+            delta[t.producer + 1] += 1
+            delta[max(t.consumers) + 1] -= 1
+    out, acc = [], 0
+    for k in range(len(graph.nodes) + 1):
+        acc += delta[k]
+        out.append(acc)
+    return out
 
-    def moves_for(t: int, dst: int, seg: int):
-        key = (t, dst, seg)
-        found = move_cache.get(key)
-        if found is None:
-            found = []
-            dst_p = from_code(dst)
-            for src in _codes_for(graph.tensors[names[t]]):
-                if src == dst:
+
+class _Space:
+    """The search space: options per node under the ratios, moves, heuristic, and expansion."""
+
+    def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts):
+        self.graph, self.cost, self.segment_of, self.ratios, self.restriction = graph, cost, segment_of, ratios, restriction
+        self.m = m = cost.m
+        self.zero = zero = (0.0,) * m
+        nodes = graph.nodes
+        self.n = n = len(nodes)
+        self.tid = tid = {name: i for i, name in enumerate(t for t in graph.tensors if graph.tensors[t].producer >= 0)}
+        self.needs_grad = {i: graph.tensors[name].requires_grad for name, i in tid.items()}
+        self.names = {i: name for name, i in tid.items()}
+        self.loss_id = tid[graph.loss]
+        self.dead_at = dead_at = _dead_sets(graph, tid, self.loss_id)
+        self.expanded = self.generated = 0
+
+        # Options per node under the segment's ratios; alike nodes (every layer's) share the pricing.
+        self.opts = opts = []
+        priced: dict[tuple, tuple] = {}
+        for k, node in enumerate(nodes):
+            r = ratios[segment_of[k]]
+            alike = (id(strategies[k]), node.flops, node.bwd_flops, node.bytes_moved, segment_of[k],
+                     tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes, cost.granules(x))
+                           for x in node.inputs),
+                     tuple(cost.granules(x) for x in node.outputs))
+            ok = []
+            for i, st in enumerate(strategies[k]):
+                loads, reqs, allowed = [], [], True
+                for name, p in zip(node.inputs, st.inputs):
+                    t = graph.tensors[name]
+                    if t.is_leaf:
+                        if restriction and not restriction.allow_load(t.kind, name, p):
+                            allowed = False
+                        loads.append(Load(name, p))
+                    else:
+                        reqs.append((tid[name], p.code))
+                if not allowed:
                     continue
-                for mv in moves_between(from_code(src), dst_p, needs_grad[t]):
-                    if restriction and not restriction.allow_move(mv):
-                        continue
-                    f, b = move_seconds(cost, names[t], mv, ratios[seg], ratios[seg])
-                    found.append((src, mv, f, b))
-            move_cache[key] = found
+                loads = tuple(dict.fromkeys(loads))
+                found = priced.get((alike, i))
+                if found is None:
+                    found = priced[(alike, i)] = step_compute(cost, k, st, loads, r)
+                fwd, bwd, sync_bytes = found
+                outs = tuple(tid[o] * CODE_BITS + p.code for o, p in zip(node.outputs, st.outputs)
+                             if tid[o] not in dead_at[k] or tid[o] == self.loss_id)
+                ok.append(_Option(st, tuple(dict.fromkeys(reqs)), loads, fwd, bwd, sync_bytes, outs))
+            if not ok:
+                raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
+            opts.append(ok)
+
+        self.seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
+        alpha = cost.grad_sync(1.0) - cost.grad_sync(0.0) if m > 1 else 0.0
+        self.sync_slope = cost.grad_sync(2.0) - cost.grad_sync(1.0) if m > 1 else 0.0
+        self.alpha_sync = alpha - self.sync_slope
+        self._moves: dict[tuple, list] = {}
+        self.cut_set = frozenset(c for c in cuts if 0 < c < n)
+        self._heuristic(heuristic)
+
+    def _heuristic(self, enabled: bool) -> None:
+        """h(state at k) = open stage plus, per device, the cheapest computation left in the
+        chunk (max over devices, forward and backward apart), plus the lower bound of every
+        later chunk. At a chunk's start the open stage is empty and the chunk's own bound is
+        used instead of its computation alone."""
+        n, m, zero, opts = self.n, self.m, self.zero, self.opts
+        self.suffix_f = suffix_f = [zero] * (n + 1)
+        self.suffix_b = suffix_b = [zero] * (n + 1)
+        self.future = future = [0.0] * (n + 1)
+        if not enabled:
+            return
+        for k in range(n - 1, -1, -1):
+            lf = tuple(min(o.fwd[j] for o in opts[k]) for j in range(m))
+            lb = tuple(min(o.bwd[j] for o in opts[k]) for j in range(m))
+            rest_f, rest_b = (zero, zero) if k + 1 in self.cut_set else (suffix_f[k + 1], suffix_b[k + 1])
+            suffix_f[k] = tuple(map(float.__add__, rest_f, lf))
+            suffix_b[k] = tuple(map(float.__add__, rest_b, lb))
+        if not self.cut_set:
+            return
+        bounds = [0] + sorted(self.cut_set) + [n]
+        live = _live_lists(self, bounds)
+        lower: dict[tuple, float] = {}
+        after = 0.0
+        for lo, hi in reversed(list(zip(bounds, bounds[1:]))):
+            for k in range(lo + 1, hi):
+                future[k] = after
+            if lo in self.seg_start:
+                # Entering a segment re-splits every sharded live placement: with all of them at
+                # hand the bound would pay for rebalances no real entry makes. Computation only.
+                future[lo] = after
+                after += max(suffix_f[lo]) + max(suffix_b[lo])
+                continue
+            key = _chunk_key(self, lo, hi, live)
+            if key not in lower:
+                lower[key] = self._chunk_bound(lo, hi, live[lo])
+            after += lower[key]
+            future[lo] = after
+            suffix_f[lo] = suffix_b[lo] = zero  # a chunk start's state has no open stage
+        self.chunk_types = len(lower)
+
+    def _chunk_bound(self, lo: int, hi: int, live_in: list[int]) -> float:
+        """Cost of chunk [lo, hi) from the best conceivable entry: every placement of every live
+        input at hand, none communicated yet, gradient sync already started. More properties
+        never hurt (a move or strategy possible with fewer stays possible), so no real entry
+        state does better."""
+        props = frozenset(t * CODE_BITS + c for t in live_in for c in _codes_for(self.graph.tensors[self.names[t]]))
+        start = _State(lo, props, frozenset(), True, 0.0, self.zero, self.zero, None, None)
+        found = _astar(self, start, hi, False, 1 << 62)
+        return found[1] if found else float("inf")
+
+
+    def moves_for(self, t: int, dst: int, seg: int):
+        """(src code, move, fwd s, bwd s) for every move making placement `dst` of tensor t."""
+        key = (t, dst, seg)
+        found = self._moves.get(key)
+        if found is None:
+            # Tensors alike in bytes, gradient and split granules (every layer's) share the work.
+            name = self.names[t]
+            tensor = self.graph.tensors[name]
+            alike = (tensor.nbytes, self.needs_grad[t], self.cost.granules(name), dst, seg)
+            found = self._moves.get(alike)
+            if found is None:
+                found = self._moves[alike] = self._new_moves(name, dst, seg)
+            self._moves[key] = found
         return found
 
-    def h(k, fwd, bwd):
-        sf, sb = suffix_f[k], suffix_b[k]
-        return max(map(float.__add__, fwd, sf)) + max(map(float.__add__, bwd, sb))
+    def _new_moves(self, name: str, dst: int, seg: int) -> list:
+        found = []
+        dst_p = from_code(dst)
+        for src in _codes_for(self.graph.tensors[name]):
+            if src == dst:
+                continue
+            for mv in moves_between(from_code(src), dst_p, self.graph.tensors[name].requires_grad):
+                if self.restriction and not self.restriction.allow_move(mv):
+                    continue
+                f, b = move_seconds(self.cost, name, mv, self.ratios[seg], self.ratios[seg])
+                found.append((src, mv, f, b))
+        return found
 
-    start = _State(0, frozenset(), frozenset(), False, 0.0, zero, zero, None, None)
-    counter = itertools.count()
-    queue = [(h(0, zero, zero), next(counter), start)]
-    table: dict[tuple, list[_State]] = {}
-    best: _State | None = None
-    best_cost = float("inf")
-    expanded = generated = 0
+    def h(self, k, fwd, bwd, with_future: bool = True) -> float:
+        sf, sb = self.suffix_f[k], self.suffix_b[k]
+        rest = max(map(float.__add__, fwd, sf)) + max(map(float.__add__, bwd, sb))
+        return rest + self.future[k] if with_future else rest
 
-    while queue:
-        score, _, s = heapq.heappop(queue)
-        if score >= best_cost:
-            break
-        if s.dead:
-            continue
+    def expand(self, s: _State, emit: Callable[[_State], None]) -> None:
+        """Every child of s: a strategy for node s.k, with the moves its inputs need."""
+        self.expanded += 1
         k = s.k
-        if k == n:
-            final = s.closed + max(s.fwd) + max(s.bwd)
-            if final < best_cost:
-                best, best_cost = s, final
-            continue
-        expanded += 1
-        if expanded > max_expansions:
-            raise SearchError(f"search exceeded {max_expansions} expansions at node {k} of {n}")
-        seg = segment_of[k]
+        seg = self.segment_of[k]
         props, closed, fwd, bwd = s.props, s.closed, s.fwd, s.bwd
+        zero, names = self.zero, self.names
         pre_moves: tuple[MoveStep, ...] = ()
-        if k in seg_start:  # re-split every sharded live tensor to the new segment's ratios
+        if k in self.seg_start:  # re-split every sharded live tensor to the new segment's ratios
             for p in sorted(props):
                 if p % CODE_BITS >= 3:
                     name, pl = names[p // CODE_BITS], from_code(p % CODE_BITS)
                     mv = rebalance(pl)
-                    f, b = move_seconds(cost, name, mv, ratios[segment_of[k - 1]], ratios[seg])
+                    f, b = move_seconds(self.cost, name, mv, self.ratios[self.segment_of[k - 1]], self.ratios[seg])
                     closed += max(fwd) + max(bwd) + f + b
                     fwd = bwd = zero
                     pre_moves += (MoveStep(name, mv),)
-        for opt in opts[k]:
+        dead = self.dead_at[k]
+        cut = k + 1 in self.cut_set
+        for opt in self.opts[k]:
             choices = []
             feasible = True
             for t, code in opt.reqs:
                 if t * CODE_BITS + code in props:
                     continue
-                cand = [c for c in moves_for(t, code, seg) if t * CODE_BITS + c[0] in props
+                cand = [(t, c) for c in self.moves_for(t, code, seg) if t * CODE_BITS + c[0] in props
                         and not (c[1].fwd is not None and t in s.comm)]
                 if not cand:
                     feasible = False
                     break
-                choices.append([(t, c) for c in cand])
+                choices.append(cand)
             if not feasible:
                 continue
             for combo in itertools.product(*choices) if choices else ((),):
@@ -230,33 +327,109 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
                 c_bwd = tuple(map(float.__add__, c_bwd, opt.bwd))
                 synced = s.synced
                 if opt.sync_bytes:
-                    c_closed += opt.sync_bytes * sync_slope
+                    c_closed += opt.sync_bytes * self.sync_slope
                     if not synced:
-                        c_closed += alpha_sync
+                        c_closed += self.alpha_sync
                         synced = True
                 new_props.update(opt.outs)
-                dead = dead_at[k]
                 if dead:
                     new_props = {p for p in new_props if p // CODE_BITS not in dead}
                     comm = comm - dead
-                child = _State(k + 1, frozenset(new_props), comm, synced, c_closed, c_fwd, c_bwd, s,
-                               Step(k, opt.strategy, opt.loads, tuple(steps)))
-                generated += 1
-                if _dominated_or_insert(table, child):
-                    continue
-                score = c_closed + h(k + 1, c_fwd, c_bwd)
-                if score < best_cost:
-                    heapq.heappush(queue, (score, next(counter), child))
+                if cut:  # the stage ends at the layer boundary
+                    c_closed += max(c_fwd) + max(c_bwd)
+                    c_fwd = c_bwd = zero
+                self.generated += 1
+                emit(_State(k + 1, frozenset(new_props), comm, synced, c_closed, c_fwd, c_bwd, s,
+                            Step(k, opt.strategy, opt.loads, tuple(steps))))
 
+
+def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int):
+    """Fig. 10 from `start` to node `goal`: best-first on cost + heuristic, dominance pruning,
+    stop when no score can beat the best complete program. Returns (state, cost) or None."""
+    counter = itertools.count()
+    h = space.h
+    queue = [(h(start.k, start.fwd, start.bwd, with_future), -start.k, next(counter), start)]
+    table: dict[tuple, list[_State]] = {}
+    best: _State | None = None
+    best_cost = float("inf")
+    limit = space.expanded + max_expansions
+
+    def push(child: _State) -> None:
+        if _dominated_or_insert(table, child):
+            return
+        score = child.closed + h(child.k, child.fwd, child.bwd, with_future)
+        if score < best_cost:  # deeper first among equals: reach a goal, then prune by it
+            heapq.heappush(queue, (score, -child.k, next(counter), child))
+
+    while queue:
+        score, _, _, s = heapq.heappop(queue)
+        if score >= best_cost:
+            break
+        if s.dead:
+            continue
+        if s.k == goal:
+            final = s.closed + max(s.fwd) + max(s.bwd)
+            if final < best_cost:
+                best, best_cost = s, final
+            continue
+        if space.expanded >= limit:
+            raise SearchError(f"search exceeded {max_expansions} expansions at node {s.k} of {space.n}")
+        space.expand(s, push)
     if best is None:
-        raise SearchError("no complete program found")
+        if with_future:
+            raise SearchError("no complete program found")
+        return None
+    return best, best_cost
+
+
+def _steps_to(s: _State, stop: _State | None) -> list[Step]:
     program = []
-    s = best
-    while s.parent is not None:
+    while s is not stop and s.parent is not None:
         program.append(s.step)
         s = s.parent
     program.reverse()
-    return SearchResult(program, best_cost, expanded, generated, time.perf_counter() - t0)
+    return program
+
+
+# -- layer lower bounds -----------------------------------------------------------------------
+
+def _live_lists(space: _Space, bounds: Sequence[int]) -> dict[int, list[int]]:
+    """Activation ids live at each cut (produced before it, used at or after it), in id order."""
+    last = {}
+    for i, name in space.names.items():
+        t = space.graph.tensors[name]
+        last[i] = max(t.consumers) if t.consumers else t.producer
+    out = {b: [] for b in bounds}
+    for i, name in sorted(space.names.items()):
+        prod = space.graph.tensors[name].producer
+        for b in bounds:
+            if prod < b <= last[i] and i != space.loss_id:
+                out[b].append(i)
+    return out
+
+
+def _chunk_key(space: _Space, lo: int, hi: int, live) -> tuple:
+    """Everything the chunk search sees, with tensors numbered by first appearance."""
+    local = {t: i for i, t in enumerate(live[lo])}
+
+    def rid(t):
+        if t not in local:
+            local[t] = len(local)
+        return local[t]
+
+    nodes = []
+    for k in range(lo, hi):
+        opts = tuple((o.strategy, o.fwd, o.bwd, o.sync_bytes, tuple((rid(t), c) for t, c in o.reqs),
+                      tuple(rid(p // CODE_BITS) * CODE_BITS + p % CODE_BITS for p in o.outs)) for o in space.opts[k])
+        nodes.append((space.graph.nodes[k].op, space.segment_of[k], opts, tuple(sorted(rid(t) for t in space.dead_at[k]))))
+    tensors = []
+    for t in sorted(local, key=local.get):
+        name = space.names[t]
+        tt = space.graph.tensors[name]
+        tensors.append((tt.shape, tt.dtype, tt.requires_grad,
+                        space.cost.granules(name)))
+    seg_in = space.segment_of[lo - 1] if lo in space.seg_start else None
+    return (tuple(nodes), tuple(tensors), tuple(rid(t) for t in live[hi]), seg_in, hi == space.n)
 
 
 def _dominated_or_insert(table: dict, child: _State) -> bool:
@@ -269,17 +442,13 @@ def _dominated_or_insert(table: dict, child: _State) -> bool:
         table[key] = [child]
         return False
     props, comm = child.props, child.comm
-    c_fwd, c_bwd, c_closed = child.fwd, child.bwd, child.closed
-    c_total = c_closed + max(c_fwd) + max(c_bwd)
     keep = []
     for e in entries:
         if e.dead:
             continue
-        if props <= e.props and e.comm <= comm and _cheaper(e, c_closed, c_fwd, c_bwd):
+        if props <= e.props and e.comm <= comm and _no_dearer(e, child):
             return True
-        if e.props <= props and comm <= e.comm and (
-                (c_closed <= e.closed and all(map(float.__le__, c_fwd, e.fwd)) and all(map(float.__le__, c_bwd, e.bwd)))
-                or c_total <= e.closed):
+        if e.props <= props and comm <= e.comm and _no_dearer(child, e):
             e.dead = True
         else:
             keep.append(e)
@@ -288,11 +457,22 @@ def _dominated_or_insert(table: dict, child: _State) -> bool:
     return False
 
 
-def _cheaper(e: _State, closed: float, fwd, bwd) -> bool:
-    """e costs no more than (closed, fwd, bwd) for every continuation."""
-    if e.closed + max(e.fwd) + max(e.bwd) <= closed:
-        return True
-    return e.closed <= closed and all(map(float.__le__, e.fwd, fwd)) and all(map(float.__le__, e.bwd, bwd))
+def _no_dearer(a: _State, b: _State) -> bool:
+    """a costs no more than b after any common continuation.
+
+    The open stage closes at max_j(fwd_j + x_j) for whatever x follows, and
+    max_j(a_j + x_j) <= max_j(b_j + x_j) + max_j (a_j - b_j)^+, so it suffices that
+    a.closed + max(a.fwd - b.fwd)^+ + max(a.bwd - b.bwd)^+ <= b.closed."""
+    extra = a.closed - b.closed
+    if extra > 0:
+        return False
+    df = max(map(float.__sub__, a.fwd, b.fwd))
+    if df > 0:
+        extra += df
+    db = max(map(float.__sub__, a.bwd, b.bwd))
+    if db > 0:
+        extra += db
+    return extra <= 0
 
 
 def _dead_sets(graph: Graph, tid: dict[str, int], loss_id: int) -> list[frozenset[int]]:
