@@ -36,6 +36,10 @@ def timed_plan(graph, cluster, repeats):
     return statistics.median(times), result
 
 
+def _kind(result) -> str:
+    return "exhaustive" if result.search.get("exhaustive", True) else "width-limited"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -46,21 +50,23 @@ def main() -> int:
     het8 = load_cluster("paper-hetero-8")
 
     print("Synthesis time on paper-hetero-8 (seconds; published = the Rust prototype, same machine class)")
-    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'per layer':>9}")
+    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'per layer':>9}  search")
     rows = []
     layer_counts = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16, 24]
     for layers in layer_counts:
         model, inputs = build("vit", layers=layers, devices=het8.gpus, device="meta")
         graph = capture(model, inputs, name=f"vit-{layers}")
-        secs, _ = timed_plan(graph, het8, repeats)
+        secs, result = timed_plan(graph, het8, repeats)
         pub = PUBLISHED.get(("vit", layers))
         rows.append((layers, secs))
-        print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {secs / layers:9.4f}", flush=True)
+        print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {secs / layers:9.4f}  "
+              f"{_kind(result)}", flush=True)
     for name in ("vgg19", "bert", "bert-moe"):
         model, inputs = build(name, devices=het8.gpus, device="meta")
         graph = capture(model, inputs, name=name)
-        secs, _ = timed_plan(graph, het8, repeats)
-        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {PUBLISHED[(name, None)]:>9}", flush=True)
+        secs, result = timed_plan(graph, het8, repeats)
+        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {PUBLISHED[(name, None)]:>9} {'':9}  {_kind(result)}",
+              flush=True)
     if len(rows) >= 2:
         (l0, t0), (l1, t1) = rows[0], rows[-1]
         print(f"growth: {l1 / l0:.0f}x the layers took {t1 / t0:.1f}x the time")

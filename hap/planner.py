@@ -43,6 +43,10 @@ class PlannerConfig:
     """Use the admissible A* heuristic (False: uniform-cost search, for comparison)."""
     baselines: bool = True
     """Also price DP-EV, DP-CP and tensor parallelism."""
+    width: int | None = 24
+    """Most programs the search expands per node index (None: no limit). Searches that never
+    reach it are exhaustive, i.e. proven optimal in their space (the plan's `search.exhaustive`
+    says whether all were); wide routing code such as MoE gating reaches it and stays fast."""
     layer_cuts: bool = True
     """Search layer by layer: end a stage at every point where one activation is live (see
     search.astar.synthesize). Plans are always priced exactly afterwards; False searches the
@@ -123,7 +127,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
     capacity = [d.memory for d in cluster.devices]
 
     candidates: list[tuple[float, str, list[Step], list[list[float]], Estimate]] = []
-    stats = {"rounds": 0, "expanded": 0, "generated": 0}
+    stats = {"rounds": 0, "expanded": 0, "generated": 0, "exhaustive": True}
 
     def price(name, program, ratios):
         est = replay(program, cost, segment_of, ratios)
@@ -133,7 +137,9 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
     cuts = chunk_cuts(graph) if config.layer_cuts else None
 
     def search(ratios, restriction=None):
-        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic, cuts=cuts)
+        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic, cuts=cuts,
+                          width=config.width)
+        stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
         return res.program

@@ -35,12 +35,16 @@ from typing import Callable, Sequence
 
 from ..cost.model import CostModel
 from ..ir import Graph
-from ..placement import Placement, from_code
+from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from .program import Load, MoveStep, Step, move_seconds, step_compute
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
+R_CODE = R.code
+MAX_CODES = 3 + 8  # R, D, P and S(0..7): a superset of any tensor's placements is harmless in `_reach`
+BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
+
 
 
 class SearchError(RuntimeError):
@@ -55,6 +59,8 @@ class Restriction:
     allow_load: Callable[[str, str, Placement], bool]
     """(tensor kind, tensor name, placement) -> may this leaf be loaded so."""
     allow_move: Callable[[Move], bool] = lambda mv: True
+    """May this move be used. Moves that communicate in neither pass must stay allowed: the
+    dominance test counts on R turning into D, P or a shard for free."""
 
 
 @dataclass(slots=True)
@@ -69,12 +75,12 @@ class _Option:
 
 
 class _State:
-    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "dead")
+    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "reach")
 
     def __init__(self, k, props, comm, synced, closed, fwd, bwd, parent, step):
         self.k, self.props, self.comm, self.synced = k, props, comm, synced
         self.closed, self.fwd, self.bwd = closed, fwd, bwd
-        self.parent, self.step, self.dead = parent, step, False
+        self.parent, self.step, self.reach = parent, step, None
 
 
 @dataclass(slots=True)
@@ -84,12 +90,14 @@ class SearchResult:
     expanded: int
     generated: int
     seconds: float
+    exhaustive: bool = True
+    """False when the width limit dropped a program: `cost` is then not proven optimal."""
 
 
 def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int],
                ratios: Sequence[Sequence[float]], restriction: Restriction | None = None,
                heuristic: bool = True, cuts: Sequence[int] | None = None,
-               max_expansions: int = 5_000_000) -> SearchResult:
+               max_expansions: int = 5_000_000, width: int | None = None) -> SearchResult:
     """The cheapest program under `ratios` (per segment) in the canonical-order space.
 
     cuts=None: stages end only at communication, the exact cost model. cuts=[k, ...] (layer
@@ -100,6 +108,9 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     state (every placement of its inputs at hand): a lower bound that already counts the
     communication and gradient synchronisation each layer cannot avoid. Identical chunks
     (transformer layers) share that bound, found once by the same A*.
+
+    width=None keeps the search exhaustive (a proven optimum); an int caps the programs
+    expanded per node index (see `_astar`), and the result says whether the cap was hit.
     """
     t0 = time.perf_counter()
     # The search allocates many small acyclic objects; with a large captured graph alive, the
@@ -109,23 +120,36 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     try:
         space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts or ())
         start = _State(0, frozenset(), frozenset(), False, 0.0, space.zero, space.zero, None, None)
-        best, best_cost = _astar(space, start, space.n, True, max_expansions)
+        best, best_cost = _astar(space, start, space.n, True, max_expansions, width)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return SearchResult(_steps_to(best, start), best_cost, space.expanded, space.generated, time.perf_counter() - t0)
+    return SearchResult(_steps_to(best, start), best_cost, space.expanded, space.generated, time.perf_counter() - t0,
+                        space.exhaustive)
 
 
-def chunk_cuts(graph: Graph, max_live: int = 1) -> list[int]:
-    """Node indices before which at most `max_live` activations are live (layer boundaries)."""
-    live = _live_counts(graph)
-    return [k for k in range(1, len(graph.nodes)) if live[k] <= max_live]
+def chunk_cuts(graph: Graph, max_live: int = 1, max_chunk: int = 16) -> list[int]:
+    """Where to cut the graph for the layer-wise search: before every node where at most
+    `max_live` activations other than scalars are live (layer boundaries: a scalar such as an
+    auxiliary loss may ride along to the end), and inside longer stretches, at the points with
+    the fewest live activations, so that no chunk exceeds `max_chunk` nodes."""
+    live = _live_counts(graph, scalars=False)
+    n = len(graph.nodes)
+    base = [0] + [k for k in range(1, n) if live[k] <= max_live] + [n]
+    cuts = []
+    for lo, hi in zip(base, base[1:]):
+        while hi - lo > max_chunk:
+            # the least-live point in the second half of the next max_chunk nodes
+            lo = min(range(lo + max_chunk // 2, lo + max_chunk + 1), key=lambda k: (live[k], -k))
+            cuts.append(lo)
+        cuts.append(hi)
+    return [c for c in cuts if 0 < c < n]
 
 
-def _live_counts(graph: Graph) -> list[int]:
+def _live_counts(graph: Graph, scalars: bool = True) -> list[int]:
     delta = [0] * (len(graph.nodes) + 2)
     for t in graph.tensors.values():
-        if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer:
+        if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer and (scalars or len(t.shape) > 0):
             delta[t.producer + 1] += 1
             delta[max(t.consumers) + 1] -= 1
     out, acc = [], 0
@@ -150,6 +174,7 @@ class _Space:
         self.loss_id = tid[graph.loss]
         self.dead_at = dead_at = _dead_sets(graph, tid, self.loss_id)
         self.expanded = self.generated = 0
+        self.exhaustive = True
 
         # Options per node under the segment's ratios; alike nodes (every layer's) share the pricing.
         self.opts = opts = []
@@ -190,6 +215,11 @@ class _Space:
         self.sync_slope = cost.grad_sync(2.0) - cost.grad_sync(1.0) if m > 1 else 0.0
         self.alpha_sync = alpha - self.sync_slope
         self._moves: dict[tuple, list] = {}
+        if restriction:
+            for dst in (D, P, Placement("S", 0)):
+                for mv in moves_between(R, dst, True):
+                    if not restriction.allow_move(mv):
+                        raise ValueError(f"restriction {restriction.name!r} forbids the free move {mv.name} (R -> {dst})")
         self.cut_set = frozenset(c for c in cuts if 0 < c < n)
         self._heuristic(heuristic)
 
@@ -240,7 +270,10 @@ class _Space:
         state does better."""
         props = frozenset(t * CODE_BITS + c for t in live_in for c in _codes_for(self.graph.tensors[self.names[t]]))
         start = _State(lo, props, frozenset(), True, 0.0, self.zero, self.zero, None, None)
-        found = _astar(self, start, hi, False, 1 << 62)
+        try:
+            found = _astar(self, start, hi, False, BOUND_EXPANSIONS_PER_NODE * (hi - lo))
+        except SearchError:  # too wide to bound cheaply: fall back to its computation alone
+            return max(self.suffix_f[lo]) + max(self.suffix_b[lo])
         return found[1] if found else float("inf")
 
 
@@ -343,9 +376,20 @@ class _Space:
                             Step(k, opt.strategy, opt.loads, tuple(steps))))
 
 
-def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int):
+def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int, width: int | None = None):
     """Fig. 10 from `start` to node `goal`: best-first on cost + heuristic, dominance pruning,
-    stop when no score can beat the best complete program. Returns (state, cost) or None."""
+    stop when no score can beat the best complete program. Returns (state, cost) or None.
+
+    The dominance table holds expanded programs only: a program is checked against it when
+    generated and again when popped (something expanded meanwhile may dominate it), so the
+    many programs generated but never expanded cost no comparisons.
+
+    width: expand at most this many programs per node index. Where many small tensors each
+    have several near-equally cheap placements (MoE routing masks), the programs below the
+    optimum's score multiply; the width keeps the search linear there. A search that drops
+    a program for width sets space.exhaustive = False, and the result is then only the best
+    program found, not a proven optimum."""
+    per_node = [0] * (space.n + 1)
     counter = itertools.count()
     h = space.h
     queue = [(h(start.k, start.fwd, start.bwd, with_future), -start.k, next(counter), start)]
@@ -355,23 +399,27 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
     limit = space.expanded + max_expansions
 
     def push(child: _State) -> None:
-        if _dominated_or_insert(table, child):
-            return
         score = child.closed + h(child.k, child.fwd, child.bwd, with_future)
-        if score < best_cost:  # deeper first among equals: reach a goal, then prune by it
+        if score < best_cost and not _dominated(table, child):  # deeper first among equal scores
             heapq.heappush(queue, (score, -child.k, next(counter), child))
 
     while queue:
         score, _, _, s = heapq.heappop(queue)
         if score >= best_cost:
             break
-        if s.dead:
-            continue
         if s.k == goal:
             final = s.closed + max(s.fwd) + max(s.bwd)
             if final < best_cost:
                 best, best_cost = s, final
             continue
+        if _dominated(table, s):
+            continue
+        if width is not None:
+            if per_node[s.k] >= width:
+                space.exhaustive = False
+                continue
+            per_node[s.k] += 1
+        _insert(table, s)
         if space.expanded >= limit:
             raise SearchError(f"search exceeded {max_expansions} expansions at node {s.k} of {space.n}")
         space.expand(s, push)
@@ -432,29 +480,36 @@ def _chunk_key(space: _Space, lo: int, hi: int, live) -> tuple:
     return (tuple(nodes), tuple(tensors), tuple(rid(t) for t in live[hi]), seg_in, hi == space.n)
 
 
-def _dominated_or_insert(table: dict, child: _State) -> bool:
-    """Fig. 10 lines 9-14: drop the child if a program with at least its properties (and no more
-    tensors communicated) costs no more; drop queued programs the child so dominates."""
+def _table_key(s: _State) -> tuple:
     # Only programs holding the same live tensors are compared (any of their placements).
-    key = (child.k, child.synced, frozenset(p // CODE_BITS for p in child.props))
-    entries = table.get(key)
-    if entries is None:
-        table[key] = [child]
-        return False
-    props, comm = child.props, child.comm
-    keep = []
-    for e in entries:
-        if e.dead:
-            continue
-        if props <= e.props and e.comm <= comm and _no_dearer(e, child):
+    return s.k, s.synced, frozenset(p // CODE_BITS for p in s.props)
+
+
+def _reach(s: _State) -> frozenset:
+    """s's properties plus those one free move away: R (the whole value, partial gradient)
+    slices to any S, duplicates to D and zero-pads to P with no communication in either pass
+    and no stage boundary, so holding R is as good as holding all of them."""
+    if s.reach is None:
+        extra = [p - R_CODE + c for p in s.props if p % CODE_BITS == R_CODE for c in range(MAX_CODES)]
+        s.reach = s.props.union(extra) if extra else s.props
+    return s.reach
+
+
+def _dominated(table: dict, s: _State) -> bool:
+    """Fig. 10 line 9: a program with at least s's properties (up to free moves), no more
+    tensors communicated, and no dearer for any continuation makes s redundant."""
+    reach, comm = _reach(s), s.comm
+    for e in table.get(_table_key(s), ()):
+        if e.comm <= comm and reach <= _reach(e) and _no_dearer(e, s):
             return True
-        if e.props <= props and comm <= e.comm and _no_dearer(child, e):
-            e.dead = True
-        else:
-            keep.append(e)
-    keep.append(child)
-    table[key] = keep
     return False
+
+
+def _insert(table: dict, s: _State) -> None:
+    """Lines 12-14: add s, dropping the programs it dominates."""
+    key = _table_key(s)
+    reach, comm = _reach(s), s.comm
+    table[key] = [e for e in table.get(key, ()) if not (comm <= e.comm and _reach(e) <= reach and _no_dearer(s, e))] + [s]
 
 
 def _no_dearer(a: _State, b: _State) -> bool:

@@ -126,14 +126,21 @@ def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[
     return fwd, bwd, sync_bytes
 
 
-def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios) -> Estimate:
-    """Price a program exactly: stages, gradient sync and memory under `ratios`."""
+def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
+           cuts: Sequence[int] = ()) -> Estimate:
+    """Price a program exactly: stages, gradient sync and memory under `ratios`.
+
+    cuts: also start a stage before these nodes (the layer-cut search's pricing, an upper
+    bound on the exact cost)."""
     m = cost.m
     stages = [Stage(fwd=[0.0] * m, bwd=[0.0] * m)]
     sync_bytes = 0.0
     prev_seg = segment_of[program[0].node] if program else 0
+    cut_set = set(cuts)
     for step in program:
         seg = segment_of[step.node]
+        if step.node in cut_set:
+            stages.append(Stage(fwd=[0.0] * m, bwd=[0.0] * m))
         for ms in step.moves:
             before = ratios[prev_seg] if ms.move.name == "rebalance" else ratios[seg]
             f, b = move_seconds(cost, ms.tensor, ms.move, before, ratios[seg])
