@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from hap.balance.lp import BalanceError
 from hap.capture import capture
 from hap.cost.cluster import load_cluster
 from hap.models import build
@@ -79,7 +80,11 @@ def main() -> int:
         for name in ("vgg19", "vit", "bert", "bert-moe"):
             model, inputs = build(name, devices=cluster.gpus, device="meta")
             graph = capture(model, inputs, name=name)
-            result = plan(graph, cluster)
+            try:
+                result = plan(graph, cluster)
+            except BalanceError as e:
+                print(f"{name:>10} {cluster_name:>16}  no plan: {e}", flush=True)
+                continue
             b = result.baselines
             hap_s = result.estimated_iteration_seconds
             print(f"{name:>10} {cluster_name:>16} {hap_s * 1e3:9.1f} {b['dp_ev']['seconds'] * 1e3:9.1f} "

@@ -163,11 +163,14 @@ def _mark_requires_grad(graph: Graph) -> None:
         t.requires_grad = _is_float(t.dtype)
     for n in graph.nodes:
         flows = any(graph.tensors[i].requires_grad for i in n.inputs)
-        for o in n.outputs:
+        for k, o in enumerate(n.outputs):
             t = graph.tensors[o]
+            if n.op in _OUTPUT_K_FROM_INPUT_K:  # broadcast_tensors: each output is a view of its own input
+                flows = graph.tensors[n.inputs[k]].requires_grad
             t.requires_grad = flows and _is_float(t.dtype) and n.op not in _NON_DIFFERENTIABLE
 
 
+_OUTPUT_K_FROM_INPUT_K = {"aten.broadcast_tensors.default"}
 _NON_DIFFERENTIABLE = {"aten.detach.default", "aten.zeros_like.default", "aten.ones_like.default",
                        "aten.empty_like.default", "aten.full_like.default"}
 
