@@ -181,6 +181,20 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
 
     feasible = [c for c in candidates if _fits(c[4], capacity)]
     if not feasible:
+        # The search minimises time and ignores memory; when nothing fits, search again with
+        # every parameter of 1 MiB or more sharded, and let the balancer fit it.
+        say("no program fits in memory: searching with large parameters sharded")
+        frugal = Restriction(name="sharded parameters", allow_load=lambda kind, name, p: (
+            kind != "param" or p.is_shard or graph.tensors[name].nbytes < 2**20))
+        ratios = [list(cluster.compute_proportional()) for _ in range(g)]
+        try:
+            program = search(ratios, frugal)
+            ratios = balance(program, cost, segment_of, g, capacity).ratios
+            price("hap with sharded parameters", program, ratios)
+        except (SearchError, BalanceError) as e:
+            say(f"  {e}")
+        feasible = [c for c in candidates if _fits(c[4], capacity)]
+    if not feasible:
         worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
         j = max(range(len(capacity)), key=lambda j: worst[4].memory[j] / capacity[j])
         raise BalanceError(f"out of memory: the most frugal program found needs {worst[4].memory[j] / 2**30:.2f} GiB on "
