@@ -19,9 +19,13 @@ ecost(Q) = for forward and backward separately, the largest over devices of the 
            strategy on that device. This assumes free communication, never exceeds the true
            remainder (a sum of per-stage maxima is at least the maximum of sums), and is not
            zero.
-A program Q' is dropped when a program with the same properties costs no more on every
-device (line 9 of Fig. 10), and the search stops when the best complete program costs no
-more than the lowest score in the queue (line 5).
+A program Q' is dropped when a program with at least its properties costs no more for any
+continuation (line 9 of Fig. 10), and the search stops when the best complete program costs
+no more than the lowest score in the queue (line 5).
+
+With layer cuts (`synthesize(cuts=...)`, what the planner uses) ecost also counts, for each
+chunk between cuts still ahead, a lower bound on that chunk's cost; an optional width caps
+the programs expanded per node (the result then says it is not exhaustive).
 """
 
 from __future__ import annotations
