@@ -6,11 +6,10 @@ import torch.nn as nn
 from hap.capture import capture
 from hap.placement import P, S
 from hap.rules import strategies_for
-from hap.rules.check import check_strategy
-from hap.rules.units import ShardClasses
+
+import rulecheck
 
 torch.set_num_threads(1)
-RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15])
 SHAPE = (10, 12, 4)
 
 
@@ -30,16 +29,7 @@ def check_ops(fn, ops) -> tuple:
     """Capture fn, check every strategy of every node running one of `ops`; return the graph
     and {op: [nodes]}."""
     graph = capture(Fn(fn), (torch.randn(SHAPE),))
-    table = [(n.index, strategies_for(n, graph)) for n in graph.nodes]
-    classes = ShardClasses(graph, table)
-    found = {op: [n for n in graph.nodes if n.op == op] for op in ops}
-    assert all(found.values()), f"not captured: {[op for op, ns in found.items() if not ns]}"
-    for nodes in found.values():
-        for n in nodes:
-            for st in table[n.index][1]:
-                for ratios in RATIOS:
-                    check_strategy(n, graph, st, ratios, classes)
-    return graph, found
+    return graph, rulecheck.check_ops(graph, ops)
 
 
 def offered(node, graph) -> dict:

@@ -12,8 +12,9 @@ from hap.rules import strategies_for
 from hap.rules.check import check_strategy
 from hap.rules.units import ShardClasses
 
+from rulecheck import RATIOS, check_ops
+
 torch.set_num_threads(1)
-RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15])
 
 
 class Fn(nn.Module):
@@ -30,20 +31,6 @@ class Fn(nn.Module):
 
 def graph_of(fn, shape, *rest):
     return capture(Fn(fn, shape), (torch.randn(shape), *rest))
-
-
-def check_ops(graph, ops) -> dict:
-    """Check every strategy of every node running one of `ops`; return {op: [nodes]}."""
-    table = [(n.index, strategies_for(n, graph)) for n in graph.nodes]
-    classes = ShardClasses(graph, table)
-    found = {op: [n for n in graph.nodes if n.op == op] for op in ops}
-    assert all(found.values()), f"not captured: {[op for op, ns in found.items() if not ns]}"
-    for nodes in found.values():
-        for n in nodes:
-            for st in table[n.index][1]:
-                for ratios in RATIOS:
-                    check_strategy(n, graph, st, ratios, classes)
-    return found
 
 
 def offered(node, graph) -> set:

@@ -30,6 +30,7 @@ the programs expanded per node (the result then says it is not exhaustive).
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import itertools
@@ -265,7 +266,6 @@ class _Space:
             after += lower[key]
             future[lo] = after
             suffix_f[lo] = suffix_b[lo] = zero  # a chunk start's state has no open stage
-        self.chunk_types = len(lower)
 
     def _chunk_bound(self, lo: int, hi: int, live_in: list[int]) -> float:
         """Cost of chunk [lo, hi) from the best conceivable entry: every placement of every live
@@ -447,16 +447,15 @@ def _steps_to(s: _State, stop: _State | None) -> list[Step]:
 
 def _live_lists(space: _Space, bounds: Sequence[int]) -> dict[int, list[int]]:
     """Activation ids live at each cut (produced before it, used at or after it), in id order."""
-    last = {}
-    for i, name in space.names.items():
-        t = space.graph.tensors[name]
-        last[i] = max(t.consumers) if t.consumers else t.producer
-    out = {b: [] for b in bounds}
+    bounds = sorted(bounds)
+    out: dict[int, list[int]] = {b: [] for b in bounds}
     for i, name in sorted(space.names.items()):
-        prod = space.graph.tensors[name].producer
-        for b in bounds:
-            if prod < b <= last[i] and i != space.loss_id:
-                out[b].append(i)
+        t = space.graph.tensors[name]
+        if i == space.loss_id:
+            continue
+        last = max(t.consumers) if t.consumers else t.producer
+        for b in bounds[bisect.bisect_right(bounds, t.producer):bisect.bisect_right(bounds, last)]:
+            out[b].append(i)
     return out
 
 
