@@ -181,18 +181,22 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
 
     feasible = [c for c in candidates if _fits(c[4], capacity)]
     if not feasible:
-        # The search minimises time and ignores memory; when nothing fits, search again with
-        # every parameter of 1 MiB or more sharded, and let the balancer fit it.
-        say("no program fits in memory: searching with large parameters sharded")
+        # The search minimises time and ignores memory. When nothing fits, search again with the
+        # largest parameters sharded (enough that the rest, replicated, takes at most an eighth
+        # of the smallest device) and the data split on the batch, and let the balancer fit it.
+        big = _largest_params(graph, cost.state_factor, min(capacity) / 8)
+        say(f"no program fits in memory: searching with {len(big)} large parameters sharded")
         frugal = Restriction(name="sharded parameters", allow_load=lambda kind, name, p: (
-            kind != "param" or p.is_shard or graph.tensors[name].nbytes < 2**20))
-        ratios = [list(cluster.compute_proportional()) for _ in range(g)]
-        try:
-            program = search(ratios, frugal)
-            ratios = balance(program, cost, segment_of, g, capacity).ratios
-            price("hap with sharded parameters", program, ratios)
-        except (SearchError, BalanceError) as e:
-            say(f"  {e}")
+            (p.is_shard or name not in big) if kind == "param" else (p.kind == "S" and p.dim == 0) if kind == "input" else True))
+        for start in (cluster.compute_proportional(), cluster.even()):
+            ratios = [list(start) for _ in range(g)]
+            try:
+                program = search(ratios, frugal)
+                price("hap with sharded parameters", program, ratios)
+                ratios = balance(program, cost, segment_of, g, capacity).ratios
+                price("hap with sharded parameters, balanced", program, ratios)
+            except (SearchError, BalanceError) as e:
+                say(f"  {e}")
         feasible = [c for c in candidates if _fits(c[4], capacity)]
     if not feasible:
         worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
@@ -212,6 +216,19 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         replicated_ops=sorted({n.op for n in graph.nodes if not has_rule(n.op)}),
         search={**stats, "winner": winner, "candidates": len(candidates)},
     )
+
+
+def _largest_params(graph: Graph, state_factor: float, budget: float) -> set[str]:
+    """The largest parameters, as few as leave at most `budget` bytes of state for the rest."""
+    params = sorted((t for t in graph.tensors.values() if t.kind == "param"), key=lambda t: -t.nbytes)
+    rest = sum(t.nbytes for t in params) * state_factor
+    chosen = set()
+    for t in params:
+        if rest <= budget:
+            break
+        chosen.add(t.name)
+        rest -= t.nbytes * state_factor
+    return chosen
 
 
 def _fits(est: Estimate, capacity) -> bool:

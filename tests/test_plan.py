@@ -131,3 +131,31 @@ def test_cli_plan_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["estimated_iteration_seconds"] > 0 and "dp_cp" in data["baselines"]
     assert "estimated iteration" in proc.stdout
+
+
+def test_largest_params_leave_the_budget():
+    # Parameters of 1600, 1024 and 256 bytes (400 + 256 + 64 floats); adam keeps 4x their
+    # bytes: 6400 + 4096 + 1024 = 11520 in all.
+    from hap.planner import _largest_params
+
+    class Fake:  # a graph with only parameters
+        def __init__(self, sizes):
+            self.tensors = {n: type("T", (), {"name": n, "kind": "param", "nbytes": b})() for n, b in sizes.items()}
+
+    fake = Fake({"a": 1600, "b": 1024, "c": 256})
+    assert _largest_params(fake, 4, 11520) == set()
+    assert _largest_params(fake, 4, 5120) == {"a"}  # 11520 - 6400 = 5120 left
+    assert _largest_params(fake, 4, 5119) == {"a", "b"}  # 1024 left
+    assert _largest_params(fake, 4, 0) == {"a", "b", "c"}
+
+
+def test_memory_tight_cluster_shards_large_parameters(graph):
+    """Replicated, the MLP's parameter state (33k floats, 4x for adam: 532 KB) exceeds each
+    device's 400 KB, and the link is so slow that every unrestricted program replicates. The
+    planner must then find a program with the large parameters sharded that fits."""
+    tight = Cluster(name="tight", devices=(Device(name="a", flops=2e12, memory=400e3),
+                                          Device(name="b", flops=1e12, memory=400e3)),
+                    collectives=fits_from_network(2, 1e5, 1e-5))
+    result = plan(graph, tight)
+    assert all(m <= 400e3 for m in result.memory_bytes)
+    assert "sharded parameters" in result.search["winner"]

@@ -80,12 +80,12 @@ class _Option:
 
 
 class _State:
-    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "reach")
+    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "reach", "key")
 
     def __init__(self, k, props, comm, synced, closed, fwd, bwd, parent, step):
         self.k, self.props, self.comm, self.synced = k, props, comm, synced
         self.closed, self.fwd, self.bwd = closed, fwd, bwd
-        self.parent, self.step, self.reach = parent, step, None
+        self.parent, self.step, self.reach, self.key = parent, step, None, None
 
 
 @dataclass(slots=True)
@@ -485,7 +485,9 @@ def _chunk_key(space: _Space, lo: int, hi: int, live) -> tuple:
 
 def _table_key(s: _State) -> tuple:
     # Only programs holding the same live tensors are compared (any of their placements).
-    return s.k, s.synced, frozenset(p // CODE_BITS for p in s.props)
+    if s.key is None:
+        s.key = s.k, s.synced, frozenset(p // CODE_BITS for p in s.props)
+    return s.key
 
 
 def _reach(s: _State) -> frozenset:
@@ -501,9 +503,12 @@ def _reach(s: _State) -> frozenset:
 def _dominated(table: dict, s: _State) -> bool:
     """Fig. 10 line 9: a program with at least s's properties (up to free moves), no more
     tensors communicated, and no dearer for any continuation makes s redundant."""
-    reach, comm = _reach(s), s.comm
-    for e in table.get(_table_key(s), ()):
-        if e.comm <= comm and reach <= _reach(e) and _no_dearer(e, s):
+    entries = table.get(_table_key(s))
+    if not entries:
+        return False
+    reach, comm, closed = _reach(s), s.comm, s.closed
+    for e in entries:  # the cheap test first: a dominator has closed no more stages' cost
+        if e.closed <= closed and e.comm <= comm and reach <= (e.reach or _reach(e)) and _no_dearer(e, s):
             return True
     return False
 
@@ -511,8 +516,9 @@ def _dominated(table: dict, s: _State) -> bool:
 def _insert(table: dict, s: _State) -> None:
     """Lines 12-14: add s, dropping the programs it dominates."""
     key = _table_key(s)
-    reach, comm = _reach(s), s.comm
-    table[key] = [e for e in table.get(key, ()) if not (comm <= e.comm and _reach(e) <= reach and _no_dearer(s, e))] + [s]
+    reach, comm, closed = _reach(s), s.comm, s.closed
+    table[key] = [e for e in table.get(key, ())
+                  if not (closed <= e.closed and comm <= e.comm and (e.reach or _reach(e)) <= reach and _no_dearer(s, e))] + [s]
 
 
 def _no_dearer(a: _State, b: _State) -> bool:
