@@ -80,12 +80,12 @@ class _Option:
 
 
 class _State:
-    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "reach", "key")
+    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "reach", "key", "bound")
 
     def __init__(self, k, props, comm, synced, closed, fwd, bwd, parent, step):
         self.k, self.props, self.comm, self.synced = k, props, comm, synced
         self.closed, self.fwd, self.bwd = closed, fwd, bwd
-        self.parent, self.step, self.reach, self.key = parent, step, None, None
+        self.parent, self.step, self.reach, self.key, self.bound = parent, step, None, None, None
 
 
 @dataclass(slots=True)
@@ -500,15 +500,23 @@ def _reach(s: _State) -> frozenset:
     return s.reach
 
 
+def _bound(s: _State) -> frozenset:
+    """The communicated tensors s may not communicate again and cannot do without: a tensor
+    held in R needs no more communication (every placement is a free move away)."""
+    if s.bound is None:
+        s.bound = frozenset(t for t in s.comm if t * CODE_BITS + R_CODE not in s.props) if s.comm else s.comm
+    return s.bound
+
+
 def _dominated(table: dict, s: _State) -> bool:
     """Fig. 10 line 9: a program with at least s's properties (up to free moves), no more
-    tensors communicated, and no dearer for any continuation makes s redundant."""
+    tensors it may not communicate, and no dearer for any continuation makes s redundant."""
     entries = table.get(_table_key(s))
     if not entries:
         return False
     reach, comm, closed = _reach(s), s.comm, s.closed
     for e in entries:  # the cheap test first: a dominator has closed no more stages' cost
-        if e.closed <= closed and e.comm <= comm and reach <= (e.reach or _reach(e)) and _no_dearer(e, s):
+        if e.closed <= closed and _bound(e) <= comm and reach <= (e.reach or _reach(e)) and _no_dearer(e, s):
             return True
     return False
 
@@ -516,9 +524,9 @@ def _dominated(table: dict, s: _State) -> bool:
 def _insert(table: dict, s: _State) -> None:
     """Lines 12-14: add s, dropping the programs it dominates."""
     key = _table_key(s)
-    reach, comm, closed = _reach(s), s.comm, s.closed
+    reach, bound, closed = _reach(s), _bound(s), s.closed
     table[key] = [e for e in table.get(key, ())
-                  if not (closed <= e.closed and comm <= e.comm and (e.reach or _reach(e)) <= reach and _no_dearer(s, e))] + [s]
+                  if not (closed <= e.closed and bound <= e.comm and (e.reach or _reach(e)) <= reach and _no_dearer(s, e))] + [s]
 
 
 def _no_dearer(a: _State, b: _State) -> bool:
