@@ -27,7 +27,7 @@ from .ir import Graph
 from .plan import Plan, program_to_dicts
 from .rules import has_rule, strategies_for
 from .rules.units import ShardClasses
-from .search.astar import Restriction, SearchError, chunk_cuts, synthesize
+from .search.astar import Frame, Restriction, SearchError, chunk_cuts, synthesize
 from .search.program import Estimate, Step, replay
 
 
@@ -44,9 +44,13 @@ class PlannerConfig:
     baselines: bool = True
     """Also price DP-EV, DP-CP and tensor parallelism."""
     width: int | None = 24
-    """Most programs the search expands per node index (None: no limit). Searches that never
-    reach it are exhaustive, i.e. proven optimal in their space (the plan's `search.exhaustive`
-    says whether all were); wide routing code such as MoE gating reaches it and stays fast."""
+    """Most programs the search expands per node index once it has used its exhaustive budget
+    (`width_after`); None: no limit. Searches that never drop a program for it are exhaustive,
+    i.e. proven optimal in their space (the plan's `search.exhaustive` says whether all were);
+    wide routing code such as MoE gating reaches it and stays fast."""
+    width_after: float = 8.0
+    """Programs per graph node a search may expand before the width cap applies. Deep models
+    of identical layers need about 2-6, so their plans are proven optimal."""
     layer_cuts: bool = True
     """Search layer by layer: end a stage at every point where one activation is live (see
     search.astar.synthesize). Plans are always priced exactly afterwards; False searches the
@@ -135,10 +139,11 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         return est
 
     cuts = chunk_cuts(graph) if config.layer_cuts else None
+    frame = Frame(graph, strategies, cost, segment_of)
 
     def search(ratios, restriction=None):
         res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic, cuts=cuts,
-                          width=config.width)
+                         width=config.width, width_after=config.width_after, frame=frame)
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated

@@ -195,3 +195,14 @@ def test_width_limit_is_reported(graphs):
     assert narrow.cost >= full.cost * (1 - 1e-12)
     assert narrow.expanded <= full.expanded
     assert not narrow.exhaustive  # one program per node cannot cover this graph's choices
+
+
+def test_width_applies_only_after_the_exhaustive_budget(graphs):
+    """A search that finishes within `width_after` expansions per node never drops a program,
+    so it stays exhaustive and optimal even with a width of 1."""
+    graph = graphs["residual"]
+    strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 1e6))
+    full = synthesize(graph, strategies, cost, seg, [(0.6, 0.4)])
+    budgeted = synthesize(graph, strategies, cost, seg, [(0.6, 0.4)], width=1, width_after=full.expanded)
+    assert budgeted.exhaustive and budgeted.cost == pytest.approx(full.cost, rel=1e-12)
+    assert not synthesize(graph, strategies, cost, seg, [(0.6, 0.4)], width=1, width_after=0).exhaustive

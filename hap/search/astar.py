@@ -102,7 +102,8 @@ class SearchResult:
 def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int],
                ratios: Sequence[Sequence[float]], restriction: Restriction | None = None,
                heuristic: bool = True, cuts: Sequence[int] | None = None,
-               max_expansions: int = 5_000_000, width: int | None = None) -> SearchResult:
+               max_expansions: int = 5_000_000, width: int | None = None,
+               width_after: float = 0.0, frame: Frame | None = None) -> SearchResult:
     """The cheapest program under `ratios` (per segment) in the canonical-order space.
 
     cuts=None: stages end only at communication, the exact cost model. cuts=[k, ...] (layer
@@ -115,7 +116,8 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     (transformer layers) share that bound, found once by the same A*.
 
     width=None keeps the search exhaustive (a proven optimum); an int caps the programs
-    expanded per node index (see `_astar`), and the result says whether the cap was hit.
+    expanded per node index (see `_astar`) once the search has expanded `width_after` programs
+    per node of the graph, and the result says whether the cap dropped any.
     """
     t0 = time.perf_counter()
     # The search allocates many small acyclic objects; with a large captured graph alive, the
@@ -123,9 +125,9 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts or ())
+        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts or (), frame)
         start = _State(0, frozenset(), frozenset(), False, 0.0, space.zero, space.zero, None, None)
-        best, best_cost = _astar(space, start, space.n, True, max_expansions, width)
+        best, best_cost = _astar(space, start, space.n, True, max_expansions, width, int(width_after * space.n))
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -164,20 +166,52 @@ def _live_counts(graph: Graph, scalars: bool = True) -> list[int]:
     return out
 
 
-class _Space:
-    """The search space: options per node under the ratios, moves, heuristic, and expansion."""
+class Frame:
+    """What every search of one graph shares, whatever the ratios: tensor ids, when tensors
+    die, and per node and strategy its leaf loads, required placements and produced
+    properties. The planner builds one and passes it to each of its searches."""
 
-    def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts):
-        self.graph, self.cost, self.segment_of, self.ratios, self.restriction = graph, cost, segment_of, ratios, restriction
-        self.m = m = cost.m
-        self.zero = zero = (0.0,) * m
-        nodes = graph.nodes
-        self.n = n = len(nodes)
+    def __init__(self, graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int]):
+        self.graph, self.strategies, self.segment_of = graph, strategies, list(segment_of)
         self.tid = tid = {name: i for i, name in enumerate(t for t in graph.tensors if graph.tensors[t].producer >= 0)}
         self.needs_grad = {i: graph.tensors[name].requires_grad for name, i in tid.items()}
         self.names = {i: name for name, i in tid.items()}
         self.loss_id = tid[graph.loss]
         self.dead_at = dead_at = _dead_sets(graph, tid, self.loss_id)
+        self.alike, self.choices = [], []
+        for k, node in enumerate(graph.nodes):
+            # Nodes alike in op, work and tensors (every layer's) are priced once per search.
+            self.alike.append((id(strategies[k]), node.flops, node.bwd_flops, node.bytes_moved, segment_of[k],
+                               tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
+                                      cost.granules(x)) for x in node.inputs),
+                               tuple(cost.granules(x) for x in node.outputs)))
+            choices = []
+            for st in strategies[k]:
+                loads, reqs = [], []
+                for name, p in zip(node.inputs, st.inputs):
+                    if graph.tensors[name].is_leaf:
+                        loads.append(Load(name, p))
+                    else:
+                        reqs.append((tid[name], p.code))
+                outs = tuple(tid[o] * CODE_BITS + p.code for o, p in zip(node.outputs, st.outputs)
+                             if tid[o] not in dead_at[k] or tid[o] == self.loss_id)
+                choices.append((st, tuple(dict.fromkeys(loads)), tuple(dict.fromkeys(reqs)), outs))
+            self.choices.append(choices)
+
+
+class _Space:
+    """The search space: options per node under the ratios, moves, heuristic, and expansion."""
+
+    def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts, frame=None):
+        self.graph, self.cost, self.segment_of, self.ratios, self.restriction = graph, cost, segment_of, ratios, restriction
+        self.m = m = cost.m
+        self.zero = zero = (0.0,) * m
+        nodes = graph.nodes
+        self.n = n = len(nodes)
+        frame = frame or Frame(graph, strategies, cost, segment_of)
+        assert frame.graph is graph and frame.strategies is strategies and frame.segment_of == list(segment_of)
+        self.tid, self.needs_grad, self.names = frame.tid, frame.needs_grad, frame.names
+        self.loss_id, self.dead_at = frame.loss_id, frame.dead_at
         self.expanded = self.generated = 0
         self.exhaustive = True
 
@@ -186,31 +220,17 @@ class _Space:
         priced: dict[tuple, tuple] = {}
         for k, node in enumerate(nodes):
             r = ratios[segment_of[k]]
-            alike = (id(strategies[k]), node.flops, node.bwd_flops, node.bytes_moved, segment_of[k],
-                     tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes, cost.granules(x))
-                           for x in node.inputs),
-                     tuple(cost.granules(x) for x in node.outputs))
+            alike = frame.alike[k]
             ok = []
-            for i, st in enumerate(strategies[k]):
-                loads, reqs, allowed = [], [], True
-                for name, p in zip(node.inputs, st.inputs):
-                    t = graph.tensors[name]
-                    if t.is_leaf:
-                        if restriction and not restriction.allow_load(t.kind, name, p):
-                            allowed = False
-                        loads.append(Load(name, p))
-                    else:
-                        reqs.append((tid[name], p.code))
-                if not allowed:
+            for i, (st, loads, reqs, outs) in enumerate(frame.choices[k]):
+                if restriction and not all(restriction.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement)
+                                           for ld in loads):
                     continue
-                loads = tuple(dict.fromkeys(loads))
                 found = priced.get((alike, i))
                 if found is None:
                     found = priced[(alike, i)] = step_compute(cost, k, st, loads, r)
                 fwd, bwd, sync_bytes = found
-                outs = tuple(tid[o] * CODE_BITS + p.code for o, p in zip(node.outputs, st.outputs)
-                             if tid[o] not in dead_at[k] or tid[o] == self.loss_id)
-                ok.append(_Option(st, tuple(dict.fromkeys(reqs)), loads, fwd, bwd, sync_bytes, outs))
+                ok.append(_Option(st, reqs, loads, fwd, bwd, sync_bytes, outs))
             if not ok:
                 raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
             opts.append(ok)
@@ -240,8 +260,8 @@ class _Space:
         if not enabled:
             return
         for k in range(n - 1, -1, -1):
-            lf = tuple(min(o.fwd[j] for o in opts[k]) for j in range(m))
-            lb = tuple(min(o.bwd[j] for o in opts[k]) for j in range(m))
+            lf = tuple(map(min, *(o.fwd for o in opts[k]))) if len(opts[k]) > 1 else opts[k][0].fwd
+            lb = tuple(map(min, *(o.bwd for o in opts[k]))) if len(opts[k]) > 1 else opts[k][0].bwd
             rest_f, rest_b = (zero, zero) if k + 1 in self.cut_set else (suffix_f[k + 1], suffix_b[k + 1])
             suffix_f[k] = tuple(map(float.__add__, rest_f, lf))
             suffix_b[k] = tuple(map(float.__add__, rest_b, lb))
@@ -380,7 +400,8 @@ class _Space:
                             Step(k, opt.strategy, opt.loads, tuple(steps))))
 
 
-def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int, width: int | None = None):
+def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int, width: int | None = None,
+           width_after: int = 0):
     """Fig. 10 from `start` to node `goal`: best-first on cost + heuristic, dominance pruning,
     stop when no score can beat the best complete program. Returns (state, cost) or None.
 
@@ -392,7 +413,8 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
     have several near-equally cheap placements (MoE routing masks), the programs below the
     optimum's score multiply; the width keeps the search linear there. A search that drops
     a program for width sets space.exhaustive = False, and the result is then only the best
-    program found, not a proven optimum."""
+    program found, not a proven optimum. The cap applies only after `width_after` expansions,
+    so searches that finish within them stay exhaustive."""
     per_node = [0] * (space.n + 1)
     counter = itertools.count()
     h = space.h
@@ -401,6 +423,7 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
     best: _State | None = None
     best_cost = float("inf")
     limit = space.expanded + max_expansions
+    width_from = space.expanded + width_after
 
     def push(child: _State) -> None:
         score = child.closed + h(child.k, child.fwd, child.bwd, with_future)
@@ -419,7 +442,7 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
         if _dominated(table, s):
             continue
         if width is not None:
-            if per_node[s.k] >= width:
+            if per_node[s.k] >= width and space.expanded >= width_from:
                 space.exhaustive = False
                 continue
             per_node[s.k] += 1
