@@ -25,7 +25,8 @@ no more than the lowest score in the queue (line 5).
 
 With layer cuts (`synthesize(cuts=...)`, what the planner uses) ecost also counts, for each
 chunk between cuts still ahead, a lower bound on that chunk's cost; an optional width caps
-the programs expanded per node (the result then says it is not exhaustive).
+the programs expanded per node once an exhaustive budget is spent (the result then says
+whether the cap dropped any).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     finally:
         if gc_was_enabled:
             gc.enable()
-    return SearchResult(_steps_to(best, start), best_cost, space.expanded, space.generated, time.perf_counter() - t0,
+    return SearchResult(_steps_to(space, best, start), best_cost, space.expanded, space.generated, time.perf_counter() - t0,
                         space.exhaustive)
 
 
@@ -367,19 +368,22 @@ class _Space:
                 choices.append(cand)
             if not feasible:
                 continue
+            outs = opt.outs
             for combo in itertools.product(*choices) if choices else ((),):
                 c_closed, c_fwd, c_bwd = closed, fwd, bwd
-                new_props = set(props)
                 comm = s.comm
-                steps = list(pre_moves)
-                for t, (src, mv, f, b) in combo:
-                    if mv.communicates:
-                        c_closed += max(c_fwd) + max(c_bwd) + f + b
-                        c_fwd = c_bwd = zero
-                    if mv.fwd is not None:
-                        comm = comm | {t}
-                    new_props.add(t * CODE_BITS + mv.dst.code)
-                    steps.append(MoveStep(names[t], mv))
+                if combo:
+                    new_props = set(props)
+                    for t, (src, mv, f, b) in combo:
+                        if mv.communicates:
+                            c_closed += max(c_fwd) + max(c_bwd) + f + b
+                            c_fwd = c_bwd = zero
+                        if mv.fwd is not None:
+                            comm = comm | {t}
+                        new_props.add(t * CODE_BITS + mv.dst.code)
+                    new_props.update(outs)
+                else:
+                    new_props = props.union(outs)
                 c_fwd = tuple(map(float.__add__, c_fwd, opt.fwd))
                 c_bwd = tuple(map(float.__add__, c_bwd, opt.bwd))
                 synced = s.synced
@@ -388,16 +392,23 @@ class _Space:
                     if not synced:
                         c_closed += self.alpha_sync
                         synced = True
-                new_props.update(opt.outs)
                 if dead:
-                    new_props = {p for p in new_props if p // CODE_BITS not in dead}
+                    new_props = frozenset(p for p in new_props if p // CODE_BITS not in dead)
                     comm = comm - dead
+                elif combo:
+                    new_props = frozenset(new_props)
                 if cut:  # the stage ends at the layer boundary
                     c_closed += max(c_fwd) + max(c_bwd)
                     c_fwd = c_bwd = zero
                 self.generated += 1
-                emit(_State(k + 1, frozenset(new_props), comm, synced, c_closed, c_fwd, c_bwd, s,
-                            Step(k, opt.strategy, opt.loads, tuple(steps))))
+                # The Step is built only for the programs returned (see `step_of`).
+                emit(_State(k + 1, new_props, comm, synced, c_closed, c_fwd, c_bwd, s, (opt, combo, pre_moves)))
+
+    def step_of(self, s: _State) -> Step:
+        """The instruction that made s from its parent."""
+        opt, combo, pre_moves = s.step
+        moves = pre_moves + tuple(MoveStep(self.names[t], mv) for t, (src, mv, f, b) in combo)
+        return Step(s.k - 1, opt.strategy, opt.loads, moves)
 
 
 def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int, width: int | None = None,
@@ -457,10 +468,10 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
     return best, best_cost
 
 
-def _steps_to(s: _State, stop: _State | None) -> list[Step]:
+def _steps_to(space: _Space, s: _State, stop: _State | None) -> list[Step]:
     program = []
     while s is not stop and s.parent is not None:
-        program.append(s.step)
+        program.append(space.step_of(s))
         s = s.parent
     program.reverse()
     return program
