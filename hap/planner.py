@@ -50,7 +50,8 @@ class PlannerConfig:
     wide routing code such as MoE gating reaches it and stays fast."""
     width_after: float = 8.0
     """Programs per graph node a search may expand before the width cap applies. Deep models
-    of identical layers need about 2-6, so their plans are proven optimal."""
+    of identical layers need about 2-6, so their plans are proven optimal. After one search of
+    a plan outgrows it, the plan's later searches apply the cap from the start."""
     layer_cuts: bool = True
     """Search layer by layer: end a stage at every point where one activation is live (see
     search.astar.synthesize). Plans are always priced exactly afterwards; False searches the
@@ -142,8 +143,11 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
     frame = Frame(graph, strategies, cost, segment_of)
 
     def search(ratios, restriction=None):
+        # Once a search of this graph outgrew its exhaustive budget, the next ones would too:
+        # they apply the width cap from the start.
+        budget = config.width_after if stats["exhaustive"] else 0.0
         res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic, cuts=cuts,
-                         width=config.width, width_after=config.width_after, frame=frame)
+                         width=config.width, width_after=budget, frame=frame)
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
