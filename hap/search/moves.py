@@ -13,7 +13,7 @@ The gradient forms (see placement.py) decide the duals:
     all_to_all(a, b)     S(a) -> S(b)              S(b) grad -> S(a) grad: all-to-all
     slice(d)             R -> S   local slice      shard grad zero-padded = partial grad: local
     slice(d)             D -> S   local slice      D needs the full grad: all-gather
-    duplicate            R -> D   identity         full grad is a valid partial grad: local
+    duplicate            R -> D   identity         full grad -> partial grad: device 0 keeps it, local
     replicate            D -> R   identity         partial grad -> full grad: all-reduce (Megatron's f)
     zero_partial         R|D -> P value on device 0, zeros elsewhere; grad of P is full: local
 

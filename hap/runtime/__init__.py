@@ -1,0 +1,1 @@
+"""The runtime: run a Plan SPMD on torch.distributed (gloo on CPU, NCCL on GPUs)."""

@@ -1,0 +1,331 @@
+"""Collectives on uneven shards, each with its autograd dual (the moves of search/moves.py, run).
+
+Every function takes this rank's local tensor in the move's source placement and returns the
+local tensor in its destination placement; the backward pass runs the dual, which turns the
+gradient from the destination's gradient form into the source's (placement.py: S(d) and P
+tensors get a shard / the full gradient, R a partial sum over ranks, D the full gradient):
+
+    move                forward                            backward (dual)
+    all_gather   S->R   padded all-gather or broadcasts    reduce-scatter
+    all_gather   S->D   padded all-gather or broadcasts    local slice
+    all_reduce   P->R   all-reduce                         all-reduce
+    all_reduce   P->D   all-reduce                         nothing
+    reduce_scatter      P->S  reduce-scatter               padded all-gather
+    all_to_all          S(a)->S(b)                         all-to-all S(b)->S(a)
+    rebalance           S(d)->S(d), new sizes              rebalance back
+    slice        R->S   local slice                        zero-pad: a partial gradient
+    slice        D->S   local slice                        all-gather
+    duplicate    R->D   nothing                            rank 0 keeps it, others zeros
+    replicate    D->R   nothing                            all-reduce (Megatron's f)
+    zero_partial R->P   rank 0 keeps it, others zeros      rank 0 keeps it, others zeros
+    zero_partial D->P   rank 0 keeps it, others zeros      nothing
+
+gloo and NCCL both reject an all_gather of unequal tensors, so uneven shards are gathered in
+one of two ways the planner chooses between (HAP section 4.4): pad every shard to the
+largest and trim (`padded`), or broadcast each rank's shard from its owner (`grouped`).
+Shards of length 0 are allowed everywhere. `sizes` are the per-rank lengths of the sharded
+dim, the same list on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..placement import R
+from ..search.moves import AG_GROUPED, Move
+
+Gather = Literal["padded", "grouped"]
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """The ranks a program runs on: a process group and this rank's place in it."""
+
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None = None
+    """None: the default group."""
+
+    @classmethod
+    def default(cls) -> "Comm":
+        return cls(rank=dist.get_rank(), world=dist.get_world_size())
+
+
+def _check_sizes(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> None:
+    if len(sizes) != comm.world:
+        raise ValueError(f"{len(sizes)} shard sizes for {comm.world} ranks")
+    if x.shape[dim] != sizes[comm.rank]:
+        raise ValueError(f"rank {comm.rank}: local dim {dim} has length {x.shape[dim]}, the split says {sizes[comm.rank]}")
+
+
+def _with_length(shape: Sequence[int], dim: int, n: int) -> list[int]:
+    """`shape` with dim `dim` of length n."""
+    out = list(shape)
+    out[dim] = n
+    return out
+
+
+# -- the raw collectives (no autograd) ------------------------------------------------------------
+
+def gather_padded(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
+    """The whole tensor on every rank: one all-gather of shards padded to the largest."""
+    _check_sizes(x, dim, sizes, comm)
+    top = max(sizes)
+    padded = x.new_zeros(_with_length(x.shape, dim, top))
+    padded.narrow(dim, 0, x.shape[dim]).copy_(x)
+    parts = [torch.empty_like(padded) for _ in range(comm.world)]
+    dist.all_gather(parts, padded, group=comm.group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
+
+def gather_grouped(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
+    """The whole tensor on every rank: each rank's shard broadcast from it, unpadded."""
+    _check_sizes(x, dim, sizes, comm)
+    parts = []
+    for owner, n in enumerate(sizes):
+        part = x.contiguous() if owner == comm.rank else x.new_empty(_with_length(x.shape, dim, n))
+        if n:
+            dist.broadcast(part, src=_global(owner, comm), group=comm.group)
+        parts.append(part)
+    return torch.cat(parts, dim)
+
+
+def all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum over ranks, on every rank."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=comm.group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
+    """This rank's shard of the sum over ranks of the whole tensors x."""
+    if len(sizes) != comm.world or sum(sizes) != x.shape[dim]:
+        raise ValueError(f"shard sizes {list(sizes)} do not split dim {dim} of length {x.shape[dim]} over {comm.world} ranks")
+    parts = [p.contiguous() for p in x.split(list(sizes), dim)]
+    out = x.new_empty(_with_length(x.shape, dim, sizes[comm.rank]))
+    dist.reduce_scatter(out, parts, group=comm.group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int],
+               comm: Comm) -> torch.Tensor:
+    """Sharded on src_dim -> sharded on dst_dim (src_dim whole, dst_dim split by dst_sizes).
+
+    Rank j gets from rank i the block (i's rows of src_dim) x (j's rows of dst_dim); the blocks
+    travel flattened, so any two dims and any uneven sizes go through one all_to_all_single."""
+    _check_sizes(x, src_dim, src_sizes, comm)
+    if len(dst_sizes) != comm.world or sum(dst_sizes) != x.shape[dst_dim]:
+        raise ValueError(f"shard sizes {list(dst_sizes)} do not split dim {dst_dim} of length {x.shape[dst_dim]}")
+    send = [b.reshape(-1) for b in x.split(list(dst_sizes), dst_dim)]
+    block = _with_length(x.shape, dst_dim, dst_sizes[comm.rank])  # my rows of dst_dim
+    recv_shapes = [_with_length(block, src_dim, n) for n in src_sizes]  # ... times rank i's rows of src_dim
+    return _exchange(x, send, recv_shapes, src_dim, comm)
+
+
+def resplit(x: torch.Tensor, dim: int, old: Sequence[int], new: Sequence[int], comm: Comm) -> torch.Tensor:
+    """Sharded on dim by `old` sizes -> sharded on dim by `new` sizes (a segment boundary)."""
+    _check_sizes(x, dim, old, comm)
+    if sum(old) != sum(new) or len(new) != comm.world:
+        raise ValueError(f"cannot re-split sizes {list(old)} into {list(new)}")
+    start = sum(old[: comm.rank])
+    send, new_off = [], 0
+    for n in new:  # the overlap of my rows [start, start + old) with each rank's new rows
+        lo, hi = max(start, new_off), min(start + old[comm.rank], new_off + n)
+        send.append(x.narrow(dim, lo - start, hi - lo).reshape(-1) if hi > lo else x.new_empty(0))
+        new_off += n
+    mine = sum(new[: comm.rank]), sum(new[: comm.rank + 1])
+    recv_shapes, old_off = [], 0
+    for n in old:  # the overlap of each rank's old rows with my new rows
+        length = max(min(old_off + n, mine[1]) - max(old_off, mine[0]), 0)
+        recv_shapes.append(_with_length(x.shape, dim, length))
+        old_off += n
+    return _exchange(x, send, recv_shapes, dim, comm)
+
+
+def _exchange(x: torch.Tensor, send: list[torch.Tensor], recv_shapes: list, cat_dim: int, comm: Comm) -> torch.Tensor:
+    """Send flat block j to rank j, receive a block of recv_shapes[i] from rank i, concatenate."""
+    counts = [torch.Size(s).numel() for s in recv_shapes]
+    out = x.new_empty(sum(counts))
+    dist.all_to_all_single(out, torch.cat(send) if send else x.new_empty(0), output_split_sizes=counts,
+                           input_split_sizes=[b.numel() for b in send], group=comm.group)
+    return torch.cat([b.reshape(s) for b, s in zip(out.split(counts), recv_shapes)], cat_dim)
+
+
+def _global(rank: int, comm: Comm) -> int:
+    return rank if comm.group is None else dist.get_global_rank(comm.group, rank)
+
+
+def _gather(x: torch.Tensor, dim: int, sizes: Sequence[int], how: Gather, comm: Comm) -> torch.Tensor:
+    return (gather_grouped if how == "grouped" else gather_padded)(x, dim, sizes, comm)
+
+
+def _own(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
+    return x.narrow(dim, sum(sizes[: comm.rank]), sizes[comm.rank])
+
+
+# -- autograd: each forward with its dual ----------------------------------------------------------
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, how, grad_partial, comm):
+        ctx.args = dim, sizes, grad_partial, comm
+        return _gather(x, dim, sizes, how, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, sizes, grad_partial, comm = ctx.args
+        # R's gradient is a partial sum: add the ranks' parts and keep mine. D's is whole: slice.
+        gx = reduce_scatter(g, dim, sizes, comm) if grad_partial else _own(g, dim, sizes, comm).contiguous()
+        return gx, None, None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grad_partial, comm):
+        ctx.args = grad_partial, comm
+        return all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_partial, comm = ctx.args
+        # P's gradient is whole on every rank: sum R's partial gradient, pass D's through.
+        return (all_reduce(g, comm) if grad_partial else g), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, comm):
+        ctx.args = dim, sizes, comm
+        return reduce_scatter(x, dim, sizes, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, sizes, comm = ctx.args
+        return gather_padded(g.contiguous(), dim, sizes, comm), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, src_sizes, dst_sizes, comm):
+        ctx.args = src_dim, dst_dim, src_sizes, dst_sizes, comm
+        return all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        src_dim, dst_dim, src_sizes, dst_sizes, comm = ctx.args
+        return all_to_all(g.contiguous(), dst_dim, src_dim, dst_sizes, src_sizes, comm), None, None, None, None, None
+
+
+class _Resplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, old, new, comm):
+        ctx.args = dim, old, new, comm
+        return resplit(x, dim, old, new, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, old, new, comm = ctx.args
+        return resplit(g.contiguous(), dim, new, old, comm), None, None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, grad_partial, comm):
+        ctx.args = dim, sizes, grad_partial, comm, x.shape
+        return _own(x, dim, sizes, comm).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, sizes, grad_partial, comm, shape = ctx.args
+        if grad_partial:  # R: my shard's gradient, zeros elsewhere, sums to the whole gradient
+            gx = g.new_zeros(shape)
+            _own(gx, dim, sizes, comm).copy_(g)
+        else:  # D: every rank needs the whole gradient
+            gx = gather_padded(g.contiguous(), dim, sizes, comm)
+        return gx, None, None, None, None
+
+
+class _Replicate(torch.autograd.Function):
+    """D -> R: the same values; the partial gradients of R are summed into D's whole one."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g, ctx.comm), None
+
+
+class _Duplicate(torch.autograd.Function):
+    """R -> D: the same values. D's gradient is whole on every rank; as R's partial gradient
+    it must sum to the whole once, so rank 0 keeps it and the others pass zeros."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.comm.rank == 0 else torch.zeros_like(g)), None
+
+
+class _ZeroPartial(torch.autograd.Function):
+    """R|D -> P: rank 0 holds the value, the others zeros, so the sum over ranks is the value."""
+
+    @staticmethod
+    def forward(ctx, x, grad_partial, comm):
+        ctx.args = grad_partial, comm
+        return x.clone() if comm.rank == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_partial, comm = ctx.args
+        # P's gradient is whole on every rank. As R's partial gradient only rank 0 keeps it
+        # (x feeds the output only there); D takes it whole.
+        if grad_partial and comm.rank != 0:
+            return torch.zeros_like(g), None, None
+        return g, None, None
+
+
+def run_move(x: torch.Tensor, mv: Move, comm: Comm, src_sizes: Sequence[int] | None = None,
+             dst_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Apply one layout move of a program to this rank's local tensor.
+
+    src_sizes / dst_sizes: the per-rank lengths of the sharded dim of the source / destination
+    placement (needed where that placement is S; for a rebalance, the old and new split)."""
+    src, dst = mv.src, mv.dst
+    name = mv.name
+    if name in ("all_gather", "grouped_broadcast"):
+        how: Gather = "grouped" if mv.fwd == AG_GROUPED else "padded"
+        return _AllGather.apply(x, src.dim, _sizes(src_sizes, "source"), how, dst == R, comm)
+    if name == "all_reduce":
+        return _AllReduce.apply(x, dst == R, comm)
+    if name == "reduce_scatter":
+        return _ReduceScatter.apply(x, dst.dim, _sizes(dst_sizes, "destination"), comm)
+    if name == "all_to_all":
+        return _AllToAll.apply(x, src.dim, dst.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
+    if name == "rebalance":
+        return _Resplit.apply(x, src.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
+    if name == "slice":
+        return _Slice.apply(x, dst.dim, _sizes(dst_sizes, "destination"), src == R, comm)
+    if name == "duplicate":
+        return _Duplicate.apply(x, comm)
+    if name == "replicate":
+        return _Replicate.apply(x, comm)
+    if name == "zero_partial":
+        return _ZeroPartial.apply(x, src == R, comm)
+    raise ValueError(f"no runtime for move {name!r} ({src} -> {dst})")
+
+
+def _sizes(sizes: Sequence[int] | None, which: str) -> tuple[int, ...]:
+    if sizes is None:
+        raise ValueError(f"this move needs the {which} shard sizes")
+    return tuple(int(n) for n in sizes)
+
