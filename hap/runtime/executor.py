@@ -1,0 +1,144 @@
+"""Run a synthesized program on one rank (HAP section 6): the same program on every rank, each
+with its own shard sizes.
+
+    ex = Executor(graph, program, classes, segment_of, ratios, Comm.default())
+    params = ex.shard_parameters(leaf_values(graph, model, inputs))   # this rank's nn.Parameters
+    loss = ex.forward(leaf_values(graph, model, batch))               # P-form: parts sum to the loss
+    loss.backward(); ex.sync_gradients()                              # then any optimizer on params
+
+Parameters live on each rank in one placement: the one the program loads them in, or, when it
+loads one in several placements (or as a partial sum), whole (R), from which each load is a
+local move (slice, duplicate, zero-partial). Gradients of parameters kept whole in R arrive
+as partial sums and are all-reduced in one bucket by `sync_gradients`; sharded and duplicated
+ones are already exact.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ..ir import Graph
+from ..placement import P, R, Placement
+from ..rules.local import LocalContext, run_node
+from ..rules.units import ShardClasses
+from ..search.moves import Move, moves_between
+from ..search.program import Step
+from .collectives import Comm, all_reduce, run_move
+
+
+def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole value of every leaf of `graph`: parameters and buffers of `model` by their
+    qualified names, data inputs in the order the model takes them."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if len(inputs) != len(graph.inputs):
+        raise ValueError(f"the model takes {len(graph.inputs)} inputs, got {len(inputs)}")
+    values = dict(zip(graph.inputs, inputs))
+    for name, t in graph.tensors.items():
+        if t.kind in ("param", "buffer"):
+            if t.target not in state:
+                raise ValueError(f"the model has no parameter or buffer {t.target!r} (graph tensor {name})")
+            values[name] = state[t.target].detach()
+    return values
+
+
+class Executor:
+    def __init__(self, graph: Graph, program: Sequence[Step], classes: ShardClasses, segment_of: Sequence[int],
+                 ratios: Sequence[Sequence[float]], comm: Comm):
+        if len(ratios[0]) != comm.world:
+            raise ValueError(f"the plan is for {len(ratios[0])} devices, this run has {comm.world} ranks")
+        self.graph, self.program, self.classes = graph, list(program), classes
+        self.segment_of, self.ratios, self.comm = list(segment_of), ratios, comm
+        self.loads: dict[str, set[tuple[Placement, int]]] = {}
+        for step in self.program:
+            for ld in step.loads:
+                self.loads.setdefault(ld.tensor, set()).add((ld.placement, self.segment_of[step.node]))
+        self.params: dict[str, nn.Parameter] = {}
+        self.stored: dict[str, tuple[Placement, int]] = {}
+        """Per parameter: the placement (and segment, for its sizes) this rank keeps it in."""
+
+    def sizes(self, tensor: str, p: Placement, seg: int) -> list[int] | None:
+        return self.classes.split_sizes(tensor, p.dim, self.ratios[seg]) if p.is_shard else None
+
+    def _local(self, full: torch.Tensor, tensor: str, p: Placement, seg: int) -> torch.Tensor:
+        """This rank's slice of a whole leaf in placement p (S: a shard; R, D: whole)."""
+        if not p.is_shard:
+            return full
+        sizes = self.sizes(tensor, p, seg)
+        return full.narrow(p.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank])
+
+    def shard_parameters(self, values: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+        """Keep this rank's part of every parameter the program loads (from whole values built
+        with the same seed on every rank)."""
+        for name in self.graph.params:
+            if name not in self.loads:
+                continue
+            places = self.loads[name]
+            p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
+            if p == P:  # parts of a parameter would each take the whole update: keep it whole
+                p = R
+            self.stored[name] = (p, seg)
+            local = self._local(values[name], name, p, seg).clone().contiguous()
+            self.params[name] = nn.Parameter(local, requires_grad=self.graph.tensors[name].requires_grad)
+        return self.params
+
+    def _load(self, tensor: str, p: Placement, seg: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        if tensor in self.params:
+            held, (q, q_seg) = self.params[tensor], self.stored[tensor]
+            if (q, q_seg) == (p, seg) or (p == q and not p.is_shard):
+                return held
+            assert q == R, f"parameter {tensor} kept in {q} but loaded in {p}"
+            return run_move(held, _free_move(p, self.graph.tensors[tensor].requires_grad), self.comm, None,
+                            self.sizes(tensor, p, seg))
+        if tensor not in values:
+            raise ValueError(f"no value for leaf {tensor} ({self.graph.tensors[tensor].kind})")
+        if p == P:  # a data input as a partial sum: rank 0 holds it
+            return values[tensor] if self.comm.rank == 0 else torch.zeros_like(values[tensor])
+        return self._local(values[tensor], tensor, p, seg)
+
+    def forward(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run the program on this rank; the loss comes back as this rank's part (partial sum):
+        its backward() is exact, and `all_reduce` of it is the loss."""
+        held: dict[tuple[str, Placement], tuple[torch.Tensor, int]] = {}
+        for step in self.program:
+            seg = self.segment_of[step.node]
+            for ms in step.moves:
+                x, x_seg = held[(ms.tensor, ms.move.src)]
+                y = run_move(x, ms.move, self.comm, self.sizes(ms.tensor, ms.move.src, x_seg),
+                             self.sizes(ms.tensor, ms.move.dst, seg))
+                held[(ms.tensor, ms.move.dst)] = (y, seg)
+            for ld in step.loads:
+                held[(ld.tensor, ld.placement)] = (self._load(ld.tensor, ld.placement, seg, values), seg)
+            node = self.graph.nodes[step.node]
+            local = {name: held[(name, p)][0] for name, p in zip(node.inputs, step.strategy.inputs)}
+            ctx = LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
+                               split=lambda t, d, seg=seg: self.classes.split_sizes(t, d, self.ratios[seg]))
+            for name, p, out in zip(node.outputs, step.strategy.outputs, run_node(node, step.strategy, local, self.graph, ctx)):
+                held[(name, p)] = (out, seg)
+        loss_p = next(p for (name, p) in held if name == self.graph.loss)
+        loss = held[(self.graph.loss, loss_p)][0]
+        if loss_p == P:
+            return loss
+        # R or D: every rank holds the whole loss; as parts, rank 0 holds it and the others zero.
+        return run_move(loss, _free_move(P, self.graph.tensors[self.graph.loss].requires_grad, src=loss_p), self.comm)
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce(t.detach(), self.comm)
+
+    def sync_gradients(self) -> None:
+        """All-reduce, in one bucket, the partial gradients of parameters kept whole (R)."""
+        grads = [p.grad for name, p in self.params.items() if self.stored[name][0] == R and p.grad is not None]
+        if not grads or self.comm.world == 1:
+            return
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.comm)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def _free_move(dst: Placement, needs_grad: bool, src: Placement = R) -> Move:
+    """The move from a whole tensor (R or D) to dst that needs no communication forward."""
+    found = [mv for mv in moves_between(src, dst, needs_grad) if mv.fwd is None]
+    assert found, f"no local move {src} -> {dst}"
+    return found[0]
