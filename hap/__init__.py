@@ -4,11 +4,15 @@
     graph = hap.capture(model, example_inputs)          # forward returns the loss
     plan = hap.plan(graph, hap.load_cluster("paper-hetero-8"))
     print(plan.summary())
+
+    dmodel = hap.HAP(model, cluster, example_inputs)    # on every rank, torch.distributed initialized
+    loss = dmodel(*batch); loss.backward(); opt.step()
 """
 
 from .capture import CaptureError, capture
 from .cost.cluster import Cluster, ClusterError, Device, load_cluster
 from .plan import Plan
 from .planner import PlannerConfig, plan
+from .runtime.module import HAP
 
-__all__ = ["capture", "CaptureError", "plan", "PlannerConfig", "Plan", "Cluster", "Device", "ClusterError", "load_cluster"]
+__all__ = ["HAP", "capture", "CaptureError", "plan", "PlannerConfig", "Plan", "Cluster", "Device", "ClusterError", "load_cluster"]

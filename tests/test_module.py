@@ -1,0 +1,77 @@
+"""hap.HAP end to end on real gloo ranks: a built-in model (ViT, dropout off so that one
+device's random numbers need not be reproduced) planned for the local cluster (one rank 3x
+slower, so the ratios are uneven) trains like one device; bad set-ups fail with one clear
+error on every rank. SGD, not Adam: Adam turns the rounding noise of gradients that are
+exactly zero in theory (attention's key bias) into full-size steps."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import hap
+from hap.models import vit
+from hap.runtime.launch import spawn
+
+STEPS = 2
+
+
+def small_vit():
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(vit.ViTConfig.small(), dropout=0.0)
+    model = vit.ViT(cfg).train()
+    gen = torch.Generator().manual_seed(0)
+    batches = [vit.example_inputs(cfg, 12, gen) for _ in range(STEPS)]
+    return model, batches
+
+
+def train_hap(rank, out_dir):
+    model, batches = small_vit()
+    dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for batch in batches:
+        loss = dmodel(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "params": params, "ratios": dmodel.plan.ratios}, f)
+
+
+def test_hap_trains_vit_like_one_device(tmp_path):
+    spawn(train_hap, 2, args=(str(tmp_path),))
+    model, batches = small_vit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for batch in batches:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["ratios"][0][0] > got["ratios"][0][1]  # the 3x slower rank gets less work
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
+
+
+def wrong_world(rank, out_dir):
+    model, batches = small_vit()
+    try:
+        hap.HAP(model, hap.load_cluster("local-4"), batches[0])
+    except ValueError as e:
+        with open(os.path.join(out_dir, f"err{rank}"), "w") as f:
+            f.write(str(e))
+
+
+def test_wrong_rank_count_is_a_clear_error(tmp_path):
+    spawn(wrong_world, 2, args=(str(tmp_path),))
+    for rank in range(2):
+        assert (tmp_path / f"err{rank}").read_text() == "cluster 'local-4' has 4 devices but 2 ranks are running"
