@@ -1,5 +1,6 @@
-# Two commands: `make run` (install, then plan ViT-24 on the paper's heterogeneous testbed)
-# and `make test` (install, then the whole test suite). Everything lives in ./.venv.
+# Two commands: `make run` (install, plan ViT-24 on the paper's heterogeneous testbed, then
+# train a small ViT on the local emulated cluster) and `make test` (install, then the whole
+# test suite). Everything lives in ./.venv.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # Pinned: on a CPU machine any other torch spec pulls gigabytes of CUDA wheels.
@@ -19,6 +20,7 @@ install: $(VENV)/.installed
 run: install
 	mkdir -p out
 	$(VENV)/bin/hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out/plan-vit24.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/hap train --model vit --scale small --cluster local --steps 10
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

@@ -1,6 +1,7 @@
 """The `hap` command line.
 
     hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
+    hap train --model vit --scale small --cluster local --steps 20 [--strategy dp-ev]
     hap clusters                      # list the built-in clusters
     hap cluster paper-hetero-8        # show one (or a YAML file) as the planner reads it
 
@@ -39,6 +40,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--listing", action="store_true", help="print the program, one instruction per line")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    t = sub.add_parser("train", help="train on the local cluster: one process per device, gloo")
+    _add_model_args(t)
+    t.set_defaults(scale="small")
+    t.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
+    t.add_argument("--steps", type=int, default=10, help="training iterations")
+    t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"], default="hap",
+                   help="hap's plan, or data parallelism with even / compute-proportional batch shares")
+    t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
 
     sub.add_parser("clusters", help="list the built-in clusters")
     c = sub.add_parser("cluster", help="show a cluster as the planner reads it")
@@ -81,6 +91,69 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    import json
+    import os
+    import statistics
+    import tempfile
+
+    from .cost.cluster import load_cluster
+    from .planner import baseline_plan, plan
+    from .runtime.launch import spawn
+
+    cluster = load_cluster(args.cluster)
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    graph = _build_graph(args, cluster.gpus, say)
+    say(cluster.describe())
+    result = plan(graph, cluster, progress=None) if args.strategy == "hap" else baseline_plan(graph, cluster, args.strategy)
+    print(result.summary())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plan.json")
+        result.to_json(path)
+        say(f"training {args.steps} steps with {args.strategy} on {cluster.size} local processes")
+        spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json")))
+        times = json.loads(open(os.path.join(tmp, "times.json")).read())
+    steady = times[2:] if len(times) > 3 else times  # the first iterations warm up allocators and caches
+    measured = statistics.median(steady)
+    est = result.estimated_iteration_seconds
+    print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(steady)}), "
+          f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
+    return 0
+
+
+def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
+    import json
+
+    import torch
+
+    from .cost.cluster import load_cluster
+    from .models import build
+    from .plan import Plan
+    from .runtime.module import HAP
+
+    torch.manual_seed(0)  # the same model on every rank
+    model, batch = build(args["model"], layers=args["layers"], hidden=args["hidden"], batch=args["batch"], seq=args["seq"],
+                         experts=args["experts"], devices=load_cluster(args["cluster"]).gpus, scale=args["scale"])
+    dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=Plan.from_json(plan_path))
+    opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"], momentum=0.9)
+    times = []
+    for step in range(args["steps"]):
+        t0 = time.perf_counter()
+        loss = dmodel(*batch)  # one fixed synthetic batch: the loss must fall
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        if rank == 0:
+            bar = "#" * (20 * (step + 1) // args["steps"])
+            print(f"step {step + 1:4d}/{args['steps']} [{bar:<20}] loss {loss.item():.4f}  {times[-1] * 1e3:7.1f} ms", flush=True)
+    if rank == 0:
+        with open(times_path, "w") as f:
+            json.dump(times, f)
+
+
 def cmd_clusters(args) -> int:
     from .cost.cluster import BUILTIN
 
@@ -106,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from .cost.cluster import ClusterError
 
     args = _parser().parse_args(argv)
-    handlers = {"plan": cmd_plan, "clusters": cmd_clusters, "cluster": cmd_cluster}
+    handlers = {"plan": cmd_plan, "train": cmd_train, "clusters": cmd_clusters, "cluster": cmd_cluster}
     try:
         return handlers[args.command](args)
     except (UserError, ClusterError, CaptureError, BalanceError) as e:

@@ -213,17 +213,43 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         raise BalanceError(f"out of memory: the most frugal program found needs {worst[4].memory[j] / 2**30:.2f} GiB on "
                            f"device {j} ({cluster.devices[j].name}), which has {capacity[j] / 2**30:.2f} GiB")
     seconds, winner, program, ratios, est = min(feasible, key=lambda c: c[0])
-    elapsed = time.perf_counter() - t0
+    return _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselines, time.perf_counter() - t0,
+                     {**stats, "winner": winner, "candidates": len(candidates)})
+
+
+def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"], config: PlannerConfig | None = None) -> Plan:
+    """Data parallelism with even (DP-EV) or compute-proportional (DP-CP) batch shares, as a Plan
+    the runtime runs like any other (for measured comparisons)."""
+    if name not in ("dp-ev", "dp-cp"):
+        raise ValueError(f"unknown baseline {name!r}; choose dp-ev or dp-cp")
+    config = config or PlannerConfig()
+    t0 = time.perf_counter()
+    strategies = _strategies(graph)
+    classes = ShardClasses(graph, enumerate(strategies))
+    cost = CostModel(graph, cluster, classes, config.optimizer)
+    segment_of = [0] * len(graph.nodes)
+    ratios = [list(cluster.even() if name == "dp-ev" else cluster.compute_proportional())]
+    cuts = chunk_cuts(graph) if config.layer_cuts else None
+    try:
+        res = synthesize(graph, strategies, cost, segment_of, ratios, _dp(), cuts=cuts, width=config.width)
+    except SearchError:  # no communication-free data-parallel program: allow collectives on activations
+        res = synthesize(graph, strategies, cost, segment_of, ratios, Restriction(name="data parallelism",
+                         allow_load=_params_only(_dp())), cuts=cuts, width=config.width)
+    est = replay(res.program, cost, segment_of, ratios)
+    return _assemble(graph, cluster, classes, segment_of, res.program, ratios, est, {}, time.perf_counter() - t0,
+                     {"winner": name, "exhaustive": res.exhaustive})
+
+
+def _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselines, seconds, search) -> Plan:
     return Plan(
         model=graph.model_name, cluster=cluster.to_dict(), devices=[d.name for d in cluster.devices],
         segments=_segment_ranges(segment_of), ratios=ratios, program=program_to_dicts(program, graph),
         splits=_splits(program, graph, classes, segment_of, ratios),
-        estimated_iteration_seconds=seconds, breakdown=est.breakdown(),
+        estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
         stages=[{"comm": s.comm, "collectives": s.collectives, "fwd": max(s.fwd, default=0.0), "bwd": max(s.bwd, default=0.0)}
                 for s in est.stages],
-        memory_bytes=est.memory, baselines=baselines, synthesis_seconds=elapsed,
-        replicated_ops=sorted({n.op for n in graph.nodes if not has_rule(n.op)}),
-        search={**stats, "winner": winner, "candidates": len(candidates)},
+        memory_bytes=est.memory, baselines=baselines, synthesis_seconds=seconds,
+        replicated_ops=sorted({n.op for n in graph.nodes if not has_rule(n.op)}), search=search,
     )
 
 

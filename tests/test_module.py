@@ -75,3 +75,11 @@ def test_wrong_rank_count_is_a_clear_error(tmp_path):
     spawn(wrong_world, 2, args=(str(tmp_path),))
     for rank in range(2):
         assert (tmp_path / f"err{rank}").read_text() == "cluster 'local-4' has 4 devices but 2 ranks are running"
+
+
+def test_cli_train_runs_a_baseline(capsys):
+    from hap.cli import main
+
+    assert main(["train", "--model", "vit", "--steps", "2", "--strategy", "dp-cp"]) == 0
+    out = capsys.readouterr().out
+    assert "per-iteration time: measured" in out and "estimated" in out

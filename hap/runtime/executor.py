@@ -15,6 +15,7 @@ ones are already exact.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -46,11 +47,15 @@ def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) 
 
 class Executor:
     def __init__(self, graph: Graph, program: Sequence[Step], classes: ShardClasses, segment_of: Sequence[int],
-                 ratios: Sequence[Sequence[float]], comm: Comm):
+                 ratios: Sequence[Sequence[float]], comm: Comm, slowdown: float = 1.0):
+        """slowdown > 1 emulates a slower device (see `_stretch`)."""
         if len(ratios[0]) != comm.world:
             raise ValueError(f"the plan is for {len(ratios[0])} devices, this run has {comm.world} ranks")
         self.graph, self.program, self.classes = graph, list(program), classes
         self.segment_of, self.ratios, self.comm = list(segment_of), ratios, comm
+        if slowdown < 1:
+            raise ValueError(f"slowdown must be at least 1, got {slowdown}")
+        self.slowdown = slowdown
         self.loads: dict[str, set[tuple[Placement, int]]] = {}
         for step in self.program:
             for ld in step.loads:
@@ -115,7 +120,11 @@ class Executor:
             local = {name: held[(name, p)][0] for name, p in zip(node.inputs, step.strategy.inputs)}
             ctx = LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
                                split=lambda t, d, seg=seg: self.classes.split_sizes(t, d, self.ratios[seg]))
-            for name, p, out in zip(node.outputs, step.strategy.outputs, run_node(node, step.strategy, local, self.graph, ctx)):
+            t0 = time.perf_counter()
+            outs = run_node(node, step.strategy, local, self.graph, ctx)
+            if self.slowdown > 1:
+                outs = self._stretch(outs, time.perf_counter() - t0)
+            for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
                 held[(name, p)] = (out, seg)
         loss_p = next(p for (name, p) in held if name == self.graph.loss)
         loss = held[(self.graph.loss, loss_p)][0]
@@ -123,6 +132,21 @@ class Executor:
             return loss
         # R or D: every rank holds the whole loss; as parts, rank 0 holds it and the others zero.
         return run_move(loss, _free_move(P, self.graph.tensors[self.graph.loss].requires_grad, src=loss_p), self.comm)
+
+    def _stretch(self, outs: tuple, seconds: float) -> tuple:
+        """Emulate a device `slowdown` times slower (the method of seed 002): after a node's
+        forward, sleep (slowdown - 1) times its measured time; before its backward, (slowdown - 1)
+        times twice that (a backward costs about two forwards)."""
+        extra = (self.slowdown - 1) * seconds
+        time.sleep(extra)
+        grads = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not grads:
+            return outs
+        stretched = _SleepInBackward.apply(2 * extra, *(outs[i] for i in grads))
+        out = list(outs)
+        for i, t in zip(grads, stretched if isinstance(stretched, tuple) else (stretched,)):
+            out[i] = t
+        return tuple(out)
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce(t.detach(), self.comm)
@@ -135,6 +159,20 @@ class Executor:
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.comm)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity; its backward sleeps first (the emulated extra time of a slow device)."""
+
+    @staticmethod
+    def forward(ctx, seconds, *xs):
+        ctx.seconds = seconds
+        return tuple(x.view_as(x) for x in xs) if len(xs) > 1 else xs[0].view_as(xs[0])
+
+    @staticmethod
+    def backward(ctx, *gs):
+        time.sleep(ctx.seconds)
+        return (None, *gs)
 
 
 def _free_move(dst: Placement, needs_grad: bool, src: Placement = R) -> Move:

@@ -44,7 +44,8 @@ class HAP(nn.Module):
         self.plan = _agree(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
         segment_of = [s for s, (first, last) in enumerate(self.plan.segments) for _ in range(first, last + 1)]
         classes = ShardClasses(graph, enumerate(_strategies(graph)))
-        self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm)
+        slowdown = cluster.devices[comm.rank].slowdown  # emulated on the local cluster (1: none)
+        self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm, slowdown)
         _check_splits(self.plan, ex)
         self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
         self._whole = [p for name, p in self.shards.items() if ex.stored[name][0] == R and p.requires_grad]
