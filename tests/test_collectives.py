@@ -9,14 +9,11 @@ to summation order.
 """
 
 import itertools
-import json
-import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import run_ranks
 
 from hap.placement import D, P, R, S
 from hap.runtime.collectives import Comm, run_move
@@ -68,10 +65,7 @@ def check_whole(t, full, p, sizes, comm):
 GRAD_FORM = {"R": P, "D": D, "P": D}  # the gradient of R is a partial sum; of P and D whole
 
 
-def worker(rank, world, store_path, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+def worker(rank, world):
     comm = Comm.default()
     failures = []
     for i, (mv, src_sizes, dst_sizes) in enumerate(cases(world)):
@@ -89,16 +83,12 @@ def worker(rank, world, store_path, out_dir):
         x_form = mv.src if mv.src.is_shard else GRAD_FORM[mv.src.kind]
         if x.grad is None or not check_whole(x.grad, G, x_form, src_sizes, comm):
             failures.append(f"{what}: backward")
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"cases": len(cases(world)), "failures": failures}, f)
-    dist.destroy_process_group()
+    return {"cases": len(cases(world)), "failures": failures}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_move_and_its_dual_on_gloo(world, tmp_path):
-    mp.start_processes(worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    reports = run_ranks(worker, world, tmp_path)
     assert reports[0]["cases"] >= 30  # every placement pair's moves, both gather kinds, a rebalance
     assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
 

@@ -5,15 +5,13 @@ error on every rank. SGD, not Adam: Adam turns the rounding noise of gradients t
 exactly zero in theory (attention's key bias) into full-size steps."""
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
+from gloo import run_ranks
 
 import hap
 from hap.models import vit
-from hap.runtime.launch import spawn
 
 STEPS = 2
 
@@ -27,25 +25,8 @@ def small_vit():
     return model, batches
 
 
-def train_hap(rank, out_dir):
-    model, batches = small_vit()
-    dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for batch in batches:
-        loss = dmodel(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "params": params, "ratios": dmodel.plan.ratios}, f)
-
-
-def test_hap_trains_vit_like_one_device(tmp_path):
-    spawn(train_hap, 2, args=(str(tmp_path),))
-    model, batches = small_vit()
+def train(model, batches):
+    """SGD with momentum over the batches; the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for batch in batches:
@@ -54,27 +35,40 @@ def test_hap_trains_vit_like_one_device(tmp_path):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    return losses
+
+
+def train_hap(rank, world):
+    model, batches = small_vit()
+    dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
+    losses = train(dmodel, batches)
+    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    return {"losses": losses, "params": params, "ratios": dmodel.plan.ratios}
+
+
+def test_hap_trains_vit_like_one_device(tmp_path):
+    reports = run_ranks(train_hap, 2, tmp_path)
+    model, batches = small_vit()
+    losses = train(model, batches)
+    for got in reports:
         assert got["ratios"][0][0] > got["ratios"][0][1]  # the 3x slower rank gets less work
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
-def wrong_world(rank, out_dir):
+def wrong_world(rank, world):
     model, batches = small_vit()
     try:
         hap.HAP(model, hap.load_cluster("local-4"), batches[0])
     except ValueError as e:
-        with open(os.path.join(out_dir, f"err{rank}"), "w") as f:
-            f.write(str(e))
+        return {"error": str(e)}
+    return {"error": None}
 
 
 def test_wrong_rank_count_is_a_clear_error(tmp_path):
-    spawn(wrong_world, 2, args=(str(tmp_path),))
-    for rank in range(2):
-        assert (tmp_path / f"err{rank}").read_text() == "cluster 'local-4' has 4 devices but 2 ranks are running"
+    for got in run_ranks(wrong_world, 2, tmp_path):
+        assert got["error"] == "cluster 'local-4' has 4 devices but 2 ranks are running"
 
 
 def test_cli_train_runs_a_baseline(capsys):

@@ -2,24 +2,19 @@
 gradient, and the parameters after several optimizer steps, for uneven ratios and programs
 that use different collectives."""
 
-import json
-import os
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from gloo import run_ranks
 
 from hap.capture import capture
 from hap.cost.cluster import Cluster, Device, fits_from_network
 from hap.cost.model import CostModel
+from hap.placement import S
 from hap.planner import _strategies, _tp
 from hap.rules.units import ShardClasses
 from hap.runtime.collectives import Comm, all_reduce
 from hap.runtime.executor import Executor, leaf_values
-from hap.placement import S
 from hap.search.astar import Restriction, chunk_cuts, synthesize
 
 
@@ -90,10 +85,7 @@ def full_value(ex, name, p):
     return all_reduce(whole, ex.comm)
 
 
-def worker(rank, world, store_path, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+def worker(rank, world):
     comm = Comm.default()
     torch.manual_seed(0)
     model = MLP()
@@ -138,16 +130,12 @@ def worker(rank, world, store_path, out_dir):
             ref = dict(reference.named_parameters())[graph.tensors[name].target]
             if not torch.allclose(full_value(ex, name, p), ref.detach(), rtol=1e-4, atol=1e-6):
                 report["failures"].append(f"{what}: {graph.tensors[name].target} after {STEPS} steps")
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_programs_train_like_one_device(world, tmp_path):
-    mp.start_processes(worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    reports = run_ranks(worker, world, tmp_path)
     assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
     # The cases really differ: several kinds of collective, sharded parameters somewhere.
     assert len(set(reports[0]["moves"])) >= 4

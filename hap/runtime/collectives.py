@@ -249,31 +249,22 @@ class _Slice(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-class _Replicate(torch.autograd.Function):
-    """D -> R: the same values; the partial gradients of R are summed into D's whole one."""
+class _SameValues(torch.autograd.Function):
+    """R <-> D: the same values, another gradient form. replicate (D -> R): R's partial
+    gradients are summed into D's whole one. duplicate (R -> D): D's gradient is whole on every
+    rank; as R's partial gradient it must count once, so rank 0 keeps it and the others zeros."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, to_r, comm):
+        ctx.args = to_r, comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return all_reduce(g, ctx.comm), None
-
-
-class _Duplicate(torch.autograd.Function):
-    """R -> D: the same values. D's gradient is whole on every rank; as R's partial gradient
-    it must sum to the whole once, so rank 0 keeps it and the others pass zeros."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (g if ctx.comm.rank == 0 else torch.zeros_like(g)), None
+        to_r, comm = ctx.args
+        if to_r:
+            return all_reduce(g, comm), None, None
+        return (g if comm.rank == 0 else torch.zeros_like(g)), None, None
 
 
 class _ZeroPartial(torch.autograd.Function):
@@ -315,10 +306,8 @@ def run_move(x: torch.Tensor, mv: Move, comm: Comm, src_sizes: Sequence[int] | N
         return _Resplit.apply(x, src.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
     if name == "slice":
         return _Slice.apply(x, dst.dim, _sizes(dst_sizes, "destination"), src == R, comm)
-    if name == "duplicate":
-        return _Duplicate.apply(x, comm)
-    if name == "replicate":
-        return _Replicate.apply(x, comm)
+    if name in ("duplicate", "replicate"):
+        return _SameValues.apply(x, name == "replicate", comm)
     if name == "zero_partial":
         return _ZeroPartial.apply(x, src == R, comm)
     raise ValueError(f"no runtime for move {name!r} ({src} -> {dst})")

@@ -1,0 +1,23 @@
+"""Run a test's worker on real gloo ranks (hap's own launcher) and collect what each found.
+
+    reports = run_ranks(worker, world, tmp_path, *args)   # worker(rank, world, *args) -> dict
+
+Workers report failures instead of asserting, so that every rank finishes its collectives
+and the test sees all failures at once.
+"""
+
+import json
+import os
+
+from hap.runtime.launch import spawn
+
+
+def run_ranks(worker, world, tmp_path, *args) -> list[dict]:
+    spawn(_report, world, args=(worker, world, str(tmp_path), args))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _report(rank, worker, world, out_dir, args):
+    report = worker(rank, world, *args)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
