@@ -36,5 +36,6 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_
                             timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, *args)
+        dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
