@@ -179,10 +179,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         for name, restriction, ratios in (("dp_ev", _dp(), cluster.even()), ("dp_cp", _dp(), cluster.compute_proportional()),
                                           ("tp", _tp(), cluster.even())):
             rs = [list(ratios) for _ in range(g)]
-            try:
-                program = search(rs, restriction)
-            except SearchError:  # no communication-free data-parallel program: allow collectives
-                program = search(rs, Restriction(name=restriction.name, allow_load=_params_only(restriction)))
+            program = _baseline_program(search, rs, restriction)
             est = price(name, program, rs)
             baselines[name] = {"seconds": est.seconds, "memory_bytes": est.memory, "ratios": rs[0], "breakdown": est.breakdown(),
                                "fits": _fits(est, capacity)}
@@ -230,14 +227,27 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
     segment_of = [0] * len(graph.nodes)
     ratios = [list(cluster.even() if name == "dp-ev" else cluster.compute_proportional())]
     cuts = chunk_cuts(graph) if config.layer_cuts else None
+    exhaustive = []
+
+    def search(rs, restriction):
+        res = synthesize(graph, strategies, cost, segment_of, rs, restriction, cuts=cuts, width=config.width)
+        exhaustive.append(res.exhaustive)
+        return res.program
+
+    program = _baseline_program(search, ratios, _dp())
+    est = replay(program, cost, segment_of, ratios)
+    return _assemble(graph, cluster, classes, segment_of, program, ratios, est, {}, time.perf_counter() - t0,
+                     {"winner": name, "exhaustive": all(exhaustive)})
+
+
+def _baseline_program(search, ratios, restriction: Restriction) -> list[Step]:
+    """The cheapest program of a baseline's family. Where the family has none (data parallelism
+    forbids all communication, and some graphs need it on activations), only its rule for
+    parameters is kept."""
     try:
-        res = synthesize(graph, strategies, cost, segment_of, ratios, _dp(), cuts=cuts, width=config.width)
-    except SearchError:  # no communication-free data-parallel program: allow collectives on activations
-        res = synthesize(graph, strategies, cost, segment_of, ratios, Restriction(name="data parallelism",
-                         allow_load=_params_only(_dp())), cuts=cuts, width=config.width)
-    est = replay(res.program, cost, segment_of, ratios)
-    return _assemble(graph, cluster, classes, segment_of, res.program, ratios, est, {}, time.perf_counter() - t0,
-                     {"winner": name, "exhaustive": res.exhaustive})
+        return search(ratios, restriction)
+    except SearchError:
+        return search(ratios, Restriction(name=restriction.name, allow_load=_params_only(restriction)))
 
 
 def _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselines, seconds, search) -> Plan:
