@@ -64,27 +64,6 @@ def restriction(name, graph):
 STEPS = 3
 
 
-def full_grad(ex, name, p):
-    """The whole gradient of a parameter from this rank's part (shards are zero-padded and summed)."""
-    placement, seg = ex.stored[name]
-    if not placement.is_shard:
-        return p.grad
-    whole = torch.zeros(ex.graph.tensors[name].shape, dtype=p.dtype)
-    sizes = ex.sizes(name, placement, seg)
-    whole.narrow(placement.dim, sum(sizes[: ex.comm.rank]), sizes[ex.comm.rank]).copy_(p.grad)
-    return all_reduce(whole, ex.comm)
-
-
-def full_value(ex, name, p):
-    placement, seg = ex.stored[name]
-    if not placement.is_shard:
-        return p.detach()
-    whole = torch.zeros(ex.graph.tensors[name].shape, dtype=p.dtype)
-    sizes = ex.sizes(name, placement, seg)
-    whole.narrow(placement.dim, sum(sizes[: ex.comm.rank]), sizes[ex.comm.rank]).copy_(p.detach())
-    return all_reduce(whole, ex.comm)
-
-
 def worker(rank, world):
     comm = Comm.default()
     torch.manual_seed(0)
@@ -120,7 +99,7 @@ def worker(rank, world):
                 report["failures"].append(f"{what} step {step}: loss")
             for name, p in params.items():
                 ref = dict(reference.named_parameters())[graph.tensors[name].target].grad
-                if not torch.allclose(full_grad(ex, name, p), ref, rtol=1e-4, atol=1e-6):
+                if not torch.allclose(ex.whole(name, p.grad), ref, rtol=1e-4, atol=1e-6):
                     report["failures"].append(f"{what} step {step}: gradient of {graph.tensors[name].target}")
             if len(params) != len(list(reference.parameters())):
                 report["failures"].append(f"{what}: {len(params)} of {len(list(reference.parameters()))} parameters kept")
@@ -128,7 +107,7 @@ def worker(rank, world):
             ref_opt.step(); ref_opt.zero_grad()
         for name, p in params.items():
             ref = dict(reference.named_parameters())[graph.tensors[name].target]
-            if not torch.allclose(full_value(ex, name, p), ref.detach(), rtol=1e-4, atol=1e-6):
+            if not torch.allclose(ex.whole(name, p.detach()), ref.detach(), rtol=1e-4, atol=1e-6):
                 report["failures"].append(f"{what}: {graph.tensors[name].target} after {STEPS} steps")
     return report
 

@@ -27,7 +27,7 @@ from ..rules.local import LocalContext, run_node
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
 from ..search.program import Step
-from .collectives import Comm, all_reduce, run_move
+from .collectives import Comm, all_reduce, gather_padded, run_move
 
 
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,6 +73,12 @@ class Executor:
             return full
         sizes = self.sizes(tensor, p, seg)
         return full.narrow(p.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank])
+
+    def whole(self, param: str, local: torch.Tensor) -> torch.Tensor:
+        """A parameter's (or its gradient's) whole value from this rank's part (a collective
+        where the parameter is sharded: every rank calls it)."""
+        p, seg = self.stored[param]
+        return gather_padded(local.contiguous(), p.dim, self.sizes(param, p, seg), self.comm) if p.is_shard else local
 
     def shard_parameters(self, values: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
         """Keep this rank's part of every parameter the program loads (from whole values built

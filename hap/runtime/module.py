@@ -66,17 +66,7 @@ class HAP(nn.Module):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
-        out = {}
-        for name, p in self.shards.items():
-            placement, seg = self.executor.stored[name]
-            value = p.detach()
-            if placement.is_shard:
-                sizes = self.executor.sizes(name, placement, seg)
-                whole = torch.zeros(self.graph.tensors[name].shape, dtype=p.dtype)
-                whole.narrow(placement.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank]).copy_(value)
-                value = all_reduce(whole, self.comm)
-            out[self.graph.tensors[name].target] = value
-        return out
+        return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
 
 
 def _agree(plan: Plan | None, comm: Comm) -> Plan:
