@@ -2,6 +2,7 @@
 
     hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
     hap train --model vit --scale small --cluster local --steps 20 [--strategy dp-ev]
+    hap profile --cluster local -o local-profiled.yaml   # measure devices and collectives
     hap clusters                      # list the built-in clusters
     hap cluster paper-hetero-8        # show one (or a YAML file) as the planner reads it
 
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"], default="hap",
                    help="hap's plan, or data parallelism with even / compute-proportional batch shares")
     t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+
+    f = sub.add_parser("profile", help="measure a cluster's devices and collectives; write a cluster file")
+    f.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
+    f.add_argument("-o", "--output", required=True, metavar="FILE", help="the profiled cluster file (YAML)")
+    f.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
 
     sub.add_parser("clusters", help="list the built-in clusters")
     c = sub.add_parser("cluster", help="show a cluster as the planner reads it")
@@ -154,6 +160,51 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
             json.dump(times, f)
 
 
+def cmd_profile(args) -> int:
+    import json
+    import os
+    import tempfile
+
+    import yaml
+
+    from .cost.cluster import cluster_from_dict, load_cluster
+    from .runtime.launch import spawn
+
+    cluster = load_cluster(args.cluster)
+    print(f"[hap] profiling {cluster.describe()} on {cluster.size} local processes", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "spec.json")
+        spawn(_profile_rank, cluster.size, args=(args.cluster, args.quick, out))
+        spec = json.loads(open(out).read())
+    report = spec.pop("report")
+    cluster_from_dict(spec)  # what we write must load
+    with open(args.output, "w") as f:
+        f.write(f"# written by: hap profile --cluster {args.cluster}\n")
+        yaml.safe_dump(spec, f, sort_keys=False)
+    for j, (dev, rep) in enumerate(zip(spec["devices"], report["devices"])):
+        rates = ", ".join(f"{k} {rep[k]['rate'] / 1e9:.1f} G/s" for k in ("matmul", "conv", "attention"))
+        print(f"device {j} ({dev['name']}): {dev['flops'] / 1e9:.1f} GFLOP/s ({rates}), memory "
+              f"{dev['mem_bandwidth'] / 1e9:.1f} GB/s, {dev['op_overhead'] * 1e6:.1f} us per node per pass")
+    for kind, fit in report["collectives"].items():
+        print(f"{kind:15s} alpha {fit['alpha'] * 1e6:8.1f} us  beta {fit['beta'] / 1e9:6.2f} GB/s  "
+              f"worst residual {fit['worst_residual'] * 100:.0f}%")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _profile_rank(rank: int, cluster_name: str, quick: bool, out: str) -> None:
+    import json
+
+    from .cost.cluster import load_cluster
+    from .runtime.collectives import Comm
+    from .runtime.profile import profile_cluster
+
+    spec = profile_cluster(load_cluster(cluster_name), Comm.default(), quick)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(spec, f)
+
+
 def cmd_clusters(args) -> int:
     from .cost.cluster import BUILTIN
 
@@ -177,14 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     from .balance.lp import BalanceError
     from .capture import CaptureError
     from .cost.cluster import ClusterError
+    from .runtime.launch import RankFailed
 
     args = _parser().parse_args(argv)
-    handlers = {"plan": cmd_plan, "train": cmd_train, "clusters": cmd_clusters, "cluster": cmd_cluster}
+    handlers = {"plan": cmd_plan, "train": cmd_train, "profile": cmd_profile, "clusters": cmd_clusters,
+                "cluster": cmd_cluster}
     try:
         return handlers[args.command](args)
     except (UserError, ClusterError, CaptureError, BalanceError) as e:
         print(f"hap: error: {e}", file=sys.stderr)
         return 2
+    except RankFailed as e:  # a training or profiling rank failed: its line, then its traceback
+        print(f"hap: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("hap: interrupted", file=sys.stderr)
         return 130

@@ -1,8 +1,10 @@
-"""hap.HAP end to end on real gloo ranks: a built-in model (ViT, dropout off so that one
-device's random numbers need not be reproduced) planned for the local cluster (one rank 3x
-slower, so the ratios are uneven) trains like one device; bad set-ups fail with one clear
-error on every rank. SGD, not Adam: Adam turns the rounding noise of gradients that are
-exactly zero in theory (attention's key bias) into full-size steps."""
+"""hap.HAP end to end on real gloo ranks: a built-in model (ViT) planned for the local cluster
+(one rank 3x slower, so the ratios are uneven) trains like one device, also with dropout
+(the masks one device would draw), each rank loading only its part of the batch, and
+gradients clipped by the global norm; a model built on the meta device is materialized a
+module at a time; bad set-ups fail with one clear error on every rank. SGD, not Adam: Adam
+turns the rounding noise of gradients that are exactly zero in theory (attention's key bias)
+into full-size steps."""
 
 import dataclasses
 
@@ -16,9 +18,9 @@ from hap.models import vit
 STEPS = 2
 
 
-def small_vit():
+def small_vit(dropout=0.0):
     torch.manual_seed(0)
-    cfg = dataclasses.replace(vit.ViTConfig.small(), dropout=0.0)
+    cfg = dataclasses.replace(vit.ViTConfig.small(), dropout=dropout)
     model = vit.ViT(cfg).train()
     gen = torch.Generator().manual_seed(0)
     batches = [vit.example_inputs(cfg, 12, gen) for _ in range(STEPS)]
@@ -52,6 +54,93 @@ def test_hap_trains_vit_like_one_device(tmp_path):
     losses = train(model, batches)
     for got in reports:
         assert got["ratios"][0][0] > got["ratios"][0][1]  # the 3x slower rank gets less work
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
+
+
+def train_clipped(model, batches, clip, step_batch=lambda b: b):
+    """SGD steps with a seed per step (dropout masks) and clipping; losses and norms."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, norms = [], []
+    for i, batch in enumerate(batches):
+        torch.manual_seed(100 + i)
+        loss = model(*step_batch(batch))
+        loss.backward()
+        norms.append(float(clip(model)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def train_hap_dropout(rank, world):
+    model, batches = small_vit(dropout=0.2)
+    dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
+    torch.manual_seed(rank)  # ranks' generators differ: hap must draw rank 0's numbers everywhere
+    torch.rand(rank + 1)
+    losses, norms = train_clipped(dmodel, batches, lambda m: m.clip_grad_norm_(0.05),
+                                   lambda b: dmodel.local_batch(*b))
+    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    slices = dmodel.input_slices()
+    return {"losses": losses, "norms": norms, "params": params, "slices": slices}
+
+
+def test_dropout_local_batches_and_clipping_like_one_device(tmp_path):
+    reports = run_ranks(train_hap_dropout, 2, tmp_path)
+    model, batches = small_vit(dropout=0.2)
+    losses, norms = train_clipped(model, batches, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+    assert all(n > 0.05 for n in norms)  # the clipping bites
+    images = batches[0][0].shape[0]
+    sliced = [got["slices"][0] for got in reports]
+    assert all(s is not None for s in sliced) and sum(s[2] for s in sliced) == images  # each rank read its rows only
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert got["norms"] == pytest.approx(norms, rel=1e-4)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
+
+
+class Wide(torch.nn.Module):
+    def __init__(self, d=16, h=48):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(d, h), torch.nn.LayerNorm(h), torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x)))).pow(2).mean()
+
+
+def materialized_reference():
+    """What module-by-module initialization from seed 0 gives, built whole on one device."""
+    with torch.device("meta"):
+        model = Wide()
+    torch.manual_seed(0)
+    for sub in model.modules():
+        if any(p.is_meta for p in sub.parameters(recurse=False)):
+            sub.to_empty(device="cpu", recurse=False)
+            sub.reset_parameters()
+    return model
+
+
+def train_meta(rank, world):
+    with torch.device("meta"):
+        model = Wide()
+    torch.manual_seed(0)
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
+    dmodel = hap.HAP(model, hap.load_cluster("local"), (x,))
+    held = {n: p.numel() for n, p in dmodel.shards.items()}
+    losses = train(dmodel, [(x,), (x,)])
+    return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
+            "meta": all(p.is_meta for p in model.parameters()), "held": held}
+
+
+def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
+    reports = run_ranks(train_meta, 2, tmp_path)
+    model = materialized_reference()
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
+    losses = train(model, [(x,), (x,)])
+    for got in reports:
+        assert got["meta"]  # the user's model keeps no whole parameter
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name

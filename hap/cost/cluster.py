@@ -59,6 +59,9 @@ class Device:
     """Bytes/s of GPU memory, to cost memory-bound ops; 0 leaves them uncosted."""
     slowdown: float = 1.0
     """For emulated local devices: computation is stretched by this factor (1 = none)."""
+    op_overhead: float = 0.0
+    """Seconds every node costs per pass whatever its size (framework dispatch, kernel launch);
+    dominant for small models on CPUs, which is where `hap profile` measures it."""
 
     @property
     def total_flops(self) -> float:
@@ -82,6 +85,9 @@ class Cluster:
     devices: tuple[Device, ...]
     collectives: dict[str, Fit] = field(default_factory=dict)
     """One fit per name in COLLECTIVES."""
+    emulated_network: tuple[float, float] | None = None
+    """(bandwidth bytes/s, latency s) that the local runtime emulates on every collective by
+    sleeping (`network: {..., emulate: true}`); None: links run at this machine's speed."""
 
     @property
     def size(self) -> int:
@@ -113,11 +119,16 @@ class Cluster:
         return f"{self.name}: {self.size} devices, {self.gpus} GPUs: " + ", ".join(parts)
 
     def to_dict(self) -> dict:
-        return {
+        """The spec as a cluster file would give it (cluster_from_dict reads it back)."""
+        out = {
             "name": self.name,
             "devices": [{k: getattr(d, k) for k in Device.__slots__} for d in self.devices],
             "collectives": {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()},
         }
+        if self.emulated_network is not None:
+            bandwidth, latency = self.emulated_network
+            out["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+        return out
 
 
 def fits_from_network(m: int, bandwidth: float, latency: float) -> dict[str, Fit]:
@@ -178,7 +189,7 @@ def _positive(x: float, what: str, allow_zero: bool = False) -> float:
     return x
 
 
-_DEVICE_KEYS = {"name", "count", "flops", "memory", "gpus", "intra_bandwidth", "mem_bandwidth", "slowdown"}
+_DEVICE_KEYS = {"name", "count", "flops", "memory", "gpus", "intra_bandwidth", "mem_bandwidth", "slowdown", "op_overhead"}
 
 
 def _parse_device(spec, i: int) -> list[Device]:
@@ -206,8 +217,14 @@ def _parse_device(spec, i: int) -> list[Device]:
                                   f"{where} ({name}) intra_bandwidth", allow_zero=True),
         mem_bandwidth=_positive(_quantity(spec.get("mem_bandwidth", 0), _RATE_UNITS, f"{where}.mem_bandwidth"),
                                 f"{where} ({name}) mem_bandwidth", allow_zero=True),
-        slowdown=_positive(float(spec.get("slowdown", 1.0)), f"{where} ({name}) slowdown"),
+        slowdown=_positive(_quantity(spec.get("slowdown", 1.0), {"": 1, "x": 1}, f"{where}.slowdown"),
+                           f"{where} ({name}) slowdown"),
+        op_overhead=_positive(_quantity(spec.get("op_overhead", 0), _TIME_UNITS | {"": 1}, f"{where}.op_overhead"),
+                              f"{where} ({name}) op_overhead", allow_zero=True),
     )
+    if dev.slowdown < 1:
+        raise ClusterError(f"{where} ({name}): slowdown must be at least 1 (it stretches this machine's speed), "
+                           f"got {dev.slowdown:g}")
     if dev.gpus > 1 and dev.intra_bandwidth <= 0:
         raise ClusterError(f"{where} ({name}): a machine of {dev.gpus} GPUs needs intra_bandwidth")
     return [dev] * count
@@ -224,13 +241,22 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         raise ClusterError("'devices' must be a non-empty list")
     devices = tuple(d for i, s in enumerate(devs_spec) for d in _parse_device(s, i))
     fits: dict[str, Fit] = {}
+    emulated = None
     if "network" in spec:
         net = spec["network"]
         if not isinstance(net, dict) or "bandwidth" not in net:
             raise ClusterError("'network' needs a bandwidth (e.g. {bandwidth: 10Gbps, latency: 30us})")
+        unknown = set(net) - {"bandwidth", "latency", "emulate"}
+        if unknown:
+            raise ClusterError(f"network: unknown key(s) {sorted(unknown)}; allowed: bandwidth, latency, emulate")
         bw = _positive(_quantity(net["bandwidth"], _RATE_UNITS, "network.bandwidth"), "network bandwidth")
         lat = _positive(_quantity(net.get("latency", 0), _TIME_UNITS, "network.latency"), "network latency", allow_zero=True)
-        fits.update(fits_from_network(len(devices), bw, lat))
+        if not isinstance(net.get("emulate", False), bool):
+            raise ClusterError(f"network.emulate must be true or false, got {net['emulate']!r}")
+        if net.get("emulate", False):
+            emulated = (bw, lat)
+        if "collectives" not in spec or not net.get("emulate", False):
+            fits.update(fits_from_network(len(devices), bw, lat))
     for key, f in (spec.get("collectives") or {}).items():
         if key not in COLLECTIVES:
             raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
@@ -243,7 +269,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: give 'network' or 'collectives'")
     if len(devices) == 1:
         fits = fits_from_network(1, 1.0, 0.0)
-    return Cluster(name=str(spec.get("name", default_name)), devices=devices, collectives=fits)
+    return Cluster(name=str(spec.get("name", default_name)), devices=devices, collectives=fits,
+                   emulated_network=emulated)
 
 
 def load_cluster(path_or_name: str | Path) -> Cluster:

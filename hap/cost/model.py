@@ -5,7 +5,8 @@ its byte size (numel * itemsize), never its element count.
 
 Computation (HAP section 3.2): a node that shards an iteration dim runs the fraction
 share_j of its work on device j, otherwise all of it; time on device j is
-    share_j * (flops / (gpus_j * flops_j) + bytes_moved / (gpus_j * mem_bandwidth_j)).
+    share_j * (flops / (gpus_j * flops_j) + bytes_moved / (gpus_j * mem_bandwidth_j)) + op_overhead_j,
+the last term being what a node costs whatever its size (dispatch, launch: `hap profile`).
 The backward is costed with its own FLOPs from torch's flop counter (2x for matmuls) and twice
 the memory traffic. A machine of several GPUs also all-reduces its local parameter gradients
 over its internal links: 2(k-1)/k * bytes / intra_bandwidth, added to its backward time.
@@ -55,6 +56,7 @@ class CostModel:
         devs = cluster.devices
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
+        self.overhead = tuple(d.op_overhead for d in devs)
         self.intra_grad = tuple(2 * (d.gpus - 1) / d.gpus / d.intra_bandwidth if d.gpus > 1 else 0.0 for d in devs)
         machines = [d for d in devs if d.gpus > 1]
         self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
@@ -99,6 +101,12 @@ class CostModel:
             return fwd, (0.0,) * self.m
         bwd = tuple(node.bwd_flops * s + 2 * node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         return fwd, bwd
+
+    def fixed_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Forward and backward seconds per device that do not shrink with the node's share
+        (one dispatch per pass, on every device, even for an empty shard)."""
+        needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
+        return self.overhead, (self.overhead if needs_bwd else (0.0,) * self.m)
 
     def grad_intra(self, nbytes: float) -> tuple[float, ...]:
         """Seconds each machine spends all-reducing nbytes of local gradient among its GPUs."""

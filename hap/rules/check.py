@@ -24,7 +24,7 @@ import torch
 from ..ir import Graph, Node
 from ..placement import Placement
 from . import RANDOM_OPS, Strategy
-from .local import LocalContext, run_node, substitute
+from .local import ATTENTION, LocalContext, attention_dropout, run_node, substitute
 from .units import ShardClasses
 
 
@@ -82,8 +82,9 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
             full[name] = random_full(graph, name, gen)
     grad_inputs = [n for n in dict.fromkeys(node.inputs) if full[n].is_floating_point() and graph.tensors[n].requires_grad]
     leaves = {n: full[n].detach().clone().requires_grad_(n in grad_inputs) for n in dict.fromkeys(node.inputs)}
+    random_op = is_random(node)
+    rng = torch.get_rng_state()  # random ops: every device draws what the reference draws
     ref = _call(node, leaves)
-    random_op = node.op in RANDOM_OPS
 
     def sizes(name):
         return lambda dim: classes.split_sizes(name, dim, ratios)
@@ -94,7 +95,13 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
             raise RuleViolation(f"{node.name}: {name} passed twice with different placements")
     local_in = {n: split_value(full[n], place[n], sizes(n), m, gen) for n in dict.fromkeys(node.inputs)}
     local_leaves = [{n: local_in[n][j].detach().clone().requires_grad_(n in grad_inputs) for n in local_in} for j in range(m)]
-    outs = _run_devices(node, st, graph, local_leaves, classes, ratios)
+    if random_op:  # one device at a time, each from the reference's generator state
+        outs = []
+        for j in range(m):
+            torch.set_rng_state(rng)
+            outs.append(run_node(node, st, local_leaves[j], graph, _context(j, m, classes, ratios, None)))
+    else:
+        outs = _run_devices(node, st, graph, local_leaves, classes, ratios)
 
     for k, (name, p) in enumerate(zip(node.outputs, st.outputs)):
         expect_shape = [list(graph.tensors[name].shape) for _ in range(m)]
@@ -104,12 +111,10 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
         for j in range(m):
             if list(outs[j][k].shape) != expect_shape[j]:
                 raise RuleViolation(f"{node.name} [{st}]: device {j} output {name} has shape {list(outs[j][k].shape)}, expected {expect_shape[j]}")
-        if random_op:
-            continue
         for cand in combine([o[k].detach() for o in outs], p):
             _close(cand, ref[k].detach(), f"{node.name} [{st}] output {name}", rtol, atol)
 
-    if not check_grad or random_op or not grad_inputs:
+    if not check_grad or not grad_inputs:
         return
     diff_outputs = [k for k, name in enumerate(node.outputs) if ref[k].requires_grad]
     if not diff_outputs:
@@ -128,6 +133,17 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
         parts = [lv[name].grad if lv[name].grad is not None else torch.zeros_like(lv[name]) for lv in local_leaves]
         for cand in combine(parts, _dual(place[name])):
             _close(cand, expected, f"{node.name} [{st}] gradient of {name}", rtol, atol)
+
+
+def is_random(node: Node) -> bool:
+    """Whether the node draws random numbers (dropout, rand_like, attention with dropout)."""
+    if node.op == ATTENTION:
+        return attention_dropout(node.args, node.kwargs) > 0
+    return node.op in RANDOM_OPS
+
+
+def _context(j, m, classes, ratios, all_reduce) -> LocalContext:
+    return LocalContext(device=j, world=m, split=lambda t, d: classes.split_sizes(t, d, ratios), all_reduce=all_reduce)
 
 
 def _call(node: Node, values: dict[str, torch.Tensor]) -> tuple:
@@ -153,7 +169,7 @@ def _run_devices(node, st, graph, local_leaves, classes, ratios) -> list[tuple]:
         return all_reduce
 
     def work(j):
-        ctx = LocalContext(device=j, world=m, split=lambda t, d: classes.split_sizes(t, d, ratios), all_reduce=all_reduce_for(j))
+        ctx = _context(j, m, classes, ratios, all_reduce_for(j))
         try:
             results[j] = run_node(node, st, local_leaves[j], graph, ctx)
         except BaseException as e:  # reported below, on the caller's thread

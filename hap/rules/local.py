@@ -1,10 +1,14 @@
 """How one node runs on one device, given that device's local tensors.
 
-Most ops run unchanged on their local shards. Two kinds need help:
+Most ops run unchanged on their local shards. Three kinds need help:
   * ops that take a shape (view, reshape, expand, new_zeros, ...) get the local output shape;
   * ops whose strategy names a `local` variant run that variant, registered here with
     @variant by the rule family that needs it (e.g. a mean over a sharded dim divides the
-    local sum by the global count, so that the local results add up to the global mean).
+    local sum by the global count, so that the local results add up to the global mean);
+  * random ops (dropout, rand_like, attention with dropout) draw their random numbers for the
+    whole tensor, exactly as one device would, and keep this device's part: with the same
+    generator state on every device (the runtime keeps it so), sharded training then uses the
+    very masks that single-device training would.
 
 The planner's ground-truth checker and the runtime both execute nodes through run_node.
 """
@@ -18,7 +22,7 @@ import torch
 
 from ..ir import Graph, Node, TensorRef
 from ..placement import Placement
-from . import Strategy
+from . import RANDOM_OPS, Strategy
 
 
 @dataclass(kw_only=True)
@@ -89,6 +93,10 @@ def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: G
     if st.local is not None:
         _load_variants()
         out = VARIANTS[st.local](node, st, args, kwargs, ctx, graph)
+    elif node.op in RANDOM_OPS:
+        out = _random(node, st, args, kwargs, ctx, graph)
+    elif node.op == ATTENTION and attention_dropout(args, kwargs) > 0:
+        out = _attention_with_dropout(node, st, args, kwargs, ctx, graph)
     else:
         out = node.target(*args, **kwargs)
     return tuple(out) if isinstance(out, (list, tuple)) else (out,)
@@ -98,3 +106,57 @@ def _load_variants() -> None:
     from . import _load_families
 
     _load_families()
+
+
+# ---------------------------------------------------------------------------------------------
+# Random ops: the whole tensor's random numbers, this device's part of them.
+
+DROPOUTS = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default"}
+ATTENTION = "aten.scaled_dot_product_attention.default"
+
+
+def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> torch.Tensor:
+    """This device's part of a whole tensor in placement p (S: its shard; else all of it)."""
+    if p.kind != "S":
+        return whole
+    sizes = ctx.split(tensor, p.dim)
+    return whole.narrow(p.dim, sum(sizes[: ctx.device]), sizes[ctx.device])
+
+
+def _random(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalContext, graph: Graph):
+    out_name, out_p = node.outputs[0], st.outputs[0]
+    x = args[0]
+    whole = torch.ones(graph.tensors[node.inputs[0]].shape, dtype=x.dtype)  # the shape one device draws for
+    if node.op not in DROPOUTS:  # rand_like, randn_like, bernoulli: the values depend on the shape only
+        return _part(node.target(whole, *args[1:], **kwargs), out_name, out_p, ctx)
+    if node.op == "aten.native_dropout.default":
+        noise, mask = node.target(whole, *args[1:], **kwargs)  # noise = mask / (1 - p)
+        return x * _part(noise, out_name, out_p, ctx), _part(mask, node.outputs[1], st.outputs[1], ctx)
+    # dropout is linear in x for a fixed mask, so a partial-sum x takes the whole mask too
+    return x * _part(node.target(whole, *args[1:], **kwargs), out_name, out_p, ctx)
+
+
+def attention_dropout(args: tuple, kwargs: dict) -> float:
+    return float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+
+
+def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalContext, graph: Graph):
+    """Attention by its definition (torch's math path, which CPU training with dropout takes),
+    its dropout noise drawn for all (batch, head, query, key) and sliced like q."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    a = {**dict(zip(names, args)), **kwargs}
+    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+    if a.get("enable_gqa"):
+        raise NotImplementedError(f"{node.name}: grouped-query attention with dropout has no runtime yet")
+    scale = a.get("scale") or q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-2, -1) * scale  # [.., L, S]
+    if a.get("is_causal"):
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    q_shape, k_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
+    whole = torch.ones((*q_shape[:-1], k_shape[-2]), dtype=q.dtype)  # every score's noise
+    noise = torch.ops.aten.dropout.default(whole, a["dropout_p"], True)
+    return _part(noise, node.inputs[0], st.inputs[0], ctx).mul(weights) @ v

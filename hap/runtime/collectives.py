@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..placement import R
 from ..search.moves import AG_GROUPED, Move
+from .emulate import Emulation
 
 Gather = Literal["padded", "grouped"]
 
@@ -49,10 +50,22 @@ class Comm:
     world: int
     group: dist.ProcessGroup | None = None
     """None: the default group."""
+    emulation: Emulation | None = None
+    """This rank's emulated slowness (local cluster); None: run at full speed."""
 
     @classmethod
-    def default(cls) -> "Comm":
-        return cls(rank=dist.get_rank(), world=dist.get_world_size())
+    def default(cls, emulation: Emulation | None = None) -> "Comm":
+        return cls(rank=dist.get_rank(), world=dist.get_world_size(), emulation=emulation)
+
+    def before(self) -> None:
+        """Called before every collective: an emulated slow device arrives late."""
+        if self.emulation is not None:
+            self.emulation.settle()
+
+    def after(self, kind: str, volume: float) -> None:
+        """Called after every collective with its cost-model volume in bytes (emulated links)."""
+        if self.emulation is not None:
+            self.emulation.communicated(kind, volume)
 
 
 def _check_sizes(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> None:
@@ -73,41 +86,57 @@ def _with_length(shape: Sequence[int], dim: int, n: int) -> list[int]:
 
 def gather_padded(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
     """The whole tensor on every rank: one all-gather of shards padded to the largest."""
+    if comm.world == 1:  # one rank holds everything: nothing to exchange
+        return x
     _check_sizes(x, dim, sizes, comm)
     top = max(sizes)
     padded = x.new_zeros(_with_length(x.shape, dim, top))
     padded.narrow(dim, 0, x.shape[dim]).copy_(x)
     parts = [torch.empty_like(padded) for _ in range(comm.world)]
+    comm.before()
     dist.all_gather(parts, padded, group=comm.group)
+    comm.after("all_gather", comm.world * _nbytes(padded))
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
 
 
 def gather_grouped(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
     """The whole tensor on every rank: each rank's shard broadcast from it, unpadded."""
+    if comm.world == 1:  # one rank holds everything: nothing to exchange
+        return x
     _check_sizes(x, dim, sizes, comm)
     parts = []
     for owner, n in enumerate(sizes):
         part = x.contiguous() if owner == comm.rank else x.new_empty(_with_length(x.shape, dim, n))
         if n:
+            comm.before()
             dist.broadcast(part, src=_global(owner, comm), group=comm.group)
+            comm.after("broadcast", _nbytes(part))
         parts.append(part)
     return torch.cat(parts, dim)
 
 
 def all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Sum over ranks, on every rank."""
+    if comm.world == 1:  # one rank holds everything: nothing to exchange
+        return x.clone()
     out = x.contiguous().clone()
+    comm.before()
     dist.all_reduce(out, group=comm.group)
+    comm.after("all_reduce", _nbytes(out))
     return out
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
     """This rank's shard of the sum over ranks of the whole tensors x."""
+    if comm.world == 1:  # one rank holds everything: nothing to exchange
+        return x
     if len(sizes) != comm.world or sum(sizes) != x.shape[dim]:
         raise ValueError(f"shard sizes {list(sizes)} do not split dim {dim} of length {x.shape[dim]} over {comm.world} ranks")
     parts = [p.contiguous() for p in x.split(list(sizes), dim)]
     out = x.new_empty(_with_length(x.shape, dim, sizes[comm.rank]))
+    comm.before()
     dist.reduce_scatter(out, parts, group=comm.group)
+    comm.after("reduce_scatter", comm.world * max(_nbytes(p) for p in parts))
     return out
 
 
@@ -117,6 +146,8 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[
 
     Rank j gets from rank i the block (i's rows of src_dim) x (j's rows of dst_dim); the blocks
     travel flattened, so any two dims and any uneven sizes go through one all_to_all_single."""
+    if comm.world == 1:  # one rank holds everything: nothing to exchange
+        return x
     _check_sizes(x, src_dim, src_sizes, comm)
     if len(dst_sizes) != comm.world or sum(dst_sizes) != x.shape[dst_dim]:
         raise ValueError(f"shard sizes {list(dst_sizes)} do not split dim {dst_dim} of length {x.shape[dst_dim]}")
@@ -128,6 +159,8 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[
 
 def resplit(x: torch.Tensor, dim: int, old: Sequence[int], new: Sequence[int], comm: Comm) -> torch.Tensor:
     """Sharded on dim by `old` sizes -> sharded on dim by `new` sizes (a segment boundary)."""
+    if comm.world == 1:  # one rank holds everything: nothing to exchange
+        return x
     _check_sizes(x, dim, old, comm)
     if sum(old) != sum(new) or len(new) != comm.world:
         raise ValueError(f"cannot re-split sizes {list(old)} into {list(new)}")
@@ -150,9 +183,16 @@ def _exchange(x: torch.Tensor, send: list[torch.Tensor], recv_shapes: list, cat_
     """Send flat block j to rank j, receive a block of recv_shapes[i] from rank i, concatenate."""
     counts = [torch.Size(s).numel() for s in recv_shapes]
     out = x.new_empty(sum(counts))
-    dist.all_to_all_single(out, torch.cat(send) if send else x.new_empty(0), output_split_sizes=counts,
-                           input_split_sizes=[b.numel() for b in send], group=comm.group)
+    flat = torch.cat(send) if send else x.new_empty(0)
+    comm.before()
+    dist.all_to_all_single(out, flat, output_split_sizes=counts, input_split_sizes=[b.numel() for b in send],
+                           group=comm.group)
+    comm.after("all_to_all", comm.world * max(_nbytes(flat), _nbytes(out)))
     return torch.cat([b.reshape(s) for b, s in zip(out.split(counts), recv_shapes)], cat_dim)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _global(rank: int, comm: Comm) -> int:

@@ -47,20 +47,22 @@ def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) 
 
 class Executor:
     def __init__(self, graph: Graph, program: Sequence[Step], classes: ShardClasses, segment_of: Sequence[int],
-                 ratios: Sequence[Sequence[float]], comm: Comm, slowdown: float = 1.0):
-        """slowdown > 1 emulates a slower device (see `_stretch`)."""
+                 ratios: Sequence[Sequence[float]], comm: Comm):
+        """comm.emulation, if set, makes this rank an emulated slower device (see `_stretch`)."""
         if len(ratios[0]) != comm.world:
             raise ValueError(f"the plan is for {len(ratios[0])} devices, this run has {comm.world} ranks")
         self.graph, self.program, self.classes = graph, list(program), classes
         self.segment_of, self.ratios, self.comm = list(segment_of), ratios, comm
-        if slowdown < 1:
-            raise ValueError(f"slowdown must be at least 1, got {slowdown}")
-        self.slowdown = slowdown
+        emu = comm.emulation
+        if emu is not None and emu.slowdown < 1:
+            raise ValueError(f"slowdown must be at least 1, got {emu.slowdown}")
+        self.emulation = emu if emu is not None and emu.slowdown > 1 else None
         self.loads: dict[str, set[tuple[Placement, int]]] = {}
         for step in self.program:
             for ld in step.loads:
                 self.loads.setdefault(ld.tensor, set()).add((ld.placement, self.segment_of[step.node]))
         self.params: dict[str, nn.Parameter] = {}
+        self._presliced: frozenset[str] = frozenset()
         self.stored: dict[str, tuple[Placement, int]] = {}
         """Per parameter: the placement (and segment, for its sizes) this rank keeps it in."""
 
@@ -84,7 +86,7 @@ class Executor:
         """Keep this rank's part of every parameter the program loads (from whole values built
         with the same seed on every rank)."""
         for name in self.graph.params:
-            if name not in self.loads:
+            if name not in self.loads or name not in values:  # values may come a module at a time
                 continue
             places = self.loads[name]
             p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
@@ -94,6 +96,20 @@ class Executor:
             local = self._local(values[name], name, p, seg).clone().contiguous()
             self.params[name] = nn.Parameter(local, requires_grad=self.graph.tensors[name].requires_grad)
         return self.params
+
+    def input_slices(self) -> dict[str, tuple[int, int, int] | None]:
+        """Per data input, the part of it this rank reads: (dim, start, length), or None where
+        the rank needs it whole (replicated, or loaded in several placements)."""
+        out = {}
+        for name in self.graph.inputs:
+            places = self.loads.get(name, set())
+            if len(places) != 1 or not next(iter(places))[0].is_shard:
+                out[name] = None
+                continue
+            p, seg = next(iter(places))
+            sizes = self.sizes(name, p, seg)
+            out[name] = (p.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank])
+        return out
 
     def _load(self, tensor: str, p: Placement, seg: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
         if tensor in self.params:
@@ -105,13 +121,18 @@ class Executor:
                             self.sizes(tensor, p, seg))
         if tensor not in values:
             raise ValueError(f"no value for leaf {tensor} ({self.graph.tensors[tensor].kind})")
+        if tensor in self._presliced:  # the caller loaded only this rank's part (input_slices)
+            return values[tensor]
         if p == P:  # a data input as a partial sum: rank 0 holds it
             return values[tensor] if self.comm.rank == 0 else torch.zeros_like(values[tensor])
         return self._local(values[tensor], tensor, p, seg)
 
-    def forward(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, values: dict[str, torch.Tensor], presliced: frozenset[str] = frozenset()) -> torch.Tensor:
         """Run the program on this rank; the loss comes back as this rank's part (partial sum):
-        its backward() is exact, and `all_reduce` of it is the loss."""
+        its backward() is exact, and `all_reduce` of it is the loss.
+
+        presliced: data inputs given as this rank's part (see input_slices), not whole."""
+        self._presliced = presliced
         held: dict[tuple[str, Placement], tuple[torch.Tensor, int]] = {}
         for step in self.program:
             seg = self.segment_of[step.node]
@@ -128,7 +149,7 @@ class Executor:
                                split=lambda t, d, seg=seg: self.classes.split_sizes(t, d, self.ratios[seg]))
             t0 = time.perf_counter()
             outs = run_node(node, step.strategy, local, self.graph, ctx)
-            if self.slowdown > 1:
+            if self.emulation is not None:
                 outs = self._stretch(outs, time.perf_counter() - t0)
             for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
                 held[(name, p)] = (out, seg)
@@ -140,15 +161,13 @@ class Executor:
         return run_move(loss, _free_move(P, self.graph.tensors[self.graph.loss].requires_grad, src=loss_p), self.comm)
 
     def _stretch(self, outs: tuple, seconds: float) -> tuple:
-        """Emulate a device `slowdown` times slower (the method of seed 002): after a node's
-        forward, sleep (slowdown - 1) times its measured time; before its backward, (slowdown - 1)
-        times twice that (a backward costs about two forwards)."""
-        extra = (self.slowdown - 1) * seconds
-        time.sleep(extra)
+        """Emulate a slower device (emulate.py): a node's forward adds (slowdown - 1) times its
+        measured time to the debt slept before the next collective, its backward twice that."""
+        self.emulation.computed(seconds)
         grads = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not grads:
             return outs
-        stretched = _SleepInBackward.apply(2 * extra, *(outs[i] for i in grads))
+        stretched = _OweInBackward.apply((self.emulation, 2 * seconds), *(outs[i] for i in grads))
         out = list(outs)
         for i, t in zip(grads, stretched if isinstance(stretched, tuple) else (stretched,)):
             out[i] = t
@@ -167,17 +186,18 @@ class Executor:
             g.copy_(part.view_as(g))
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """Identity; its backward sleeps first (the emulated extra time of a slow device)."""
+class _OweInBackward(torch.autograd.Function):
+    """Identity; its backward adds a node's emulated backward time to the debt."""
 
     @staticmethod
-    def forward(ctx, seconds, *xs):
-        ctx.seconds = seconds
+    def forward(ctx, owed, *xs):
+        ctx.owed = owed
         return tuple(x.view_as(x) for x in xs) if len(xs) > 1 else xs[0].view_as(xs[0])
 
     @staticmethod
     def backward(ctx, *gs):
-        time.sleep(ctx.seconds)
+        emulation, seconds = ctx.owed
+        emulation.computed(seconds)
         return (None, *gs)
 
 

@@ -1,17 +1,42 @@
 """Start ranks on this machine: one process per device of a local cluster, gloo, free ports.
 
     spawn(train_fn, world=2, args=(...,))   # train_fn(rank, *args) runs with the group initialized
+
+A rank that raises or dies, or a collective that waits longer than timeout_s, ends the run on
+every rank (the others are killed, not left to wait out the gloo timeout) and spawn raises
+RankFailed; its first line names the rank that caused it, its traceback (if any) follows:
+
+    RankFailed: rank 1 failed: ValueError: boom
+    RankFailed: rank 1 died with exit code 3
+    RankFailed: rank 1 died from signal SIGKILL
+    RankFailed: rank 0: collective timed out after 3 s waiting for rank 1 (stuck, slow, or in a different collective)
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import sys
+import tempfile
+import time
+import traceback
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died, or timed out in a collective; `rank` is that rank."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
 
 
 def free_port() -> int:
@@ -22,20 +47,102 @@ def free_port() -> int:
 
 
 def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:
-    """Run fn(rank, *args) on `world` local processes with a gloo group; a rank that fails or a
-    collective that times out ends them all with that rank's error."""
+    """Run fn(rank, *args) on `world` local processes with a gloo group whose collectives time out
+    after timeout_s; a rank that fails ends them all and raises RankFailed naming it."""
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
-    port = free_port()
-    mp.start_processes(_entry, args=(fn, world, port, args, timeout_s), nprocs=world, join=True, start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="hap-ranks-") as reports:
+        # torch starts the ranks (and has each die with the parent); the joining is ours: torch's
+        # ProcessContext.join blames whichever failure it sees first (often a peer's "Connection
+        # closed by peer") and gives stuck ranks 30 s after SIGTERM.
+        procs = mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s, reports),
+                                   nprocs=world, join=False, start_method="spawn").processes
+        try:
+            gone = _wait(procs)
+        finally:  # however we leave (a failure, Ctrl-C), no rank outlives spawn
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        if gone:
+            raise _failure(procs, gone, reports)
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_s: float) -> None:
-    torch.set_num_threads(1)  # one core's worth per rank: ranks share this machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+def _wait(procs: list) -> set[int]:
+    """Wait until every rank has exited 0 (returns {}) or one has failed: then the ranks that had
+    exited by themselves (before the caller kills the rest)."""
+    running = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while running:
+        for s in wait(list(running)):
+            procs[running.pop(s)].join()
+        if any(p.exitcode for p in procs):
+            for s in wait(list(running), timeout=0):  # gone too, perhaps not yet reaped
+                procs[running.pop(s)].join()
+            return set(range(len(procs))) - set(running.values())
+    return set()
+
+
+def _failure(procs: list, gone: set[int], reports: str) -> RankFailed:
+    """The error of the rank that caused the failure. A rank that raises reports (when, what)
+    before its peers can notice, so of the errors raised by the ranks' own code the earliest is
+    the cause; else a rank that died without a report (os._exit, a signal): the errors its peers'
+    collectives raised ("Connection closed by peer") follow from it; else the earliest of those
+    (a collective that timed out)."""
+    told = {}
+    for rank in range(len(procs)):
+        path = os.path.join(reports, f"{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                told[rank] = json.load(f)
+    own = sorted((r for r in told if told[r]["own"]), key=lambda r: told[r]["time"])
+    died = sorted(r for r in gone if r not in told and procs[r].exitcode != 0)
+    if own or not died:
+        rank = (own or sorted(told, key=lambda r: told[r]["time"]))[0]
+        return RankFailed(f"{told[rank]['headline']}\n\n{told[rank]['traceback']}", rank)
+    rank, code = died[0], procs[died[0]].exitcode
     try:
+        how = f"exit code {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        how = f"signal {-code}"
+    return RankFailed(f"rank {rank} died {'with' if code > 0 else 'from'} {how}", rank)
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_s: float, reports: str) -> None:
+    torch.set_num_threads(1)  # one core's worth per rank: ranks share this machine
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
         fn(rank, *args)
         dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts)
-    finally:
         dist.destroy_process_group()
+    except BaseException as e:
+        try:
+            _report(rank, world, e, timeout_s, reports)
+        finally:  # no teardown: the peers learn from the closed sockets, the parent kills them
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: str) -> None:
+    """Write what this rank hit, and when, for the parent (atomically: it may kill us any time)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    in_dist = tb is not None and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(dist.__file__))
+    peers = [str(r) for r in range(world) if r != rank]
+    if not (in_dist and "timed out" in str(e).lower()):
+        headline = f"rank {rank} failed: " + "".join(traceback.format_exception_only(e)).strip().splitlines()[0]
+    elif not dist.is_initialized():
+        headline = f"rank {rank}: timed out after {timeout_s:g} s setting up the process group (a peer is slow to start)"
+    elif len(peers) == 1:
+        headline = f"rank {rank}: collective timed out after {timeout_s:g} s waiting for rank {peers[0]} " \
+                   "(stuck, slow, or in a different collective)"
+    else:
+        headline = f"rank {rank}: collective timed out after {timeout_s:g} s waiting for a peer: one of ranks " \
+                   f"{', '.join(peers)} is stuck, slow, or in a different collective (gloo does not say which)"
+    report = {"time": time.monotonic(), "own": not in_dist, "headline": headline, "traceback": traceback.format_exc()}
+    path = os.path.join(reports, f"{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)

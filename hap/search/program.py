@@ -113,6 +113,10 @@ def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[
         frac = cost.shares(shard[0], shard[1], ratios)
         fwd = tuple(a * f for a, f in zip(fwd, frac))
         bwd = tuple(a * f for a, f in zip(bwd, frac))
+    if any(cost.overhead):
+        fixed_fwd, fixed_bwd = cost.fixed_times(node)
+        fwd = tuple(a + c for a, c in zip(fwd, fixed_fwd))
+        bwd = tuple(a + c for a, c in zip(bwd, fixed_bwd))
     sync_bytes = 0.0
     for ld in loads:
         t = graph.tensors[ld.tensor]

@@ -1,0 +1,192 @@
+"""Measured training speed on the local emulated cluster: hap vs DP-EV vs DP-CP, and hap's
+data-parallel runtime vs torch DDP.
+
+    .venv/bin/python benchmarks/runtime_speed.py [--steps 10] [--rounds 3] [--out DIR]
+
+1. Profiles the clusters `local` (2 ranks, rank 1 emulated 3x slower) and `local-homo` with
+   `hap profile` (measuring the emulation), so the planner prices this machine.
+2. Heterogeneous: for VGG19, ViT and BERT at CPU-sized widths, plans hap on the profiled
+   `local` and runs hap, DP-EV and DP-CP in the same two processes, interleaved in rounds so
+   that the machine's noise hits all of them alike. Prints per-iteration medians and the ratios
+   (targets: hap >= 1.3x DP-EV and not slower than DP-CP).
+3. Homogeneous: the same models under hap's runtime running the pure data-parallel plan vs
+   torch.nn.parallel.DistributedDataParallel (gloo), interleaved (target: within 10%).
+Timings are wall-clock per iteration (forward, backward, SGD step) on rank 0, after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+# CPU-sized benchmark models: large enough that compute, not per-op dispatch, dominates
+MODELS = {
+    "vgg19": dict(hidden=256, batch=32),
+    "vit": dict(layers=4, hidden=128, batch=32),
+    "bert": dict(layers=4, hidden=128, seq=64, batch=16),
+}
+STRATEGIES = ("dp-ev", "dp-cp", "hap")
+
+
+def profile(cluster: str, out_dir: str) -> str:
+    path = os.path.join(out_dir, f"{cluster}-profiled.yaml")
+    subprocess.run([sys.executable, "-m", "hap", "profile", "--cluster", cluster, "-o", path], check=True,
+                   stdout=sys.stderr)
+    return path
+
+
+def _model(name: str, devices: int):
+    from hap.models import build
+
+    torch.manual_seed(0)
+    return build(name, scale="small", devices=devices, **MODELS[name])
+
+
+def _steps(step, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def hetero_rank(rank: int, cluster_file: str, name: str, plans: dict, steps: int, rounds: int, out: str) -> None:
+    from hap.cost.cluster import load_cluster
+    from hap.plan import Plan
+    from hap.runtime.module import HAP
+
+    cluster = load_cluster(cluster_file)
+    runs = {}
+    for strategy, path in plans.items():
+        model, batch = _model(name, cluster.gpus)
+        dmodel = HAP(model, cluster, batch, plan=Plan.from_json(path))
+        opt = torch.optim.SGD(dmodel.parameters(), lr=1e-3)
+
+        def step(dmodel=dmodel, opt=opt, batch=batch):
+            dmodel(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+
+        _steps(step, 3)  # warm-up
+        runs[strategy] = step
+    times = {s: [] for s in runs}
+    for _ in range(rounds):
+        for s, step in runs.items():
+            times[s] += _steps(step, steps)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+
+
+def ddp_rank(rank: int, cluster_file: str, name: str, plan_path: str, steps: int, rounds: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hap.cost.cluster import load_cluster
+    from hap.plan import Plan
+    from hap.runtime.module import HAP
+
+    cluster = load_cluster(cluster_file)
+    model, batch = _model(name, cluster.gpus)
+    dmodel = HAP(model, cluster, batch, plan=Plan.from_json(plan_path))
+    world = dist.get_world_size()
+    ref, _ = _model(name, cluster.gpus)
+    ddp = DDP(ref)
+    local = tuple(t.chunk(world)[rank] for t in batch)  # DDP: each rank its even share
+    opts = {"hap": torch.optim.SGD(dmodel.parameters(), lr=1e-3), "ddp": torch.optim.SGD(ddp.parameters(), lr=1e-3)}
+
+    def hap_step():
+        dmodel(*batch).backward()
+        opts["hap"].step()
+        opts["hap"].zero_grad()
+
+    def ddp_step():
+        ddp(*local).backward()
+        opts["ddp"].step()
+        opts["ddp"].zero_grad()
+
+    runs = {"hap-dp": hap_step, "ddp": ddp_step}
+    for step in runs.values():
+        _steps(step, 3)
+    times = {s: [] for s in runs}
+    for _ in range(rounds):
+        for s, step in runs.items():
+            times[s] += _steps(step, steps)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="iterations per strategy per round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    ap.add_argument("--out", help="folder for the profiled clusters, plans and results (default: a temp dir)")
+    args = ap.parse_args()
+
+    from hap.capture import capture
+    from hap.cost.cluster import load_cluster
+    from hap.planner import baseline_plan, plan
+    from hap.runtime.launch import spawn
+
+    out_dir = args.out or tempfile.mkdtemp(prefix="hap-bench-")
+    os.makedirs(out_dir, exist_ok=True)
+    hetero_file, homo_file = profile("local", out_dir), profile("local-homo", out_dir)
+    results = {"hetero": {}, "homo": {}}
+    for name in args.models.split(","):
+        cluster = load_cluster(hetero_file)
+        model, batch = _model(name, cluster.gpus)
+        graph = capture(model, batch)
+        plans, estimates = {}, {}
+        for strategy in STRATEGIES:
+            p = plan(graph, cluster) if strategy == "hap" else baseline_plan(graph, cluster, strategy)
+            plans[strategy] = os.path.join(out_dir, f"{name}-{strategy}.json")
+            p.to_json(plans[strategy])
+            estimates[strategy] = p.estimated_iteration_seconds
+            if strategy == "hap":
+                print(f"[{name}] hap plan: {p.summary().splitlines()[0]}", file=sys.stderr)
+        times_path = os.path.join(out_dir, f"{name}-hetero-times.json")
+        spawn(hetero_rank, cluster.size, args=(hetero_file, name, plans, args.steps, args.rounds, times_path),
+              timeout_s=600)
+        times = json.loads(open(times_path).read())
+        results["hetero"][name] = {s: {"median": statistics.median(t), "estimate": estimates[s]} for s, t in times.items()}
+
+        homo = load_cluster(homo_file)
+        dp = baseline_plan(capture(*_model(name, homo.gpus)), homo, "dp-ev")
+        dp_path = os.path.join(out_dir, f"{name}-homo-dp.json")
+        dp.to_json(dp_path)
+        times_path = os.path.join(out_dir, f"{name}-homo-times.json")
+        spawn(ddp_rank, homo.size, args=(homo_file, name, dp_path, args.steps, args.rounds, times_path), timeout_s=600)
+        times = json.loads(open(times_path).read())
+        results["homo"][name] = {s: statistics.median(t) for s, t in times.items()}
+        _report(results)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"results in {out_dir}")
+    return 0
+
+
+def _report(results: dict) -> None:
+    print("\nHeterogeneous: 2 local ranks, rank 1 emulated 3x slower (per-iteration medians, ms; estimate in brackets)")
+    print(f"{'model':8s} {'dp-ev':>16s} {'dp-cp':>16s} {'hap':>16s}  {'hap vs dp-ev':>12s} {'hap vs dp-cp':>12s}")
+    for name, r in results["hetero"].items():
+        cells = " ".join(f"{r[s]['median'] * 1e3:7.1f} ({r[s]['estimate'] * 1e3:6.1f})" for s in STRATEGIES)
+        print(f"{name:8s} {cells}  {r['dp-ev']['median'] / r['hap']['median']:11.2f}x "
+              f"{r['dp-cp']['median'] / r['hap']['median']:11.2f}x")
+    print("\nHomogeneous: 2 local ranks, hap running the data-parallel plan vs torch DDP (ms)")
+    for name, r in results["homo"].items():
+        print(f"{name:8s} hap-dp {r['hap-dp'] * 1e3:7.1f}  ddp {r['ddp'] * 1e3:7.1f}  hap/ddp {r['hap-dp'] / r['ddp']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""hap's launcher ends a failed run on every rank, fast, with one clear line naming the rank:
+a rank that raises, one that dies without a word (exit code, signal), and a collective that
+times out. The healthy ranks wait in a collective meanwhile, and no process is left behind."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hap.runtime.launch import RankFailed, spawn
+
+
+def all_reduce_unless(rank, fault_rank, fault, pid_dir):
+    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == fault_rank:
+        fault()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [dist.get_world_size()] * 2
+
+
+def boom():
+    raise ValueError("boom")
+
+
+def exit_3():
+    os._exit(3)
+
+
+def sigkill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep_long():
+    time.sleep(30)
+
+
+def run(tmp_path, world, fault_rank, fault, timeout_s):
+    """spawn's error (None if it returned), seconds taken; asserts no rank process is left."""
+    start = time.monotonic()
+    try:
+        spawn(all_reduce_unless, world, args=(fault_rank, fault, str(tmp_path)), timeout_s=timeout_s)
+        error = None
+    except RankFailed as e:
+        error = e
+    took = time.monotonic() - start
+    for rank in range(world):
+        pid = int((tmp_path / str(rank)).read_text())
+        with pytest.raises(ProcessLookupError):  # gone and reaped
+            os.kill(pid, 0)
+    return error, took
+
+
+def test_healthy_run_returns(tmp_path):
+    error, _ = run(tmp_path, 2, None, None, 60)
+    assert error is None
+
+
+def test_a_rank_that_raises_ends_the_run(tmp_path):
+    error, took = run(tmp_path, 3, 1, boom, 60)
+    assert str(error).splitlines()[0] == "rank 1 failed: ValueError: boom"
+    assert error.rank == 1 and isinstance(error, RuntimeError)
+    assert "Traceback" in str(error) and 'raise ValueError("boom")' in str(error)
+    assert took < 20  # not the 60 s collective timeout
+
+
+@pytest.mark.parametrize("fault, how", [(exit_3, "with exit code 3"), (sigkill_self, "from signal SIGKILL")])
+def test_a_rank_that_dies_ends_the_run(tmp_path, fault, how):
+    error, took = run(tmp_path, 2, 1, fault, 60)
+    assert str(error) == f"rank 1 died {how}"
+    assert took < 20
+
+
+def test_a_collective_that_times_out_ends_the_run(tmp_path):
+    error, took = run(tmp_path, 2, 1, sleep_long, 3)
+    assert str(error).splitlines()[0] == \
+        "rank 0: collective timed out after 3 s waiting for rank 1 (stuck, slow, or in a different collective)"
+    assert "all_reduce" in str(error)  # rank 0's traceback: where it waited
+    assert 3 < took < 20  # the sleeping rank is killed, not waited for
