@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"], default="hap",
                    help="hap's plan, or data parallelism with even / compute-proportional batch shares")
     t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    t.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
+    t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank: DIR/rank<r>.json")
 
     f = sub.add_parser("profile", help="measure a cluster's devices and collectives; write a cluster file")
     f.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
@@ -126,11 +128,14 @@ def cmd_train(args) -> int:
     est = result.estimated_iteration_seconds
     print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(steady)}), "
           f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
+    if args.trace:
+        print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json")
     return 0
 
 
 def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     import json
+    import os
 
     import torch
 
@@ -143,18 +148,31 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     model, batch = build(args["model"], layers=args["layers"], hidden=args["hidden"], batch=args["batch"], seq=args["seq"],
                          experts=args["experts"], devices=load_cluster(args["cluster"]).gpus, scale=args["scale"])
     dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=Plan.from_json(plan_path))
+    mine = dmodel.local_batch(*batch)  # each rank keeps only its part of the (fixed, synthetic) batch
     opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"], momentum=0.9)
+    traced = min(3, args["steps"]) if args["trace"] else 0
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
     times = []
     for step in range(args["steps"]):
+        if profiler is not None and step == args["steps"] - traced:
+            dmodel.executor.tracing = True
+            profiler.start()
         t0 = time.perf_counter()
-        loss = dmodel(*batch)  # one fixed synthetic batch: the loss must fall
+        loss = dmodel(*mine)  # the loss must fall
         loss.backward()
+        norm = dmodel.clip_grad_norm_(args["clip"]) if args["clip"] else None
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         if rank == 0:
             bar = "#" * (20 * (step + 1) // args["steps"])
-            print(f"step {step + 1:4d}/{args['steps']} [{bar:<20}] loss {loss.item():.4f}  {times[-1] * 1e3:7.1f} ms", flush=True)
+            clipped = f"  grad norm {norm:.3f}" if norm is not None else ""
+            print(f"step {step + 1:4d}/{args['steps']} [{bar:<20}] loss {loss.item():.4f}  {times[-1] * 1e3:7.1f} ms"
+                  f"{clipped}", flush=True)
+    if profiler is not None:
+        profiler.stop()
+        os.makedirs(args["trace"], exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(args["trace"], f"rank{rank}.json"))
     if rank == 0:
         with open(times_path, "w") as f:
             json.dump(times, f)

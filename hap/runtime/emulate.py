@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..cost.cluster import Cluster, Fit, fits_from_network
 
 
@@ -45,10 +47,12 @@ class Emulation:
         """Sleep off the compute debt (before a collective)."""
         if self.debt > 0:
             t0 = time.perf_counter()
-            time.sleep(self.debt)
+            with torch.profiler.record_function("emulated slowdown"):  # visible in traces
+                time.sleep(self.debt)
             self.debt -= time.perf_counter() - t0
 
     def communicated(self, kind: str, volume: float) -> None:
         """A collective of `volume` bytes (as the cost model defines it) just finished."""
         if self.link:
-            time.sleep(self.link[kind].time(volume))
+            with torch.profiler.record_function("emulated link"):
+                time.sleep(self.link[kind].time(volume))

@@ -15,6 +15,7 @@ ones are already exact.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
@@ -63,6 +64,8 @@ class Executor:
                 self.loads.setdefault(ld.tensor, set()).add((ld.placement, self.segment_of[step.node]))
         self.params: dict[str, nn.Parameter] = {}
         self._presliced: frozenset[str] = frozenset()
+        self.tracing = False
+        """Label every node and move for torch.profiler (hap train --trace)."""
         self.stored: dict[str, tuple[Placement, int]] = {}
         """Per parameter: the placement (and segment, for its sizes) this rank keeps it in."""
 
@@ -138,8 +141,9 @@ class Executor:
             seg = self.segment_of[step.node]
             for ms in step.moves:
                 x, x_seg = held[(ms.tensor, ms.move.src)]
-                y = run_move(x, ms.move, self.comm, self.sizes(ms.tensor, ms.move.src, x_seg),
-                             self.sizes(ms.tensor, ms.move.dst, seg))
+                with self._span(f"{ms.move.name} {ms.tensor} {ms.move.src}->{ms.move.dst}"):
+                    y = run_move(x, ms.move, self.comm, self.sizes(ms.tensor, ms.move.src, x_seg),
+                                 self.sizes(ms.tensor, ms.move.dst, seg))
                 held[(ms.tensor, ms.move.dst)] = (y, seg)
             for ld in step.loads:
                 held[(ld.tensor, ld.placement)] = (self._load(ld.tensor, ld.placement, seg, values), seg)
@@ -148,7 +152,8 @@ class Executor:
             ctx = LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
                                split=lambda t, d, seg=seg: self.classes.split_sizes(t, d, self.ratios[seg]))
             t0 = time.perf_counter()
-            outs = run_node(node, step.strategy, local, self.graph, ctx)
+            with self._span(f"{node.name} {node.op.removeprefix('aten.')} [{step.strategy.name}]"):
+                outs = run_node(node, step.strategy, local, self.graph, ctx)
             if self.emulation is not None:
                 outs = self._stretch(outs, time.perf_counter() - t0)
             for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
@@ -159,6 +164,10 @@ class Executor:
             return loss
         # R or D: every rank holds the whole loss; as parts, rank 0 holds it and the others zero.
         return run_move(loss, _free_move(P, self.graph.tensors[self.graph.loss].requires_grad, src=loss_p), self.comm)
+
+    def _span(self, label: str):
+        """A named span in the Chrome trace while one is recorded (torch.profiler), else nothing."""
+        return torch.profiler.record_function(label) if self.tracing else contextlib.nullcontext()
 
     def _stretch(self, outs: tuple, seconds: float) -> tuple:
         """Emulate a slower device (emulate.py): a node's forward adds (slowdown - 1) times its

@@ -1,0 +1,84 @@
+"""hap profile: the line fits it rests on, the emulation it measures, and the cluster file it
+writes (which the planner must read back)."""
+
+import time
+
+import pytest
+import torch
+from gloo import run_ranks
+
+from hap.cost.cluster import ClusterError, cluster_from_dict, local_cluster
+from hap.runtime.collectives import Comm
+from hap.runtime.emulate import Emulation
+from hap.runtime.profile import fit_line, profile_cluster
+
+
+def test_fit_line_recovers_an_exact_line():
+    # t = 2e-5 + units / 1e9: at 0, 1e6 and 4e6 units, 20 us, 1.02 ms and 4.02 ms
+    fit = fit_line([0.0, 1e6, 4e6], [2e-5, 1.02e-3, 4.02e-3])
+    assert fit.const == pytest.approx(2e-5, rel=1e-6)
+    assert 1 / fit.per_unit == pytest.approx(1e9, rel=1e-6)
+    assert fit.worst_residual < 1e-9
+
+
+def test_fit_line_never_goes_negative():
+    # Falling times (noise): an unconstrained fit would give a negative slope; nnls gives 0,
+    # and the constant minimises ((c - 3)/3)^2 + ((c - 1)/1)^2: c = (1/3 + 1) / (1/9 + 1) = 1.2
+    fit = fit_line([1.0, 2.0], [3.0, 1.0])
+    assert fit.per_unit == 0.0 and fit.const == pytest.approx(1.2)
+
+
+def test_fit_line_needs_two_sizes():
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_line([5.0, 5.0], [1.0, 1.0])
+
+
+def test_emulated_debt_is_slept_before_the_next_collective():
+    emu = Emulation(slowdown=3.0)
+    emu.computed(0.01)  # 10 ms at full speed: 20 ms more owed
+    emu.computed(0.01, passes=2)  # a backward: 40 ms more
+    assert emu.debt == pytest.approx(0.06)
+    t0 = time.perf_counter()
+    emu.settle()
+    slept = time.perf_counter() - t0
+    assert 0.06 <= slept < 0.2 and abs(emu.debt) < 0.02  # oversleep is credited, not lost
+
+
+def test_emulated_links_cost_their_modelled_time():
+    spec = {"devices": [{"flops": 1e10, "memory": "1GiB", "count": 2}],
+            "network": {"bandwidth": "100MB/s", "latency": "1ms", "emulate": True}}
+    cluster = cluster_from_dict(spec)
+    assert cluster.emulated_network == (1e8, 1e-3)
+    emu = Emulation.for_rank(cluster, 0)
+    t0 = time.perf_counter()
+    emu.communicated("broadcast", 2e6)  # 1 ms latency + 2 MB at 100 MB/s = 21 ms (+ launch overhead)
+    assert 0.021 <= time.perf_counter() - t0 < 0.2
+    assert cluster_from_dict(cluster.to_dict()).emulated_network == (1e8, 1e-3)  # the file form round-trips
+
+
+def test_cluster_file_reads_op_overhead_and_rejects_bad_slowdown():
+    dev = cluster_from_dict({"devices": [{"flops": 1e10, "memory": "1GiB", "op_overhead": "30us", "slowdown": 2}]})
+    assert dev.devices[0].op_overhead == pytest.approx(3e-5) and dev.devices[0].slowdown == 2
+    with pytest.raises(ClusterError, match="slowdown must be at least 1"):
+        cluster_from_dict({"devices": [{"flops": 1e10, "memory": "1GiB", "slowdown": 0.5}]})
+    with pytest.raises(ClusterError, match="network.emulate must be true or false"):
+        cluster_from_dict({"devices": [{"flops": 1e10, "memory": "1GiB", "count": 2}],
+                           "network": {"bandwidth": "1GB/s", "emulate": "yes"}})
+
+
+def profile_worker(rank, world):
+    spec = profile_cluster(local_cluster((1.0, 3.0), "local"), Comm.default(), quick=True)
+    return {"spec": spec}
+
+
+def test_profile_measures_the_emulated_slowdown(tmp_path):
+    spec = run_ranks(profile_worker, 2, tmp_path)[0]["spec"]
+    report = spec.pop("report")
+    cluster = cluster_from_dict(spec)  # the file the planner reads
+    fast, slow = cluster.devices
+    # rank 1 is emulated 3x slower: its measured speed must show it (loosely: a shared machine)
+    assert 1.8 < fast.flops / slow.flops < 5.0, report["devices"]
+    assert slow.slowdown == 3.0 and slow.op_overhead > fast.op_overhead > 0
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        fit = cluster.fit(kind)
+        assert fit.alpha > 0 and fit.beta > 0, (kind, fit)
