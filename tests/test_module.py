@@ -14,6 +14,7 @@ from gloo import run_ranks
 
 import hap
 from hap.models import vit
+from hap.runtime import gradsync
 
 STEPS = 2
 
@@ -76,14 +77,16 @@ def train_clipped(model, batches, clip, step_batch=lambda b: b):
 
 def train_hap_dropout(rank, world):
     model, batches = small_vit(dropout=0.2)
+    gradsync.BUCKET_BYTES = 4096  # many buckets, all-reduced while the backward goes on
     dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
+    buckets = len(dmodel.grad_sync.buckets)
     torch.manual_seed(rank)  # ranks' generators differ: hap must draw rank 0's numbers everywhere
     torch.rand(rank + 1)
     losses, norms = train_clipped(dmodel, batches, lambda m: m.clip_grad_norm_(0.05),
                                    lambda b: dmodel.local_batch(*b))
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
     slices = dmodel.input_slices()
-    return {"losses": losses, "norms": norms, "params": params, "slices": slices}
+    return {"losses": losses, "norms": norms, "params": params, "slices": slices, "buckets": buckets}
 
 
 def test_dropout_local_batches_and_clipping_like_one_device(tmp_path):
@@ -95,6 +98,7 @@ def test_dropout_local_batches_and_clipping_like_one_device(tmp_path):
     sliced = [got["slices"][0] for got in reports]
     assert all(s is not None for s in sliced) and sum(s[2] for s in sliced) == images  # each rank read its rows only
     for got in reports:
+        assert got["buckets"] > 2
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert got["norms"] == pytest.approx(norms, rel=1e-4)
         for name, p in model.named_parameters():

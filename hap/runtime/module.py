@@ -9,7 +9,7 @@ Rank 0 plans (or the plan given is used), every rank receives the same plan, che
 digest agrees with every other rank's and that the plan is for this many ranks, captures the
 model itself and keeps only its part of each parameter. The returned loss has the value of the
 global loss on every rank; its backward is exact, and the gradients of parameters kept whole
-are all-reduced in one bucket as soon as the last of them has been accumulated.
+are all-reduced in buckets overlapped with the backward (gradsync.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ..rules.units import ShardClasses
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
 from .executor import Executor, leaf_values
+from .gradsync import GradSync
 
 
 class HAP(nn.Module):
@@ -67,18 +68,25 @@ class HAP(nn.Module):
             self.shards = nn.ParameterDict(ex.params)
         else:
             self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
-        self._whole = [p for name, p in self.shards.items() if ex.stored[name][0] == R and p.requires_grad]
+        first_use = {}
+        for i, step in enumerate(ex.program):
+            for ld in step.loads:
+                first_use.setdefault(ld.tensor, i)
+        whole = [name for name, p in self.shards.items() if ex.stored[name][0] == R and p.requires_grad]
+        whole.sort(key=lambda name: -first_use[name])  # gradients arrive last-used first
+        self.grad_sync = GradSync([self.shards[name] for name in whole], comm)
+        self._buffers = [(name, t.target) for name, t in graph.tensors.items() if t.kind == "buffer"]
         self._random = any(is_random(node) for node in graph.nodes)
-        self._arrived = 0
-        for p in self._whole:
-            p.register_post_accumulate_grad_hook(self._on_grad)
 
     def forward(self, *batch: torch.Tensor) -> torch.Tensor:
         """The loss of the global batch. Each input is given whole (the global batch) or as this
         rank's part of it (rows `input_slices()` names), which is all this rank then loads."""
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
-        values = leaf_values(self.graph, self.model, batch)
+        if len(batch) != len(self.graph.inputs):
+            raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        values = dict(zip(self.graph.inputs, batch))  # parameters are the executor's shards
+        values.update((name, self.model.get_buffer(target).detach()) for name, target in self._buffers)
         presliced = frozenset(self._given_as_part(batch))
         part = self.executor.forward(values, presliced)  # this rank's part of the loss
         total = all_reduce(part.detach(), self.comm)
@@ -135,12 +143,6 @@ class HAP(nn.Module):
         for g in sharded + whole:
             g.mul_(coef)
         return total
-
-    def _on_grad(self, _param: torch.Tensor) -> None:
-        self._arrived += 1
-        if self._arrived == len(self._whole):
-            self._arrived = 0
-            self.executor.sync_gradients()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""

@@ -1,0 +1,67 @@
+"""Gradient synchronization overlapped with the backward pass, as DDP does it.
+
+Parameters kept whole (R) on every rank receive partial gradients that must be summed over
+ranks. They are grouped into buckets in the order their gradients arrive (the reverse of the
+order the program first uses them); a bucket's all-reduce starts, asynchronously, as soon as
+it and every bucket before it are complete (every rank starts them in the same order), so
+communication runs while the backward computes the earlier layers' gradients. The last
+gradient to arrive waits for all of them and writes the sums back.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .collectives import Comm
+
+BUCKET_BYTES = 1 << 20  # small buckets: the first all-reduce starts early in the backward
+
+
+class GradSync:
+    def __init__(self, params: Sequence[nn.Parameter], comm: Comm, bucket_bytes: int | None = None):
+        """params: in the order their gradients will arrive."""
+        bucket_bytes = bucket_bytes or BUCKET_BYTES
+        self.comm = comm
+        self.buckets: list[list[nn.Parameter]] = []
+        size = bucket_bytes
+        for p in params:
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._reset()
+        if comm.world > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._arrived)
+
+    def _reset(self) -> None:
+        self.missing = [len(b) for b in self.buckets]
+        self.launched = 0
+        self.pending: list[tuple[int, torch.Tensor, dist.Work]] = []
+
+    def _arrived(self, p: nn.Parameter) -> None:
+        self.missing[self.bucket_of[id(p)]] -= 1
+        while self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+            self._launch(self.launched)
+            self.launched += 1
+        if self.launched == len(self.buckets):
+            self._finish()
+
+    def _launch(self, i: int) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        self.comm.before()  # an emulated slow rank arrives late
+        self.pending.append((i, flat, dist.all_reduce(flat, group=self.comm.group, async_op=True)))
+
+    def _finish(self) -> None:
+        for i, flat, work in self.pending:
+            work.wait()
+            self.comm.after("all_reduce", flat.numel() * flat.element_size())
+            for p, part in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
+                p.grad.copy_(part.view_as(p.grad))
+        self._reset()
