@@ -24,7 +24,7 @@ import torch
 from ..ir import Graph, Node
 from ..placement import Placement
 from . import RANDOM_OPS, Strategy
-from .local import ATTENTION, LocalContext, attention_dropout, run_node, substitute
+from .local import ATTENTION, DROPOUTS, LocalContext, attention_dropout, run_node, substitute
 from .units import ShardClasses
 
 
@@ -139,6 +139,10 @@ def is_random(node: Node) -> bool:
     """Whether the node draws random numbers (dropout, rand_like, attention with dropout)."""
     if node.op == ATTENTION:
         return attention_dropout(node.args, node.kwargs) > 0
+    if node.op in DROPOUTS:  # (x, p, train): off at p = 0 or outside training
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return float(p) > 0 and train is not False
     return node.op in RANDOM_OPS
 
 
