@@ -44,10 +44,19 @@ def profile(cluster: str, out_dir: str) -> str:
 
 
 def _model(name: str, devices: int):
+    """The benchmark model with dropout off: hap draws dropout masks for the whole tensor on
+    every rank (exactly one device's masks), a fixed cost per rank that would blur the
+    comparison of the strategies."""
     from hap.models import build
 
     torch.manual_seed(0)
-    return build(name, scale="small", devices=devices, **MODELS[name])
+    model, batch = build(name, scale="small", devices=devices, **MODELS[name])
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "dropout", None), float):  # attention's dropout_p
+            m.dropout = 0.0
+    return model, batch
 
 
 def _steps(step, n: int) -> list[float]:
@@ -97,7 +106,7 @@ def ddp_rank(rank: int, cluster_file: str, name: str, plan_path: str, steps: int
 
     cluster = load_cluster(cluster_file)
     model, batch = _model(name, cluster.gpus)
-    dmodel = HAP(model, cluster, batch, plan=Plan.from_json(plan_path))
+    dmodel = HAP(model, cluster, batch, plan=Plan.from_json(plan_path), global_loss=False)  # DDP's loss: local
     world = dist.get_world_size()
     ref, _ = _model(name, cluster.gpus)
     ddp = DDP(ref)

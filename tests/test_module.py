@@ -46,14 +46,21 @@ def train_hap(rank, world):
     dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
     losses = train(dmodel, batches)
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
-    return {"losses": losses, "params": params, "ratios": dmodel.plan.ratios}
+    whole = dmodel(*batches[0]).item()
+    dmodel.global_loss = False  # this rank's part: the parts add up to the loss
+    part = dmodel(*batches[0]).detach()
+    parts_sum = torch.distributed.all_reduce(part) or part.item()
+    return {"losses": losses, "params": params, "ratios": dmodel.plan.ratios, "whole": whole, "parts": parts_sum,
+            "part": dmodel(*batches[0]).item()}
 
 
 def test_hap_trains_vit_like_one_device(tmp_path):
     reports = run_ranks(train_hap, 2, tmp_path)
     model, batches = small_vit()
     losses = train(model, batches)
+    assert reports[0]["part"] != pytest.approx(reports[0]["whole"])
     for got in reports:
+        assert got["parts"] == pytest.approx(got["whole"], rel=1e-6)
         assert got["ratios"][0][0] > got["ratios"][0][1]  # the 3x slower rank gets less work
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():
@@ -77,7 +84,7 @@ def train_clipped(model, batches, clip, step_batch=lambda b: b):
 
 def train_hap_dropout(rank, world):
     model, batches = small_vit(dropout=0.2)
-    gradsync.BUCKET_BYTES = 4096  # many buckets, all-reduced while the backward goes on
+    gradsync.FIRST_BUCKET_BYTES = gradsync.BUCKET_BYTES = 4096  # many buckets, all-reduced during the backward
     dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
     buckets = len(dmodel.grad_sync.buckets)
     torch.manual_seed(rank)  # ranks' generators differ: hap must draw rank 0's numbers everywhere

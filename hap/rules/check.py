@@ -23,8 +23,8 @@ import torch
 
 from ..ir import Graph, Node
 from ..placement import Placement
-from . import RANDOM_OPS, Strategy
-from .local import ATTENTION, DROPOUTS, LocalContext, attention_dropout, run_node, substitute
+from . import Strategy
+from .local import LocalContext, is_random, run_node, substitute
 from .units import ShardClasses
 
 
@@ -133,17 +133,6 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
         parts = [lv[name].grad if lv[name].grad is not None else torch.zeros_like(lv[name]) for lv in local_leaves]
         for cand in combine(parts, _dual(place[name])):
             _close(cand, expected, f"{node.name} [{st}] gradient of {name}", rtol, atol)
-
-
-def is_random(node: Node) -> bool:
-    """Whether the node draws random numbers (dropout, rand_like, attention with dropout)."""
-    if node.op == ATTENTION:
-        return attention_dropout(node.args, node.kwargs) > 0
-    if node.op in DROPOUTS:  # (x, p, train): off at p = 0 or outside training
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return float(p) > 0 and train is not False
-    return node.op in RANDOM_OPS
 
 
 def _context(j, m, classes, ratios, all_reduce) -> LocalContext:

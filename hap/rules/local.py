@@ -93,10 +93,9 @@ def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: G
     if st.local is not None:
         _load_variants()
         out = VARIANTS[st.local](node, st, args, kwargs, ctx, graph)
-    elif node.op in RANDOM_OPS:
-        out = _random(node, st, args, kwargs, ctx, graph)
-    elif node.op == ATTENTION and attention_dropout(args, kwargs) > 0:
-        out = _attention_with_dropout(node, st, args, kwargs, ctx, graph)
+    elif is_random(node):
+        random_op = _attention_with_dropout if node.op == ATTENTION else _random
+        out = random_op(node, st, args, kwargs, ctx, graph)
     else:
         out = node.target(*args, **kwargs)
     return tuple(out) if isinstance(out, (list, tuple)) else (out,)
@@ -113,6 +112,18 @@ def _load_variants() -> None:
 
 DROPOUTS = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default"}
 ATTENTION = "aten.scaled_dot_product_attention.default"
+
+
+def is_random(node: Node) -> bool:
+    """Whether the node draws random numbers (dropout in training with p > 0, rand_like,
+    attention with dropout)."""
+    if node.op == ATTENTION:
+        return attention_dropout(node.args, node.kwargs) > 0
+    if node.op in DROPOUTS:  # (x, p, train)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return float(p) > 0 and train is not False
+    return node.op in RANDOM_OPS
 
 
 def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> torch.Tensor:

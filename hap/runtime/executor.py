@@ -64,6 +64,9 @@ class Executor:
                 self.loads.setdefault(ld.tensor, set()).add((ld.placement, self.segment_of[step.node]))
         self.params: dict[str, nn.Parameter] = {}
         self._presliced: frozenset[str] = frozenset()
+        self._waited = 0.0  # seconds the current node spent in collectives
+        self._steps: list[tuple] | None = None  # built on the first forward (see _compiled)
+        self.program_loads = {step.node: step.loads for step in self.program}
         self.tracing = False
         """Label every node and move for torch.profiler (hap train --trace)."""
         self.stored: dict[str, tuple[Placement, int]] = {}
@@ -136,34 +139,60 @@ class Executor:
 
         presliced: data inputs given as this rank's part (see input_slices), not whole."""
         self._presliced = presliced
-        held: dict[tuple[str, Placement], tuple[torch.Tensor, int]] = {}
-        for step in self.program:
-            seg = self.segment_of[step.node]
-            for ms in step.moves:
-                x, x_seg = held[(ms.tensor, ms.move.src)]
-                with self._span(f"{ms.move.name} {ms.tensor} {ms.move.src}->{ms.move.dst}"):
-                    y = run_move(x, ms.move, self.comm, self.sizes(ms.tensor, ms.move.src, x_seg),
-                                 self.sizes(ms.tensor, ms.move.dst, seg))
-                held[(ms.tensor, ms.move.dst)] = (y, seg)
-            for ld in step.loads:
-                held[(ld.tensor, ld.placement)] = (self._load(ld.tensor, ld.placement, seg, values), seg)
-            node = self.graph.nodes[step.node]
-            local = {name: held[(name, p)][0] for name, p in zip(node.inputs, step.strategy.inputs)}
-            ctx = LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
-                               split=lambda t, d, seg=seg: self.classes.split_sizes(t, d, self.ratios[seg]))
-            t0 = time.perf_counter()
-            with self._span(f"{node.name} {node.op.removeprefix('aten.')} [{step.strategy.name}]"):
-                outs = run_node(node, step.strategy, local, self.graph, ctx)
-            if self.emulation is not None:
-                outs = self._stretch(outs, time.perf_counter() - t0)
-            for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
-                held[(name, p)] = (out, seg)
+        held: dict[tuple[str, Placement], torch.Tensor] = {}  # (tensor, placement) -> this rank's value
+        for node, st, seg, moves, ctx in self._compiled():
+            for ms, src_sizes, dst_sizes in moves:
+                x = held[(ms.tensor, ms.move.src)]
+                if self.tracing:
+                    with self._span(f"{ms.move.name} {ms.tensor} {ms.move.src}->{ms.move.dst}"):
+                        x = run_move(x, ms.move, self.comm, src_sizes, dst_sizes)
+                else:
+                    x = run_move(x, ms.move, self.comm, src_sizes, dst_sizes)
+                held[(ms.tensor, ms.move.dst)] = x
+            for ld in self.program_loads[node.index]:
+                held[(ld.tensor, ld.placement)] = self._load(ld.tensor, ld.placement, seg, values)
+            local = {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)}
+            if self.emulation is None and not self.tracing:
+                outs = run_node(node, st, local, self.graph, ctx)
+            else:
+                t0, self._waited = time.perf_counter(), 0.0
+                with self._span(f"{node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
+                    outs = run_node(node, st, local, self.graph, ctx)
+                if self.emulation is not None:
+                    # only computing is stretched: time in the node's own collectives (a global
+                    # count, say) is waiting for the other ranks
+                    outs = self._stretch(outs, time.perf_counter() - t0 - self._waited)
+            for name, p, out in zip(node.outputs, st.outputs, outs):
+                held[(name, p)] = out
         loss_p = next(p for (name, p) in held if name == self.graph.loss)
-        loss = held[(self.graph.loss, loss_p)][0]
+        loss = held[(self.graph.loss, loss_p)]
         if loss_p == P:
             return loss
         # R or D: every rank holds the whole loss; as parts, rank 0 holds it and the others zero.
         return run_move(loss, _free_move(P, self.graph.tensors[self.graph.loss].requires_grad, src=loss_p), self.comm)
+
+    def _compiled(self) -> list[tuple]:
+        """Per step, what does not change between iterations: (node, strategy, segment, moves
+        with their shard sizes, the node's local context)."""
+        if self._steps is None:
+            contexts = [LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
+                                     split=lambda t, d, r=r: self.classes.split_sizes(t, d, r)) for r in self.ratios]
+            self._steps = []
+            held_seg: dict[tuple[str, Placement], int] = {}
+            for step in self.program:
+                seg = self.segment_of[step.node]
+                moves = []
+                for ms in step.moves:
+                    src_seg = held_seg[(ms.tensor, ms.move.src)]
+                    moves.append((ms, self.sizes(ms.tensor, ms.move.src, src_seg), self.sizes(ms.tensor, ms.move.dst, seg)))
+                    held_seg[(ms.tensor, ms.move.dst)] = seg
+                for ld in step.loads:
+                    held_seg[(ld.tensor, ld.placement)] = seg
+                node = self.graph.nodes[step.node]
+                for name, p in zip(node.outputs, step.strategy.outputs):
+                    held_seg[(name, p)] = seg
+                self._steps.append((node, step.strategy, seg, moves, contexts[seg]))
+        return self._steps
 
     def _span(self, label: str):
         """A named span in the Chrome trace while one is recorded (torch.profiler), else nothing."""
@@ -183,7 +212,10 @@ class Executor:
         return tuple(out)
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce(t.detach(), self.comm)
+        t0 = time.perf_counter()
+        out = all_reduce(t.detach(), self.comm)
+        self._waited += time.perf_counter() - t0
+        return out
 
     def sync_gradients(self) -> None:
         """All-reduce, in one bucket, the partial gradients of parameters kept whole (R)."""

@@ -18,18 +18,19 @@ import torch.nn as nn
 
 from .collectives import Comm
 
-BUCKET_BYTES = 1 << 20  # small buckets: the first all-reduce starts early in the backward
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's sizes: a small first bucket starts communicating early,
+BUCKET_BYTES = 25 << 20  # then large ones pay the per-collective latency rarely
 
 
 class GradSync:
-    def __init__(self, params: Sequence[nn.Parameter], comm: Comm, bucket_bytes: int | None = None):
+    def __init__(self, params: Sequence[nn.Parameter], comm: Comm):
         """params: in the order their gradients will arrive."""
-        bucket_bytes = bucket_bytes or BUCKET_BYTES
         self.comm = comm
         self.buckets: list[list[nn.Parameter]] = []
-        size = bucket_bytes
+        size = cap = 0
         for p in params:
-            if size >= bucket_bytes:
+            if size >= cap:
+                cap = FIRST_BUCKET_BYTES if not self.buckets else BUCKET_BYTES
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)

@@ -27,7 +27,7 @@ from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan
 from ..planner import PlannerConfig, _strategies, plan as make_plan
-from ..rules.check import is_random
+from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
@@ -38,11 +38,15 @@ from .gradsync import GradSync
 class HAP(nn.Module):
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan | None = None,
                  config: PlannerConfig | None = None, comm: Comm | None = None,
-                 init: Callable[[nn.Module], None] | None = None):
+                 init: Callable[[nn.Module], None] | None = None, global_loss: bool = True):
         """init: for a model built on the meta device (too large for one device), how to fill a
         submodule's parameters once materialized (default: its reset_parameters()). Submodules
         are materialized one at a time, in model.modules() order, and only this rank's part of
-        each parameter is kept, so no rank ever holds the whole model."""
+        each parameter is kept, so no rank ever holds the whole model.
+
+        global_loss: forward returns the loss of the global batch on every rank (one scalar
+        all-reduce per step); False returns this rank's part of it (the parts sum to the loss,
+        and backward is the same), saving that all-reduce, as DDP returns each rank's own loss."""
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("hap.HAP needs torch.distributed initialized first (or use hap.runtime.launch.spawn)")
@@ -52,7 +56,7 @@ class HAP(nn.Module):
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster)
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
         self.comm = comm
-        self.model = model
+        self.model, self.global_loss = model, global_loss
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
@@ -89,6 +93,8 @@ class HAP(nn.Module):
         values.update((name, self.model.get_buffer(target).detach()) for name, target in self._buffers)
         presliced = frozenset(self._given_as_part(batch))
         part = self.executor.forward(values, presliced)  # this rank's part of the loss
+        if not self.global_loss:
+            return part
         total = all_reduce(part.detach(), self.comm)
         return part + (total - part).detach()  # the global loss's value, the part's gradient
 
