@@ -50,17 +50,15 @@ def train_hap(rank, world):
     dmodel.global_loss = False  # this rank's part: the parts add up to the loss
     part = dmodel(*batches[0]).detach()
     parts_sum = torch.distributed.all_reduce(part) or part.item()
-    return {"losses": losses, "params": params, "ratios": dmodel.plan.ratios, "whole": whole, "parts": parts_sum,
-            "part": dmodel(*batches[0]).item()}
+    return {"losses": losses, "params": params, "ratios": dmodel.plan.ratios, "whole": whole, "parts": parts_sum}
 
 
 def test_hap_trains_vit_like_one_device(tmp_path):
     reports = run_ranks(train_hap, 2, tmp_path)
     model, batches = small_vit()
     losses = train(model, batches)
-    assert reports[0]["part"] != pytest.approx(reports[0]["whole"])
     for got in reports:
-        assert got["parts"] == pytest.approx(got["whole"], rel=1e-6)
+        assert got["parts"] == pytest.approx(got["whole"], rel=1e-6)  # (a global value would double)
         assert got["ratios"][0][0] > got["ratios"][0][1]  # the 3x slower rank gets less work
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():

@@ -320,11 +320,19 @@ def paper_cluster(gpus: int, heterogeneous: bool) -> Cluster:
 def local_cluster(slowdowns: tuple[float, ...], name: str) -> Cluster:
     """Local CPU processes on this machine (one torch thread each), slow ones emulated.
 
-    flops is a typical single-core fp32 matmul rate; `hap profile` measures the real one.
+    Typical values from `hap profile` on a 2-core machine (2026-11): ~90 GFLOP/s and ~60 GB/s
+    per core, ~10 us of executor overhead per node and pass (more on an emulated device, whose
+    bookkeeping is stretched too), gloo collectives of 0.2-1 ms latency. Profile for yours.
     """
-    devices = tuple(Device(name=f"cpu{i}" + (f"/{s:g}x" if s != 1 else ""), flops=2e10 / s, memory=4 * GiB,
-                           mem_bandwidth=5e9 / s, slowdown=s) for i, s in enumerate(slowdowns))
-    return Cluster(name=name, devices=devices, collectives=fits_from_network(len(devices), 1e9, 50e-6))
+    devices = tuple(Device(name=f"cpu{i}" + (f"/{s:g}x" if s != 1 else ""), flops=9e10 / s, memory=4 * GiB,
+                           mem_bandwidth=6e10 / s, op_overhead=1e-5 * (2 * s - 1), slowdown=s)
+                    for i, s in enumerate(slowdowns))
+    if len(devices) == 1:
+        return Cluster(name=name, devices=devices, collectives=fits_from_network(1, 1.0, 0.0))
+    fits = {"all_reduce": Fit(alpha=4.5e-4, beta=1.0e9), "all_gather": Fit(alpha=4e-4, beta=1.4e9),
+            "reduce_scatter": Fit(alpha=1e-3, beta=1.5e9), "all_to_all": Fit(alpha=3e-4, beta=3e9),
+            "broadcast": Fit(alpha=2.2e-4, beta=2e9)}
+    return Cluster(name=name, devices=devices, collectives=fits)
 
 
 BUILTIN = {
