@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # Pinned: on a CPU machine any other torch spec pulls gigabytes of CUDA wheels.
 TORCH  := torch==2.13.0
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench bench-runtime clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ test: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/synthesis_time.py
+
+bench-runtime: install    # measured: hap vs DP-EV vs DP-CP on the local cluster, hap vs DDP
+	OMP_NUM_THREADS=1 $(PY) benchmarks/runtime_speed.py --node-timing --out out/bench-runtime
 
 clean:
 	rm -rf $(VENV) out

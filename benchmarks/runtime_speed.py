@@ -141,12 +141,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     ap.add_argument("--out", help="folder for the profiled clusters, plans and results (default: a temp dir)")
+    ap.add_argument("--node-timing", action="store_true",
+                    help="price computation from each node's measured time (profile.measure_nodes), not FLOPs")
     args = ap.parse_args()
 
     from hap.capture import capture
     from hap.cost.cluster import load_cluster
     from hap.planner import baseline_plan, plan
     from hap.runtime.launch import spawn
+    from hap.runtime.profile import measure_nodes
 
     out_dir = args.out or tempfile.mkdtemp(prefix="hap-bench-")
     os.makedirs(out_dir, exist_ok=True)
@@ -156,6 +159,9 @@ def main() -> int:
         cluster = load_cluster(hetero_file)
         model, batch = _model(name, cluster.gpus)
         graph = capture(model, batch)
+        if args.node_timing:  # on this process, as fast as the cluster's unslowed devices
+            speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
+            graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: len(t) // 4] for t in batch))
         plans, estimates = {}, {}
         for strategy in STRATEGIES:
             p = plan(graph, cluster) if strategy == "hap" else baseline_plan(graph, cluster, strategy)

@@ -84,6 +84,21 @@ class Node:
         return f"{self.name} = {self.op}({', '.join(self.inputs)})"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeTiming:
+    """Each node's measured forward and backward seconds on a device of `device_flops` FLOP/s,
+    as t(share) = fixed + share * work; the cost model scales both to device j by
+    device_flops / flops_j."""
+
+    fwd: tuple[float, ...]
+    """Forward work of the whole node (share 1), beyond the fixed part."""
+    bwd: tuple[float, ...]
+    fwd_fixed: tuple[float, ...]
+    """Forward seconds a node costs at any share (dispatch, small-batch inefficiency)."""
+    bwd_fixed: tuple[float, ...]
+    device_flops: float
+
+
 @dataclass(slots=True, kw_only=True)
 class Graph:
     nodes: list[Node]
@@ -93,6 +108,9 @@ class Graph:
     params: list[str]
     loss: str
     model_name: str = "model"
+    timing: NodeTiming | None = None
+    """Measured seconds per node (hap.runtime.profile.measure_nodes); when set, the cost model
+    prices computation from them instead of from FLOPs and bytes."""
 
     def tensor(self, name: str) -> Tensor:
         return self.tensors[name]

@@ -130,7 +130,7 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
         sharded = cost.work_shard(node, step.strategy) is not None
         add(fwd_rows, fwd_const, seg, fwd, sharded)
         add(bwd_rows, bwd_const, seg, bwd, sharded)
-        if any(cost.overhead):
+        if cost.has_fixed:
             fixed_fwd, fixed_bwd = cost.fixed_times(node)
             add(fwd_rows, fwd_const, seg, fixed_fwd, False)
             add(bwd_rows, bwd_const, seg, fixed_bwd, False)

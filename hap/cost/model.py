@@ -94,8 +94,14 @@ class CostModel:
     # -- computation ---------------------------------------------------------------------------
 
     def base_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Forward and backward seconds per device for the whole node (share 1)."""
+        """Forward and backward seconds per device for the whole node (share 1): from the
+        graph's measured node times where it has them, else from FLOPs and bytes."""
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
+        timing = self.graph.timing
+        if timing is not None:
+            fwd = tuple(timing.fwd[node.index] * timing.device_flops * s for s in self.inv_speed)
+            bwd = tuple(timing.bwd[node.index] * timing.device_flops * s for s in self.inv_speed)
+            return fwd, (bwd if needs_bwd else (0.0,) * self.m)
         fwd = tuple(node.flops * s + node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         if not needs_bwd:
             return fwd, (0.0,) * self.m
@@ -104,9 +110,20 @@ class CostModel:
 
     def fixed_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds per device that do not shrink with the node's share
-        (one dispatch per pass, on every device, even for an empty shard)."""
+        (one dispatch per pass, on every device, even for an empty shard; and the measured
+        fixed part of the node's time where the graph has timings)."""
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
-        return self.overhead, (self.overhead if needs_bwd else (0.0,) * self.m)
+        fwd = bwd = self.overhead
+        timing = self.graph.timing
+        if timing is not None:
+            scale = tuple(timing.device_flops * s for s in self.inv_speed)
+            fwd = tuple(o + timing.fwd_fixed[node.index] * k for o, k in zip(fwd, scale))
+            bwd = tuple(o + timing.bwd_fixed[node.index] * k for o, k in zip(bwd, scale))
+        return fwd, (bwd if needs_bwd else (0.0,) * self.m)
+
+    @property
+    def has_fixed(self) -> bool:
+        return any(self.overhead) or self.graph.timing is not None
 
     def grad_intra(self, nbytes: float) -> tuple[float, ...]:
         """Seconds each machine spends all-reducing nbytes of local gradient among its GPUs."""

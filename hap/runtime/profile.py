@@ -9,6 +9,8 @@ with its stretch, so the file says how fast the emulated device really is):
     squares per op family; the device's `flops` is the rate over the three together;
   - memory bandwidth: elementwise ops, time = c + bytes / BW;
   - op_overhead: seconds per node per pass of hap's executor on a chain of tiny nodes.
+`measure_nodes` times a model's own nodes instead (graph.timing), which the cost model then
+prices computation from: ops differ far more in speed than one FLOP/s rate says.
 Rank 0 then times every collective the planner prices, with the runtime's own functions, over a
 sweep of sizes (and uneven splits), and fits time = alpha + volume / beta with the volumes of
 hap/cost/model.py. Each fit is a non-negative least squares; its worst relative residual is
@@ -29,6 +31,7 @@ import torch.nn as nn
 from scipy.optimize import nnls
 
 from ..cost.cluster import COLLECTIVES, Cluster
+from ..ir import Graph, NodeTiming
 from .collectives import Comm, all_reduce, all_to_all, gather_grouped, gather_padded, reduce_scatter
 from .emulate import Emulation
 
@@ -223,3 +226,68 @@ def profile_cluster(cluster: Cluster, comm: Comm, quick: bool = False) -> dict |
         spec["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
     spec["report"] = {"devices": reports, "collectives": fits}
     return spec
+
+
+# -- a model's own nodes --------------------------------------------------------------------------
+
+def measure_nodes(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor], device_flops: float,
+                  small_inputs: Sequence[torch.Tensor] | None = None, repeats: int = 5) -> NodeTiming:
+    """Time every node of `graph` alone on this process, as one device runs it: forward, and
+    backward from a gradient of ones (medians of `repeats`). With `small_inputs` (the same
+    model's inputs at a fraction q of the batch) the model is timed at both sizes and each
+    node's time split into fixed + share * work; without, all of it is work. device_flops is
+    this process's FLOP/s (the profiled `flops` of a device like it), which scales the times to
+    other devices. Set the result as graph.timing before planning."""
+    from ..capture import capture
+
+    fwd, bwd = _node_seconds(graph, model, inputs, repeats)
+    zeros = (0.0,) * len(fwd)
+    if small_inputs is None:
+        return NodeTiming(fwd=tuple(fwd), bwd=tuple(bwd), fwd_fixed=zeros, bwd_fixed=zeros, device_flops=device_flops)
+    small = capture(model, tuple(small_inputs))
+    if [n.op for n in small.nodes] != [n.op for n in graph.nodes]:
+        raise ValueError("the model runs other ops at the smaller batch: time it at full size only")
+    q = small_inputs[0].shape[0] / inputs[0].shape[0]
+    if not 0 < q < 1:
+        raise ValueError(f"small_inputs must hold a smaller batch than inputs (fraction {q:g})")
+    s_fwd, s_bwd = _node_seconds(small, model, small_inputs, repeats)
+
+    def split(full, part):  # t(1) = c + w, t(q) = c + q w, each clipped to [0, t(1)]
+        fixed = [min(max((p - q * f) / (1 - q), 0.0), f) for f, p in zip(full, part)]
+        return tuple(f - c for f, c in zip(full, fixed)), tuple(fixed)
+
+    (fwd_w, fwd_c), (bwd_w, bwd_c) = split(fwd, s_fwd), split(bwd, s_bwd)
+    return NodeTiming(fwd=fwd_w, bwd=bwd_w, fwd_fixed=fwd_c, bwd_fixed=bwd_c, device_flops=device_flops)
+
+
+def _node_seconds(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor], repeats: int):
+    from ..placement import R
+    from ..rules import Strategy
+    from ..rules.local import LocalContext, run_node
+    from .executor import leaf_values
+
+    values = leaf_values(graph, model, inputs)
+    ctx = LocalContext(device=0, world=1, split=lambda t, d: [graph.tensors[t].shape[d]], all_reduce=lambda t: t)
+    fwd, bwd = [], []
+    for node in graph.nodes:
+        whole = Strategy(tuple(R for _ in node.inputs), tuple(R for _ in node.outputs), "whole")
+        leaves = {}
+        for name in dict.fromkeys(node.inputs):
+            v = values[name].detach()
+            leaves[name] = v.requires_grad_(graph.tensors[name].requires_grad and v.is_floating_point())
+        f_times, b_times = [], []
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            outs = run_node(node, whole, leaves, graph, ctx)
+            t1 = time.perf_counter()
+            diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if diff:
+                torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+            f_times.append(t1 - t0)
+            b_times.append(time.perf_counter() - t1)
+            for v in leaves.values():
+                v.grad = None
+        fwd.append(statistics.median(f_times[1:]))
+        bwd.append(statistics.median(b_times[1:]))
+        values.update((name, out.detach() if isinstance(out, torch.Tensor) else out) for name, out in zip(node.outputs, outs))
+    return fwd, bwd

@@ -113,7 +113,7 @@ def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[
         frac = cost.shares(shard[0], shard[1], ratios)
         fwd = tuple(a * f for a, f in zip(fwd, frac))
         bwd = tuple(a * f for a, f in zip(bwd, frac))
-    if any(cost.overhead):
+    if cost.has_fixed:
         fixed_fwd, fixed_bwd = cost.fixed_times(node)
         fwd = tuple(a + c for a, c in zip(fwd, fixed_fwd))
         bwd = tuple(a + c for a, c in zip(bwd, fixed_bwd))
