@@ -382,11 +382,23 @@ def _normalizer(node, graph, args, kwargs, ctx, dtype) -> float | torch.Tensor:
         return float(x.numel)
     if _is_float(graph, node.inputs[1]):  # probabilities: mean over the samples
         return float(x.numel // x.shape[1])
+    return ctx.all_reduce(label_count(args, kwargs)).to(dtype)
+
+
+def label_count(args: tuple, kwargs: dict) -> torch.Tensor:
+    """This device's part of a class-index loss's mean denominator: the summed class weight of
+    its non-ignored targets, in float64 (exact at any batch size). It needs only the target
+    and weight, which the runtime may have before the logits: `counts_early`."""
     target = args[1]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     ignore = target == (args[4] if len(args) > 4 else kwargs.get("ignore_index", -100))
     if weight is None:
-        count = (~ignore).sum()
-    else:
-        count = (weight[target.masked_fill(ignore, 0)] * ~ignore).sum()
-    return ctx.all_reduce(count.double()).to(dtype)  # counted in float64: exact at any batch size
+        return (~ignore).sum().double()
+    return (weight[target.masked_fill(ignore, 0)] * ~ignore).sum().double()
+
+
+def counts_early(node: Node, st: Strategy, graph: Graph) -> bool:
+    """Whether the node's only all-reduce is label_count's (a mean over class-index targets),
+    so that a runtime may start it as soon as the target is loaded."""
+    return (st.local == "loss_mean" and node.op in _CLASS_LOSSES and len(node.outputs) == 1
+            and not _is_float(graph, node.inputs[1]))

@@ -20,11 +20,13 @@ import time
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..ir import Graph
 from ..placement import P, R, Placement
-from ..rules.local import LocalContext, run_node
+from ..rules.local import LocalContext, run_node, substitute
+from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
 from ..search.program import Step
@@ -65,6 +67,8 @@ class Executor:
         self.params: dict[str, nn.Parameter] = {}
         self._presliced: frozenset[str] = frozenset()
         self._waited = 0.0  # seconds the current node spent in collectives
+        self._node = -1  # the node running now
+        self._early: dict[int, tuple[torch.Tensor, dist.Work]] = {}  # node -> its all-reduce, started early
         self._steps: list[tuple] | None = None  # built on the first forward (see _compiled)
         self.program_loads = {step.node: step.loads for step in self.program}
         self.tracing = False
@@ -139,8 +143,10 @@ class Executor:
 
         presliced: data inputs given as this rank's part (see input_slices), not whole."""
         self._presliced = presliced
+        self._start_early_counts(values)
         held: dict[tuple[str, Placement], torch.Tensor] = {}  # (tensor, placement) -> this rank's value
         for node, st, seg, moves, ctx in self._compiled():
+            self._node = node.index
             for ms, src_sizes, dst_sizes in moves:
                 x = held[(ms.tensor, ms.move.src)]
                 if self.tracing:
@@ -213,9 +219,40 @@ class Executor:
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = all_reduce(t.detach(), self.comm)
+        early = self._early.pop(self._node, None)
+        if early is not None:  # started when the forward began (_start_early_counts)
+            out, work = early
+            work.wait()
+            self.comm.after("all_reduce", out.numel() * out.element_size())
+        else:
+            out = all_reduce(t.detach(), self.comm)
         self._waited += time.perf_counter() - t0
         return out
+
+    def _start_early_counts(self, values: dict[str, torch.Tensor]) -> None:
+        """A loss's mean over class-index targets divides by the global count of its targets,
+        an all-reduce in the middle of the forward where every rank would wait for the
+        slowest. The count needs only the labels (data loaded up front), so start that
+        all-reduce now, asynchronously, and collect it when the loss node asks (_sum)."""
+        self._early = {}
+        if self.comm.world == 1:
+            return
+        for node, st, seg, _, _ in self._compiled():
+            if not self._early_count_ok(node, st):
+                continue
+            local = _NoneForMissing((name, self._load(name, p, seg, values))
+                                    for name, p in zip(node.inputs[1:], st.inputs[1:]))
+            count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
+            self.comm.before()
+            self._early[node.index] = (count, dist.all_reduce(count, group=self.comm.group, async_op=True))
+
+    def _early_count_ok(self, node, st) -> bool:
+        """The loss counts early when it is such a mean and its labels (and weights) are leaves
+        this step loads itself."""
+        if not counts_early(node, st, self.graph):
+            return False
+        loaded = {(ld.tensor, ld.placement) for ld in self.program_loads[node.index]}
+        return all((name, p) in loaded for name, p in zip(node.inputs[1:], st.inputs[1:]))
 
     def sync_gradients(self) -> None:
         """All-reduce, in one bucket, the partial gradients of parameters kept whole (R)."""
@@ -225,6 +262,13 @@ class Executor:
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.comm)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+class _NoneForMissing(dict):
+    """Values by tensor name; tensors not at hand yet (the logits) read as None."""
+
+    def __missing__(self, key):
+        return None
 
 
 class _OweInBackward(torch.autograd.Function):
