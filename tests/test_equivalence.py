@@ -179,8 +179,10 @@ def restriction(family: str, graph) -> Restriction:
 # through hap.HAP with the ratios the load balancer chose.
 EVEN = {2: (0.5, 0.5), 3: (1 / 3, 1 / 3, 1 / 3)}
 SKEWED = {2: (0.8, 0.2), 3: (0.55, 0.3, 0.15)}
+IDLE = {2: (1.0, 0.0), 3: (0.6, 0.4, 0.0)}  # the last rank holds empty shards and computes nothing
+RATIOS = {"even": EVEN, "skewed": SKEWED, "idle": IDLE}
 PROGRAMS = [("dp", "skewed"), ("tp", "even"), ("sharded", "even"), ("sharded-grouped", "skewed"),
-            ("sharded-batch-grouped", "skewed"), ("hap", "planned")]
+            ("sharded-batch-grouped", "skewed"), ("sharded", "idle"), ("hap", "planned")]
 CLUSTER_SPEEDS = {2: (3e9, 1e9), 3: (2e9, 2e9, 1e9)}
 MODEL_NAMES = BUILT_IN + list(LIBRARY)
 
@@ -280,8 +282,9 @@ def make_program(family, which, graph, strategies, classes, world):
             # Without the baselines as candidates (the restricted cases run those families): hap's
             # own Q/B alternation, and planning stays short.
             return hap.plan(graph, cluster(CLUSTER_SPEEDS[world], bandwidth=1e9), hap.PlannerConfig(baselines=False))
-        ratios = EVEN[world] if which == "even" else SKEWED[world]
-        cost = CostModel(graph, cluster([r * 3e9 for r in ratios]), classes)  # compute proportional to the ratios
+        ratios = RATIOS[which][world]
+        # compute proportional to the ratios (an idle rank: a slow device, not a zero-speed one)
+        cost = CostModel(graph, cluster([max(r, 0.1) * 3e9 for r in ratios]), classes)
         return synthesize(graph, strategies, cost, [0] * len(graph.nodes), [ratios], restriction(family, graph),
                           width=24, width_after=8.0).program
     except Exception as e:  # a family with no program for a model is a failure too
@@ -320,7 +323,7 @@ def worker(rank, world):
                 ran, planned, ratios, loads = run_hap(what, model_name, model, batches, programs[i], world, comm, tally,
                                                       report["failures"])
             else:
-                ratios = EVEN[world] if which == "even" else SKEWED[world]
+                ratios = RATIOS[which][world]
                 ran, planned, loads = run_program(what, model_name, model, batches, graph, programs[i], classes, ratios,
                                                   comm, tally, report["failures"])
             missing = planned - ran

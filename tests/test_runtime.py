@@ -38,7 +38,8 @@ CASES = {
         ((3e9, 1e9), 1e4, (0.6, 0.4), None),
         ((1e9, 1e9), 1e11, (0.6, 0.4), "tp"),
         ((3e9, 1e9), 1e11, (0.6, 0.4), "sharded"),
-        ((3e9, 1e9), 1e11, (0.8, 0.2), "sharded-batch")],
+        ((3e9, 1e9), 1e11, (0.8, 0.2), "sharded-batch"),
+        ((3e9, 1e9), 1e11, (1.0, 0.0), "sharded")],  # rank 1 holds empty shards and computes nothing
     3: [((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), None),
         ((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), "sharded"),
         ((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), "sharded-batch")],

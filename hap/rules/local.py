@@ -15,6 +15,7 @@ The planner's ground-truth checker and the runtime both execute nodes through ru
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,6 +82,9 @@ def substitute(obj, values: dict[str, torch.Tensor]):
 
 def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: Graph, ctx: LocalContext) -> tuple:
     """Run `node` under strategy `st` on this device's local input tensors (by tensor name)."""
+    empty = _empty_outputs(node, st, values, graph, ctx)
+    if empty is not None:
+        return empty
     args = substitute(node.args, values)
     kwargs = substitute(node.kwargs, values)
     pos = SIZE_ARGS.get(node.op)
@@ -97,8 +101,39 @@ def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: G
         random_op = _attention_with_dropout if node.op == ATTENTION else _random
         out = random_op(node, st, args, kwargs, ctx, graph)
     else:
-        out = node.target(*args, **kwargs)
+        try:
+            out = node.target(*args, **kwargs)
+        except RuntimeError as e:  # say which node, under which strategy, on which device
+            raise RuntimeError(f"{node.name} = {node.op} [{st}] on device {ctx.device}: {e}") from e
     return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+
+def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: Graph, ctx: LocalContext):
+    """A device with a zero ratio holds empty shards. Where its shard of every output is empty
+    it has nothing to compute, and some ops refuse empty operands (a convolution with no output
+    channels); where its outputs are partial sums over a dim it holds none of, they are zeros.
+    Either way the outputs are made directly, tied to the inputs so that their gradients are
+    zeros, not missing."""
+    if st.local is not None:  # a variant may call collectives, which every device must join: run it
+        return None
+    shapes = [local_shape(graph, name, p, ctx) for name, p in zip(node.outputs, st.outputs)]
+    if not shapes or not any(graph.tensors[name].numel for name in node.outputs):  # empty on one device too
+        return None
+    if any(math.prod(shape) for shape in shapes):
+        # Partial sums over a contracted dim this device holds none of are zeros (an empty sum);
+        # torch would instead contract nothing into a wrongly shaped result.
+        starved = any(isinstance(x, torch.Tensor) and x.numel() == 0 and graph.tensors[name].numel
+                      for name, x in values.items())
+        if not (starved and all(p.kind == "P" for p in st.outputs)):
+            return None
+    ties = [x.sum() * 0 for x in values.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+    outs = []
+    for name, shape in zip(node.outputs, shapes):
+        out = torch.zeros(shape, dtype=getattr(torch, graph.tensors[name].dtype))
+        if ties and out.is_floating_point():
+            out = out + sum(ties)
+        outs.append(out)
+    return tuple(outs)
 
 
 def _load_variants() -> None:
