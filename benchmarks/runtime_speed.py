@@ -1,7 +1,7 @@
 """Measured training speed on the local emulated cluster: hap vs DP-EV vs DP-CP, and hap's
 data-parallel runtime vs torch DDP.
 
-    .venv/bin/python benchmarks/runtime_speed.py [--steps 10] [--rounds 3] [--out DIR]
+    .venv/bin/python benchmarks/runtime_speed.py [--node-timing] [--steps 2] [--rounds 20] [--out DIR]
 
 1. Profiles the clusters `local` (2 ranks, rank 1 emulated 3x slower) and `local-homo` with
    `hap profile` (measuring the emulation), so the planner prices this machine.
@@ -137,58 +137,75 @@ def ddp_rank(rank: int, cluster_file: str, name: str, plan_path: str, steps: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="iterations per strategy per round")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--steps", type=int, default=2, help="iterations per strategy per round")
+    ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds (fine interleaving evens out drift)")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     ap.add_argument("--out", help="folder for the profiled clusters, plans and results (default: a temp dir)")
+    ap.add_argument("--part", choices=["all", "hetero", "homo"], default="all",
+                    help="both comparisons, or only hap vs DP-EV/DP-CP, or only hap vs DDP")
     ap.add_argument("--node-timing", action="store_true",
                     help="price computation from each node's measured time (profile.measure_nodes), not FLOPs")
     args = ap.parse_args()
 
+    out_dir = args.out or tempfile.mkdtemp(prefix="hap-bench-")
+    os.makedirs(out_dir, exist_ok=True)
+    hetero_file = profile("local", out_dir) if args.part != "homo" else None
+    homo_file = profile("local-homo", out_dir) if args.part != "hetero" else None
+    results = {"hetero": {}, "homo": {}}
+    for name in args.models.split(","):
+        if hetero_file is not None:
+            _hetero(name, hetero_file, out_dir, args, results)
+        if homo_file is not None:
+            _homo(name, homo_file, out_dir, args, results)
+        _report(results)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"results in {out_dir}")
+    return 0
+
+
+def _hetero(name: str, hetero_file: str, out_dir: str, args, results: dict) -> None:
     from hap.capture import capture
     from hap.cost.cluster import load_cluster
     from hap.planner import baseline_plan, plan
     from hap.runtime.launch import spawn
     from hap.runtime.profile import measure_nodes
 
-    out_dir = args.out or tempfile.mkdtemp(prefix="hap-bench-")
-    os.makedirs(out_dir, exist_ok=True)
-    hetero_file, homo_file = profile("local", out_dir), profile("local-homo", out_dir)
-    results = {"hetero": {}, "homo": {}}
-    for name in args.models.split(","):
-        cluster = load_cluster(hetero_file)
-        model, batch = _model(name, cluster.gpus)
-        graph = capture(model, batch)
-        if args.node_timing:  # on this process, as fast as the cluster's unslowed devices
-            speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
-            graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: len(t) // 4] for t in batch))
-        plans, estimates = {}, {}
-        for strategy in STRATEGIES:
-            p = plan(graph, cluster) if strategy == "hap" else baseline_plan(graph, cluster, strategy)
-            plans[strategy] = os.path.join(out_dir, f"{name}-{strategy}.json")
-            p.to_json(plans[strategy])
-            estimates[strategy] = p.estimated_iteration_seconds
-            if strategy == "hap":
-                print(f"[{name}] hap plan: {p.summary().splitlines()[0]}", file=sys.stderr)
-        times_path = os.path.join(out_dir, f"{name}-hetero-times.json")
-        spawn(hetero_rank, cluster.size, args=(hetero_file, name, plans, args.steps, args.rounds, times_path),
-              timeout_s=600)
-        times = json.loads(open(times_path).read())
-        results["hetero"][name] = {s: {"median": statistics.median(t), "estimate": estimates[s]} for s, t in times.items()}
+    cluster = load_cluster(hetero_file)
+    model, batch = _model(name, cluster.gpus)
+    graph = capture(model, batch)
+    if args.node_timing:  # on this process, as fast as the cluster's unslowed devices
+        speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
+        graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: len(t) // 4] for t in batch))
+    plans, estimates = {}, {}
+    for strategy in STRATEGIES:
+        p = plan(graph, cluster) if strategy == "hap" else baseline_plan(graph, cluster, strategy)
+        plans[strategy] = os.path.join(out_dir, f"{name}-{strategy}.json")
+        p.to_json(plans[strategy])
+        estimates[strategy] = p.estimated_iteration_seconds
+        if strategy == "hap":
+            print(f"[{name}] hap plan: {p.summary().splitlines()[0]}", file=sys.stderr)
+    times_path = os.path.join(out_dir, f"{name}-hetero-times.json")
+    spawn(hetero_rank, cluster.size, args=(hetero_file, name, plans, args.steps, args.rounds, times_path),
+          timeout_s=600)
+    times = json.loads(open(times_path).read())
+    results["hetero"][name] = {s: {"median": statistics.median(t), "estimate": estimates[s]} for s, t in times.items()}
 
-        homo = load_cluster(homo_file)
-        dp = baseline_plan(capture(*_model(name, homo.gpus)), homo, "dp-ev")
-        dp_path = os.path.join(out_dir, f"{name}-homo-dp.json")
-        dp.to_json(dp_path)
-        times_path = os.path.join(out_dir, f"{name}-homo-times.json")
-        spawn(ddp_rank, homo.size, args=(homo_file, name, dp_path, args.steps, args.rounds, times_path), timeout_s=600)
-        times = json.loads(open(times_path).read())
-        results["homo"][name] = {s: statistics.median(t) for s, t in times.items()}
-        _report(results)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"results in {out_dir}")
-    return 0
+
+def _homo(name: str, homo_file: str, out_dir: str, args, results: dict) -> None:
+    from hap.capture import capture
+    from hap.cost.cluster import load_cluster
+    from hap.planner import baseline_plan
+    from hap.runtime.launch import spawn
+
+    homo = load_cluster(homo_file)
+    dp = baseline_plan(capture(*_model(name, homo.gpus)), homo, "dp-ev")
+    dp_path = os.path.join(out_dir, f"{name}-homo-dp.json")
+    dp.to_json(dp_path)
+    times_path = os.path.join(out_dir, f"{name}-homo-times.json")
+    spawn(ddp_rank, homo.size, args=(homo_file, name, dp_path, args.steps, args.rounds, times_path), timeout_s=600)
+    times = json.loads(open(times_path).read())
+    results["homo"][name] = {s: statistics.median(t) for s, t in times.items()}
 
 
 def _report(results: dict) -> None:

@@ -155,6 +155,26 @@ def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
+def mismatched_plans(rank, world):
+    from hap.capture import capture
+    from hap.planner import baseline_plan
+
+    model, batches = small_vit()
+    cluster = hap.load_cluster("local")
+    mine = baseline_plan(capture(model, batches[0]), cluster, "dp-cp" if rank == 0 else "dp-ev")
+    try:
+        hap.HAP(model, cluster, batches[0], plan=mine)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_ranks_given_different_plans_fail_at_start_up(tmp_path):
+    for got in run_ranks(mismatched_plans, 2, tmp_path):
+        assert got["error"] is not None and got["error"].startswith("ranks [1] were given a plan (digest "), got
+        assert "other than rank 0's" in got["error"]
+
+
 def wrong_world(rank, world):
     model, batches = small_vit()
     try:

@@ -116,16 +116,16 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
     zeros, not missing."""
     if st.local is not None:  # a variant may call collectives, which every device must join: run it
         return None
+    starved = [name for name, x in values.items() if isinstance(x, torch.Tensor) and x.numel() == 0]
+    if not any(graph.tensors[name].numel for name in starved):  # the common case: nothing is empty here
+        return None
     shapes = [local_shape(graph, name, p, ctx) for name, p in zip(node.outputs, st.outputs)]
     if not shapes or not any(graph.tensors[name].numel for name in node.outputs):  # empty on one device too
         return None
-    if any(math.prod(shape) for shape in shapes):
-        # Partial sums over a contracted dim this device holds none of are zeros (an empty sum);
-        # torch would instead contract nothing into a wrongly shaped result.
-        starved = any(isinstance(x, torch.Tensor) and x.numel() == 0 and graph.tensors[name].numel
-                      for name, x in values.items())
-        if not (starved and all(p.kind == "P" for p in st.outputs)):
-            return None
+    # Partial sums over a contracted dim this device holds none of are zeros (an empty sum);
+    # torch would instead contract nothing into a wrongly shaped result.
+    if any(math.prod(shape) for shape in shapes) and not all(p.kind == "P" for p in st.outputs):
+        return None
     ties = [x.sum() * 0 for x in values.values() if isinstance(x, torch.Tensor) and x.requires_grad]
     outs = []
     for name, shape in zip(node.outputs, shapes):
