@@ -71,12 +71,17 @@ def local_shape(graph: Graph, tensor: str, p: Placement, ctx: LocalContext) -> t
 
 
 def substitute(obj, values: dict[str, torch.Tensor]):
-    if isinstance(obj, TensorRef):
+    """obj (a node's args or kwargs) with every TensorRef replaced by its value. Exact type
+    tests first: this runs for every node of every step."""
+    kind = type(obj)
+    if kind is TensorRef:
         return values[obj.name]
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(substitute(x, values) for x in obj)
-    if isinstance(obj, dict):
+    if kind is tuple or kind is list:
+        return kind([substitute(x, values) for x in obj])
+    if kind is dict:
         return {k: substitute(v, values) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):  # torch.fx's immutable_list and other subclasses
+        return kind(substitute(x, values) for x in obj)
     return obj
 
 
@@ -116,8 +121,10 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
     zeros, not missing."""
     if st.local is not None:  # a variant may call collectives, which every device must join: run it
         return None
+    if all(x.numel() for x in values.values() if isinstance(x, torch.Tensor)):  # the common case
+        return None
     starved = [name for name, x in values.items() if isinstance(x, torch.Tensor) and x.numel() == 0]
-    if not any(graph.tensors[name].numel for name in starved):  # the common case: nothing is empty here
+    if not any(graph.tensors[name].numel for name in starved):  # empty on one device too
         return None
     shapes = [local_shape(graph, name, p, ctx) for name, p in zip(node.outputs, st.outputs)]
     if not shapes or not any(graph.tensors[name].numel for name in node.outputs):  # empty on one device too
