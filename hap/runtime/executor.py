@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..ir import Graph
+from ..ir import Graph, TensorRef
 from ..placement import P, R, Placement
-from ..rules.local import LocalContext, run_node, substitute
+from ..rules.local import SIZE_ARGS, LocalContext, is_random, run_node, substitute
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
@@ -70,6 +70,7 @@ class Executor:
         self._node = -1  # the node running now
         self._early: dict[int, tuple[torch.Tensor, dist.Work]] = {}  # node -> its all-reduce, started early
         self._steps: list[tuple] | None = None  # built on the first forward (see _compiled)
+        self._direct: dict[int, Callable] = {}  # node -> its direct call (_direct_call)
         self.program_loads = {step.node: step.loads for step in self.program}
         self.tracing = False
         """Label every node and move for torch.profiler (hap train --trace)."""
@@ -157,10 +158,14 @@ class Executor:
                 held[(ms.tensor, ms.move.dst)] = x
             for ld in self.program_loads[node.index]:
                 held[(ld.tensor, ld.placement)] = self._load(ld.tensor, ld.placement, seg, values)
-            local = {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)}
-            if self.emulation is None and not self.tracing:
-                outs = run_node(node, st, local, self.graph, ctx)
+            direct = self._direct.get(node.index) if self.emulation is None and not self.tracing else None
+            if direct is not None:
+                outs = direct(held)
+            elif self.emulation is None and not self.tracing:
+                outs = run_node(node, st, {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)},
+                                self.graph, ctx)
             else:
+                local = {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)}
                 t0, self._waited = time.perf_counter(), 0.0
                 with self._span(f"{node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
                     outs = run_node(node, st, local, self.graph, ctx)
@@ -198,7 +203,42 @@ class Executor:
                 for name, p in zip(node.outputs, step.strategy.outputs):
                     held_seg[(name, p)] = seg
                 self._steps.append((node, step.strategy, seg, moves, contexts[seg]))
+                call = self._direct_call(node, step.strategy, seg)
+                if call is not None:
+                    self._direct[node.index] = call
         return self._steps
+
+    def _direct_call(self, node, st, seg):
+        """For a plain node (no local variant, no shape argument, not random, no empty shard on
+        this rank, tensors only at the top level of its arguments): a call with its argument
+        list built once, this step's tensors put in by position. The interpreter's per-node
+        cost is most of what the executor adds over eager PyTorch."""
+        if st.local is not None or node.op in SIZE_ARGS or is_random(node):
+            return None
+        place = dict(zip(node.inputs, st.inputs))
+        if any(p.is_shard and self.sizes(name, p, seg)[self.comm.rank] == 0 for name, p in place.items()):
+            return None
+        template, slots = list(node.args), []
+        for i, a in enumerate(node.args):
+            if type(a) is TensorRef:
+                slots.append((i, (a.name, place[a.name])))
+            elif _has_ref(a):
+                return None
+        if _has_ref(node.kwargs):
+            return None
+        target, kwargs, rank = node.target, node.kwargs, self.comm.rank
+
+        def call(held):
+            args = template.copy()
+            for i, key in slots:
+                args[i] = held[key]
+            try:
+                out = target(*args, **kwargs)
+            except RuntimeError as e:  # as run_node says it: which node, strategy, device
+                raise RuntimeError(f"{node.name} = {node.op} [{st}] on device {rank}: {e}") from e
+            return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+        return call
 
     def _span(self, label: str):
         """A named span in the Chrome trace while one is recorded (torch.profiler), else nothing."""
@@ -262,6 +302,16 @@ class Executor:
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.comm)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+def _has_ref(obj) -> bool:
+    if isinstance(obj, TensorRef):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_has_ref(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(_has_ref(x) for x in obj.values())
+    return False
 
 
 class _NoneForMissing(dict):
