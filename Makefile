@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # Pinned: on a CPU machine any other torch spec pulls gigabytes of CUDA wheels.
 TORCH  := torch==2.13.0
 
-.PHONY: install run test bench bench-runtime clean
+.PHONY: install run test bench bench-runtime bench-fidelity clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: install
 
 bench-runtime: install    # measured: hap vs DP-EV vs DP-CP on the local cluster, hap vs DDP
 	OMP_NUM_THREADS=1 $(PY) benchmarks/runtime_speed.py --node-timing --out out/bench-runtime
+
+bench-fidelity: install   # estimated vs measured iteration time over 22 variants, scatter plot
+	$(PY) -m pip install -q matplotlib
+	OMP_NUM_THREADS=1 $(PY) benchmarks/fidelity.py --out out/bench-fidelity
 
 clean:
 	rm -rf $(VENV) out

@@ -1,0 +1,163 @@
+"""Cost-model fidelity: the planner's estimated iteration time against the measured one.
+
+    .venv/bin/python benchmarks/fidelity.py [--variants 24] [--steps 6] [--out DIR]
+
+Profiles the local cluster (`hap profile`: rank 1 emulated 3x slower), then for each variant
+of the benchmark models (layers, hidden width, sequence length, batch) times its nodes
+(profile.measure_nodes), plans it with hap, and trains it for real on the two local ranks. It
+prints estimated vs measured per-iteration time, the Pearson correlation, the median and worst
+relative error, and writes a scatter plot (estimate against measurement, like HAP's Fig. 18)
+to DIR/fidelity.png when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+VARIANT_KNOBS = {
+    "vit": [dict(layers=l, hidden=h, batch=b) for l, h, b in itertools.product((2, 4), (64, 128), (16, 32))],
+    "bert": [dict(layers=l, hidden=h, seq=s, batch=16) for l, h, s in itertools.product((2, 4), (64, 128), (32, 64))],
+    "vgg19": [dict(hidden=h, batch=b) for h, b in itertools.product((128, 256, 512), (16, 32))],
+}
+
+
+def variants(n: int) -> list[tuple[str, dict]]:
+    """n variants, taken round-robin over the models so every model is represented."""
+    pools = [[(name, knobs) for knobs in pool] for name, pool in VARIANT_KNOBS.items()]
+    out = [v for group in itertools.zip_longest(*pools) for v in group if v is not None]
+    return out[:n]
+
+
+def build(name: str, knobs: dict):
+    """The model with dropout off (as in runtime_speed.py) and its batch."""
+    from hap.models import build as build_model
+
+    torch.manual_seed(0)
+    model, batch = build_model(name, scale="small", devices=2, **knobs)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "dropout", None), float):
+            m.dropout = 0.0
+    return model, batch
+
+
+def run_rank(rank: int, cluster_file: str, name: str, knobs: dict, plan_path: str, steps: int, out: str) -> None:
+    import time
+
+    from hap.cost.cluster import load_cluster
+    from hap.plan import Plan
+    from hap.runtime.module import HAP
+
+    model, batch = build(name, knobs)
+    dmodel = HAP(model, load_cluster(cluster_file), batch, plan=Plan.from_json(plan_path))
+    opt = torch.optim.SGD(dmodel.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps + 2):  # two warm-up steps
+        t0 = time.perf_counter()
+        dmodel(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times[2:], f)
+
+
+def pearson(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", type=int, default=22, help="how many model variants (at most %d)" %
+                    sum(len(v) for v in VARIANT_KNOBS.values()))
+    ap.add_argument("--steps", type=int, default=6, help="measured iterations per variant (after 2 warm-up)")
+    ap.add_argument("--out", help="folder for the profiled cluster, plans, results and the plot")
+    args = ap.parse_args()
+
+    from hap.capture import capture
+    from hap.cost.cluster import load_cluster
+    from hap.planner import plan
+    from hap.runtime.launch import spawn
+    from hap.runtime.profile import measure_nodes
+
+    out_dir = args.out or tempfile.mkdtemp(prefix="hap-fidelity-")
+    os.makedirs(out_dir, exist_ok=True)
+    cluster_file = os.path.join(out_dir, "local-profiled.yaml")
+    subprocess.run([sys.executable, "-m", "hap", "profile", "--cluster", "local", "-o", cluster_file], check=True,
+                   stdout=sys.stderr)
+    cluster = load_cluster(cluster_file)
+    speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
+    rows = []
+    for i, (name, knobs) in enumerate(variants(args.variants)):
+        model, batch = build(name, knobs)
+        graph = capture(model, batch)
+        graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: max(1, len(t) // 4)] for t in batch))
+        result = plan(graph, cluster)
+        plan_path = os.path.join(out_dir, f"plan{i}.json")
+        result.to_json(plan_path)
+        times_path = os.path.join(out_dir, f"times{i}.json")
+        spawn(run_rank, cluster.size, args=(cluster_file, name, knobs, plan_path, args.steps, times_path), timeout_s=600)
+        measured = statistics.median(json.loads(open(times_path).read()))
+        est = result.estimated_iteration_seconds
+        rows.append({"model": name, **knobs, "ratios": result.ratios[0], "estimated": est, "measured": measured})
+        print(f"{i + 1:2d} {name:6s} {json.dumps(knobs):48s} estimated {est * 1e3:7.1f} ms  measured "
+              f"{measured * 1e3:7.1f} ms  ({(est - measured) / measured * 100:+.0f}%)", flush=True)
+    est = [r["estimated"] for r in rows]
+    meas = [r["measured"] for r in rows]
+    errors = [abs(e - m) / m for e, m in zip(est, meas)]
+    summary = {"variants": len(rows), "pearson": pearson(est, meas), "median_rel_error": statistics.median(errors),
+               "worst_rel_error": max(errors)}
+    print(f"\n{len(rows)} variants: Pearson {summary['pearson']:.3f} (target >= 0.98), median relative error "
+          f"{summary['median_rel_error'] * 100:.1f}% (target <= 15%), worst {summary['worst_rel_error'] * 100:.1f}%")
+    with open(os.path.join(out_dir, "fidelity.json"), "w") as f:
+        json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    _plot(rows, summary, os.path.join(out_dir, "fidelity.png"))
+    print(f"results in {out_dir}")
+    return 0
+
+
+def _plot(rows: list[dict], summary: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    for model in VARIANT_KNOBS:
+        pts = [(r["measured"] * 1e3, r["estimated"] * 1e3) for r in rows if r["model"] == model]
+        if pts:
+            ax.scatter(*zip(*pts), label=model, s=18)
+    top = max(max(r["measured"], r["estimated"]) for r in rows) * 1e3 * 1.05
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured iteration time (ms)")
+    ax.set_ylabel("estimated iteration time (ms)")
+    ax.set_title(f"Pearson {summary['pearson']:.3f}, median error {summary['median_rel_error'] * 100:.0f}%")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
