@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 import torch
+from runtime_speed import model_without_dropout, sgd_step, timed_steps  # this folder is on sys.path as a script
 
 VARIANT_KNOBS = {
     "vit": [dict(layers=l, hidden=h, batch=b) for l, h, b in itertools.product((2, 4), (64, 128), (16, 32))],
@@ -39,39 +40,22 @@ def variants(n: int) -> list[tuple[str, dict]]:
 
 
 def build(name: str, knobs: dict):
-    """The model with dropout off (as in runtime_speed.py) and its batch."""
-    from hap.models import build as build_model
-
-    torch.manual_seed(0)
-    model, batch = build_model(name, scale="small", devices=2, **knobs)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "dropout", None), float):
-            m.dropout = 0.0
-    return model, batch
+    """The model with dropout off (as runtime_speed.py times it) and its batch."""
+    return model_without_dropout(name, devices=2, **knobs)
 
 
 def run_rank(rank: int, cluster_file: str, name: str, knobs: dict, plan_path: str, steps: int, out: str) -> None:
-    import time
-
     from hap.cost.cluster import load_cluster
     from hap.plan import Plan
     from hap.runtime.module import HAP
 
     model, batch = build(name, knobs)
-    dmodel = HAP(model, load_cluster(cluster_file), batch, plan=Plan.from_json(plan_path))
-    opt = torch.optim.SGD(dmodel.parameters(), lr=1e-3)
-    times = []
-    for _ in range(steps + 2):  # two warm-up steps
-        t0 = time.perf_counter()
-        dmodel(*batch).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+    step = sgd_step(HAP(model, load_cluster(cluster_file), batch, plan=Plan.from_json(plan_path)), batch)
+    timed_steps(step, 2)  # warm-up
+    times = timed_steps(step, steps)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(times[2:], f)
+            json.dump(times, f)
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:

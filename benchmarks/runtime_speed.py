@@ -44,13 +44,17 @@ def profile(cluster: str, out_dir: str) -> str:
 
 
 def _model(name: str, devices: int):
-    """The benchmark model with dropout off: hap draws dropout masks for the whole tensor on
-    every rank (exactly one device's masks), a fixed cost per rank that would blur the
-    comparison of the strategies."""
+    return model_without_dropout(name, devices=devices, **MODELS[name])
+
+
+def model_without_dropout(name: str, **knobs):
+    """A built-in model (small scale, seed 0) with dropout off: hap draws dropout masks for the
+    whole tensor on every rank (exactly one device's masks), a fixed cost per rank that would
+    blur the comparison of the strategies."""
     from hap.models import build
 
     torch.manual_seed(0)
-    model, batch = build(name, scale="small", devices=devices, **MODELS[name])
+    model, batch = build(name, scale="small", **knobs)
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -59,13 +63,39 @@ def _model(name: str, devices: int):
     return model, batch
 
 
-def _steps(step, n: int) -> list[float]:
+def timed_steps(step, n: int) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def sgd_step(module, batch):
+    """One training step of `module` on `batch` (SGD): a closure for the timing loop."""
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step():
+        module(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _time_interleaved(runs: dict, steps: int, rounds: int, rank: int, out: str) -> None:
+    """Warm every run up, then time them in turns (`steps` each, `rounds` times) so that the
+    machine's drift hits all alike; rank 0 writes {run: [seconds per step]} to `out`."""
+    for step in runs.values():
+        timed_steps(step, 3)
+    times = {s: [] for s in runs}
+    for _ in range(rounds):
+        for s, step in runs.items():
+            times[s] += timed_steps(step, steps)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
 
 
 def hetero_rank(rank: int, cluster_file: str, name: str, plans: dict, steps: int, rounds: int, out: str) -> None:
@@ -77,23 +107,8 @@ def hetero_rank(rank: int, cluster_file: str, name: str, plans: dict, steps: int
     runs = {}
     for strategy, path in plans.items():
         model, batch = _model(name, cluster.gpus)
-        dmodel = HAP(model, cluster, batch, plan=Plan.from_json(path))
-        opt = torch.optim.SGD(dmodel.parameters(), lr=1e-3)
-
-        def step(dmodel=dmodel, opt=opt, batch=batch):
-            dmodel(*batch).backward()
-            opt.step()
-            opt.zero_grad()
-
-        _steps(step, 3)  # warm-up
-        runs[strategy] = step
-    times = {s: [] for s in runs}
-    for _ in range(rounds):
-        for s, step in runs.items():
-            times[s] += _steps(step, steps)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+        runs[strategy] = sgd_step(HAP(model, cluster, batch, plan=Plan.from_json(path)), batch)
+    _time_interleaved(runs, steps, rounds, rank, out)
 
 
 def ddp_rank(rank: int, cluster_file: str, name: str, plan_path: str, steps: int, rounds: int, out: str) -> None:
@@ -111,28 +126,7 @@ def ddp_rank(rank: int, cluster_file: str, name: str, plan_path: str, steps: int
     ref, _ = _model(name, cluster.gpus)
     ddp = DDP(ref)
     local = tuple(t.chunk(world)[rank] for t in batch)  # DDP: each rank its even share
-    opts = {"hap": torch.optim.SGD(dmodel.parameters(), lr=1e-3), "ddp": torch.optim.SGD(ddp.parameters(), lr=1e-3)}
-
-    def hap_step():
-        dmodel(*batch).backward()
-        opts["hap"].step()
-        opts["hap"].zero_grad()
-
-    def ddp_step():
-        ddp(*local).backward()
-        opts["ddp"].step()
-        opts["ddp"].zero_grad()
-
-    runs = {"hap-dp": hap_step, "ddp": ddp_step}
-    for step in runs.values():
-        _steps(step, 3)
-    times = {s: [] for s in runs}
-    for _ in range(rounds):
-        for s, step in runs.items():
-            times[s] += _steps(step, steps)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+    _time_interleaved({"hap-dp": sgd_step(dmodel, batch), "ddp": sgd_step(ddp, local)}, steps, rounds, rank, out)
 
 
 def main() -> int:

@@ -57,6 +57,8 @@ class CostModel:
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
         self.overhead = tuple(d.op_overhead for d in devs)
+        self.timing = graph.timing  # measured node times, if any, and their scale to each device
+        self.timing_scale = tuple(graph.timing.device_flops * s for s in self.inv_speed) if graph.timing else ()
         self.intra_grad = tuple(2 * (d.gpus - 1) / d.gpus / d.intra_bandwidth if d.gpus > 1 else 0.0 for d in devs)
         machines = [d for d in devs if d.gpus > 1]
         self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
@@ -97,10 +99,9 @@ class CostModel:
         """Forward and backward seconds per device for the whole node (share 1): from the
         graph's measured node times where it has them, else from FLOPs and bytes."""
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
-        timing = self.graph.timing
-        if timing is not None:
-            fwd = tuple(timing.fwd[node.index] * timing.device_flops * s for s in self.inv_speed)
-            bwd = tuple(timing.bwd[node.index] * timing.device_flops * s for s in self.inv_speed)
+        if self.timing is not None:
+            fwd = tuple(self.timing.fwd[node.index] * k for k in self.timing_scale)
+            bwd = tuple(self.timing.bwd[node.index] * k for k in self.timing_scale)
             return fwd, (bwd if needs_bwd else (0.0,) * self.m)
         fwd = tuple(node.flops * s + node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         if not needs_bwd:
@@ -114,16 +115,14 @@ class CostModel:
         fixed part of the node's time where the graph has timings)."""
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
         fwd = bwd = self.overhead
-        timing = self.graph.timing
-        if timing is not None:
-            scale = tuple(timing.device_flops * s for s in self.inv_speed)
-            fwd = tuple(o + timing.fwd_fixed[node.index] * k for o, k in zip(fwd, scale))
-            bwd = tuple(o + timing.bwd_fixed[node.index] * k for o, k in zip(bwd, scale))
+        if self.timing is not None:
+            fwd = tuple(o + self.timing.fwd_fixed[node.index] * k for o, k in zip(fwd, self.timing_scale))
+            bwd = tuple(o + self.timing.bwd_fixed[node.index] * k for o, k in zip(bwd, self.timing_scale))
         return fwd, (bwd if needs_bwd else (0.0,) * self.m)
 
     @property
     def has_fixed(self) -> bool:
-        return any(self.overhead) or self.graph.timing is not None
+        return any(self.overhead) or self.timing is not None
 
     def grad_intra(self, nbytes: float) -> tuple[float, ...]:
         """Seconds each machine spends all-reducing nbytes of local gradient among its GPUs."""

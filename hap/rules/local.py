@@ -172,8 +172,7 @@ def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> 
     """This device's part of a whole tensor in placement p (S: its shard; else all of it)."""
     if p.kind != "S":
         return whole
-    sizes = ctx.split(tensor, p.dim)
-    return whole.narrow(p.dim, sum(sizes[: ctx.device]), sizes[ctx.device])
+    return whole.narrow(p.dim, ctx.offset(tensor, p.dim), ctx.split(tensor, p.dim)[ctx.device])
 
 
 def _random(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalContext, graph: Graph):

@@ -71,6 +71,7 @@ class Executor:
         self._early: dict[int, tuple[torch.Tensor, dist.Work]] = {}  # node -> its all-reduce, started early
         self._steps: list[tuple] | None = None  # built on the first forward (see _compiled)
         self._direct: dict[int, Callable] = {}  # node -> its direct call (_direct_call)
+        self._early_counts: list[tuple] = []  # (node, strategy, segment) of losses that count early
         self.program_loads = {step.node: step.loads for step in self.program}
         self.tracing = False
         """Label every node and move for torch.profiler (hap train --trace)."""
@@ -206,6 +207,8 @@ class Executor:
                 call = self._direct_call(node, step.strategy, seg)
                 if call is not None:
                     self._direct[node.index] = call
+                if self.comm.world > 1 and self._early_count_ok(node, step.strategy):
+                    self._early_counts.append((node, step.strategy, seg))
         return self._steps
 
     def _direct_call(self, node, st, seg):
@@ -275,11 +278,8 @@ class Executor:
         slowest. The count needs only the labels (data loaded up front), so start that
         all-reduce now, asynchronously, and collect it when the loss node asks (_sum)."""
         self._early = {}
-        if self.comm.world == 1:
-            return
-        for node, st, seg, _, _ in self._compiled():
-            if not self._early_count_ok(node, st):
-                continue
+        self._compiled()  # finds the losses that count early, once
+        for node, st, seg in self._early_counts:
             local = _NoneForMissing((name, self._load(name, p, seg, values))
                                     for name, p in zip(node.inputs[1:], st.inputs[1:]))
             count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
