@@ -53,7 +53,16 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
         model.train(was_training)
     graph = graph_from_exported(ep, name or type(model).__name__)
     _count_flops(graph)
+    graph.experts = _expert_params(model, graph)
     return graph
+
+
+def _expert_params(model: torch.nn.Module, graph: Graph) -> list[str]:
+    """Graph names of the parameters that modules declare stacked per expert on dim 0
+    (`hap_expert_params`, a tuple of attribute names); tied ones once, in graph order."""
+    targets = {f"{path}.{attr}" if path else attr
+               for path, mod in model.named_modules() for attr in getattr(mod, "hap_expert_params", ())}
+    return [p for p in graph.params if graph.tensors[p].target in targets]
 
 
 def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:

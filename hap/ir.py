@@ -87,7 +87,8 @@ class Node:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeTiming:
     """Each node's measured forward and backward seconds on a device of `device_flops` FLOP/s,
-    as t(share) = fixed + share * work; the cost model scales both to device j by
+    as t(share) = fixed + share * work. The cost model scales them to device j by
+    `device_scale[j]` where the times were calibrated on the cluster, else by
     device_flops / flops_j."""
 
     fwd: tuple[float, ...]
@@ -97,6 +98,12 @@ class NodeTiming:
     """Forward seconds a node costs at any share (dispatch, small-batch inefficiency)."""
     bwd_fixed: tuple[float, ...]
     device_flops: float
+    device_scale: tuple[tuple[float, float, float, float], ...] | None = None
+    """Per device of the cluster: factors (forward work, forward fixed, backward work, backward
+    fixed) that turn the times above into that device's, measured by running the model in hap's
+    runtime on every device at once (profile.calibrate_nodes). They include what timing nodes
+    one by one misses: the executor's own cost per node, an emulated device's stretch, and the
+    devices slowing each other down. None: not calibrated."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -111,6 +118,10 @@ class Graph:
     timing: NodeTiming | None = None
     """Measured seconds per node (hap.runtime.profile.measure_nodes); when set, the cost model
     prices computation from them instead of from FLOPs and bytes."""
+    experts: list[str] = field(default_factory=list)
+    """Parameters stacked per expert on dim 0 ([E, ...]): those of modules that name them in a
+    `hap_expert_params` attribute (hap.models.moe.MoEFFN does). The planner's expert-parallel
+    baseline shards exactly these on dim 0."""
 
     def tensor(self, name: str) -> Tensor:
         return self.tensors[name]

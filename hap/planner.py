@@ -11,7 +11,10 @@ ratios returned are always the ones the returned program was priced with. Data p
 with even and compute-proportional ratios (DP-EV, DP-CP) and Megatron-style tensor
 parallelism (inputs whole, parameters sharded) are found by the same search restricted to
 those families and priced by the same model, and are candidates too: the plan never costs
-more than any of them.
+more than any of them. Graphs with expert weights (Graph.experts, declared by MoE modules) also
+get expert parallelism (EP, as in GShard and DeepSpeed-MoE): data parallel with even ratios,
+each expert weight sharded on its expert dim with even ratios, tokens moved to and from the
+experts by all-to-all.
 """
 
 from __future__ import annotations
@@ -67,6 +70,37 @@ def _dp() -> Restriction:
         return p.kind == "R"
 
     return Restriction(name="data parallelism", allow_load=allow_load, allow_move=lambda mv: not mv.communicates)
+
+
+def _ep(experts) -> Restriction:
+    """Expert parallelism: expert weights sharded on the expert dim (dim 0), every other
+    parameter replicated, inputs split on the batch; the only collective on activations is
+    all-to-all (dispatching tokens to the experts' devices and back).
+
+    With even ratios and E experts not a multiple of the device count the integer shards
+    differ by one expert (round_sizes) and the cost model prices the devices holding more.
+    Systems built on even expert parallelism cannot do that: they pad E up to a multiple of
+    the device count, which this does not model (benchmarks/paper.py prices the padded model).
+    """
+    experts = frozenset(experts)
+
+    def allow_load(kind, name, p):
+        if kind == "param":
+            return (p.kind == "S" and p.dim == 0) if name in experts else p.kind == "R"
+        if kind == "input":
+            return p.kind == "S" and p.dim == 0
+        return p.kind == "R"
+
+    return Restriction(name="expert parallelism", allow_load=allow_load,
+                       allow_move=lambda mv: not mv.communicates or mv.name == "all_to_all")
+
+
+def _baselines(graph: Graph, cluster: Cluster):
+    """(name, restriction, ratios) of every baseline family that applies to the graph."""
+    out = [("dp_ev", _dp(), cluster.even()), ("dp_cp", _dp(), cluster.compute_proportional()), ("tp", _tp(), cluster.even())]
+    if graph.experts:
+        out.append(("ep", _ep(graph.experts), cluster.even()))
+    return out
 
 
 def _params_only(r: Restriction):
@@ -176,8 +210,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
 
     baselines = {}
     if config.baselines:
-        for name, restriction, ratios in (("dp_ev", _dp(), cluster.even()), ("dp_cp", _dp(), cluster.compute_proportional()),
-                                          ("tp", _tp(), cluster.even())):
+        for name, restriction, ratios in _baselines(graph, cluster):
             rs = [list(ratios) for _ in range(g)]
             program = _baseline_program(search, rs, restriction)
             est = price(name, program, rs)
@@ -214,18 +247,22 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
                      {**stats, "winner": winner, "candidates": len(candidates)})
 
 
-def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"], config: PlannerConfig | None = None) -> Plan:
-    """Data parallelism with even (DP-EV) or compute-proportional (DP-CP) batch shares, as a Plan
-    the runtime runs like any other (for measured comparisons)."""
-    if name not in ("dp-ev", "dp-cp"):
-        raise ValueError(f"unknown baseline {name!r}; choose dp-ev or dp-cp")
+def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp", "tp", "ep"],
+                  config: PlannerConfig | None = None) -> Plan:
+    """One baseline as a Plan the runtime runs like any other (for measured comparisons): data
+    parallelism with even (DP-EV) or compute-proportional (DP-CP) batch shares, tensor
+    parallelism (TP) or, for graphs with expert weights, expert parallelism (EP)."""
+    families = {key.replace("_", "-"): (restriction, ratios) for key, restriction, ratios in _baselines(graph, cluster)}
+    if name not in families:
+        raise ValueError(f"unknown baseline {name!r} for this graph; choose {', '.join(families)}")
+    restriction, start = families[name]
     config = config or PlannerConfig()
     t0 = time.perf_counter()
     strategies = _strategies(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     cost = CostModel(graph, cluster, classes, config.optimizer)
     segment_of = [0] * len(graph.nodes)
-    ratios = [list(cluster.even() if name == "dp-ev" else cluster.compute_proportional())]
+    ratios = [list(start)]
     cuts = chunk_cuts(graph) if config.layer_cuts else None
     exhaustive = []
 
@@ -234,7 +271,7 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
         exhaustive.append(res.exhaustive)
         return res.program
 
-    program = _baseline_program(search, ratios, _dp())
+    program = _baseline_program(search, ratios, restriction)
     est = replay(program, cost, segment_of, ratios)
     return _assemble(graph, cluster, classes, segment_of, program, ratios, est, {}, time.perf_counter() - t0,
                      {"winner": name, "exhaustive": all(exhaustive)})

@@ -57,12 +57,26 @@ class CostModel:
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
         self.overhead = tuple(d.op_overhead for d in devs)
+        # A device with nothing of a node to compute only does the executor's bookkeeping, which
+        # no device is slower at: an emulated slow device does not stretch it, a slow GPU has
+        # the same host. What the fastest device pays per node stands for it.
+        self.idle = min(self.overhead)
         self.timing = graph.timing  # measured node times, if any, and their scale to each device
-        self.timing_scale = tuple(graph.timing.device_flops * s for s in self.inv_speed) if graph.timing else ()
+        self.timing_scale: tuple[tuple[float, float, float, float], ...] = ()
+        if graph.timing is not None and graph.timing.device_scale is not None:
+            if len(graph.timing.device_scale) != self.m:
+                raise ValueError(f"the graph's node times were calibrated on {len(graph.timing.device_scale)} devices, "
+                                 f"the cluster has {self.m}")
+            self.timing_scale = graph.timing.device_scale
+            self.overhead = (0.0,) * self.m  # the calibration measured the executor's cost per node too
+        elif graph.timing is not None:
+            self.timing_scale = tuple((k, k, k, k) for k in (graph.timing.device_flops * s for s in self.inv_speed))
         self.intra_grad = tuple(2 * (d.gpus - 1) / d.gpus / d.intra_bandwidth if d.gpus > 1 else 0.0 for d in devs)
         machines = [d for d in devs if d.gpus > 1]
         self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
         self.state_factor = 2 + OPTIMIZER_STATES[optimizer]  # weights + gradients + optimizer states
+        # hap.HAP gives every rank the global batch's loss: one scalar all-reduce per step
+        self.loss_sync = self.comm("all_reduce", 4.0).const if self.m > 1 else 0.0
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
 
@@ -100,8 +114,8 @@ class CostModel:
         graph's measured node times where it has them, else from FLOPs and bytes."""
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
         if self.timing is not None:
-            fwd = tuple(self.timing.fwd[node.index] * k for k in self.timing_scale)
-            bwd = tuple(self.timing.bwd[node.index] * k for k in self.timing_scale)
+            fwd = tuple(self.timing.fwd[node.index] * k[0] for k in self.timing_scale)
+            bwd = tuple(self.timing.bwd[node.index] * k[2] for k in self.timing_scale)
             return fwd, (bwd if needs_bwd else (0.0,) * self.m)
         fwd = tuple(node.flops * s + node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         if not needs_bwd:
@@ -116,8 +130,8 @@ class CostModel:
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
         fwd = bwd = self.overhead
         if self.timing is not None:
-            fwd = tuple(o + self.timing.fwd_fixed[node.index] * k for o, k in zip(fwd, self.timing_scale))
-            bwd = tuple(o + self.timing.bwd_fixed[node.index] * k for o, k in zip(bwd, self.timing_scale))
+            fwd = tuple(o + self.timing.fwd_fixed[node.index] * k[1] for o, k in zip(fwd, self.timing_scale))
+            bwd = tuple(o + self.timing.bwd_fixed[node.index] * k[3] for o, k in zip(bwd, self.timing_scale))
         return fwd, (bwd if needs_bwd else (0.0,) * self.m)
 
     @property

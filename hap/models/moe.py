@@ -23,6 +23,10 @@ def capacity(seq: int, experts: int, k: int = 2, capacity_factor: float = 1.25) 
 
 
 class MoEFFN(nn.Module):
+    hap_expert_params = ("w1", "w2")
+    """Parameters stacked per expert on dim 0; capture records them in Graph.experts so the
+    planner's expert-parallel baseline (GShard / DeepSpeed style) can shard them."""
+
     def __init__(self, hidden: int, ffn: int, experts: int, capacity_factor: float = 1.25, aux_loss_coef: float = 0.01):
         super().__init__()
         if experts < 2:

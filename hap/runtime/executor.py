@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..ir import Graph, TensorRef
 from ..placement import P, R, Placement
-from ..rules.local import SIZE_ARGS, LocalContext, is_random, run_node, substitute
+from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
@@ -170,7 +170,7 @@ class Executor:
                 t0, self._waited = time.perf_counter(), 0.0
                 with self._span(f"{node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
                     outs = run_node(node, st, local, self.graph, ctx)
-                if self.emulation is not None:
+                if self.emulation is not None and not isinstance(outs, Made):
                     # only computing is stretched: time in the node's own collectives (a global
                     # count, say) is waiting for the other ranks
                     outs = self._stretch(outs, time.perf_counter() - t0 - self._waited)

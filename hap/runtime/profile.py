@@ -19,7 +19,11 @@ reported.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -291,3 +295,83 @@ def _node_seconds(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]
         bwd.append(statistics.median(b_times[1:]))
         values.update((name, out.detach() if isinstance(out, torch.Tensor) else out) for name, out in zip(node.outputs, outs))
     return fwd, bwd
+
+
+def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster,
+                    steps: int = 10) -> NodeTiming:
+    """`timing` (from measure_nodes) with per-device factors measured on the cluster itself.
+
+    Every device of `cluster` (one local process each, launched here, emulation included) runs
+    the whole model through hap's executor on its compute-proportional part of the batch, all
+    devices at once as in training; the factors make the node times (fixed + share * work)
+    add up to the measured forward and backward. Timing nodes one at a time, alone on the
+    machine, misses the executor's cost per node, an emulated device's stretch (its backward
+    is charged twice its forward), cold caches between nodes and, above all on a CPU, the
+    devices slowing each other down while they compute at the same time: together 30-100% of a
+    step on the local cluster. One factor per pass and device, not a refit of fixed and work:
+    a two-point fit of a whole pass on a shared machine is too noisy to split them. The inputs'
+    dim 0 must be the batch."""
+    from .launch import spawn
+
+    batch = inputs[0].shape[0]
+    rows = [max(1, round(batch * r)) for r in cluster.compute_proportional()]
+    with tempfile.TemporaryDirectory(prefix="hap-calibrate-") as tmp:
+        spawn(_calibrate_rank, cluster.size, args=(model, tuple(inputs), rows, cluster, steps, tmp), timeout_s=600)
+        passes = [json.loads(open(os.path.join(tmp, f"rank{j}.json")).read()) for j in range(cluster.size)]
+    scale = []
+    for n, (fwd, bwd) in zip(rows, passes):
+        share = n / batch
+        f = _ratio(fwd, sum(timing.fwd_fixed) + share * sum(timing.fwd))
+        b = _ratio(bwd, sum(timing.bwd_fixed) + share * sum(timing.bwd))
+        scale.append((f, f, b, b))
+    return dataclasses.replace(timing, device_scale=tuple(scale))
+
+
+def _ratio(measured: float, modelled: float) -> float:
+    return measured / modelled if modelled > 0 else 0.0
+
+
+def _calibrate_rank(rank: int, model: nn.Module, inputs, rows, cluster: Cluster, steps: int, out: str) -> None:
+    """Time forward and backward of the whole model on this rank's device alone (a program of
+    one device, so no collectives) on its rows of the batch, in step with the other ranks."""
+    torch.set_num_threads(1)
+    emulation = Emulation.for_rank(cluster, rank)
+    emulation = emulation if emulation.slowdown > 1 else None
+    result = _timed_passes(model, tuple(x[: rows[rank]] for x in inputs), cluster, rank, emulation, steps)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _timed_passes(model: nn.Module, batch, cluster: Cluster, rank: int, emulation: Emulation | None,
+                  steps: int) -> tuple[float, float]:
+    from ..capture import capture
+    from ..cost.cluster import fits_from_network
+    from ..planner import _strategies, baseline_plan
+    from ..rules.units import ShardClasses
+    from .executor import Executor, leaf_values
+
+    graph = capture(model, tuple(batch))
+    device = cluster.devices[rank]
+    alone = Cluster(name=device.name, devices=(device,), collectives=fits_from_network(1, 1.0, 0.0))
+    plan = baseline_plan(graph, alone, "dp-ev")
+    comm = Comm(rank=0, world=1, emulation=emulation)
+    ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))), [0] * len(graph.nodes),
+                  plan.ratios, comm)
+    values = leaf_values(graph, model, batch)
+    params = ex.shard_parameters(values)
+    fwd, bwd = [], []
+    for i in range(steps + 2):  # two warm-up passes
+        dist.barrier()  # the devices run together, as in training
+        t0 = time.perf_counter()
+        loss = ex.forward(values)
+        comm.before()  # an emulated device sleeps off its debt
+        t1 = time.perf_counter()
+        loss.backward()
+        comm.before()
+        t2 = time.perf_counter()
+        for p in params.values():
+            p.grad = None
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)

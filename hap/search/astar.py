@@ -132,8 +132,9 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     finally:
         if gc_was_enabled:
             gc.enable()
-    return SearchResult(_steps_to(space, best, start), best_cost, space.expanded, space.generated, time.perf_counter() - t0,
-                        space.exhaustive)
+    # the loss's all-reduce costs every program alike: the search leaves it out, the total has it
+    return SearchResult(_steps_to(space, best, start), best_cost + cost.loss_sync, space.expanded, space.generated,
+                        time.perf_counter() - t0, space.exhaustive)
 
 
 def chunk_cuts(graph: Graph, max_live: int = 1, max_chunk: int = 16) -> list[int]:
