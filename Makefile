@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # Pinned: on a CPU machine any other torch spec pulls gigabytes of CUDA wheels.
 TORCH  := torch==2.13.0
 
-.PHONY: install run test bench bench-runtime bench-fidelity clean
+.PHONY: install run test bench bench-runtime bench-fidelity bench-all bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,6 +34,14 @@ bench-runtime: install    # measured: hap vs DP-EV vs DP-CP on the local cluster
 bench-fidelity: install   # estimated vs measured iteration time over 22 variants, scatter plot
 	$(PY) -m pip install -q matplotlib
 	OMP_NUM_THREADS=1 $(PY) benchmarks/fidelity.py --out out/bench-fidelity
+
+bench-all: install     # every benchmark, one Markdown report with plots: out/bench/report.md (~20 min)
+	$(PY) -m pip install -q matplotlib
+	OMP_NUM_THREADS=1 $(PY) benchmarks/all.py --out out/bench
+
+bench-quick: install   # the same, smaller sweeps (under 10 min): out/bench-quick/report.md
+	$(PY) -m pip install -q matplotlib
+	OMP_NUM_THREADS=1 $(PY) benchmarks/all.py --quick --out out/bench-quick
 
 clean:
 	rm -rf $(VENV) out

@@ -118,3 +118,42 @@ def test_measured_node_times_replace_flops_and_split_fixed_from_work():
     assert fwd == pytest.approx((3e-3, 12e-3)) and bwd == pytest.approx((6e-3, 24e-3))
     fixed_fwd, fixed_bwd = cost.fixed_times(node)
     assert fixed_fwd == pytest.approx((1e-3, 4e-3)) and fixed_bwd == pytest.approx((2e-3, 8e-3))
+
+
+def test_calibrated_scales_idle_devices_and_the_loss_all_reduce():
+    """Worked example: one node, 3 ms forward work + 1 ms fixed, 6 + 2 ms backward, on a
+    calibrated pair of devices (factors fast 1.5/2/1.25/1, slow 4/4/3/3)."""
+    from hap.ir import NodeTiming
+    from hap.search.program import step_compute
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x).sum()
+
+    g = capture(Net(), (torch.randn(4, 8),))
+    n = len(g.nodes)
+    g.timing = NodeTiming(fwd=(3e-3,) * n, bwd=(6e-3,) * n, fwd_fixed=(1e-3,) * n, bwd_fixed=(2e-3,) * n,
+                          device_flops=1e11, device_scale=((1.5, 2.0, 1.25, 1.0), (4.0, 4.0, 3.0, 3.0)))
+    devices = (Device(name="fast", flops=1e11, memory=2**30, op_overhead=1e-5),
+               Device(name="slow", flops=2.5e10, memory=2**30, op_overhead=4e-5))
+    cluster = Cluster(name="t", devices=devices, collectives=fits_from_network(2, 1e9, 5e-4))
+    strategies = _strategies(g)
+    cost = CostModel(g, cluster, ShardClasses(g, enumerate(strategies)))
+    mm = next(nd for nd in g.nodes if nd.op == "aten.linear.default")
+    assert cost.base_times(mm) == (pytest.approx((4.5e-3, 12e-3)), pytest.approx((7.5e-3, 18e-3)))
+    # calibrated: the executor's overhead is in the factors, op_overhead is not added again
+    assert cost.fixed_times(mm) == (pytest.approx((2e-3, 4e-3)), pytest.approx((2e-3, 6e-3)))
+    # split 1/0 on the batch: the slow device holds none of it and pays only the fastest
+    # device's bookkeeping (1e-5 s per pass), not its own stretched fixed time
+    batch = next(st for st in strategies[mm.index] if st.inputs[0].kind == "S" and st.inputs[0].dim == 0)
+    fwd, bwd, _ = step_compute(cost, mm.index, batch, [], [1.0, 0.0])
+    assert fwd == pytest.approx((4.5e-3 + 2e-3, 1e-5)) and bwd == pytest.approx((7.5e-3 + 2e-3, 1e-5))
+    # every step ends with the loss's scalar all-reduce: latency 5e-4 s (ring, 2 devices)
+    assert cost.loss_sync == pytest.approx(cost.comm("all_reduce", 4.0).const) and cost.loss_sync > 5e-4
+    with pytest.raises(ValueError, match="calibrated on 2 devices, the cluster has 1"):
+        CostModel(g, Cluster(name="one", devices=devices[:1], collectives=fits_from_network(1, 1e9, 0.0)),
+                  ShardClasses(g, enumerate(strategies)))

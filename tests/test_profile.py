@@ -82,3 +82,23 @@ def test_profile_measures_the_emulated_slowdown(tmp_path):
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         fit = cluster.fit(kind)
         assert fit.alpha > 0 and fit.beta > 0, (kind, fit)
+
+
+def test_calibration_measures_each_device_in_the_runtime():
+    """calibrate_nodes runs the model on both local ranks at once: the emulated 3x device's
+    factors come out about 3x the fast one's (loosely: a shared machine), one per pass."""
+    from hap.capture import capture
+    from hap.cost.cluster import load_cluster
+    from hap.models import build
+    from hap.runtime.profile import calibrate_nodes, measure_nodes
+
+    torch.manual_seed(0)
+    model, batch = build("vit", scale="small", layers=1, hidden=32, batch=16)
+    model.eval()  # no dropout: its whole-tensor noise is not what this measures
+    graph = capture(model, batch)
+    timing = measure_nodes(graph, model, batch, 1e11, tuple(t[:4] for t in batch))
+    calibrated = calibrate_nodes(timing, model, batch, load_cluster("local"), steps=4)
+    assert calibrated.fwd == timing.fwd and calibrated.device_scale is not None
+    (f0, c0, b0, d0), (f1, c1, b1, d1) = calibrated.device_scale
+    assert (f0, b0, f1, b1) == (c0, d0, c1, d1)  # one factor per pass, for work and fixed alike
+    assert 1.5 < f1 / f0 < 8 and 1.5 < b1 / b0 < 8, calibrated.device_scale

@@ -120,3 +120,26 @@ def test_programs_train_like_one_device(world, tmp_path):
     # The cases really differ: several kinds of collective, sharded parameters somewhere.
     assert len(set(reports[0]["moves"])) >= 4
     assert any(any(p.startswith("S(") for p in prog) for prog in reports[0]["programs"])
+
+
+def test_an_idle_device_makes_its_outputs_without_computing():
+    """A device with ratio 0 holds an empty batch shard: its linear's output is made directly
+    (Made, which the emulation does not stretch: a slow GPU launches nothing for it), empty,
+    and tied to the inputs so that their gradients are zeros."""
+    from hap.rules.local import LocalContext, Made, run_node
+
+    model = MLP()
+    x = torch.randn(6, 12)
+    graph = capture(model, (x,))
+    fc1 = next(n for n in graph.nodes if n.op == "aten.linear.default")
+    st = next(s for s in _strategies(graph)[fc1.index] if s.inputs[0] == S(0) and s.inputs[1].kind == "R")
+    ctx = LocalContext(device=1, world=2, split=lambda t, d: [graph.tensors[t].shape[d], 0], all_reduce=lambda t: t)
+    w = model.fc1.weight.detach().requires_grad_()
+    values = {fc1.inputs[0]: torch.zeros(0, 12), fc1.inputs[1]: w, fc1.inputs[2]: model.fc1.bias.detach()}
+    outs = run_node(fc1, st, values, graph, ctx)
+    assert isinstance(outs, Made) and outs[0].shape == (0, 20)
+    outs[0].sum().backward()
+    assert w.grad is not None and not w.grad.any()
+    busy = LocalContext(device=0, world=2, split=ctx.split, all_reduce=ctx.all_reduce)
+    whole = {**values, fc1.inputs[0]: x}
+    assert not isinstance(run_node(fc1, st, whole, graph, busy), Made)
