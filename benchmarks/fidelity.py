@@ -1,6 +1,6 @@
 """Cost-model fidelity: the planner's estimated iteration time against the measured one.
 
-    .venv/bin/python benchmarks/fidelity.py [--variants 22] [--steps 8] [--quick] [--out DIR]
+    .venv/bin/python benchmarks/fidelity.py [--variants 22] [--steps 16] [--quick] [--out DIR]
 
 Profiles the local cluster (`hap profile`: rank 1 emulated 3x slower), then for each variant
 of the benchmark models (layers, hidden width, sequence length, batch) times its nodes
@@ -72,12 +72,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", type=int, default=22, help="how many model variants (at most %d)" %
                     sum(len(v) for v in VARIANT_KNOBS.values()))
-    ap.add_argument("--steps", type=int, default=8, help="measured iterations per run (after 2 warm-up)")
-    ap.add_argument("--quick", action="store_true", help="10 variants, 5 steps each")
+    ap.add_argument("--steps", type=int, default=16, help="measured iterations per run (after 2 warm-up)")
+    ap.add_argument("--quick", action="store_true", help="10 variants, 8 steps each")
     ap.add_argument("--out", help="folder for the profiled cluster, plans, results and the plot")
     args = ap.parse_args()
     if args.quick:
-        args.variants, args.steps = min(args.variants, 10), 5
+        args.variants, args.steps = min(args.variants, 10), 8
     out_dir = args.out or tempfile.mkdtemp(prefix="hap-fidelity-")
     os.makedirs(out_dir, exist_ok=True)
     rows = measure(out_dir, args.variants, args.steps)

@@ -302,28 +302,35 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
     """`timing` (from measure_nodes) with per-device factors measured on the cluster itself.
 
     Every device of `cluster` (one local process each, launched here, emulation included) runs
-    the whole model through hap's executor on its compute-proportional part of the batch, all
-    devices at once as in training; the factors make the node times (fixed + share * work)
-    add up to the measured forward and backward. Timing nodes one at a time, alone on the
-    machine, misses the executor's cost per node, an emulated device's stretch (its backward
-    is charged twice its forward), cold caches between nodes and, above all on a CPU, the
-    devices slowing each other down while they compute at the same time: together 30-100% of a
-    step on the local cluster. One factor per pass and device, not a refit of fixed and work:
-    a two-point fit of a whole pass on a shared machine is too noisy to split them. The inputs'
-    dim 0 must be the batch."""
+    the whole model through hap's executor, all devices at once as in training, on its
+    compute-proportional part of the batch and on half of that part, the two sizes taking
+    turns. Each pass is fitted as fixed + share * work, as measure_nodes fits single nodes,
+    and the factors make the node times' fixed parts and work parts add up to these. Timing
+    nodes one at a time, alone on the machine, misses the executor's cost per node, an
+    emulated device's stretch (its backward is charged twice its forward), cold caches between
+    nodes and, on a CPU, the devices slowing each other down while they compute at the same
+    time: together 30-100% of a step on the local cluster. The inputs' dim 0 must be the batch."""
     from .launch import spawn
 
     batch = inputs[0].shape[0]
-    rows = [max(1, round(batch * r)) for r in cluster.compute_proportional()]
+    rows = [(max(2, round(batch * r)), max(1, round(batch * r) // 2)) for r in cluster.compute_proportional()]
+    if any(big > batch for big, _ in rows):
+        raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
     with tempfile.TemporaryDirectory(prefix="hap-calibrate-") as tmp:
         spawn(_calibrate_rank, cluster.size, args=(model, tuple(inputs), rows, cluster, steps, tmp), timeout_s=600)
         passes = [json.loads(open(os.path.join(tmp, f"rank{j}.json")).read()) for j in range(cluster.size)]
+    sums = (sum(timing.fwd), sum(timing.fwd_fixed), sum(timing.bwd), sum(timing.bwd_fixed))
     scale = []
-    for n, (fwd, bwd) in zip(rows, passes):
-        share = n / batch
-        f = _ratio(fwd, sum(timing.fwd_fixed) + share * sum(timing.fwd))
-        b = _ratio(bwd, sum(timing.bwd_fixed) + share * sum(timing.bwd))
-        scale.append((f, f, b, b))
+    for (big, small), (t_big, t_small) in zip(rows, passes):  # (forward, backward) seconds at both sizes
+        s_big, s_small = big / batch, small / batch
+        factors = []
+        for k in range(2):
+            # t(s) = fixed + s * work through both points, neither part negative
+            work = max((t_big[k] - t_small[k]) / (s_big - s_small), 0.0)
+            fixed = max(t_big[k] - s_big * work, 0.0)
+            work = (t_big[k] - fixed) / s_big
+            factors += [_ratio(work, sums[2 * k]), _ratio(fixed, sums[2 * k + 1])]
+        scale.append(tuple(factors))
     return dataclasses.replace(timing, device_scale=tuple(scale))
 
 
@@ -333,17 +340,26 @@ def _ratio(measured: float, modelled: float) -> float:
 
 def _calibrate_rank(rank: int, model: nn.Module, inputs, rows, cluster: Cluster, steps: int, out: str) -> None:
     """Time forward and backward of the whole model on this rank's device alone (a program of
-    one device, so no collectives) on its rows of the batch, in step with the other ranks."""
+    one device, so no collectives) at both of its batch sizes, in step with the other ranks."""
     torch.set_num_threads(1)
     emulation = Emulation.for_rank(cluster, rank)
     emulation = emulation if emulation.slowdown > 1 else None
-    result = _timed_passes(model, tuple(x[: rows[rank]] for x in inputs), cluster, rank, emulation, steps)
+    runs = [_pass_runner(model, tuple(x[:n] for x in inputs), cluster, rank, emulation) for n in rows[rank]]
+    times: list[list[tuple[float, float]]] = [[] for _ in runs]
+    for i in range(steps + 2):  # two warm-up rounds; the sizes take turns, so drift hits both alike
+        for run, got in zip(runs, times):
+            dist.barrier()  # the devices run together, as in training
+            t = run()
+            if i >= 2:
+                got.append(t)
+    result = [(statistics.median(f for f, _ in got), statistics.median(b for _, b in got)) for got in times]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
-def _timed_passes(model: nn.Module, batch, cluster: Cluster, rank: int, emulation: Emulation | None,
-                  steps: int) -> tuple[float, float]:
+def _pass_runner(model: nn.Module, batch, cluster: Cluster, rank: int, emulation: Emulation | None):
+    """A function running one forward and backward of `batch` on this device through hap's
+    executor; it returns their seconds, each with the emulated device's stretch slept off."""
     from ..capture import capture
     from ..cost.cluster import fits_from_network
     from ..planner import _strategies, baseline_plan
@@ -359,9 +375,8 @@ def _timed_passes(model: nn.Module, batch, cluster: Cluster, rank: int, emulatio
                   plan.ratios, comm)
     values = leaf_values(graph, model, batch)
     params = ex.shard_parameters(values)
-    fwd, bwd = [], []
-    for i in range(steps + 2):  # two warm-up passes
-        dist.barrier()  # the devices run together, as in training
+
+    def run() -> tuple[float, float]:
         t0 = time.perf_counter()
         loss = ex.forward(values)
         comm.before()  # an emulated device sleeps off its debt
@@ -371,7 +386,6 @@ def _timed_passes(model: nn.Module, batch, cluster: Cluster, rank: int, emulatio
         t2 = time.perf_counter()
         for p in params.values():
             p.grad = None
-        if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+        return t1 - t0, t2 - t1
+
+    return run
