@@ -139,7 +139,8 @@ def main() -> int:
     ap.add_argument("--part", choices=["all", "hetero", "homo"], default="all",
                     help="both comparisons, or only hap vs DP-EV/DP-CP, or only hap vs DDP")
     ap.add_argument("--node-timing", action="store_true",
-                    help="price computation from each node's measured time (profile.measure_nodes), not FLOPs")
+                    help="price computation from each node's measured time (profile.measure_nodes), calibrated on "
+                         "the cluster (profile.calibrate_nodes), not from FLOPs")
     ap.add_argument("--quick", action="store_true", help="6 rounds instead of 20")
     args = ap.parse_args()
     if args.quick:
@@ -169,14 +170,15 @@ def _hetero(name: str, hetero_file: str, out_dir: str, args, results: dict) -> N
     from hap.cost.cluster import load_cluster
     from hap.planner import baseline_plan, plan
     from hap.runtime.launch import spawn
-    from hap.runtime.profile import measure_nodes
+    from hap.runtime.profile import calibrate_nodes, measure_nodes
 
     cluster = load_cluster(hetero_file)
     model, batch = _model(name, cluster.gpus)
     graph = capture(model, batch)
-    if args.node_timing:  # on this process, as fast as the cluster's unslowed devices
+    if args.node_timing:  # on this process, as fast as the cluster's unslowed devices; then calibrated on the cluster
         speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
         graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: len(t) // 4] for t in batch))
+        graph.timing = calibrate_nodes(graph.timing, model, batch, cluster)
     plans, estimates = {}, {}
     for strategy in STRATEGIES:
         p = plan(graph, cluster) if strategy == "hap" else baseline_plan(graph, cluster, strategy)

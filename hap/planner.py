@@ -217,6 +217,18 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
             baselines[name] = {"seconds": est.seconds, "memory_bytes": est.memory, "ratios": rs[0], "breakdown": est.breakdown(),
                                "fits": _fits(est, capacity)}
             say(f"{name}: {est.seconds * 1e3:.2f} ms")
+            # Its program with balanced ratios is a hap candidate too: the alternation's B step
+            # from another Q. It matters where the searched programs need more memory than a
+            # baseline's (expert parallelism for a large MoE): the balancer respects capacity.
+            if tuple(program) not in seen:
+                seen.add(tuple(program))
+                try:
+                    balanced = balance(program, cost, segment_of, g, capacity).ratios
+                except BalanceError as e:
+                    say(f"  {name} balanced: {e}")
+                else:
+                    est = price(f"hap: {name} program balanced", program, balanced)
+                    say(f"  {name} program balanced: {est.seconds * 1e3:.2f} ms")
 
     feasible = [c for c in candidates if _fits(c[4], capacity)]
     if not feasible:
