@@ -231,12 +231,13 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
                     say(f"  {name} program balanced: {est.seconds * 1e3:.2f} ms")
 
     feasible = [c for c in candidates if _fits(c[4], capacity)]
-    if not feasible:
-        # The search minimises time and ignores memory. When nothing fits, search again with the
+    if not any(c[1].startswith("hap from") for c in feasible):
+        # The search minimises time and ignores memory. When none of its programs fits (a
+        # baseline's may: it is no reason to stop looking), search again with the
         # largest parameters sharded (enough that the rest, replicated, takes at most an eighth
         # of the smallest device) and the data split on the batch, and let the balancer fit it.
         big = _largest_params(graph, cost.state_factor, min(capacity) / 8)
-        say(f"no program fits in memory: searching with {len(big)} large parameters sharded")
+        say(f"no searched program fits in memory: searching with {len(big)} large parameters sharded")
         frugal = Restriction(name="sharded parameters", allow_load=lambda kind, name, p: (
             (p.is_shard or name not in big) if kind == "param" else (p.kind == "S" and p.dim == 0) if kind == "input" else True))
         for start in (cluster.compute_proportional(), cluster.even()):
