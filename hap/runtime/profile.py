@@ -298,7 +298,7 @@ def _node_seconds(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]
 
 
 def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster,
-                    steps: int = 10) -> NodeTiming:
+                    steps: int = 20) -> NodeTiming:
     """`timing` (from measure_nodes) with per-device factors measured on the cluster itself.
 
     Every device of `cluster` (one local process each, launched here, emulation included) runs
