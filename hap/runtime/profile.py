@@ -302,10 +302,10 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
     """`timing` (from measure_nodes) with per-device factors measured on the cluster itself.
 
     Every device of `cluster` (one local process each, launched here, emulation included) runs
-    the whole model through hap's executor, all devices at once as in training, on its
-    compute-proportional part of the batch and on half of that part, the two sizes taking
-    turns. Each pass is fitted as fixed + share * work, as measure_nodes fits single nodes,
-    and the factors make the node times' fixed parts and work parts add up to these. Timing
+    the whole model through hap's executor, all devices at once as in training, on twice and
+    on half its compute-proportional part of the batch, the two sizes taking turns. Each pass
+    is fitted as fixed + share * work, as measure_nodes fits single nodes, and the factors make
+    the node times' fixed parts and work parts add up to these. Timing
     nodes one at a time, alone on the machine, misses the executor's cost per node, an
     emulated device's stretch (its backward is charged twice its forward), cold caches between
     nodes and, on a CPU, the devices slowing each other down while they compute at the same
@@ -313,8 +313,11 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
     from .launch import spawn
 
     batch = inputs[0].shape[0]
-    rows = [(max(2, round(batch * r)), max(1, round(batch * r) // 2)) for r in cluster.compute_proportional()]
-    if any(big > batch for big, _ in rows):
+    # Twice and half the device's compute-proportional rows (within the batch): the fit then
+    # spans the shares plans give it, from a sliver to even, rather than extrapolating to them.
+    own = [max(1, round(batch * r)) for r in cluster.compute_proportional()]
+    rows = [(min(batch, 2 * n), max(1, n // 2)) for n in own]
+    if any(big <= small for big, small in rows):
         raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
     with tempfile.TemporaryDirectory(prefix="hap-calibrate-") as tmp:
         spawn(_calibrate_rank, cluster.size, args=(model, tuple(inputs), rows, cluster, steps, tmp), timeout_s=600)
