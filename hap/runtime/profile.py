@@ -12,9 +12,9 @@ with its stretch, so the file says how fast the emulated device really is):
 `measure_nodes` times a model's own nodes instead (graph.timing), which the cost model then
 prices computation from: ops differ far more in speed than one FLOP/s rate says.
 Rank 0 then times every collective the planner prices, with the runtime's own functions, over a
-sweep of sizes (and uneven splits), and fits time = alpha + volume / beta with the volumes of
-hap/cost/model.py. Each fit is a non-negative least squares; its worst relative residual is
-reported.
+sweep of sizes (and uneven splits), each call right after 3 ms of computing as in training, and
+fits time = alpha + volume / beta with the volumes of hap/cost/model.py. Each fit is a
+non-negative least squares; its worst relative residual is reported.
 """
 
 from __future__ import annotations
