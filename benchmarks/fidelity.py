@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 from runtime_speed import model_without_dropout, sgd_step, timed_steps  # this folder is on sys.path as a script
 
 VARIANT_KNOBS = {
