@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from runtime_speed import model_without_dropout, sgd_step, timed_steps  # this folder is on sys.path as a script
+from runtime_speed import model_without_dropout, node_timing, sgd_step, timed_steps  # this folder is on sys.path as a script
 
 VARIANT_KNOBS = {
     "vit": [dict(layers=l, hidden=h, batch=b) for l, h, b in itertools.product((2, 4), (64, 128), (16, 32))],
@@ -97,19 +97,16 @@ def measure(out_dir: str, n_variants: int, steps: int) -> list[dict]:
     from hap.capture import capture
     from hap.cost.cluster import load_cluster
     from hap.planner import baseline_plan, plan
-    from hap.runtime.profile import calibrate_nodes, measure_nodes
 
     cluster_file = os.path.join(out_dir, "local-profiled.yaml")
     subprocess.run([sys.executable, "-m", "hap", "profile", "--cluster", "local", "-o", cluster_file], check=True,
                    stdout=sys.stderr)
     cluster = load_cluster(cluster_file)
-    speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
     rows = []
     for i, (name, knobs) in enumerate(variants(n_variants)):
         model, batch = build(name, knobs)
         graph = capture(model, batch)
-        graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: max(1, len(t) // 4)] for t in batch))
-        graph.timing = calibrate_nodes(graph.timing, model, batch, cluster)
+        graph.timing = node_timing(graph, model, batch, cluster)
         plans = {"hap": plan(graph, cluster)}
         if i % 3 == 2:
             plans["dp-ev"] = baseline_plan(graph, cluster, "dp-ev")

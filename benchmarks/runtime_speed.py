@@ -64,6 +64,17 @@ def model_without_dropout(name: str, **knobs):
     return model, batch
 
 
+def node_timing(graph, model, batch, cluster):
+    """The graph's node times as this cluster runs them: each node timed alone on this process
+    (as fast as the cluster's unslowed devices) at the full and a quarter batch, then
+    calibrated on the cluster itself."""
+    from hap.runtime.profile import calibrate_nodes, measure_nodes
+
+    speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
+    timing = measure_nodes(graph, model, batch, speed, tuple(t[: max(1, len(t) // 4)] for t in batch))
+    return calibrate_nodes(timing, model, batch, cluster)
+
+
 def timed_steps(step, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -170,15 +181,12 @@ def _hetero(name: str, hetero_file: str, out_dir: str, args, results: dict) -> N
     from hap.cost.cluster import load_cluster
     from hap.planner import baseline_plan, plan
     from hap.runtime.launch import spawn
-    from hap.runtime.profile import calibrate_nodes, measure_nodes
 
     cluster = load_cluster(hetero_file)
     model, batch = _model(name, cluster.gpus)
     graph = capture(model, batch)
-    if args.node_timing:  # on this process, as fast as the cluster's unslowed devices; then calibrated on the cluster
-        speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
-        graph.timing = measure_nodes(graph, model, batch, speed, tuple(t[: len(t) // 4] for t in batch))
-        graph.timing = calibrate_nodes(graph.timing, model, batch, cluster)
+    if args.node_timing:
+        graph.timing = node_timing(graph, model, batch, cluster)
     plans, estimates = {}, {}
     for strategy in STRATEGIES:
         p = plan(graph, cluster) if strategy == "hap" else baseline_plan(graph, cluster, strategy)

@@ -208,6 +208,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
             est = price(f"hap from {start_name}, round {rnd + 1} balanced", program, ratios)
             say(f"  balanced ratios {', '.join(f'{x:.3f}' for x in ratios[0])}: {est.seconds * 1e3:.2f} ms")
 
+    searched = len(candidates)  # the alternation's candidates come first
     baselines = {}
     if config.baselines:
         for name, restriction, ratios in _baselines(graph, cluster):
@@ -231,7 +232,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
                     say(f"  {name} program balanced: {est.seconds * 1e3:.2f} ms")
 
     feasible = [c for c in candidates if _fits(c[4], capacity)]
-    if not any(c[1].startswith("hap from") for c in feasible):
+    if not any(_fits(c[4], capacity) for c in candidates[:searched]):
         # The search minimises time and ignores memory. When none of its programs fits (a
         # baseline's may: it is no reason to stop looking), search again with the
         # largest parameters sharded (enough that the rest, replicated, takes at most an eighth

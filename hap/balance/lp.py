@@ -142,7 +142,7 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
                 if any(cost.intra_grad):
                     add(bwd_rows, bwd_const, seg, cost.grad_intra(t.nbytes), ld.placement.is_shard)
     close()
-    lp.const += cost.grad_sync(sync_bytes) + cost.loss_sync
+    lp.const += cost.step_sync(sync_bytes)
 
     for (tf, tb), frows, brows, fc, bc in stage_terms:
         for t, rows, consts in ((tf, frows, fc), (tb, brows, bc)):

@@ -123,16 +123,21 @@ class CostModel:
         bwd = tuple(node.bwd_flops * s + 2 * node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         return fwd, bwd
 
-    def fixed_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    def fixed_times(self, node: Node, shares: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds per device that do not shrink with the node's share
         (one dispatch per pass, on every device, even for an empty shard; and the measured
-        fixed part of the node's time where the graph has timings)."""
+        fixed part of the node's time where the graph has timings). With `shares` (the node's
+        work share per device), a device whose share is 0 pays only `idle` per pass."""
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
         fwd = bwd = self.overhead
         if self.timing is not None:
             fwd = tuple(o + self.timing.fwd_fixed[node.index] * k[1] for o, k in zip(fwd, self.timing_scale))
             bwd = tuple(o + self.timing.bwd_fixed[node.index] * k[3] for o, k in zip(bwd, self.timing_scale))
-        return fwd, (bwd if needs_bwd else (0.0,) * self.m)
+        bwd = bwd if needs_bwd else (0.0,) * self.m
+        if shares is not None and not all(shares):  # a device with no share of the node only keeps books
+            fwd = tuple(c if s else self.idle for c, s in zip(fwd, shares))
+            bwd = tuple(c if s else self.idle * (c > 0) for c, s in zip(bwd, shares))  # no backward: none
+        return fwd, bwd
 
     @property
     def has_fixed(self) -> bool:
@@ -176,6 +181,10 @@ class CostModel:
     def grad_sync(self, nbytes: float) -> float:
         """One bucketed all-reduce of the replicated parameters' gradients."""
         return self.comm("all_reduce", nbytes).const if nbytes > 0 else 0.0
+
+    def step_sync(self, grad_bytes: float) -> float:
+        """What every step ends with: the gradients' all-reduce and the loss's."""
+        return self.grad_sync(grad_bytes) + self.loss_sync
 
     # -- memory --------------------------------------------------------------------------------
 

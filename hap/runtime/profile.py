@@ -114,24 +114,29 @@ class _TinyChain(nn.Module):
         return y.sum()
 
 
-def op_overhead(emulation: Emulation | None, repeats: int) -> float:
-    """Seconds per node per pass of the executor, forward and backward averaged."""
+def executor_alone(model: nn.Module, inputs: Sequence[torch.Tensor], emulation: Emulation | None):
+    """hap's executor running `model` as one device (no collectives), with this rank's emulated
+    slowness: (executor, graph, the leaf values it reads, its parameters)."""
     from ..capture import capture
     from ..cost.cluster import local_cluster
     from ..planner import _strategies, baseline_plan
     from ..rules.units import ShardClasses
     from .executor import Executor, leaf_values
 
-    model, x = _TinyChain(200), torch.randn(4)
-    graph = capture(model, (x,))
+    graph = capture(model, tuple(inputs))
     program = baseline_plan(graph, local_cluster((1.0,), "one"), "dp-ev")
-    comm = Comm(rank=0, world=1, emulation=emulation)
     ex = Executor(graph, program.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))),
-                  [0] * len(graph.nodes), program.ratios, comm)
-    ex.shard_parameters(leaf_values(graph, model, (x,)))
+                  [0] * len(graph.nodes), program.ratios, Comm(rank=0, world=1, emulation=emulation))
+    values = leaf_values(graph, model, inputs)
+    return ex, graph, values, ex.shard_parameters(values)
+
+
+def op_overhead(emulation: Emulation | None, repeats: int) -> float:
+    """Seconds per node per pass of the executor, forward and backward averaged."""
+    ex, graph, values, _ = executor_alone(_TinyChain(200), (torch.randn(4),), emulation)
 
     def step():
-        ex.forward(leaf_values(graph, model, (x,))).backward()
+        ex.forward(values).backward()
         if emulation is not None:  # the executor stretched each node; pay for them now
             emulation.settle()
 
@@ -323,11 +328,11 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
     the whole model through hap's executor, all devices at once as in training, on twice and
     on half its compute-proportional part of the batch, the two sizes taking turns. Each pass
     is fitted as fixed + share * work, as measure_nodes fits single nodes, and the factors make
-    the node times' fixed parts and work parts add up to these. Timing
-    nodes one at a time, alone on the machine, misses the executor's cost per node, an
-    emulated device's stretch (its backward is charged twice its forward), cold caches between
-    nodes and, on a CPU, the devices slowing each other down while they compute at the same
-    time: together 30-100% of a step on the local cluster. The inputs' dim 0 must be the batch."""
+    the node times' fixed parts and work parts add up to these. Timing nodes one at a time,
+    alone on the machine, misses the executor's cost per node, an emulated device's stretch
+    (its backward is charged twice its forward), cold caches between nodes and, on a CPU, the
+    devices slowing each other down while they compute at the same time: together 30-100% of a
+    step on the local cluster. The inputs' dim 0 must be the batch."""
     from .launch import spawn
 
     batch = inputs[0].shape[0]
@@ -365,7 +370,7 @@ def _calibrate_rank(rank: int, model: nn.Module, inputs, rows, cluster: Cluster,
     torch.set_num_threads(1)
     emulation = Emulation.for_rank(cluster, rank)
     emulation = emulation if emulation.slowdown > 1 else None
-    runs = [_pass_runner(model, tuple(x[:n] for x in inputs), cluster, rank, emulation) for n in rows[rank]]
+    runs = [_pass_runner(model, tuple(x[:n] for x in inputs), emulation) for n in rows[rank]]
     times: list[list[tuple[float, float]]] = [[] for _ in runs]
     for i in range(steps + 2):  # two warm-up rounds; the sizes take turns, so drift hits both alike
         for run, got in zip(runs, times):
@@ -378,24 +383,11 @@ def _calibrate_rank(rank: int, model: nn.Module, inputs, rows, cluster: Cluster,
         json.dump(result, f)
 
 
-def _pass_runner(model: nn.Module, batch, cluster: Cluster, rank: int, emulation: Emulation | None):
+def _pass_runner(model: nn.Module, batch, emulation: Emulation | None):
     """A function running one forward and backward of `batch` on this device through hap's
     executor; it returns their seconds, each with the emulated device's stretch slept off."""
-    from ..capture import capture
-    from ..cost.cluster import fits_from_network
-    from ..planner import _strategies, baseline_plan
-    from ..rules.units import ShardClasses
-    from .executor import Executor, leaf_values
-
-    graph = capture(model, tuple(batch))
-    device = cluster.devices[rank]
-    alone = Cluster(name=device.name, devices=(device,), collectives=fits_from_network(1, 1.0, 0.0))
-    plan = baseline_plan(graph, alone, "dp-ev")
-    comm = Comm(rank=0, world=1, emulation=emulation)
-    ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))), [0] * len(graph.nodes),
-                  plan.ratios, comm)
-    values = leaf_values(graph, model, batch)
-    params = ex.shard_parameters(values)
+    ex, _, values, params = executor_alone(model, batch, emulation)
+    comm = ex.comm
 
     def run() -> tuple[float, float]:
         t0 = time.perf_counter()

@@ -115,10 +115,7 @@ def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[
         fwd = tuple(a * f for a, f in zip(fwd, frac))
         bwd = tuple(a * f for a, f in zip(bwd, frac))
     if cost.has_fixed:
-        fixed_fwd, fixed_bwd = cost.fixed_times(node)
-        if frac is not None and not all(frac):  # a device with no share of the node only keeps books
-            fixed_fwd = tuple(c if f else cost.idle for c, f in zip(fixed_fwd, frac))
-            fixed_bwd = tuple(c if f else cost.idle * (b > 0) for c, f, b in zip(fixed_bwd, frac, fixed_bwd))
+        fixed_fwd, fixed_bwd = cost.fixed_times(node, frac)
         fwd = tuple(a + c for a, c in zip(fwd, fixed_fwd))
         bwd = tuple(a + c for a, c in zip(bwd, fixed_bwd))
     sync_bytes = 0.0
@@ -160,7 +157,7 @@ def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
         cur.fwd = [a + b for a, b in zip(cur.fwd, fwd)]
         cur.bwd = [a + b for a, b in zip(cur.bwd, bwd)]
         sync_bytes += sb
-    grad_sync = cost.grad_sync(sync_bytes) + cost.loss_sync
+    grad_sync = cost.step_sync(sync_bytes)
     total = sum(s.seconds for s in stages) + grad_sync
     return Estimate(seconds=total, stages=stages, grad_sync=grad_sync, memory=memory(program, cost, segment_of, ratios))
 
