@@ -108,3 +108,15 @@ def test_calibration_measures_each_device_in_the_runtime():
     # Only a lower bound: on a tiny model the emulated device's stretched bookkeeping per node
     # and its backward, charged twice the node's forward, make the ratio anything from 3 to 20.
     assert whole(1, 0) / whole(0, 0) > 1.5 and whole(1, 1) / whole(0, 1) > 1.5, calibrated.device_scale
+
+
+def test_calibration_refuses_a_batch_too_small_to_split():
+    """Every device needs two batch sizes to fit fixed and per-share time: one row cannot give
+    them, and the error says so before any rank starts."""
+    from hap.cost.cluster import load_cluster
+    from hap.ir import NodeTiming
+    from hap.runtime.profile import calibrate_nodes
+
+    timing = NodeTiming(fwd=(1e-3,), bwd=(2e-3,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=1e11)
+    with pytest.raises(ValueError, match="a batch of 1 is too small to calibrate 2 devices on"):
+        calibrate_nodes(timing, torch.nn.Linear(2, 2), (torch.randn(1, 2),), load_cluster("local"))
