@@ -19,9 +19,10 @@ experts by all-to-all.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from .balance.lp import BalanceError, balance
 from .cost.cluster import Cluster
@@ -262,14 +263,19 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
 
 
 def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp", "tp", "ep"],
-                  config: PlannerConfig | None = None) -> Plan:
+                  config: PlannerConfig | None = None, ratios: Sequence[float] | None = None) -> Plan:
     """One baseline as a Plan the runtime runs like any other (for measured comparisons): data
     parallelism with even (DP-EV) or compute-proportional (DP-CP) batch shares, tensor
-    parallelism (TP) or, for graphs with expert weights, expert parallelism (EP)."""
+    parallelism (TP) or, for graphs with expert weights, expert parallelism (EP). `ratios`
+    replaces the family's shares per device (data parallelism at any shares, say)."""
     families = {key.replace("_", "-"): (restriction, ratios) for key, restriction, ratios in _baselines(graph, cluster)}
     if name not in families:
         raise ValueError(f"unknown baseline {name!r} for this graph; choose {', '.join(families)}")
     restriction, start = families[name]
+    if ratios is not None:
+        if len(ratios) != cluster.size or min(ratios) < 0 or not math.isclose(sum(ratios), 1.0, abs_tol=1e-6):
+            raise ValueError(f"ratios must be {cluster.size} non-negative shares summing to 1, got {list(ratios)}")
+        start = tuple(ratios)
     config = config or PlannerConfig()
     t0 = time.perf_counter()
     strategies = _strategies(graph)
@@ -289,6 +295,15 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
     est = replay(program, cost, segment_of, ratios)
     return _assemble(graph, cluster, classes, segment_of, program, ratios, est, {}, time.perf_counter() - t0,
                      {"winner": name, "exhaustive": all(exhaustive)})
+
+
+def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:
+    """A plan's program priced again under this graph's node times and this cluster (say, times
+    measured anew): the same replay that priced it when it was planned."""
+    classes = ShardClasses(graph, enumerate(_strategies(graph)))
+    cost = CostModel(graph, cluster, classes, (config or PlannerConfig()).optimizer)
+    segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]
+    return replay(plan.steps(graph), cost, segment_of, plan.ratios)
 
 
 def _baseline_program(search, ratios, restriction: Restriction) -> list[Step]:

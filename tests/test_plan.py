@@ -1,5 +1,6 @@
 """End-to-end planning: the Plan, its JSON, gradient semantics, unknown ops, the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -159,3 +160,15 @@ def test_memory_tight_cluster_shards_large_parameters(graph):
     result = plan(graph, tight)
     assert all(m <= 400e3 for m in result.memory_bytes)
     assert "sharded parameters" in result.search["winner"]
+
+
+def test_estimate_reprices_a_plan_exactly(graph, result):
+    """planner.estimate replays a plan's program under the graph's and cluster's cost model: with
+    nothing changed it gives the planner's own figure, and a slower cluster costs more."""
+    from hap.planner import estimate
+
+    cluster = load_cluster("paper-hetero-8")
+    again = estimate(graph, cluster, result)
+    assert again.seconds == pytest.approx(result.estimated_iteration_seconds, rel=1e-12)
+    slow = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, flops=d.flops / 2) for d in cluster.devices))
+    assert estimate(graph, slow, result).seconds > again.seconds

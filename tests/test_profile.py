@@ -120,3 +120,50 @@ def test_calibration_refuses_a_batch_too_small_to_split():
     timing = NodeTiming(fwd=(1e-3,), bwd=(2e-3,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=1e11)
     with pytest.raises(ValueError, match="a batch of 1 is too small to calibrate 2 devices on"):
         calibrate_nodes(timing, torch.nn.Linear(2, 2), (torch.randn(1, 2),), load_cluster("local"))
+
+
+def test_calibration_shares_tilt_every_device_both_ways():
+    """Compute-proportional shares (3:1 here) tilted 3:1 each way: (3*1.5, 1*0.5) = (4.5, 0.5)
+    -> (0.9, 0.1), and (3*0.5, 1*1.5) = (1.5, 1.5) -> (0.5, 0.5). A homogeneous pair gets
+    (0.75, 0.25) and (0.25, 0.75): every device has two different shares."""
+    from hap.runtime.profile import calibration_shares
+
+    hetero = cluster_from_dict({"devices": [{"name": "fast", "flops": 3e10, "memory": "1GiB"},
+                                            {"name": "slow", "flops": 1e10, "memory": "1GiB"}],
+                              "network": {"bandwidth": "1GB/s", "latency": "10us"}})
+    a, b = calibration_shares(hetero)
+    assert a == pytest.approx((0.9, 0.1)) and b == pytest.approx((0.5, 0.5))
+    a, b = calibration_shares(local_cluster((1.0, 1.0), "pair"))
+    assert a == pytest.approx((0.75, 0.25)) and b == pytest.approx((0.25, 0.75))
+
+
+def test_fit_calibration_splits_each_pass_into_fixed_and_work():
+    """A device measured at 12 and 4 of 16 rows: forward 7 ms and 3 ms, so t(s) = 1 ms + s * 8 ms
+    (s = 0.75 and 0.25); backward 13 and 5 ms: 1 ms + s * 16 ms. The node times sum to 4 ms of
+    work and 0.5 ms fixed forward, 8 and 2 ms backward: factors 2, 2, 2, 0.5."""
+    from hap.ir import NodeTiming
+    from hap.runtime.profile import fit_calibration
+
+    timing = NodeTiming(fwd=(1e-3, 3e-3), bwd=(2e-3, 6e-3), fwd_fixed=(0.5e-3, 0.0), bwd_fixed=(1e-3, 1e-3),
+                        device_flops=1e11)
+    fitted = fit_calibration(timing, [(12, 4)], 16, [[(7e-3, 13e-3), (3e-3, 5e-3)]])
+    assert fitted.device_scale[0] == pytest.approx((2.0, 2.0, 2.0, 0.5))
+    assert fitted.fwd == timing.fwd  # the node times themselves are kept
+
+
+def _clocked_all_reduce(rank, world):
+    from hap.runtime.collectives import WaitClock, all_reduce
+
+    clock = WaitClock()
+    comm = Comm(rank=rank, world=world, clock=clock)
+    if rank == 1:
+        time.sleep(0.05)  # rank 0 arrives first and waits for rank 1
+    all_reduce(torch.ones(4), comm)
+    return clock.seconds
+
+
+def test_wait_clock_counts_the_time_inside_collectives(tmp_path):
+    """The clock a calibration subtracts from wall time: rank 0 waits ~50 ms inside the
+    all-reduce for rank 1, which itself spends little there."""
+    first, last = run_ranks(_clocked_all_reduce, 2, tmp_path)
+    assert 0.04 < first < 1.0 and last < first

@@ -29,6 +29,7 @@ dim, the same list on every rank.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -42,6 +43,15 @@ from .emulate import Emulation
 Gather = Literal["padded", "grouped"]
 
 
+@dataclass(slots=True)
+class WaitClock:
+    """Seconds a rank spends inside collectives: waiting for the other ranks, then transferring.
+    A step's wall time less this is the rank's busy time, what profile.calibrate_nodes fits."""
+
+    seconds: float = 0.0
+    entered: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Comm:
     """The ranks a program runs on: a process group and this rank's place in it."""
@@ -52,13 +62,23 @@ class Comm:
     """None: the default group."""
     emulation: Emulation | None = None
     """This rank's emulated slowness (local cluster); None: run at full speed."""
+    clock: WaitClock | None = None
+    """Where to add the seconds spent inside collectives; None: not counted."""
 
     @classmethod
     def default(cls, emulation: Emulation | None = None) -> "Comm":
         return cls(rank=dist.get_rank(), world=dist.get_world_size(), emulation=emulation)
 
     def before(self) -> None:
-        """Called before every collective: an emulated slow device arrives late."""
+        """Called before every blocking collective (and before waiting on an asynchronous one):
+        an emulated slow device arrives late; then the rank waits."""
+        self.launching()
+        if self.clock is not None:
+            self.clock.entered = time.perf_counter()
+
+    def launching(self) -> None:
+        """Called before starting an asynchronous collective: the rank arrives (late, if an
+        emulated slow device) but goes on computing."""
         if self.emulation is not None:
             self.emulation.settle()
 
@@ -66,6 +86,9 @@ class Comm:
         """Called after every collective with its cost-model volume in bytes (emulated links)."""
         if self.emulation is not None:
             self.emulation.communicated(kind, volume)
+        if self.clock is not None and self.clock.entered is not None:
+            self.clock.seconds += time.perf_counter() - self.clock.entered
+            self.clock.entered = None
 
 
 def _check_sizes(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> None:

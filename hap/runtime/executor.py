@@ -265,6 +265,7 @@ class Executor:
         early = self._early.pop(self._node, None)
         if early is not None:  # started when the forward began (_start_early_counts)
             out, work = early
+            self.comm.before()
             work.wait()
             self.comm.after("all_reduce", out.numel() * out.element_size())
         else:
@@ -283,7 +284,7 @@ class Executor:
             local = _NoneForMissing((name, self._load(name, p, seg, values))
                                     for name, p in zip(node.inputs[1:], st.inputs[1:]))
             count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
-            self.comm.before()
+            self.comm.launching()
             self._early[node.index] = (count, dist.all_reduce(count, group=self.comm.group, async_op=True))
 
     def _early_count_ok(self, node, st) -> bool:

@@ -56,11 +56,12 @@ class GradSync:
 
     def _launch(self, i: int) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
-        self.comm.before()  # an emulated slow rank arrives late
+        self.comm.launching()  # an emulated slow rank arrives late
         self.pending.append((i, flat, dist.all_reduce(flat, group=self.comm.group, async_op=True)))
 
     def _finish(self) -> None:
         for i, flat, work in self.pending:
+            self.comm.before()  # the backward's last stretch is slept off; then the rank waits
             work.wait()
             self.comm.after("all_reduce", flat.numel() * flat.element_size())
             for p, part in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):

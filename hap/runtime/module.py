@@ -123,8 +123,10 @@ class HAP(nn.Module):
 
     def _sync_rng(self) -> None:
         state = torch.get_rng_state()
+        self.comm.before()
         dist.broadcast(state, src=dist.get_global_rank(self.comm.group, 0) if self.comm.group else 0,
                        group=self.comm.group)
+        self.comm.after("broadcast", state.numel())
         torch.set_rng_state(state)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -19,6 +19,7 @@ non-negative least squares; its worst relative residual is reported.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -36,7 +37,7 @@ from scipy.optimize import nnls
 
 from ..cost.cluster import COLLECTIVES, Cluster
 from ..ir import Graph, NodeTiming
-from .collectives import Comm, all_reduce, all_to_all, gather_grouped, gather_padded, reduce_scatter
+from .collectives import Comm, WaitClock, all_reduce, all_to_all, gather_grouped, gather_padded, reduce_scatter
 from .emulate import Emulation
 
 
@@ -324,31 +325,69 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
                     steps: int = 20) -> NodeTiming:
     """`timing` (from measure_nodes) with per-device factors measured on the cluster itself.
 
-    Every device of `cluster` (one local process each, launched here, emulation included) runs
-    the whole model through hap's executor, all devices at once as in training, on twice and
-    on half its compute-proportional part of the batch, the two sizes taking turns. Each pass
-    is fitted as fixed + share * work, as measure_nodes fits single nodes, and the factors make
-    the node times' fixed parts and work parts add up to these. Timing nodes one at a time,
-    alone on the machine, misses the executor's cost per node, an emulated device's stretch
-    (its backward is charged twice its forward), cold caches between nodes and, on a CPU, the
-    devices slowing each other down while they compute at the same time: together 30-100% of a
+    Every device of `cluster` (one local process each, launched here, emulation included) trains
+    the model with hap's runtime, data parallel with an SGD step, all devices at once as in
+    training, at two sets of batch shares taking turns (`calibration_shares`), so each device
+    runs a larger and a smaller part. Each pass's busy time on a device, its wall time less
+    the time it spends inside collectives (waiting for the others, transferring), is fitted
+    as fixed + share * work, as measure_nodes fits single nodes, and the factors make the node
+    times' fixed parts and work parts add up to these. Busy time holds what timing nodes one at
+    a time, alone on the machine, misses: the executor's cost per node, an emulated device's
+    stretch (its backward is charged twice its forward), cold caches between nodes, the
+    gradient buckets' copies and the optimizer step (in the backward's fixed part) and, on a
+    CPU, the devices and the transport's threads slowing each other down: together 30-100% of a
     step on the local cluster. The inputs' dim 0 must be the batch."""
     from .launch import spawn
 
-    batch = inputs[0].shape[0]
-    # Twice and half the device's compute-proportional rows (within the batch): the fit then
-    # spans the shares plans give it, from a sliver to even, rather than extrapolating to them.
-    own = [max(1, round(batch * r)) for r in cluster.compute_proportional()]
-    rows = [(min(batch, 2 * n), max(1, n // 2)) for n in own]
-    if any(big <= small for big, small in rows):
-        raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
+    plans, rows = calibration_plans(model, inputs, cluster)
     with tempfile.TemporaryDirectory(prefix="hap-calibrate-") as tmp:
-        spawn(_calibrate_rank, cluster.size, args=(model, tuple(inputs), rows, cluster, steps, tmp), timeout_s=600)
+        spawn(_calibrate_rank, cluster.size, args=(model, tuple(inputs), plans, cluster, steps, tmp), timeout_s=600)
         passes = [json.loads(open(os.path.join(tmp, f"rank{j}.json")).read()) for j in range(cluster.size)]
+    return fit_calibration(timing, rows, inputs[0].shape[0], passes)
+
+
+def calibration_plans(model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster
+                      ) -> tuple[list[str], list[tuple[int, int]]]:
+    """The two data-parallel plans (as JSON) the calibration trains, and each device's rows of
+    the batch under them."""
+    from ..capture import capture
+    from ..planner import baseline_plan
+
+    batch = inputs[0].shape[0]
+    if batch < 2 * cluster.size:
+        raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
+    graph = capture(model, tuple(inputs))
+    plans = [baseline_plan(graph, cluster, "dp-ev", ratios=r) for r in calibration_shares(cluster)]
+    splits = [p.splits.get(graph.inputs[0], {}).get("0") for p in plans]
+    if None in splits:
+        raise ValueError("calibration needs the model's first input split on dim 0 (the batch) by data parallelism")
+    rows = list(zip(*splits))  # per device: its rows under each plan
+    if any(min(r) == 0 or r[0] == r[1] for r in rows):
+        raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
+    return [p.to_json() for p in plans], rows
+
+
+def calibration_shares(cluster: Cluster) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Two sets of batch shares, compute-proportional ones tilted 3:1 one way then the other
+    (every other device gets more): each device's share differs between them, from a sliver to
+    nearly all of the batch on a fast device beside a slow one, and near even, rather than
+    extrapolating to the shares plans give it."""
+    cp = cluster.compute_proportional()
+    tilts = [(1.5, 0.5) if j % 2 == 0 else (0.5, 1.5) for j in range(cluster.size)]
+    out = []
+    for k in range(2):
+        raw = [c * t[k] for c, t in zip(cp, tilts)]
+        out.append(tuple(r / sum(raw) for r in raw))
+    return out[0], out[1]
+
+
+def fit_calibration(timing: NodeTiming, rows: Sequence[tuple[int, int]], batch: int, passes) -> NodeTiming:
+    """`timing` with the device factors that make it add up to the measured passes: per device,
+    per calibration plan, (forward, backward) busy seconds (CalibrationRuns.result)."""
     sums = (sum(timing.fwd), sum(timing.fwd_fixed), sum(timing.bwd), sum(timing.bwd_fixed))
     scale = []
-    for (big, small), (t_big, t_small) in zip(rows, passes):  # (forward, backward) seconds at both sizes
-        s_big, s_small = big / batch, small / batch
+    for own, busy in zip(rows, passes):
+        (s_big, t_big), (s_small, t_small) = sorted(((n / batch, t) for n, t in zip(own, busy)), reverse=True)
         factors = []
         for k in range(2):
             # t(s) = fixed + s * work through both points, neither part negative
@@ -364,41 +403,47 @@ def _ratio(measured: float, modelled: float) -> float:
     return measured / modelled if modelled > 0 else 0.0
 
 
-def _calibrate_rank(rank: int, model: nn.Module, inputs, rows, cluster: Cluster, steps: int, out: str) -> None:
-    """Time forward and backward of the whole model on this rank's device alone (a program of
-    one device, so no collectives) at both of its batch sizes, in step with the other ranks."""
+class CalibrationRuns:
+    """On one rank of the cluster: the calibration plans' modules. Each call trains one step of
+    each, in turn (every rank calls it together), and keeps this rank's busy seconds."""
+
+    def __init__(self, model: nn.Module, inputs: Sequence[torch.Tensor], plans: Sequence[str], cluster: Cluster,
+                 rank: int):
+        from ..plan import Plan
+        from .module import HAP
+
+        self.inputs, self.clock = tuple(inputs), WaitClock()
+        comm = Comm(rank=rank, world=dist.get_world_size(), clock=self.clock)
+        self.runs = []
+        for text in plans:
+            module = HAP(copy.deepcopy(model), cluster, inputs, plan=Plan.from_json(text), comm=comm)
+            self.runs.append((module, torch.optim.SGD(module.parameters(), lr=1e-3)))
+        self.times: list[list[tuple[float, float]]] = [[] for _ in self.runs]
+
+    def __call__(self, keep: bool = True) -> None:
+        clock = self.clock
+        for (module, opt), got in zip(self.runs, self.times):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), clock.seconds
+            loss = module(*self.inputs)
+            t1, c1 = time.perf_counter(), clock.seconds
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t2, c2 = time.perf_counter(), clock.seconds
+            if keep:
+                got.append((t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1)))
+
+    def result(self) -> list[tuple[float, float]]:
+        """Per plan, the median (forward, backward with the optimizer step) busy seconds."""
+        return [(statistics.median(f for f, _ in got), statistics.median(b for _, b in got)) for got in self.times]
+
+
+def _calibrate_rank(rank: int, model: nn.Module, inputs, plans: list[str], cluster: Cluster, steps: int,
+                    out: str) -> None:
     torch.set_num_threads(1)
-    emulation = Emulation.for_rank(cluster, rank)
-    emulation = emulation if emulation.slowdown > 1 else None
-    runs = [_pass_runner(model, tuple(x[:n] for x in inputs), emulation) for n in rows[rank]]
-    times: list[list[tuple[float, float]]] = [[] for _ in runs]
-    for i in range(steps + 2):  # two warm-up rounds; the sizes take turns, so drift hits both alike
-        for run, got in zip(runs, times):
-            dist.barrier()  # the devices run together, as in training
-            t = run()
-            if i >= 2:
-                got.append(t)
-    result = [(statistics.median(f for f, _ in got), statistics.median(b for _, b in got)) for got in times]
+    runs = CalibrationRuns(model, inputs, plans, cluster, rank)
+    for i in range(steps + 2):  # two warm-up rounds; the plans take turns, so drift hits both alike
+        runs(keep=i >= 2)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-
-
-def _pass_runner(model: nn.Module, batch, emulation: Emulation | None):
-    """A function running one forward and backward of `batch` on this device through hap's
-    executor; it returns their seconds, each with the emulated device's stretch slept off."""
-    ex, _, values, params = executor_alone(model, batch, emulation)
-    comm = ex.comm
-
-    def run() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        loss = ex.forward(values)
-        comm.before()  # an emulated device sleeps off its debt
-        t1 = time.perf_counter()
-        loss.backward()
-        comm.before()
-        t2 = time.perf_counter()
-        for p in params.values():
-            p.grad = None
-        return t1 - t0, t2 - t1
-
-    return run
+        json.dump(runs.result(), f)
