@@ -6,10 +6,15 @@ Profiles the local cluster (`hap profile`: rank 1 emulated 3x slower), then for 
 of the benchmark models (layers, hidden width, sequence length, batch) times its nodes
 (profile.measure_nodes), calibrates those times on the cluster (profile.calibrate_nodes), plans
 it with hap, and trains it for real on the two local ranks; every third variant also runs
-data parallelism at even ratios, so the points cover other ratios than hap's. It prints
-estimated vs measured per-iteration time, the Pearson correlation, the median and worst
-relative error, and writes DIR/fidelity.md and a scatter plot (estimate against measurement,
-like HAP's Fig. 18) to DIR/fidelity.png when matplotlib is installed.
+data parallelism at even ratios, so the points cover other ratios than hap's. While a plan
+trains, the calibration's own training steps take turns with its steps in the same processes
+(profile.CalibrationRuns), and the plan is priced again with node times calibrated from them
+(planner.estimate): this machine's speed drifts by about 20% over minutes, and a calibration
+made minutes before the run would count that drift as the model's error. The planner's own
+estimate is reported beside it. It prints estimated vs measured per-iteration time, the Pearson
+correlation, the median and worst relative error, and writes DIR/fidelity.md and a scatter plot
+(estimate against measurement, like HAP's Fig. 18) to DIR/fidelity.png when matplotlib is
+installed.
 """
 
 from __future__ import annotations
@@ -85,11 +90,11 @@ def main() -> int:
     ap.add_argument("--variants", type=int, default=22, help="how many model variants (at most %d)" %
                     sum(len(v) for v in VARIANT_KNOBS.values()))
     ap.add_argument("--steps", type=int, default=16, help="measured iterations per run (after 2 warm-up)")
-    ap.add_argument("--quick", action="store_true", help="10 variants, 8 steps each")
+    ap.add_argument("--quick", action="store_true", help="10 variants, 12 steps each")
     ap.add_argument("--out", help="folder for the profiled cluster, plans, results and the plot")
     args = ap.parse_args()
     if args.quick:
-        args.variants, args.steps = min(args.variants, 10), 8
+        args.variants, args.steps = min(args.variants, 10), 12
     out_dir = args.out or tempfile.mkdtemp(prefix="hap-fidelity-")
     os.makedirs(out_dir, exist_ok=True)
     rows = measure(out_dir, args.variants, args.steps)
