@@ -293,13 +293,16 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
 
     program = _baseline_program(search, ratios, restriction)
     est = replay(program, cost, segment_of, ratios)
+    winner = name if start is families[name][1] else f"{name}'s program at the given ratios"
     return _assemble(graph, cluster, classes, segment_of, program, ratios, est, {}, time.perf_counter() - t0,
-                     {"winner": name, "exhaustive": all(exhaustive)})
+                     {"winner": winner, "exhaustive": all(exhaustive)})
 
 
 def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:
     """A plan's program priced again under this graph's node times and this cluster (say, times
     measured anew): the same replay that priced it when it was planned."""
+    if len(plan.devices) != cluster.size:
+        raise ValueError(f"the plan is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
     classes = ShardClasses(graph, enumerate(_strategies(graph)))
     cost = CostModel(graph, cluster, classes, (config or PlannerConfig()).optimizer)
     segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]

@@ -157,3 +157,29 @@ def test_calibrated_scales_idle_devices_and_the_loss_all_reduce():
     with pytest.raises(ValueError, match="calibrated on 2 devices, the cluster has 1"):
         CostModel(g, Cluster(name="one", devices=devices[:1], collectives=fits_from_network(1, 1e9, 0.0)),
                   ShardClasses(g, enumerate(strategies)))
+
+
+def test_random_ops_price_the_generator_broadcast():
+    """hap.HAP broadcasts rank 0's generator state (5056 bytes) every step of a model with
+    dropout: one broadcast, alpha + bytes / beta = 1e-3 + 5056 / 1e8 s here; without dropout, or
+    on one device, nothing."""
+    from hap.cost.cluster import Fit
+
+    class Net(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.fc, self.p = nn.Linear(8, 8), p
+
+        def forward(self, x):
+            return F.dropout(self.fc(x), self.p).sum()
+
+    fits = {**fits_from_network(2, 1e9, 5e-4), "broadcast": Fit(alpha=1e-3, beta=1e8)}
+    devices = (Device(name="a", flops=1e11, memory=2**30), Device(name="b", flops=1e11, memory=2**30))
+
+    def cost_of(p, devs):
+        g = capture(Net(p), (torch.randn(4, 8),))
+        return CostModel(g, Cluster(name="t", devices=devs, collectives=fits), ShardClasses(g, enumerate(_strategies(g))))
+
+    assert cost_of(0.5, devices).rng_sync == pytest.approx(1e-3 + 5056 / 1e8)
+    assert cost_of(0.5, devices).step_sync(0.0) == pytest.approx(cost_of(0.5, devices).loss_sync + 1e-3 + 5056 / 1e8)
+    assert cost_of(0.0, devices).rng_sync == 0.0 and cost_of(0.5, devices[:1]).rng_sync == 0.0

@@ -170,5 +170,21 @@ def test_estimate_reprices_a_plan_exactly(graph, result):
     cluster = load_cluster("paper-hetero-8")
     again = estimate(graph, cluster, result)
     assert again.seconds == pytest.approx(result.estimated_iteration_seconds, rel=1e-12)
-    slow = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, flops=d.flops / 2) for d in cluster.devices))
-    assert estimate(graph, slow, result).seconds > again.seconds
+    slower = tuple(dataclasses.replace(d, flops=d.flops / 2) for d in cluster.devices)
+    assert estimate(graph, dataclasses.replace(cluster, devices=slower), result).seconds > again.seconds
+    with pytest.raises(ValueError, match="the plan is for 8 devices, cluster 'local' has 2"):
+        estimate(graph, load_cluster("local"), result)
+
+
+def test_baseline_at_given_ratios(graph):
+    """Data parallelism at any shares (what calibration trains): the batch splits 24/8 at
+    0.75/0.25 on two devices, and shares that do not sum to 1 are refused."""
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+
+    pair = local_cluster((1.0, 1.0), "pair")
+    p = baseline_plan(graph, pair, "dp-ev", ratios=(0.75, 0.25))
+    assert p.ratios == [[0.75, 0.25]] and p.splits[graph.inputs[0]]["0"] == [24, 8]
+    assert p.search["winner"] == "dp-ev's program at the given ratios"
+    with pytest.raises(ValueError, match="ratios must be 2 non-negative shares summing to 1"):
+        baseline_plan(graph, pair, "dp-ev", ratios=(0.75, 0.5))

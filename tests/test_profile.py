@@ -146,9 +146,38 @@ def test_fit_calibration_splits_each_pass_into_fixed_and_work():
 
     timing = NodeTiming(fwd=(1e-3, 3e-3), bwd=(2e-3, 6e-3), fwd_fixed=(0.5e-3, 0.0), bwd_fixed=(1e-3, 1e-3),
                         device_flops=1e11)
-    fitted = fit_calibration(timing, [(12, 4)], 16, [[(7e-3, 13e-3), (3e-3, 5e-3)]])
+    fitted = fit_calibration(timing, [(12, 4), (4, 12)], 16, [[(7e-3, 13e-3), (3e-3, 5e-3)],
+                                                              [(3e-3, 5e-3), (7e-3, 13e-3)]])
     assert fitted.device_scale[0] == pytest.approx((2.0, 2.0, 2.0, 0.5))
-    assert fitted.fwd == timing.fwd  # the node times themselves are kept
+    assert fitted.device_scale[1] == fitted.device_scale[0]  # the smaller share first: the same fit
+    with pytest.raises(ValueError, match="two different, non-zero batch rows"):
+        fit_calibration(timing, [(8, 8)], 16, [[(7e-3, 13e-3), (7e-3, 13e-3)]])
+
+
+def test_wait_clock_runs_from_before_to_after_and_not_for_launches():
+    """Comm.before starts the clock and Comm.after stops it; Comm.launching (an asynchronous
+    collective that the rank does not wait for yet) leaves it alone."""
+    from hap.runtime.collectives import WaitClock
+
+    clock = WaitClock()
+    comm = Comm(rank=0, world=2, clock=clock)
+    comm.launching()
+    assert clock.entered is None and clock.seconds == 0.0
+    comm.before()
+    time.sleep(0.02)
+    comm.after("all_reduce", 4)
+    assert 0.02 <= clock.seconds < 0.2 and clock.entered is None
+    comm.after("all_reduce", 4)  # no wait was started: nothing counted
+    assert clock.seconds < 0.2
+
+
+def test_calibration_needs_two_devices():
+    from hap.ir import NodeTiming
+    from hap.runtime.profile import calibrate_nodes
+
+    timing = NodeTiming(fwd=(1e-3,), bwd=(2e-3,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=1e11)
+    with pytest.raises(ValueError, match="calibration needs two devices at least; cluster 'one' has 1"):
+        calibrate_nodes(timing, torch.nn.Linear(2, 2), (torch.randn(8, 2),), local_cluster((1.0,), "one"))
 
 
 def _clocked_all_reduce(rank, world):

@@ -31,11 +31,13 @@ from typing import Literal, Sequence
 
 from ..ir import Graph, Node
 from ..rules import Strategy
+from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from .cluster import Cluster
 
 Optimizer = Literal["adam", "sgd", "momentum"]
 OPTIMIZER_STATES = {"adam": 2, "momentum": 1, "sgd": 0}  # fp32 state tensors per parameter
+RNG_STATE_BYTES = 5056  # torch.get_rng_state() on CPU: what hap.HAP broadcasts per step for random ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +77,12 @@ class CostModel:
         machines = [d for d in devs if d.gpus > 1]
         self.intra_coll = 2 / min(d.intra_bandwidth for d in machines) if machines else 0.0
         self.state_factor = 2 + OPTIMIZER_STATES[optimizer]  # weights + gradients + optimizer states
-        # hap.HAP gives every rank the global batch's loss: one scalar all-reduce per step
+        # hap.HAP gives every rank the global batch's loss: one scalar all-reduce per step; and
+        # a model with random ops has rank 0's generator state broadcast first (rules/local.py)
         self.loss_sync = self.comm("all_reduce", 4.0).const if self.m > 1 else 0.0
+        self.rng_sync = 0.0
+        if self.m > 1 and any(is_random(node) for node in graph.nodes):
+            self.rng_sync = self.comm_time("all_gather_grouped", RNG_STATE_BYTES, (1.0,) + (0.0,) * (self.m - 1))
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
 
@@ -183,8 +189,9 @@ class CostModel:
         return self.comm("all_reduce", nbytes).const if nbytes > 0 else 0.0
 
     def step_sync(self, grad_bytes: float) -> float:
-        """What every step ends with: the gradients' all-reduce and the loss's."""
-        return self.grad_sync(grad_bytes) + self.loss_sync
+        """The collectives every step makes besides the program's: the gradients' all-reduce, the
+        loss's, and the random generator's broadcast for a model with random ops."""
+        return self.grad_sync(grad_bytes) + self.loss_sync + self.rng_sync
 
     # -- memory --------------------------------------------------------------------------------
 

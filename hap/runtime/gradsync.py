@@ -61,7 +61,7 @@ class GradSync:
 
     def _finish(self) -> None:
         for i, flat, work in self.pending:
-            self.comm.before()  # the backward's last stretch is slept off; then the rank waits
+            self.comm.before()  # the rank waits from here (an emulated one's debt was settled at launch)
             work.wait()
             self.comm.after("all_reduce", flat.numel() * flat.element_size())
             for p, part in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):

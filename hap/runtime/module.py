@@ -142,7 +142,9 @@ class HAP(nn.Module):
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in mine if g.numel()] or [torch.zeros(())])
             total = local.max().reshape(1)
+            self.comm.before()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
+            self.comm.after("all_reduce", 4)
             total = total[0]
         else:
             local = sum((g.double().abs().pow(norm_type).sum() for g in mine), torch.zeros((), dtype=torch.float64))

@@ -334,9 +334,11 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
     times' fixed parts and work parts add up to these. Busy time holds what timing nodes one at
     a time, alone on the machine, misses: the executor's cost per node, an emulated device's
     stretch (its backward is charged twice its forward), cold caches between nodes, the
-    gradient buckets' copies and the optimizer step (in the backward's fixed part) and, on a
-    CPU, the devices and the transport's threads slowing each other down: together 30-100% of a
-    step on the local cluster. The inputs' dim 0 must be the batch."""
+    gradient buckets' copies and the optimizer step (in the backward's fixed part: priced as if
+    every device held every parameter, as data parallelism does, also for plans that shard
+    them) and, on a CPU, the devices and the transport's threads slowing each other down:
+    together 30-100% of a step on the local cluster. The inputs' dim 0 must be the batch; the
+    cluster needs two devices at least (a single device's node times need no calibration)."""
     from .launch import spawn
 
     plans, rows = calibration_plans(model, inputs, cluster)
@@ -354,6 +356,8 @@ def calibration_plans(model: nn.Module, inputs: Sequence[torch.Tensor], cluster:
     from ..planner import baseline_plan
 
     batch = inputs[0].shape[0]
+    if cluster.size < 2:
+        raise ValueError(f"calibration needs two devices at least; cluster {cluster.name!r} has {cluster.size}")
     if batch < 2 * cluster.size:
         raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
     graph = capture(model, tuple(inputs))
@@ -369,9 +373,9 @@ def calibration_plans(model: nn.Module, inputs: Sequence[torch.Tensor], cluster:
 
 def calibration_shares(cluster: Cluster) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Two sets of batch shares, compute-proportional ones tilted 3:1 one way then the other
-    (every other device gets more): each device's share differs between them, from a sliver to
-    nearly all of the batch on a fast device beside a slow one, and near even, rather than
-    extrapolating to the shares plans give it."""
+    (every other device gets more): each device's share differs between them, and together
+    they span much of what plans give it (a fast device beside a 3x slower one: 90% and 50%;
+    the slow one: 10% and 50%), so the fit seldom extrapolates far."""
     cp = cluster.compute_proportional()
     tilts = [(1.5, 0.5) if j % 2 == 0 else (0.5, 1.5) for j in range(cluster.size)]
     out = []
@@ -383,7 +387,10 @@ def calibration_shares(cluster: Cluster) -> tuple[tuple[float, ...], tuple[float
 
 def fit_calibration(timing: NodeTiming, rows: Sequence[tuple[int, int]], batch: int, passes) -> NodeTiming:
     """`timing` with the device factors that make it add up to the measured passes: per device,
-    per calibration plan, (forward, backward) busy seconds (CalibrationRuns.result)."""
+    per calibration plan, (forward, backward) busy seconds (CalibrationRuns.result), and its
+    rows of the batch under each."""
+    if any(min(own) <= 0 or own[0] == own[1] for own in rows):
+        raise ValueError(f"every device needs two different, non-zero batch rows to fit; got {list(rows)}")
     sums = (sum(timing.fwd), sum(timing.fwd_fixed), sum(timing.bwd), sum(timing.bwd_fixed))
     scale = []
     for own, busy in zip(rows, passes):
@@ -421,6 +428,7 @@ class CalibrationRuns:
         self.times: list[list[tuple[float, float]]] = [[] for _ in self.runs]
 
     def __call__(self, keep: bool = True) -> None:
+        """One step of each plan (forward, backward, SGD step); keep=False: a warm-up."""
         clock = self.clock
         for (module, opt), got in zip(self.runs, self.times):
             dist.barrier()
@@ -441,6 +449,7 @@ class CalibrationRuns:
 
 def _calibrate_rank(rank: int, model: nn.Module, inputs, plans: list[str], cluster: Cluster, steps: int,
                     out: str) -> None:
+    """Train the calibration plans in turn on this rank; write its busy seconds per plan."""
     torch.set_num_threads(1)
     runs = CalibrationRuns(model, inputs, plans, cluster, rank)
     for i in range(steps + 2):  # two warm-up rounds; the plans take turns, so drift hits both alike

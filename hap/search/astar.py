@@ -132,8 +132,10 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     finally:
         if gc_was_enabled:
             gc.enable()
-    # the loss's all-reduce costs every program alike: the search leaves it out, the total has it
-    return SearchResult(_steps_to(space, best, start), best_cost + cost.loss_sync, space.expanded, space.generated,
+    # the loss's all-reduce (and the generator's broadcast) cost every program alike: the search
+    # leaves them out, the total has them
+    total = best_cost + cost.loss_sync + cost.rng_sync
+    return SearchResult(_steps_to(space, best, start), total, space.expanded, space.generated,
                         time.perf_counter() - t0, space.exhaustive)
 
 
