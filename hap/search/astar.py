@@ -209,7 +209,7 @@ class _Space:
     def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts, frame=None):
         self.graph, self.cost, self.segment_of, self.ratios, self.restriction = graph, cost, segment_of, ratios, restriction
         self.m = m = cost.m
-        self.zero = zero = (0.0,) * m
+        self.zero = (0.0,) * m
         nodes = graph.nodes
         self.n = n = len(nodes)
         frame = frame or Frame(graph, strategies, cost, segment_of)
@@ -257,7 +257,7 @@ class _Space:
         chunk (max over devices, forward and backward apart), plus the lower bound of every
         later chunk. At a chunk's start the open stage is empty and the chunk's own bound is
         used instead of its computation alone."""
-        n, m, zero, opts = self.n, self.m, self.zero, self.opts
+        n, zero, opts = self.n, self.zero, self.opts
         self.suffix_f = suffix_f = [zero] * (n + 1)
         self.suffix_b = suffix_b = [zero] * (n + 1)
         self.future = future = [0.0] * (n + 1)
