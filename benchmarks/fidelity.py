@@ -13,10 +13,10 @@ trains, the calibration's own training steps take turns with its steps in the sa
 one set of processes to the next (eager VGG19's forward: 4.8 to 7.4 ms in three runs a minute
 apart), and a calibration made in other processes, before the run, counts that as the model's
 error. The planner's own estimate, and the figures for hap's plans alone (the DP-EV runs are
-close to one of the calibration's own programs), are reported beside it. It prints estimated vs measured per-iteration time, the Pearson
-correlation, the median and worst relative error, and writes DIR/fidelity.md and a scatter plot
-(estimate against measurement, like HAP's Fig. 18) to DIR/fidelity.png when matplotlib is
-installed.
+close to one of the calibration's own programs), are reported beside it. It prints estimated
+vs measured per-iteration time, the Pearson correlation, the median and worst relative error,
+and writes DIR/fidelity.md and a scatter plot (estimate against measurement, like HAP's Fig. 18)
+to DIR/fidelity.png when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", type=int, default=22, help="how many model variants (at most %d)" %
                     sum(len(v) for v in VARIANT_KNOBS.values()))
-    ap.add_argument("--steps", type=int, default=16, help="measured iterations per run (after 2 warm-up), timed in pairs between calibration steps")
+    ap.add_argument("--steps", type=int, default=16,
+                    help="measured iterations per run (after 2 warm-up), timed in pairs between calibration steps")
     ap.add_argument("--quick", action="store_true", help="10 variants, 12 steps each")
     ap.add_argument("--out", help="folder for the profiled cluster, plans, results and the plot")
     args = ap.parse_args()
@@ -102,8 +103,9 @@ def main() -> int:
     rows = measure(out_dir, args.variants, args.steps)
     summaries = summaries_of(rows)
     print(f"\n{len(rows)} runs (targets: Pearson >= 0.98, median relative error <= 15%)")
+    width = max(map(len, summaries))
     for label, s in summaries.items():
-        print(f"  {label:58s} Pearson {s['pearson']:.3f}  median {s['median_rel_error'] * 100:4.1f}%  "
+        print(f"  {label:{width}s} Pearson {s['pearson']:.3f}  median {s['median_rel_error'] * 100:4.1f}%  "
               f"worst {s['worst_rel_error'] * 100:4.1f}%  ({s['runs']} runs)")
     with open(os.path.join(out_dir, "fidelity.json"), "w") as f:
         json.dump({"summaries": summaries, "rows": rows}, f, indent=1)
@@ -130,11 +132,11 @@ def measure(out_dir: str, n_variants: int, steps: int) -> list[dict]:
     for i, (name, knobs) in enumerate(variants(n_variants)):
         model, batch = build(name, knobs)
         graph = capture(model, batch)
-        base = graph.timing = node_timing(graph, model, batch, cluster)
+        calibration = calibration_plans(model, batch, cluster)
+        base = graph.timing = node_timing(graph, model, batch, cluster, calibration)
         plans = {"hap": plan(graph, cluster)}
         if i % 3 == 2:
             plans["dp-ev"] = baseline_plan(graph, cluster, "dp-ev")
-        calibration = calibration_plans(model, batch, cluster)
         for strategy, result in plans.items():
             measured, passes = _run(out_dir, f"{i}-{strategy}", result, calibration[0], cluster_file, name, knobs,
                                     steps)
@@ -230,9 +232,10 @@ def _plot(rows: list[dict], summary: dict, path: str) -> bool:
     for model in VARIANT_KNOBS:
         mine = [r for r in rows if r["model"] == model]
         if mine:
-            dots = ax.scatter([r["measured"] * 1e3 for r in mine], [r["estimated"] * 1e3 for r in mine], label=model, s=18)
-            ax.scatter([r["measured"] * 1e3 for r in mine], [r["planned"] * 1e3 for r in mine], s=18,
-                       facecolors="none", edgecolors=dots.get_facecolor())
+            measured = [r["measured"] * 1e3 for r in mine]
+            dots = ax.scatter(measured, [r["estimated"] * 1e3 for r in mine], label=model, s=18)
+            ax.scatter(measured, [r["planned"] * 1e3 for r in mine], s=18, facecolors="none",
+                       edgecolors=dots.get_facecolor())
     ax.scatter([], [], s=18, facecolors="none", edgecolors="grey", label="as planned")
     top = max(max(r["measured"], r["estimated"], r["planned"]) for r in rows) * 1e3 * 1.05
     ax.plot([0, top], [0, top], color="grey", linewidth=0.8)

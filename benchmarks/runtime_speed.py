@@ -64,15 +64,16 @@ def model_without_dropout(name: str, **knobs):
     return model, batch
 
 
-def node_timing(graph, model, batch, cluster):
+def node_timing(graph, model, batch, cluster, calibration=None):
     """The graph's node times as this cluster runs them: each node timed alone on this process
     (as fast as the cluster's unslowed devices) at the full and a quarter batch, then
-    calibrated on the cluster itself."""
+    calibrated on the cluster itself (with `calibration`, profile.calibration_plans' result, if
+    the caller has it)."""
     from hap.runtime.profile import calibrate_nodes, measure_nodes
 
     speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
     timing = measure_nodes(graph, model, batch, speed, tuple(t[: max(1, len(t) // 4)] for t in batch))
-    return calibrate_nodes(timing, model, batch, cluster)
+    return calibrate_nodes(timing, model, batch, cluster, calibration=calibration)
 
 
 def timed_steps(step, n: int) -> list[float]:

@@ -178,7 +178,8 @@ def test_random_ops_price_the_generator_broadcast():
 
     def cost_of(p, devs):
         g = capture(Net(p), (torch.randn(4, 8),))
-        return CostModel(g, Cluster(name="t", devices=devs, collectives=fits), ShardClasses(g, enumerate(_strategies(g))))
+        cluster = Cluster(name="t", devices=devs, collectives=fits)
+        return CostModel(g, cluster, ShardClasses(g, enumerate(_strategies(g))))
 
     assert cost_of(0.5, devices).rng_sync == pytest.approx(1e-3 + 5056 / 1e8)
     assert cost_of(0.5, devices).step_sync(0.0) == pytest.approx(cost_of(0.5, devices).loss_sync + 1e-3 + 5056 / 1e8)

@@ -115,26 +115,21 @@ class _TinyChain(nn.Module):
         return y.sum()
 
 
-def executor_alone(model: nn.Module, inputs: Sequence[torch.Tensor], emulation: Emulation | None):
-    """hap's executor running `model` as one device (no collectives), with this rank's emulated
-    slowness: (executor, graph, the leaf values it reads, its parameters)."""
+def op_overhead(emulation: Emulation | None, repeats: int) -> float:
+    """Seconds per node per pass of the executor, forward and backward averaged."""
     from ..capture import capture
     from ..cost.cluster import local_cluster
     from ..planner import _strategies, baseline_plan
     from ..rules.units import ShardClasses
     from .executor import Executor, leaf_values
 
-    graph = capture(model, tuple(inputs))
+    model, inputs = _TinyChain(200), (torch.randn(4),)
+    graph = capture(model, inputs)
     program = baseline_plan(graph, local_cluster((1.0,), "one"), "dp-ev")
     ex = Executor(graph, program.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))),
                   [0] * len(graph.nodes), program.ratios, Comm(rank=0, world=1, emulation=emulation))
     values = leaf_values(graph, model, inputs)
-    return ex, graph, values, ex.shard_parameters(values)
-
-
-def op_overhead(emulation: Emulation | None, repeats: int) -> float:
-    """Seconds per node per pass of the executor, forward and backward averaged."""
-    ex, graph, values, _ = executor_alone(_TinyChain(200), (torch.randn(4),), emulation)
+    ex.shard_parameters(values)
 
     def step():
         ex.forward(values).backward()
@@ -322,7 +317,8 @@ def _node_seconds(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]
 
 
 def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster,
-                    steps: int = 20) -> NodeTiming:
+                    steps: int = 20, calibration: tuple[list[str], list[tuple[int, int]]] | None = None
+                    ) -> NodeTiming:
     """`timing` (from measure_nodes) with per-device factors measured on the cluster itself.
 
     Every device of `cluster` (one local process each, launched here, emulation included) trains
@@ -338,10 +334,11 @@ def calibrate_nodes(timing: NodeTiming, model: nn.Module, inputs: Sequence[torch
     every device held every parameter, as data parallelism does, also for plans that shard
     them) and, on a CPU, the devices and the transport's threads slowing each other down:
     together 30-100% of a step on the local cluster. The inputs' dim 0 must be the batch; the
-    cluster needs two devices at least (a single device's node times need no calibration)."""
+    cluster needs two devices at least (a single device's node times need no calibration).
+    `calibration`: what calibration_plans returns, where the caller has it already."""
     from .launch import spawn
 
-    plans, rows = calibration_plans(model, inputs, cluster)
+    plans, rows = calibration or calibration_plans(model, inputs, cluster)
     with tempfile.TemporaryDirectory(prefix="hap-calibrate-") as tmp:
         spawn(_calibrate_rank, cluster.size, args=(model, tuple(inputs), plans, cluster, steps, tmp), timeout_s=600)
         passes = [json.loads(open(os.path.join(tmp, f"rank{j}.json")).read()) for j in range(cluster.size)]

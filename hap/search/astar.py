@@ -132,9 +132,9 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     finally:
         if gc_was_enabled:
             gc.enable()
-    # the loss's all-reduce (and the generator's broadcast) cost every program alike: the search
-    # leaves them out, the total has them
-    total = best_cost + cost.loss_sync + cost.rng_sync
+    # the step's own collectives but the gradients' (the loss's all-reduce, the generator's
+    # broadcast) cost every program alike: the search leaves them out, the total has them
+    total = best_cost + cost.step_sync(0.0)
     return SearchResult(_steps_to(space, best, start), total, space.expanded, space.generated,
                         time.perf_counter() - t0, space.exhaustive)
 
