@@ -23,7 +23,7 @@ run: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/hap train --model vit --scale small --cluster local --steps 10
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/synthesis_time.py

@@ -1,9 +1,13 @@
 """Capture: a plain nn.Module whose forward returns the loss -> the planner's Graph.
 
-We use torch.export's ATen-level training graph: it traces through Python control flow on
-shapes (which torch.fx.symbolic_trace cannot), keeps high-level ops such as linear, conv2d,
-layer_norm and scaled_dot_product_attention whole, and lifts parameters and buffers to
-graph inputs with their state_dict keys.
+We use torch.export: it traces through Python control flow on shapes (which
+torch.fx.symbolic_trace cannot) and lifts parameters, buffers and constants to graph inputs
+with their state_dict keys. Its training graph is then made functional
+(`run_decompositions({})`, no op decomposed): higher-order wrapper regions (autocast, grad
+mode) are inlined, in-place ops become out-of-place ones, and every buffer the model mutates
+(BatchNorm's running statistics, counters) becomes an output: Graph.buffer_updates. High-level
+ops such as linear, conv2d, layer_norm and scaled_dot_product_attention stay whole. Inlining
+drops a no-grad region's grad mode, so its tensor inputs are detached first.
 
 FLOPs come from torch.utils.flop_counter: every node is run once on meta tensors under
 FlopCounterMode for the forward, and once more through autograd for the backward of exactly
@@ -14,11 +18,12 @@ work.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any, Sequence
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
 from .ir import Graph, Node, Tensor, TensorRef
@@ -45,16 +50,69 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     was_training = model.training
     model.train()
     try:
-        ep = torch.export.export(model, example_inputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.export(model, example_inputs)
+        ep = _functional(ep)
+    except CaptureError:
+        raise
     except Exception as e:  # torch raises many types; the user needs the first line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(f"torch.export could not capture {type(model).__name__}: {first}") from e
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}: {_first_line(e)}") from e
     finally:
         model.train(was_training)
-    graph = graph_from_exported(ep, name or type(model).__name__)
+    graph = graph_from_exported(ep, name or type(model).__name__, _aliases(model, ep))
     _count_flops(graph)
     graph.experts = _expert_params(model, graph)
     return graph
+
+
+def _aliases(model: torch.nn.Module, ep: ExportedProgram) -> dict[str, str]:
+    """Placeholders that export gave a tensor already lifted under another name (a tied
+    embedding: one parameter, two state_dict keys) -> the first one's name."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    first: dict[int, str] = {}
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in state:
+            key = id(state[spec.target])
+            if key in first:
+                out[spec.arg.name] = first[key]
+            else:
+                first[key] = spec.arg.name
+    return out
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _functional(ep: ExportedProgram) -> ExportedProgram:
+    """The functional ATen graph of `ep` (see the module docstring), with no-grad regions kept
+    gradient-free and no higher-order op or submodule left."""
+    graph = ep.graph
+    for fx in list(graph.nodes):
+        if fx.op == "call_function" and fx.target is torch.ops.higher_order.wrap_with_set_grad_enabled and not fx.args[0]:
+            # torch.no_grad(): nothing computed inside may pass a gradient to its inputs
+            args = list(fx.args)
+            with graph.inserting_before(fx):
+                for i in range(2, len(args)):
+                    if isinstance(args[i], torch.fx.Node) and isinstance(args[i].meta.get("val"), torch.Tensor):
+                        cut = graph.call_function(torch.ops.aten.detach.default, (args[i],))
+                        cut.meta.update(args[i].meta)
+                        cut.meta["val"] = args[i].meta["val"].detach()
+                        args[i] = cut
+            fx.args = tuple(args)
+    ep.graph_module.recompile()
+    with warnings.catch_warnings():  # torch's own pytree deprecation notices, not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        ep = ep.run_decompositions({})
+    for fx in ep.graph.nodes:
+        if fx.op == "get_attr" or (fx.op == "call_function" and isinstance(fx.target, torch._ops.HigherOrderOperator)):
+            op = fx.target if fx.op == "get_attr" else fx.target.name()
+            raise CaptureError(f"unsupported higher-order op {op} at {_scope(fx) or 'the top module'} "
+                               f"(node {fx.name}): hap captures plain ATen ops only")
+    return ep
 
 
 def _expert_params(model: torch.nn.Module, graph: Graph) -> list[str]:
@@ -65,8 +123,19 @@ def _expert_params(model: torch.nn.Module, graph: Graph) -> list[str]:
     return [p for p in graph.params if graph.tensors[p].target in targets]
 
 
-def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:
+def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] | None = None) -> Graph:
+    """The Graph of an exported program; `aliases` names placeholders that hold the same tensor
+    as an earlier one (see _aliases): their uses read that one, which is a single leaf."""
+    aliases = aliases or {}
     kinds, targets = {}, {}
+    mutated: dict[str, str] = {}  # output position -> buffer target, for the buffers forward mutates
+    for k, spec in enumerate(ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated[k] = spec.target
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            what = {OutputKind.USER_INPUT_MUTATION: "mutates its input", OutputKind.PARAMETER_MUTATION: "mutates the parameter"}
+            raise CaptureError(f"forward {what.get(spec.kind, spec.kind.name.lower())} {spec.target or spec.arg.name} in "
+                               "place; hap trains parameters by their gradients only")
     for spec in ep.graph_signature.input_specs:
         kind = _KIND_OF_INPUT.get(spec.kind)
         if kind is None:
@@ -79,7 +148,7 @@ def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:
     inputs: list[str] = []
     params: list[str] = []
     getitem_names: dict[tuple[str, int], str] = {}  # (multi-output node, index) -> getitem name
-    loss = None
+    loss, buffer_updates = None, {}
 
     for fx in ep.graph.nodes:
         if fx.op == "call_function" and fx.target is operator.getitem:
@@ -87,6 +156,8 @@ def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:
             getitem_names[(src.name, i)] = fx.name
     for fx in ep.graph.nodes:
         if fx.op == "placeholder":
+            if fx.name in aliases:
+                continue
             val = fx.meta["val"]
             if not isinstance(val, torch.Tensor):
                 raise CaptureError(f"input {fx.name} is not a tensor ({type(val).__name__}); pass tensors only")
@@ -106,7 +177,7 @@ def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:
             else:
                 outs, vals = [fx.name], [val]
             index = len(nodes)
-            args, kwargs, ins = _tensorize_args(fx.args, fx.kwargs, tensors)
+            args, kwargs, ins = _tensorize_args(fx, tensors, aliases)
             for t in ins:
                 if index not in tensors[t].consumers:
                     tensors[t].consumers.append(index)
@@ -121,16 +192,20 @@ def graph_from_exported(ep: ExportedProgram, name: str) -> Graph:
                 tensors[out] = _tensor(out, v, "activation", None, producer=index)
             node.outputs = tuple(out_names)
         elif fx.op == "output":
-            outs = fx.args[0]
+            outs = [o for k, o in enumerate(fx.args[0]) if k not in mutated]
             if len(outs) != 1:
                 raise CaptureError(f"forward must return only the scalar loss, it returns {len(outs)} values")
             loss = outs[0].name if hasattr(outs[0], "name") else None
+            by_target = {targets[name]: name for name, kind in kinds.items() if kind == "buffer"}
+            buffer_updates = {by_target[target]: fx.args[0][k].name for k, target in mutated.items()}
     if loss is None or loss not in tensors:
         raise CaptureError("forward must return the scalar loss tensor")
     lt = tensors[loss]
     if lt.shape != () or not lt.dtype.startswith(("float", "bfloat")):
         raise CaptureError(f"forward must return a scalar float loss, it returns shape {lt.shape} {lt.dtype}")
-    graph = Graph(nodes=nodes, tensors=tensors, inputs=inputs, params=params, loss=loss, model_name=name)
+    constants = {n: ep.constants[targets[n]].detach().clone() for n, kind in kinds.items() if kind == "constant"}
+    graph = Graph(nodes=nodes, tensors=tensors, inputs=inputs, params=params, loss=loss, model_name=name,
+                  buffer_updates=buffer_updates, constants=constants)
     _mark_requires_grad(graph)
     return graph
 
@@ -140,22 +215,24 @@ def _tensor(name, val: torch.Tensor, kind, target, producer=-1) -> Tensor:
                   itemsize=val.element_size(), kind=kind, target=target, producer=producer)
 
 
-def _tensorize_args(args, kwargs, tensors):
+def _tensorize_args(fx, tensors, aliases):
     ins: list[str] = []
 
     def conv(a):
         if isinstance(a, torch.fx.Node):
-            if a.name not in tensors:
-                raise CaptureError(f"argument {a.name} is not a tensor the planner tracks")
-            ins.append(a.name)
-            return TensorRef(a.name)
+            name = aliases.get(a.name, a.name)
+            if name not in tensors:
+                raise CaptureError(f"{fx.target} at {_scope(fx) or 'the top module'} (node {fx.name}) takes {a.name}, "
+                                   "which is not a tensor hap tracks")
+            ins.append(name)
+            return TensorRef(name)
         if isinstance(a, (list, tuple)):
             return type(a)(conv(x) for x in a)
         if isinstance(a, dict):
             return {k: conv(v) for k, v in a.items()}
         return a
 
-    return conv(tuple(args)), conv(dict(kwargs)), ins
+    return conv(tuple(fx.args)), conv(dict(fx.kwargs)), ins
 
 
 def _scope(fx) -> str:

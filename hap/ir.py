@@ -118,6 +118,11 @@ class Graph:
     timing: NodeTiming | None = None
     """Measured seconds per node (hap.runtime.profile.measure_nodes); when set, the cost model
     prices computation from them instead of from FLOPs and bytes."""
+    buffer_updates: dict[str, str] = field(default_factory=dict)
+    """Buffers the forward mutates (BatchNorm's running statistics, counters): buffer tensor ->
+    the tensor holding its new value. The runtime writes it back after every forward."""
+    constants: dict[str, Any] = field(default_factory=dict)
+    """Values of the constant leaves (tensors the model creates in forward, lifted by export)."""
     experts: list[str] = field(default_factory=list)
     """Parameters stacked per expert on dim 0 ([E, ...]): those of modules that name them in a
     `hap_expert_params` attribute (hap.models.moe.MoEFFN does). The planner's expert-parallel

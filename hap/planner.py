@@ -28,6 +28,7 @@ from .balance.lp import BalanceError, balance
 from .cost.cluster import Cluster
 from .cost.model import CostModel
 from .ir import Graph
+from .placement import Placement
 from .plan import Plan, program_to_dicts
 from .rules import has_rule, strategies_for
 from .rules.units import ShardClasses
@@ -296,6 +297,26 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
     winner = name if start is families[name][1] else f"{name}'s program at the given ratios"
     return _assemble(graph, cluster, classes, segment_of, program, ratios, est, {}, time.perf_counter() - t0,
                      {"winner": winner, "exhaustive": all(exhaustive)})
+
+
+def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float], kept: dict[str, Placement],
+                    config: PlannerConfig | None = None) -> Plan:
+    """The fastest program for `graph` at fixed `ratios` that keeps every parameter and buffer
+    in the given placement (`kept`, by graph tensor name), so that it runs on state already
+    sharded so: another input shape of a model already training."""
+    config = config or PlannerConfig()
+    t0 = time.perf_counter()
+    strategies = _strategies(graph)
+    classes = ShardClasses(graph, enumerate(strategies))
+    cost = CostModel(graph, cluster, classes, config.optimizer)
+    segment_of = [0] * len(graph.nodes)
+    ratios = [list(ratios)]
+    keep = Restriction(name="the parameters' layout", allow_load=lambda kind, name, p: kept.get(name, p) == p)
+    res = synthesize(graph, strategies, cost, segment_of, ratios, keep, cuts=chunk_cuts(graph) if config.layer_cuts else None,
+                     width=config.width)
+    est = replay(res.program, cost, segment_of, ratios)
+    return _assemble(graph, cluster, classes, segment_of, res.program, ratios, est, {}, time.perf_counter() - t0,
+                     {"winner": "planned for this shape", "exhaustive": res.exhaustive})
 
 
 def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:

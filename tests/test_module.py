@@ -140,13 +140,14 @@ def train_meta(rank, world):
     held = {n: p.numel() for n, p in dmodel.shards.items()}
     losses = train(dmodel, [(x,), (x,)])
     try:
-        dmodel(torch.randn(7, 16))  # neither the global batch (10 rows) nor this rank's part
+        dmodel(torch.randn(7, 16), part=True)  # not this rank's part of the planned batch
         bad_input = None
     except ValueError as e:
         bad_input = str(e)
+    other = dmodel(torch.randn(7, 16, generator=torch.Generator().manual_seed(2))).item()  # a smaller global batch
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
             "meta": all(p.is_meta for p in model.parameters()), "held": held, "bad_input": bad_input,
-            "part": dmodel.input_slices()[0]}
+            "part": dmodel.input_slices()[0], "other": other}
 
 
 def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
@@ -156,8 +157,9 @@ def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
     losses = train(model, [(x,), (x,)])
     for got in reports:
         rows = got["part"][2] if got["part"] is not None else 10
-        assert got["bad_input"] == (f"input x: shape (7, 16) is neither the global batch's (10, 16) nor this rank's "
-                                    f"part of it ({rows}, 16)")
+        assert got["bad_input"] == f"inputs of shape ((7, 16),) are not this rank's part (({rows}, 16),) of the planned batch"
+        assert got["other"] == pytest.approx(model(torch.randn(7, 16, generator=torch.Generator().manual_seed(2))).item(),
+                                             rel=1e-5)
         assert got["meta"]  # the user's model keeps no whole parameter
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():

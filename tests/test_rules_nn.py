@@ -239,7 +239,7 @@ def test_language_model():
 def test_cnn():
     model, inputs = TinyCNN(), cnn_inputs()
     graph = capture(model, inputs)
-    ops = {"aten.conv2d.default", "aten.conv1d.default", "aten.batch_norm.default", "aten.group_norm.default",
+    ops = {"aten.conv2d.default", "aten.conv1d.default", "aten._native_batch_norm_legit_functional.default", "aten.group_norm.default",
            "aten.max_pool2d.default", "aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default",
            "aten.cross_entropy_loss.default"}
     found = check_ops(graph, graph_values(graph, model, inputs), ops)
@@ -248,9 +248,11 @@ def test_cnn():
     assert named(conv, "out-channel", (R, S(0), S(0)), (S(1),))
     assert named(conv, "in-channel", (S(1), S(1), P), (P,))
     assert named(found["aten.conv1d.default"], "in-channel", (S(1), S(1)), (P,))
-    bn = found["aten.batch_norm.default"]
-    assert named(bn, "channel", (S(1), S(0), S(0), S(0), S(0)), (S(1),))
-    assert not any(st.inputs[0] == S(0) for st in bn)  # training batch norm: batch statistics
+    bn = found["aten._native_batch_norm_legit_functional.default"]
+    assert named(bn, "channel", (S(1), S(0), S(0), S(0), S(0)), (S(1), S(0), S(0), S(0), S(0)))
+    # training batch norm shards the batch only with its statistics synchronized
+    assert [st.name for st in bn if st.inputs[0] == S(0)] == ["sync-batch"]
+    assert named(bn, "sync-batch", (S(0), R, R, R, R), (S(0), R, R, R, R))
     assert named(found["aten.max_pool2d.default"], "channel")
     assert named(found["aten.cross_entropy_loss.default"], "batch", (S(0), S(0), R), (P,))
 
@@ -352,6 +354,10 @@ def test_batch_norm_variants():
     functional = _check_op(aten._native_batch_norm_legit_functional.default, x, w, b, mean, var, True, 0.1, 1e-5)
     assert named(functional, "channel", outputs=(S(1), S(0), S(0), S(0), S(0)))
     assert not named(functional, "batch")
+    # synchronized: statistics, running statistics and gradients exact at every ratio checked
+    assert named(functional, "sync-batch", outputs=(S(0), R, R, R, R))
+    no_stats = _check_op(aten._native_batch_norm_legit.no_stats, x, w, b, True, 0.1, 1e-5)
+    assert named(no_stats, "sync-batch", outputs=(S(0), R, R))
     _check_op(aten._native_batch_norm_legit_no_training.default, x, w, b, mean, var, 0.1, 1e-5)
 
 

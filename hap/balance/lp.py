@@ -23,7 +23,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from ..cost.model import CostModel
-from ..search.program import Step, memory_terms
+from ..search.program import Step, memory_terms, synced_bytes
 
 
 class BalanceError(ValueError):
@@ -79,7 +79,6 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
     bwd_const = [0.0] * m
     T = stage_vars()
     stage_terms: list[tuple] = []  # (T pair, fwd coeff rows per device, consts) closed stages
-    sync_bytes = 0.0
     prev_seg = segment_of[program[0].node] if program else 0
 
     def close():
@@ -126,6 +125,10 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
                     comm_cost(kind, nbytes, share)
         prev_seg = seg
         node = graph.nodes[step.node]
+        inner = cost.variant_comm(node, step.strategy)
+        if inner:  # the node synchronizes the devices itself
+            close()
+            lp.const += inner
         fwd, bwd = cost.base_times(node)
         sharded = cost.work_shard(node, step.strategy) is not None
         add(fwd_rows, fwd_const, seg, fwd, sharded)
@@ -137,12 +140,10 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
         for ld in step.loads:
             t = graph.tensors[ld.tensor]
             if t.kind == "param" and t.requires_grad:
-                if ld.placement.kind == "R":
-                    sync_bytes += t.nbytes
                 if any(cost.intra_grad):
                     add(bwd_rows, bwd_const, seg, cost.grad_intra(t.nbytes), ld.placement.is_shard)
     close()
-    lp.const += cost.step_sync(sync_bytes)
+    lp.const += cost.step_sync(synced_bytes(program, graph, segment_of))
 
     for (tf, tb), frows, brows, fc, bc in stage_terms:
         for t, rows, consts in ((tf, frows, fc), (tb, brows, bc)):

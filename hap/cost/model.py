@@ -31,7 +31,7 @@ from typing import Literal, Sequence
 
 from ..ir import Graph, Node
 from ..rules import Strategy
-from ..rules.local import is_random
+from ..rules.local import is_random, variant_collectives
 from ..rules.units import ShardClasses
 from .cluster import Cluster
 
@@ -183,6 +183,13 @@ class CostModel:
             live = sum(1 for s in shares if s > 0)
             return live * f.alpha + nbytes / f.beta + self.intra_coll * nbytes
         return self.comm(kind, nbytes).at(max(shares) if shares else 1.0)
+
+    def variant_comm(self, node: Node, st: Strategy) -> float:
+        """Seconds of the collectives that `st`'s local variant makes inside the node, forward
+        and backward (on whole tensors: no share dependence)."""
+        if st.local is None:
+            return 0.0
+        return sum(self.comm(kind, nbytes).const for kind, nbytes in variant_collectives(node, st, self.graph))
 
     def grad_sync(self, nbytes: float) -> float:
         """One bucketed all-reduce of the replicated parameters' gradients."""

@@ -68,20 +68,24 @@ def has_rule(op: str) -> bool:
     return op in RULES
 
 
-def strategies_for(node: Node, graph: Graph) -> list[Strategy]:
-    """All valid strategies of `node`: its rule's, then replicated and duplicated compute."""
+def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list[Strategy]:
+    """All valid strategies of `node`: its rule's, then replicated and duplicated compute.
+
+    short_shards: also those that shard dims shorter than 2, which the planner never chooses
+    but a program planned for a longer dim may meet at run time (a last batch of one row
+    under a batch-sharded plan: one device holds it, the others empty shards)."""
     _load_families()
     out: list[Strategy] = []
     seen = set()
     rule = RULES.get(node.op)
     found = rule(node, graph) if rule is not None else []
     for st in found:
-        st = _canonical(st, node, graph)
+        st = _canonical(st, node, graph, short_shards)
         if st is not None and (st.inputs, st.outputs) not in seen:
             seen.add((st.inputs, st.outputs))
             out.append(st)
     for st in (_uniform(node, R, "replicated"), _uniform(node, D, "duplicated")):
-        st = _canonical(st, node, graph)
+        st = _canonical(st, node, graph, short_shards)
         if (st.inputs, st.outputs) not in seen:
             seen.add((st.inputs, st.outputs))
             out.append(st)
@@ -92,7 +96,7 @@ def _uniform(node: Node, p: Placement, name: str) -> Strategy:
     return Strategy(tuple(p for _ in node.inputs), tuple(p for _ in node.outputs), name)
 
 
-def _canonical(st: Strategy, node: Node, graph: Graph) -> Strategy | None:
+def _canonical(st: Strategy, node: Node, graph: Graph, short_shards: bool = False) -> Strategy | None:
     """Check shape sanity, write R for D on tensors that carry no gradient, drop impossible ones."""
     assert len(st.inputs) == len(node.inputs), f"{node.op}: rule gave {len(st.inputs)} input placements for {len(node.inputs)} inputs"
     assert len(st.outputs) == len(node.outputs), f"{node.op}: rule gave {len(st.outputs)} output placements for {len(node.outputs)} outputs"
@@ -102,7 +106,7 @@ def _canonical(st: Strategy, node: Node, graph: Graph) -> Strategy | None:
             t = graph.tensors[name]
             if p.kind == "S":
                 assert p.dim < len(t.shape), f"{node.op}: S({p.dim}) on rank-{len(t.shape)} tensor {name}"
-                if t.shape[p.dim] < 2:
+                if t.shape[p.dim] < 2 and not short_shards:
                     return None  # a length-1 dim is never sharded: the tensor stays whole (and its gradient summed)
             if p.kind == "P" and not t.dtype.startswith(("float", "bfloat", "complex")):
                 return None  # integer partial sums are not supported

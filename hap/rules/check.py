@@ -101,7 +101,8 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
             torch.set_rng_state(rng)
             outs.append(run_node(node, st, local_leaves[j], graph, _context(j, m, classes, ratios, None)))
     else:
-        outs = _run_devices(node, st, graph, local_leaves, classes, ratios)
+        devices = _Devices(m)
+        outs = _run_devices(node, st, graph, local_leaves, classes, ratios, devices)
 
     for k, (name, p) in enumerate(zip(node.outputs, st.outputs)):
         expect_shape = [list(graph.tensors[name].shape) for _ in range(m)]
@@ -122,10 +123,17 @@ def check_strategy(node: Node, graph: Graph, st: Strategy, ratios: Sequence[floa
     full_grads = {k: torch.randn(ref[k].shape, generator=gen, dtype=torch.float64).to(ref[k].dtype) for k in diff_outputs}
     torch.autograd.backward([ref[k] for k in diff_outputs], [full_grads[k] for k in diff_outputs])
     local_grads = {k: split_value(full_grads[k], _dual(st.outputs[k]), sizes(node.outputs[k]), m, gen) for k in diff_outputs}
-    for j in range(m):
+
+    def backward(j):
         ks = [k for k in diff_outputs if outs[j][k].requires_grad]
         if ks:
             torch.autograd.backward([outs[j][k] for k in ks], [local_grads[k][j] for k in ks])
+
+    if random_op:
+        for j in range(m):
+            backward(j)
+    else:  # at once: a variant's backward may sum over devices too (synchronized batch norm)
+        devices.run(backward, f"{node.name} [{st}] backward")
     for name in grad_inputs:
         expected = leaves[name].grad
         if expected is None:
@@ -144,40 +152,53 @@ def _call(node: Node, values: dict[str, torch.Tensor]) -> tuple:
     return tuple(out) if isinstance(out, (list, tuple)) else (out,)
 
 
-def _run_devices(node, st, graph, local_leaves, classes, ratios) -> list[tuple]:
-    m = len(local_leaves)
-    barrier = threading.Barrier(m, timeout=120)  # a device that skips a collective fails, not hangs
-    slots: list = [None] * m
-    results: list = [None] * m
-    errors: list = [None] * m
+class _Devices:
+    """m simulated devices, one thread each, with a sum over devices that every device must
+    call (a device that skips one fails the check, it does not hang it)."""
 
-    def all_reduce_for(j):
+    def __init__(self, m: int):
+        self.m = m
+        self.barrier = threading.Barrier(m, timeout=120)
+        self.slots: list = [None] * m
+
+    def all_reduce_for(self, j: int):
         def all_reduce(t: torch.Tensor) -> torch.Tensor:
-            slots[j] = t.detach()
-            barrier.wait()
-            total = sum(slots[1:], slots[0]).clone()
-            barrier.wait()
+            self.slots[j] = t.detach()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0]).clone()
+            self.barrier.wait()
             return total
 
         return all_reduce
 
-    def work(j):
-        ctx = _context(j, m, classes, ratios, all_reduce_for(j))
-        try:
-            results[j] = run_node(node, st, local_leaves[j], graph, ctx)
-        except BaseException as e:  # reported below, on the caller's thread
-            errors[j] = e
-            barrier.abort()
+    def run(self, fn, what: str) -> list:
+        """fn(j) on every device at once; the results in device order."""
+        results: list = [None] * self.m
+        errors: list = [None] * self.m
 
-    threads = [threading.Thread(target=work, args=(j,)) for j in range(m)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    for j, e in enumerate(errors):
-        if e is not None and not isinstance(e, threading.BrokenBarrierError):
-            raise RuleViolation(f"{node.name} [{st}]: device {j} failed: {type(e).__name__}: {e}") from e
-    return results
+        def work(j):
+            try:
+                results[j] = fn(j)
+            except BaseException as e:  # reported below, on the caller's thread
+                errors[j] = e
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=work, args=(j,)) for j in range(self.m)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for j, e in enumerate(errors):
+            if e is not None and not isinstance(e, threading.BrokenBarrierError):
+                raise RuleViolation(f"{what}: device {j} failed: {type(e).__name__}: {e}") from e
+        self.barrier.reset()
+        return results
+
+
+def _run_devices(node, st, graph, local_leaves, classes, ratios, devices: _Devices) -> list[tuple]:
+    return devices.run(lambda j: run_node(node, st, local_leaves[j], graph,
+                                          _context(j, devices.m, classes, ratios, devices.all_reduce_for(j))),
+                       f"{node.name} [{st}]")
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float, atol: float) -> None:

@@ -54,13 +54,30 @@ SIZE_ARGS: dict[str, int] = {
 }
 
 
-def variant(name: str) -> Callable[[VariantFn], VariantFn]:
+# A variant's own collectives, for the cost model: node, graph -> [(kind, bytes)] made in the
+# forward and the backward. Variants not listed make none the cost model must see.
+CollectivesFn = Callable[[Node, Graph], list[tuple[str, float]]]
+VARIANT_COLLECTIVES: dict[str, CollectivesFn] = {}
+
+
+def variant(name: str, collectives: CollectivesFn | None = None) -> Callable[[VariantFn], VariantFn]:
     def deco(fn: VariantFn) -> VariantFn:
         assert name not in VARIANTS, f"local variant {name} registered twice"
         VARIANTS[name] = fn
+        if collectives is not None:
+            VARIANT_COLLECTIVES[name] = collectives
         return fn
 
     return deco
+
+
+def variant_collectives(node: Node, st: Strategy, graph: Graph) -> list[tuple[str, float]]:
+    """The collectives (kind, bytes) that running `node` under `st` makes inside the node."""
+    if st.local is None:
+        return []
+    _load_variants()
+    found = VARIANT_COLLECTIVES.get(st.local)
+    return found(node, graph) if found is not None else []
 
 
 def local_shape(graph: Graph, tensor: str, p: Placement, ctx: LocalContext) -> tuple[int, ...]:
@@ -106,11 +123,17 @@ def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: G
         random_op = _attention_with_dropout if node.op == ATTENTION else _random
         out = random_op(node, st, args, kwargs, ctx, graph)
     else:
+        # A shard may be a strided slice of its tensor where the whole one was contiguous:
+        # views are taken as reshapes (a view where possible, else a copy).
+        target = torch.ops.aten.reshape.default if node.op in _VIEWS else node.target
         try:
-            out = node.target(*args, **kwargs)
+            out = target(*args, **kwargs)
         except RuntimeError as e:  # say which node, under which strategy, on which device
             raise RuntimeError(f"{node.name} = {node.op} [{st}] on device {ctx.device}: {e}") from e
     return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+
+_VIEWS = {"aten.view.default", "aten._unsafe_view.default"}
 
 
 class Made(tuple):

@@ -144,9 +144,78 @@ def batch_norm(node: Node, graph: Graph) -> list[Strategy]:
     found = [Strategy(tuple(ins), tuple(outs), "channel")] if None not in ins + outs else []
     pos = _BATCH_NORMS[node.op]
     training = pos is not None and arg(node, pos, "training")
+    batch = Strategy((S(0),) + (R,) * (len(node.inputs) - 1), (S(0),) + (R,) * (len(node.outputs) - 1), "batch")
     if not training and all(math.prod(shape_of(graph, t)) == 0 for t in node.outputs[1:]):
-        found.append(Strategy((S(0),) + (R,) * (len(node.inputs) - 1), (S(0),) + (R,) * (len(node.outputs) - 1), "batch"))
+        found.append(batch)
+    elif training and node.op in _SYNC_BATCH_NORMS:
+        # Synchronized batch norm: each device sums its rows per channel; one all-reduce of
+        # (sum x, sum x^2) gives every device the batch statistics one device computes,
+        #   mean = sum_j s1_j / N,  var = sum_j s2_j / N - mean^2   (N: the global count),
+        # and the backward all-reduces (sum dxhat, sum dxhat * xhat) the same way. The
+        # statistics and the new running statistics come out whole on every device.
+        found.append(Strategy(batch.inputs, batch.outputs, "sync-batch", "sync_batch_norm"))
     return found
+
+
+# op -> positions of (weight, bias, running_mean, running_var, momentum, eps)
+_SYNC_BATCH_NORMS = {
+    "aten._native_batch_norm_legit_functional.default": (1, 2, 3, 4, 6, 7),
+    "aten._native_batch_norm_legit.no_stats": (1, 2, None, None, 4, 5),
+}
+
+
+def _sync_batch_norm_collectives(node: Node, graph: Graph) -> list[tuple[str, float]]:
+    channels = shape_of(graph, node.inputs[0])[1]
+    return [("all_reduce", 2 * channels * 8)] * 2  # float64 sums, forward and backward
+
+
+@variant("sync_batch_norm", collectives=_sync_batch_norm_collectives)
+def _sync_batch_norm(node, st, args, kwargs, ctx, graph):
+    x = args[0]
+    w, b, rm, rv, momentum, eps = (args[i] if i is not None else None for i in _SYNC_BATCH_NORMS[node.op])
+    whole = shape_of(graph, node.inputs[0])
+    count = math.prod(whole) // whole[1]  # values per channel in the global batch
+    xhat, mean, rstd, var = _SyncNormalize.apply(x, count, eps, ctx.all_reduce)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    out = xhat if w is None else xhat * w.reshape(shape)
+    out = out if b is None else out + b.reshape(shape)
+    outs = [out, mean.to(x.dtype), rstd.to(x.dtype)]
+    if rm is not None:  # the running statistics take the unbiased variance, as torch does
+        unbiased = var * count / max(count - 1, 1)
+        outs += [((1 - momentum) * rm + momentum * mean).to(rm.dtype), ((1 - momentum) * rv + momentum * unbiased).to(rv.dtype)]
+    return tuple(outs)
+
+
+class _SyncNormalize(torch.autograd.Function):
+    """xhat = (x - mean) * rstd with the batch statistics of every device's rows; returns
+    (xhat, mean, rstd, biased var), the last three without gradient. Sums in float64: E[x^2] -
+    mean^2 loses digits in float32."""
+
+    @staticmethod
+    def forward(ctx, x, count, eps, all_reduce):
+        dims = [0, *range(2, x.dim())]
+        xd = x.double()
+        sums = all_reduce(torch.cat([xd.sum(dims), (xd * xd).sum(dims)]))  # [2C]
+        mean, sq = sums.chunk(2)
+        var = (sq / count - (mean / count) ** 2).clamp_min(0)
+        mean = mean / count
+        rstd = (var + eps).rsqrt()
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        xhat = (xd - mean.reshape(shape)) * rstd.reshape(shape)
+        ctx.save_for_backward(xhat, rstd)
+        ctx.count, ctx.all_reduce, ctx.dims, ctx.shape, ctx.dtype = count, all_reduce, dims, shape, x.dtype
+        ctx.mark_non_differentiable(mean, rstd, var)
+        return xhat.to(x.dtype), mean, rstd, var
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        #   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), means over the global batch
+        xhat, rstd = ctx.saved_tensors
+        gd = g.double()
+        sums = ctx.all_reduce(torch.cat([gd.sum(ctx.dims), (gd * xhat).sum(ctx.dims)])) / ctx.count
+        g_mean, gx_mean = (t.reshape(ctx.shape) for t in sums.chunk(2))
+        dx = rstd.reshape(ctx.shape) * (gd - g_mean - xhat * gx_mean)
+        return dx.to(ctx.dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ class ShardClasses:
 
     def granule_count(self, tensor: str, dim: int) -> int:
         root = self.class_of(tensor, dim)
-        return self.granules.get(root) or self._graph.tensors[tensor].shape[dim]
+        # an empty dim (length 0) is one granule of nothing: every device's shard is empty
+        return self.granules.get(root) or max(self._graph.tensors[tensor].shape[dim], 1)
 
     def split_sizes(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[int]:
         n = self.granule_count(tensor, dim)

@@ -29,23 +29,29 @@ from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, su
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
-from ..search.program import Step
+from ..search.program import Step, kept_placements
 from .collectives import Comm, all_reduce, gather_padded, run_move
 
 
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole value of every leaf of `graph`: parameters and buffers of `model` by their
-    qualified names, data inputs in the order the model takes them."""
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    qualified names (a tied parameter under any of its names), constants, and data inputs in
+    the order the model takes them."""
+    state = model_state(model)
     if len(inputs) != len(graph.inputs):
         raise ValueError(f"the model takes {len(graph.inputs)} inputs, got {len(inputs)}")
-    values = dict(zip(graph.inputs, inputs))
+    values = {**graph.constants, **dict(zip(graph.inputs, inputs))}
     for name, t in graph.tensors.items():
         if t.kind in ("param", "buffer"):
             if t.target not in state:
                 raise ValueError(f"the model has no parameter or buffer {t.target!r} (graph tensor {name})")
             values[name] = state[t.target].detach()
     return values
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` under every name it has (tied ones several times)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
 
 
 class Executor:
@@ -64,7 +70,11 @@ class Executor:
         for step in self.program:
             for ld in step.loads:
                 self.loads.setdefault(ld.tensor, set()).add((ld.placement, self.segment_of[step.node]))
+        self.kept = kept_placements(self.program, graph, self.segment_of)
         self.params: dict[str, nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        """This rank's part of every buffer, kept like parameters; mutated ones are updated
+        after each forward (graph.buffer_updates)."""
         self._presliced: frozenset[str] = frozenset()
         self._waited = 0.0  # seconds the current node spent in collectives
         self._node = -1  # the node running now
@@ -76,7 +86,8 @@ class Executor:
         self.tracing = False
         """Label every node and move for torch.profiler (hap train --trace)."""
         self.stored: dict[str, tuple[Placement, int]] = {}
-        """Per parameter: the placement (and segment, for its sizes) this rank keeps it in."""
+        """Per parameter and buffer: the placement (and segment, for its sizes) this rank keeps it in."""
+        self._held_seg: dict[tuple[str, Placement], int] = {}  # segment whose sizes a held value has
 
     def sizes(self, tensor: str, p: Placement, seg: int) -> list[int] | None:
         return self.classes.split_sizes(tensor, p.dim, self.ratios[seg]) if p.is_shard else None
@@ -95,18 +106,20 @@ class Executor:
         return gather_padded(local.contiguous(), p.dim, self.sizes(param, p, seg), self.comm) if p.is_shard else local
 
     def shard_parameters(self, values: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
-        """Keep this rank's part of every parameter the program loads (from whole values built
-        with the same seed on every rank)."""
-        for name in self.graph.params:
-            if name not in self.loads or name not in values:  # values may come a module at a time
+        """Keep this rank's part of every parameter the program loads, and of every buffer
+        (from whole values built with the same seed on every rank), as `kept_placements` says:
+        where that is whole (R) and a node loads a shard, the load is a local move."""
+        for name, t in self.graph.tensors.items():
+            is_param = t.kind == "param" and name in self.kept
+            if not (is_param or t.kind == "buffer") or name not in values:  # values may come a module at a time
                 continue
-            places = self.loads[name]
-            p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
-            if p == P:  # parts of a parameter would each take the whole update: keep it whole
-                p = R
+            p, seg = self.kept.get(name, (R, 0))  # a buffer the forward only overwrites: whole
             self.stored[name] = (p, seg)
             local = self._local(values[name], name, p, seg).clone().contiguous()
-            self.params[name] = nn.Parameter(local, requires_grad=self.graph.tensors[name].requires_grad)
+            if is_param:
+                self.params[name] = nn.Parameter(local, requires_grad=t.requires_grad)
+            else:
+                self.buffers[name] = local
         return self.params
 
     def input_slices(self) -> dict[str, tuple[int, int, int] | None]:
@@ -124,15 +137,18 @@ class Executor:
         return out
 
     def _load(self, tensor: str, p: Placement, seg: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        if tensor in self.params:
-            held, (q, q_seg) = self.params[tensor], self.stored[tensor]
+        if tensor in self.params or tensor in self.buffers:
+            held = self.params[tensor] if tensor in self.params else self.buffers[tensor]
+            q, q_seg = self.stored[tensor]
             if (q, q_seg) == (p, seg) or (p == q and not p.is_shard):
                 return held
-            assert q == R, f"parameter {tensor} kept in {q} but loaded in {p}"
+            assert q == R, f"{tensor} kept in {q} but loaded in {p}"
             return run_move(held, _free_move(p, self.graph.tensors[tensor].requires_grad), self.comm, None,
                             self.sizes(tensor, p, seg))
         if tensor not in values:
-            raise ValueError(f"no value for leaf {tensor} ({self.graph.tensors[tensor].kind})")
+            if tensor not in self.graph.constants:
+                raise ValueError(f"no value for leaf {tensor} ({self.graph.tensors[tensor].kind})")
+            values = self.graph.constants
         if tensor in self._presliced:  # the caller loaded only this rank's part (input_slices)
             return values[tensor]
         if p == P:  # a data input as a partial sum: rank 0 holds it
@@ -176,6 +192,7 @@ class Executor:
                     outs = self._stretch(outs, time.perf_counter() - t0 - self._waited)
             for name, p, out in zip(node.outputs, st.outputs, outs):
                 held[(name, p)] = out
+        self._update_buffers(held)
         loss_p = next(p for (name, p) in held if name == self.graph.loss)
         loss = held[(self.graph.loss, loss_p)]
         if loss_p == P:
@@ -204,6 +221,7 @@ class Executor:
                 for name, p in zip(node.outputs, step.strategy.outputs):
                     held_seg[(name, p)] = seg
                 self._steps.append((node, step.strategy, seg, moves, contexts[seg]))
+                self._held_seg = held_seg
                 call = self._direct_call(node, step.strategy, seg)
                 if call is not None:
                     self._direct[node.index] = call
@@ -242,6 +260,29 @@ class Executor:
             return tuple(out) if isinstance(out, (list, tuple)) else (out,)
 
         return call
+
+    def _update_buffers(self, held: dict[tuple[str, Placement], torch.Tensor]) -> None:
+        """Write every mutated buffer's new value into the buffer as this rank keeps it: a copy
+        where the program holds the value in the buffer's own layout (BatchNorm's statistics
+        under channel or synchronized batch sharding), else made whole (a gather or an
+        all-reduce, the same calls on every rank) and sliced."""
+        with torch.no_grad():
+            for buf, new in self.graph.buffer_updates.items():
+                if buf not in self.buffers:
+                    continue
+                q, q_seg = self.stored[buf]
+                places = [p for (name, p) in held if name == new]
+                assert places, f"the program never computes {new}, the new value of buffer {buf}"
+                p = min(places, key=lambda p: (p != q, p.kind == "P", p.is_shard))
+                x, seg = held[(new, p)].detach(), self._held_seg.get((new, p), q_seg)
+                if p != q or self.sizes(new, p, seg) != self.sizes(buf, q, q_seg):
+                    if p.is_shard:
+                        x = gather_padded(x.contiguous(), p.dim, self.sizes(new, p, seg), self.comm)
+                    elif p == P:
+                        x = all_reduce(x, self.comm)
+                    x = self._local(x, buf, q, q_seg)
+                assert x.shape == self.buffers[buf].shape, f"buffer {buf}: new value {tuple(x.shape)}, kept {tuple(self.buffers[buf].shape)}"
+                self.buffers[buf] = x  # not copied in place: the backward may have saved the old value
 
     def _span(self, label: str):
         """A named span in the Chrome trace while one is recorded (torch.profiler), else nothing."""

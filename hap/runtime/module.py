@@ -15,6 +15,7 @@ are all-reduced in buckets overlapped with the backward (gradsync.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Sequence
 
@@ -26,13 +27,17 @@ from ..capture import capture
 from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan
-from ..planner import PlannerConfig, _strategies, plan as make_plan
+from ..planner import PlannerConfig, _strategies, estimate, plan as make_plan, plan_for_layout
+from ..search.astar import SearchError
+from ..rules import strategies_for
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
-from .executor import Executor, leaf_values
+from .executor import Executor, leaf_values, model_state
 from .gradsync import GradSync
+
+log = logging.getLogger("hap")
 
 
 class HAP(nn.Module):
@@ -55,12 +60,14 @@ class HAP(nn.Module):
             raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster)
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
-        self.comm = comm
-        self.model, self.global_loss = model, global_loss
+        self.comm, self.cluster = comm, cluster
+        object.__setattr__(self, "model", model)  # not a submodule: parameters() are this rank's shards only
+        self.global_loss = global_loss
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
         self.graph = graph = capture(model, tuple(example_inputs))
+        self._state_keys = _state_keys(model, graph)
         self.plan = _agree(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
         segment_of = [s for s, (first, last) in enumerate(self.plan.segments) for _ in range(first, last + 1)]
         classes = ShardClasses(graph, enumerate(_strategies(graph)))
@@ -79,20 +86,30 @@ class HAP(nn.Module):
         whole = [name for name, p in self.shards.items() if ex.stored[name][0] == R and p.requires_grad]
         whole.sort(key=lambda name: -first_use[name])  # gradients arrive last-used first
         self.grad_sync = GradSync([self.shards[name] for name in whole], comm)
-        self._buffers = [(name, t.target) for name, t in graph.tensors.items() if t.kind == "buffer"]
         self._random = any(is_random(node) for node in graph.nodes)
+        self._meta = meta
+        self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}
+        self._parts: dict[int, tuple] = {}  # rank -> its part of the planned batch (shapes)
+        self.shapes: list[dict] = []
+        """Input shapes met besides the planned one, in order: {shapes, estimated_seconds}."""
 
-    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+    def forward(self, *batch: torch.Tensor, part: bool | None = None) -> torch.Tensor:
         """The loss of the global batch. Each input is given whole (the global batch) or as this
-        rank's part of it (rows `input_slices()` names), which is all this rank then loads."""
+        rank's part of it (rows `input_slices()` names), which is all this rank then loads. A
+        batch of another shape (the last, smaller batch of an epoch; another sequence length)
+        is given whole: the plan's program runs it at the plan's ratios (captured once per
+        shape, reported in `shapes`).
+
+        part: whether the inputs are this rank's part of the planned batch; None: told by their
+        shapes, which must then not also fit a global batch that every rank could be given
+        (equal parts on every rank: say part=True or part=False)."""
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
-        values = dict(zip(self.graph.inputs, batch))  # parameters are the executor's shards
-        values.update((name, self.model.get_buffer(target).detach()) for name, target in self._buffers)
-        presliced = frozenset(self._given_as_part(batch))
-        part = self.executor.forward(values, presliced)  # this rank's part of the loss
+        values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
+        ex, presliced = self._executor_for(batch, part)
+        part = ex.forward(values, presliced)  # this rank's part of the loss
         if not self.global_loss:
             return part
         total = all_reduce(part.detach(), self.comm)
@@ -108,18 +125,84 @@ class HAP(nn.Module):
         """This rank's part of a global batch (what `input_slices` names)."""
         return tuple(x if s is None else x.narrow(*s) for x, s in zip(batch, self.input_slices()))
 
-    def _given_as_part(self, batch: Sequence[torch.Tensor]) -> list[str]:
-        parts = []
-        for name, x, s in zip(self.graph.inputs, batch, self.input_slices()):
-            whole = tuple(self.graph.tensors[name].shape)
-            if tuple(x.shape) == whole:
-                continue
-            mine = whole if s is None else tuple(s[2] if d == s[0] else n for d, n in enumerate(whole))
-            if tuple(x.shape) != mine:
-                raise ValueError(f"input {name}: shape {tuple(x.shape)} is neither the global batch's {whole} nor "
-                                 f"this rank's part of it {mine}")
-            parts.append(name)
-        return parts
+    def _executor_for(self, batch: Sequence[torch.Tensor], part: bool | None) -> tuple[Executor, frozenset[str]]:
+        """The executor for these inputs, and which of them are this rank's part: the planned
+        shape (whole, or this rank's part of it), or another global batch shape (a last, smaller
+        batch; another sequence length), met before or new."""
+        key = tuple(tuple(x.shape) for x in batch)
+        mine = self._part_shapes(self.comm.rank)
+        if part:
+            if key != mine:
+                raise ValueError(f"inputs of shape {key} are not this rank's part {mine} of the planned batch")
+            return self.executor, frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
+        parts = self._given_as_part(batch) if part is None else None
+        if parts and len({self._part_shapes(r) for r in range(self.comm.world)}) == 1:
+            raise ValueError(f"inputs of shape {key} are every rank's part of the planned batch and could be a "
+                             "global batch too: call dmodel(*batch, part=True) or part=False")
+        if parts:
+            return self.executor, frozenset(parts)
+        found = self._by_shape.get(key)
+        if found is None:
+            found = self._by_shape[key] = self._reuse_plan(batch, key)
+        return found, frozenset()
+
+    def _part_shapes(self, rank: int) -> tuple:
+        """Rank `rank`'s part of the planned batch: its inputs' shapes."""
+        if rank in self._parts:
+            return self._parts[rank]
+        out = []
+        for name in self.graph.inputs:
+            shape = list(self.graph.tensors[name].shape)
+            places = self.executor.loads.get(name, set())
+            if len(places) == 1 and next(iter(places))[0].is_shard:
+                p, seg = next(iter(places))
+                shape[p.dim] = self.executor.sizes(name, p, seg)[rank]
+            out.append(tuple(shape))
+        self._parts[rank] = tuple(out)
+        return self._parts[rank]
+
+    def _given_as_part(self, batch: Sequence[torch.Tensor]) -> list[str] | None:
+        """The inputs given as this rank's part of the planned batch, or None where the inputs
+        are not the planned batch nor this rank's part of it."""
+        mine = self._part_shapes(self.comm.rank)
+        if tuple(tuple(x.shape) for x in batch) != mine or mine == _shapes_of(self.graph):
+            return None
+        return [name for name, x in zip(self.graph.inputs, batch) if tuple(x.shape) != tuple(self.graph.tensors[name].shape)]
+
+    def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple) -> Executor:
+        """Run a batch of another shape (the global batch, on every rank) with the plan's
+        program at the plan's ratios: captured at this shape once, its shards cut by the same
+        shares, parameters and buffers shared with the planned executor. Where the program
+        cannot run this shape (the model's graph changes with it), a one-line ValueError."""
+        planned = _shapes_of(self.graph)
+        seen: list = [None] * self.comm.world
+        dist.all_gather_object(seen, key, group=self.comm.group)
+        if len(set(seen)) > 1:
+            raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))}: a batch of a shape other "
+                             f"than the planned {planned} must be given whole (the global batch) on every rank")
+        inputs = tuple(x.to("meta") for x in batch) if self._meta else tuple(batch)
+        base = self.executor
+        try:
+            graph = capture(self.model, inputs)
+            plan, how = self.plan, "the plan's program at its ratios"
+            if not _runs(plan, graph):  # the graph changed with the shape: plan it, keeping the layout
+                if len(self.plan.ratios) > 1:
+                    raise ValueError("its graph differs and the plan has several segments")
+                kept = {name: p for name, (p, _) in base.stored.items()}  # every rank plans; they must agree
+                plan = _agree(plan_for_layout(graph, self.cluster, self.plan.ratios[0], kept), self.comm)
+                how = f"a program planned for it in {plan.synthesis_seconds:.2f} s"
+            ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))), base.segment_of
+                          if plan is self.plan else [0] * len(graph.nodes), plan.ratios, self.comm)
+            for name, (p, seg) in base.stored.items():
+                if ex.kept.get(name, (p, seg)) != (p, seg) or ex.sizes(name, p, seg) != base.sizes(name, p, seg):
+                    raise ValueError(f"{self.graph.tensors[name].target} would be split otherwise")
+        except (ValueError, SearchError) as e:
+            raise ValueError(f"inputs of shape {key}: the plan for {planned} cannot run them: {e}") from None
+        ex.params, ex.buffers, ex.stored, ex.tracing = base.params, base.buffers, base.stored, base.tracing
+        seconds = estimate(graph, self.cluster, plan).seconds
+        self.shapes.append({"shapes": key, "run": how, "estimated_seconds": seconds})
+        log.info("hap: inputs of shape %s run %s (estimated %.1f ms per step)", key, how, seconds * 1e3)
+        return ex
 
     def _sync_rng(self) -> None:
         state = torch.get_rng_state()
@@ -157,6 +240,45 @@ class HAP(nn.Module):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
         return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's state dict, whole, under the keys of `model.state_dict()` (a tied
+        parameter under each of its names): it loads into the original model, which then
+        evaluates as the distributed one. A collective: all ranks call it; every rank gets it."""
+        ex, out, whole = self.executor, {}, {}
+        for key, name in self._state_keys.items():
+            if name is None or name not in ex.stored:  # not used by the forward: never trained, as on one device
+                out[key] = self.model.state_dict()[key].detach().clone()
+                continue
+            if name not in whole:
+                local = self.shards[name] if name in self.shards else ex.buffers[name]
+                whole[name] = ex.whole(name, local.detach()).clone()
+            out[key] = whole[name]
+        return out
+
+def _runs(plan: Plan, graph) -> bool:
+    """Whether the plan's program runs `graph` (the model at another input shape) as it is."""
+    try:
+        program = plan.steps(graph)
+    except ValueError:
+        return False
+    for step in program:
+        node, st = graph.nodes[step.node], step.strategy
+        if (st.inputs, st.outputs) not in {(o.inputs, o.outputs) for o in strategies_for(node, graph, short_shards=True)}:
+            return False
+    return len(program) == len(graph.nodes)
+
+
+def _shapes_of(graph) -> tuple:
+    return tuple(tuple(graph.tensors[name].shape) for name in graph.inputs)
+
+
+def _state_keys(model: nn.Module, graph) -> dict[str, str | None]:
+    """Each key of model.state_dict() -> the graph leaf holding its tensor (tied parameters:
+    several keys, one leaf), or None for tensors the forward does not use."""
+    state = model_state(model)
+    leaf_of = {id(state[t.target]): name for name, t in graph.tensors.items() if t.kind in ("param", "buffer")}
+    return {key: leaf_of.get(id(v)) for key, v in model.state_dict(keep_vars=True).items()}
 
 
 def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | None):

@@ -78,6 +78,7 @@ class _Option:
     bwd: tuple[float, ...]
     sync_bytes: float
     outs: tuple[int, ...]  # properties produced
+    inner: float = 0.0  # seconds of the collectives the strategy makes inside the node (a stage boundary)
 
 
 class _State:
@@ -234,7 +235,7 @@ class _Space:
                 if found is None:
                     found = priced[(alike, i)] = step_compute(cost, k, st, loads, r)
                 fwd, bwd, sync_bytes = found
-                ok.append(_Option(st, reqs, loads, fwd, bwd, sync_bytes, outs))
+                ok.append(_Option(st, reqs, loads, fwd, bwd, sync_bytes, outs, cost.variant_comm(node, st)))
             if not ok:
                 raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
             opts.append(ok)
@@ -387,6 +388,9 @@ class _Space:
                     new_props.update(outs)
                 else:
                     new_props = props.union(outs)
+                if opt.inner:  # the node synchronizes the devices itself
+                    c_closed += max(c_fwd) + max(c_bwd) + opt.inner
+                    c_fwd = c_bwd = zero
                 c_fwd = tuple(map(float.__add__, c_fwd, opt.fwd))
                 c_bwd = tuple(map(float.__add__, c_bwd, opt.bwd))
                 synced = s.synced

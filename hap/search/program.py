@@ -22,7 +22,7 @@ from typing import Sequence
 
 from ..cost.model import CostModel
 from ..ir import Graph
-from ..placement import Placement
+from ..placement import P, R, Placement
 from ..rules import Strategy
 from .moves import Move
 
@@ -104,7 +104,9 @@ def move_seconds(cost: CostModel, tensor: str, mv: Move, ratios_before: Sequence
 
 
 def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[Load], ratios: Sequence[float]):
-    """(forward per device, backward per device, bytes of replicated-parameter gradients)."""
+    """(forward per device, backward per device, bytes of replicated-parameter gradients). The
+    search's view of gradient sync, one step at a time: a parameter loaded R at its first use.
+    Pricing a whole program counts what the runtime syncs instead (`synced_bytes`)."""
     graph = cost.graph
     node = graph.nodes[step_node]
     fwd, bwd = cost.base_times(node)
@@ -123,7 +125,7 @@ def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[
         t = graph.tensors[ld.tensor]
         if t.kind != "param" or not t.requires_grad:
             continue
-        if ld.placement.kind == "R":
+        if ld.placement.kind == "R" and t.consumers[0] == step_node:  # a shared parameter: once
             sync_bytes += t.nbytes
         local = cost.shares(ld.tensor, ld.placement.dim, ratios) if ld.placement.is_shard else (1.0,) * cost.m
         if any(cost.intra_grad):
@@ -139,7 +141,6 @@ def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
     bound on the exact cost)."""
     m = cost.m
     stages = [Stage(fwd=[0.0] * m, bwd=[0.0] * m)]
-    sync_bytes = 0.0
     prev_seg = segment_of[program[0].node] if program else 0
     cut_set = set(cuts)
     for step in program:
@@ -152,14 +153,41 @@ def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
             if ms.move.communicates:
                 stages.append(Stage(comm=f + b, collectives=[f"{ms.move.name}({ms.tensor})"], fwd=[0.0] * m, bwd=[0.0] * m))
         prev_seg = seg
-        fwd, bwd, sb = step_compute(cost, step.node, step.strategy, step.loads, ratios[seg])
+        inner = cost.variant_comm(cost.graph.nodes[step.node], step.strategy)
+        if inner:  # the node synchronizes the devices itself (synchronized batch norm)
+            stages.append(Stage(comm=inner, collectives=[f"{step.strategy.local}({cost.graph.nodes[step.node].name})"],
+                                fwd=[0.0] * m, bwd=[0.0] * m))
+        fwd, bwd, _ = step_compute(cost, step.node, step.strategy, step.loads, ratios[seg])
         cur = stages[-1]
         cur.fwd = [a + b for a, b in zip(cur.fwd, fwd)]
         cur.bwd = [a + b for a, b in zip(cur.bwd, bwd)]
-        sync_bytes += sb
-    grad_sync = cost.step_sync(sync_bytes)
+    grad_sync = cost.step_sync(synced_bytes(program, cost.graph, segment_of))
     total = sum(s.seconds for s in stages) + grad_sync
     return Estimate(seconds=total, stages=stages, grad_sync=grad_sync, memory=memory(program, cost, segment_of, ratios))
+
+
+def kept_placements(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, tuple[Placement, int]]:
+    """How every device keeps each parameter and buffer the program loads: in the one
+    placement it is loaded in (with that segment, for its sizes), or whole (R) where it is
+    loaded in several or as a partial sum (whose parts would each take the whole update).
+    The runtime keeps them so, and the cost model prices memory and gradient sync by it."""
+    loaded: dict[str, set[tuple[Placement, int]]] = {}
+    for step in program:
+        for ld in step.loads:
+            if graph.tensors[ld.tensor].kind in ("param", "buffer"):
+                loaded.setdefault(ld.tensor, set()).add((ld.placement, segment_of[step.node]))
+    kept = {}
+    for name, places in loaded.items():
+        p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
+        kept[name] = (R, 0) if p == P else (p, seg)
+    return kept
+
+
+def synced_bytes(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> float:
+    """Bytes of gradient the step all-reduces: each trainable parameter kept whole, once however
+    many nodes use it (a tied embedding)."""
+    return float(sum(graph.tensors[name].nbytes for name, (p, _) in kept_placements(program, graph, segment_of).items()
+                     if p == R and graph.tensors[name].kind == "param" and graph.tensors[name].requires_grad))
 
 
 def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int]):
@@ -170,22 +198,18 @@ def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[
     Activations are counted as all saved for the backward (an upper bound).
     """
     graph = cost.graph
-    param_place: dict[str, set[tuple[Placement, int]]] = {}
     act_place: dict[str, set[tuple[Placement, int]]] = {}
     for step in program:
         seg = segment_of[step.node]
-        for ld in step.loads:
-            if graph.tensors[ld.tensor].kind == "param":
-                param_place.setdefault(ld.tensor, set()).add((ld.placement, seg))
         node = graph.nodes[step.node]
         for name, p in zip(node.outputs, step.strategy.outputs):
             act_place.setdefault(name, set()).add((p, seg))
         for ms in step.moves:
             act_place.setdefault(ms.tensor, set()).add((ms.move.dst, seg))
     terms = []
-    for name, places in param_place.items():
-        p, seg = next(iter(places)) if len(places) == 1 else (None, 0)
-        terms.append((name, p, seg, graph.tensors[name].nbytes * cost.state_factor, True))
+    for name, (p, seg) in kept_placements(program, graph, segment_of).items():
+        if graph.tensors[name].kind == "param":  # kept once, however many nodes use it
+            terms.append((name, p, seg, graph.tensors[name].nbytes * cost.state_factor, True))
     for name, places in act_place.items():
         for p, seg in places:
             terms.append((name, p, seg, graph.tensors[name].nbytes, False))

@@ -1,0 +1,79 @@
+"""Shared parameters and mutated buffers, without process groups: a tied embedding is one
+parameter (one layout, its gradient synchronized and its state counted once), and the buffers
+a forward mutates are the graph's buffer updates."""
+
+import torch
+import torch.nn as nn
+
+import hap
+from hap.cost.model import CostModel
+from hap.planner import _strategies, baseline_plan
+from hap.rules.units import ShardClasses
+from hap.search.program import kept_placements, memory_terms, synced_bytes
+
+V, H, B, L = 50, 16, 6, 5
+
+
+class TiedLM(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.mix = nn.Linear(H, H)
+        self.head = nn.Linear(H, V, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight  # one parameter under two names
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.mix(self.emb(ids))))
+        return nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (B, L), generator=gen), torch.randint(0, V, (B, L), generator=gen)
+
+
+def priced_dp(tie: bool):
+    graph = hap.capture(TiedLM(tie), inputs())
+    cluster = hap.load_cluster("local-homo")
+    plan = baseline_plan(graph, cluster, "dp-ev")
+    program = plan.steps(graph)
+    segment_of = [0] * len(graph.nodes)
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(_strategies(graph))))
+    return graph, program, segment_of, cost
+
+
+def test_tied_embedding_is_one_parameter_synced_once():
+    graph, program, segment_of, cost = priced_dp(tie=True)
+    weight = [p for p in graph.params if graph.tensors[p].shape == (V, H)]
+    assert len(weight) == 1 and len(graph.params) == 3  # emb/head weight, mix weight and bias
+    (w,) = weight
+    assert len(graph.tensors[w].consumers) == 2  # the embedding and the output projection
+    loads = [ld for st in program for ld in st.loads if ld.tensor == w]
+    assert len(loads) == 2 and kept_placements(program, graph, segment_of)[w][0] == hap.placement.R
+    # data parallel: every parameter kept whole, each gradient all-reduced once
+    assert synced_bytes(program, graph, segment_of) == graph.param_bytes
+    state = [t for t in memory_terms(program, cost, segment_of) if t[0] == w]
+    assert len(state) == 1 and state[0][3] == graph.tensors[w].nbytes * cost.state_factor
+
+    untied_graph, untied, untied_seg, _ = priced_dp(tie=False)
+    # untied, the head has its own [V, H] weight: exactly that much more to synchronize
+    assert synced_bytes(untied, untied_graph, untied_seg) == graph.param_bytes + V * H * 4
+
+
+def test_batch_norm_statistics_are_buffer_updates():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(2, 3, 8, 8))  # materialize the lazy layer
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.net(x), y)
+
+    graph = hap.capture(Loss(), (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 1, 0])))
+    targets = {graph.tensors[b].target: graph.tensors[new] for b, new in graph.buffer_updates.items()}
+    assert set(targets) == {"net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"}
+    assert targets["net.1.running_mean"].shape == (4,) and targets["net.1.num_batches_tracked"].dtype == "int64"

@@ -1,0 +1,162 @@
+"""The model-zoo tier: eight architectures from Hugging Face transformers (hap.models.zoo: random
+init, tiny configs) are captured, planned on `local` (2 ranks) and `local-4` (4 ranks), and
+trained 2 SGD-with-momentum steps on real gloo ranks. Loss, every gradient (each step),
+parameters and buffers after the steps equal one device's. Where hap's plan leaves a device
+idle (tiny models often run on one device), data parallelism at skewed ratios is run too, so
+every model also trains on every device with uneven shards.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -s tests/test_zoo.py    # -s: the table
+
+HAP_ZOO_REPORT=FILE writes the measured table as JSON.
+"""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from gloo import run_ranks
+
+import hap
+from hap.models import zoo
+from hap.plan import Plan
+from hap.planner import baseline_plan
+
+STEPS = 2
+LR = 0.05
+SKEW = {2: [0.6, 0.4], 4: [0.4, 0.3, 0.2, 0.1]}  # adversarial uneven data-parallel shares
+CLUSTERS = {"local": 2, "local-4": 4}
+RTOL, ATOL = 2e-4, 2e-5
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def train_reference(name):
+    """One device: losses, gradients per step (under every name of a parameter), the state dict
+    after the steps, the buffers' keys, and how many parameters get a gradient."""
+    model, batches = zoo.build(name, STEPS)
+    opt = sgd(model.parameters())
+    losses, grads, with_grad = [], [], []
+    for batch in batches:
+        torch.manual_seed(1)  # dropout's masks: the distributed run draws from the same state
+        loss = model(*batch)
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False) if p.grad is not None})
+        with_grad.append(sum(1 for p in model.parameters() if p.grad is not None))  # tied ones once
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {k for k, _ in model.named_buffers()}
+    return {"losses": losses, "grads": grads, "with_grad": with_grad, "state": state, "buffers": buffers}
+
+
+def train_ranks(rank, world, cluster_name, jobs):
+    """Every job (model, label, plan) on this rank: losses, whole gradients and state dict."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, label, plan_json in jobs:
+        model, batches = zoo.build(name, STEPS)
+        dmodel = hap.HAP(model, hap.load_cluster(cluster_name), batches[0], plan=Plan.from_json(plan_json))
+        opt = sgd(dmodel.parameters())
+        losses, grads = [], []
+        for batch in batches:
+            torch.manual_seed(1)
+            loss = dmodel(*batch)
+            loss.backward()
+            ex = dmodel.executor
+            grads.append({dmodel.graph.tensors[n].target: ex.whole(n, p.grad).tolist()
+                          for n, p in dmodel.shards.items() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        state = {k: v.tolist() for k, v in dmodel.full_state_dict().items()}
+        out[f"{name}/{label}"] = {"losses": losses, "grads": grads, "state": state} if rank == 0 else {}
+    return out
+
+
+def plans_for(name, cluster_name):
+    """hap's plan, plus skewed data parallelism where hap's plan leaves a device idle; and the
+    seconds capture and planning took."""
+    model, batches = zoo.build(name, STEPS)
+    t0 = time.perf_counter()
+    graph = hap.capture(model, batches[0])
+    t1 = time.perf_counter()
+    cluster = hap.load_cluster(cluster_name)
+    plan = hap.plan(graph, cluster)
+    t2 = time.perf_counter()
+    jobs = [("hap", plan)]
+    if min(plan.ratios[0]) == 0:
+        jobs.append(("dp-skewed", baseline_plan(graph, cluster, "dp-cp", ratios=SKEW[cluster.size])))
+    return jobs, {"capture_s": t1 - t0, "plan_s": t2 - t1, "ratios": [round(r, 3) for r in plan.ratios[0]],
+                  "winner": plan.search.get("winner")}
+
+
+def max_diff(got, want) -> float:
+    got = torch.tensor(got, dtype=torch.float64) if not isinstance(got, torch.Tensor) else got.double()
+    want = want.double()
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.allclose(got, want, rtol=RTOL, atol=ATOL), f"max abs difference {(got - want).abs().max():.3g}"
+    return float((got - want).abs().max()) if got.numel() else 0.0
+
+
+def compare(report, ref) -> dict:
+    """Largest differences from one device, each checked against the tolerance."""
+    worst = {"loss": max_diff(report["losses"], torch.tensor(ref["losses"])), "grad": 0.0, "param": 0.0, "buffer": 0.0}
+    for step, (got, want) in enumerate(zip(report["grads"], ref["grads"])):
+        assert set(got) <= set(want), f"step {step + 1}: gradients one device does not have: {set(got) - set(want)}"
+        # one gradient per parameter, a tied one once
+        assert len(got) == ref["with_grad"][step], f"step {step + 1}: {len(got)} gradients, one device has {ref['with_grad'][step]}"
+        for key, g in got.items():
+            try:
+                worst["grad"] = max(worst["grad"], max_diff(g, want[key]))
+            except AssertionError as e:
+                raise AssertionError(f"step {step + 1} gradient of {key}: {e}") from None
+    assert set(report["state"]) == set(ref["state"]), f"state dict keys differ: {set(report['state']) ^ set(ref['state'])}"
+    for key, want in ref["state"].items():
+        got = report["state"][key]
+        kind = "buffer" if key in ref["buffers"] else "param"
+        if not want.is_floating_point():  # counters: exactly one device's
+            assert torch.equal(torch.tensor(got, dtype=want.dtype), want), f"{key} after {STEPS} steps: {got} != {want}"
+            continue
+        try:
+            worst[kind] = max(worst[kind], max_diff(got, want))
+        except AssertionError as e:
+            raise AssertionError(f"{key} after {STEPS} steps: {e}") from None
+    return worst
+
+
+@pytest.mark.parametrize("cluster_name", list(CLUSTERS))
+def test_zoo_trains_like_one_device(cluster_name, tmp_path):
+    world = CLUSTERS[cluster_name]
+    jobs, facts = [], {}
+    for name in zoo.ZOO:
+        found, facts[name] = plans_for(name, cluster_name)
+        jobs += [(name, label, plan.to_json()) for label, plan in found]
+    reports = run_ranks(train_ranks, world, tmp_path, cluster_name, jobs)[0]
+    rows, failures = [], []
+    for name in zoo.ZOO:
+        reference = train_reference(name)
+        for key in [k for k in reports if k.startswith(f"{name}/")]:
+            try:
+                worst = compare(reports[key], reference)
+            except AssertionError as e:
+                failures.append(f"{key} on {cluster_name}: {e}")
+                continue
+            rows.append({"model": name, "plan": key.split("/")[1], **facts[name], **worst})
+    _print_table(cluster_name, rows)
+    if os.environ.get("HAP_ZOO_REPORT"):
+        with open(os.environ["HAP_ZOO_REPORT"] + f".{cluster_name}.json", "w") as f:
+            json.dump(rows, f, indent=1)
+    assert not failures, "\n".join(failures)
+    assert len(rows) >= len(zoo.ZOO)
+
+
+def _print_table(cluster_name, rows):
+    print(f"\nzoo on {cluster_name}: capture s | plan s | hap's ratios | plan run | max |diff| loss, grad, param, buffer")
+    for r in rows:
+        print(f"  {r['model']:9s} {r['capture_s']:5.2f} {r['plan_s']:6.2f}  {r['ratios']}  {r['plan']:10s} "
+              f"{r['loss']:.1e} {r['grad']:.1e} {r['param']:.1e} {r['buffer']:.1e}")
