@@ -1,5 +1,6 @@
 # Two commands: `make run` (install, plan ViT-24 on the paper's heterogeneous testbed, then
-# train a small ViT on the local emulated cluster) and `make test` (install, then the whole
+# train a small VGG19 on the local emulated cluster, its slow device taking its share, priced
+# from node times calibrated on this machine once and cached in .hap-cache/) and `make test` (install, then the whole
 # test suite). Everything lives in ./.venv.
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -20,7 +21,7 @@ install: $(VENV)/.installed
 run: install
 	mkdir -p out
 	$(VENV)/bin/hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out/plan-vit24.json
-	OMP_NUM_THREADS=1 $(VENV)/bin/hap train --model vit --scale small --cluster local --steps 10
+	OMP_NUM_THREADS=1 $(VENV)/bin/hap train --model vgg19 --scale small --hidden 64 --batch 64 --cluster local --calibrate --steps 30
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest

@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     t.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
     t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank: DIR/rank<r>.json")
+    t.add_argument("--calibrate", action="store_true",
+                   help="price the plan from the model's own node times measured on this cluster (cached in .hap-cache/)")
+    t.add_argument("--emulate", action="store_true",
+                   help="run a cluster of devices not on this machine as local processes at this machine's speed")
 
     f = sub.add_parser("profile", help="measure a cluster's devices and collectives; write a cluster file")
     f.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
@@ -113,8 +117,16 @@ def cmd_train(args) -> int:
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if not cluster.local and not args.emulate:
+        raise UserError(f"cluster {cluster.name!r} describes {cluster.gpus} GPUs that are not on this machine; hap train "
+                        "runs one local process per device: use a local cluster (local, local-homo, local-4, a file "
+                        "`hap profile` wrote) or pass --emulate to run its devices here at this machine's speed")
+    if not cluster.local:
+        say(f"emulating {cluster.name}'s {cluster.size} devices as local processes at this machine's speed (--emulate)")
     graph = _build_graph(args, cluster.gpus, say)
     say(cluster.describe())
+    if args.calibrate:
+        graph.timing = _calibrated(args, graph, cluster, say)
     result = plan(graph, cluster, progress=None) if args.strategy == "hap" else baseline_plan(graph, cluster, args.strategy)
     print(result.summary())
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,6 +143,23 @@ def cmd_train(args) -> int:
     if args.trace:
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json")
     return 0
+
+
+def _calibrated(args, graph, cluster, say):
+    """The graph's node times measured on this cluster (profile.calibrated_timing), cached."""
+    import torch
+
+    from .models import build
+    from .runtime.profile import calibrated_timing
+
+    torch.manual_seed(0)
+    model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
+                          experts=args.experts, devices=cluster.gpus, scale=args.scale)
+    t0 = time.perf_counter()
+    timing, cached = calibrated_timing(graph, model, inputs, cluster, cache_dir=".hap-cache")
+    say("node times calibrated on this cluster: " + ("from .hap-cache/" if cached else
+                                                        f"measured in {time.perf_counter() - t0:.0f} s, cached in .hap-cache/"))
+    return timing
 
 
 def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
@@ -153,22 +182,22 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     traced = min(3, args["steps"]) if args["trace"] else 0
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
     times = []
+    progress = _Progress(args["steps"]) if rank == 0 else None
     for step in range(args["steps"]):
         if profiler is not None and step == args["steps"] - traced:
             dmodel.executor.tracing = True
             profiler.start()
         t0 = time.perf_counter()
-        loss = dmodel(*mine)  # the loss must fall
+        loss = dmodel(*mine, part=True)  # the loss must fall
         loss.backward()
         norm = dmodel.clip_grad_norm_(args["clip"]) if args["clip"] else None
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        if rank == 0:
-            bar = "#" * (20 * (step + 1) // args["steps"])
-            clipped = f"  grad norm {norm:.3f}" if norm is not None else ""
-            print(f"step {step + 1:4d}/{args['steps']} [{bar:<20}] loss {loss.item():.4f}  {times[-1] * 1e3:7.1f} ms"
-                  f"{clipped}", flush=True)
+        if progress is not None:
+            progress.step(loss.item(), times[-1], norm)
+    if progress is not None:
+        progress.close()
     if profiler is not None:
         profiler.stop()
         os.makedirs(args["trace"], exist_ok=True)
@@ -176,6 +205,30 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     if rank == 0:
         with open(times_path, "w") as f:
             json.dump(times, f)
+
+
+class _Progress:
+    """Training progress: one updating line on a terminal (tqdm), else a line every tenth of
+    the steps (and the last)."""
+
+    def __init__(self, steps: int):
+        from tqdm import tqdm
+
+        self.steps, self.done = steps, 0
+        self.bar = tqdm(total=steps, unit="step", dynamic_ncols=True) if sys.stdout.isatty() else None
+
+    def step(self, loss: float, seconds: float, norm) -> None:
+        self.done += 1
+        clipped = f"  grad norm {norm:.3f}" if norm is not None else ""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}  {seconds * 1e3:.1f} ms{clipped}", refresh=False)
+            self.bar.update()
+        elif self.done % max(1, self.steps // 10) == 0 or self.done == self.steps:
+            print(f"step {self.done:4d}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms{clipped}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def cmd_profile(args) -> int:

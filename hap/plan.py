@@ -109,8 +109,7 @@ class Plan:
             lines.append(f"  {name:6s} {b['seconds'] * 1e3:9.1f} ms   hap is {speedup:.2f}x" + ("" if b.get("fits", True) else "  (does not fit in memory)"))
         for s, r in enumerate(self.ratios):
             lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
-        mem = " ".join(f"{b / 2**30:.2f}" for b in self.memory_bytes)
-        lines.append(f"  memory per GPU (GiB): {mem}")
+        lines.append(f"  memory per GPU: {' '.join(_size(b) for b in self.memory_bytes)}")
         kinds: dict[str, int] = {}
         for ins in self.program:
             kinds[ins["strategy"]] = kinds.get(ins["strategy"], 0) + 1
@@ -135,6 +134,14 @@ class Plan:
             outs_text = ", ".join(f"{t}:{p}" for t, p in ins["outputs"])
             out.append(f"{outs_text} = {ins['op'].removeprefix('aten.')}({ins_text})   # {ins['strategy']}")
         return "\n".join(out)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that fits: 812 KiB, 3.4 MiB, 15.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def program_to_dicts(steps: list[Step], graph: Graph) -> list[dict]:

@@ -85,6 +85,9 @@ class Cluster:
     devices: tuple[Device, ...]
     collectives: dict[str, Fit] = field(default_factory=dict)
     """One fit per name in COLLECTIVES."""
+    local: bool = False
+    """Its devices are processes on this machine (the built-in local clusters, files `hap profile`
+    writes, files that say `local: true`): what `hap train` runs without being told to emulate."""
     emulated_network: tuple[float, float] | None = None
     """(bandwidth bytes/s, latency s) that the local runtime emulates on every collective by
     sleeping (`network: {..., emulate: true}`); None: links run at this machine's speed."""
@@ -128,6 +131,8 @@ class Cluster:
         if self.emulated_network is not None:
             bandwidth, latency = self.emulated_network
             out["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+        if self.local:
+            out["local"] = True
         return out
 
 
@@ -233,9 +238,11 @@ def _parse_device(spec, i: int) -> list[Device]:
 def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
     if not isinstance(spec, dict):
         raise ClusterError(f"a cluster spec is a mapping with 'devices'; got {type(spec).__name__}")
-    unknown = set(spec) - {"name", "devices", "network", "collectives"}
+    unknown = set(spec) - {"name", "devices", "network", "collectives", "local"}
     if unknown:
-        raise ClusterError(f"unknown top-level key(s) {sorted(unknown)}; allowed: name, devices, network, collectives")
+        raise ClusterError(f"unknown top-level key(s) {sorted(unknown)}; allowed: name, devices, network, collectives, local")
+    if not isinstance(spec.get("local", False), bool):
+        raise ClusterError(f"local must be true or false, got {spec['local']!r}")
     devs_spec = spec.get("devices")
     if not isinstance(devs_spec, list) or not devs_spec:
         raise ClusterError("'devices' must be a non-empty list")
@@ -270,7 +277,7 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
     if len(devices) == 1:
         fits = fits_from_network(1, 1.0, 0.0)
     return Cluster(name=str(spec.get("name", default_name)), devices=devices, collectives=fits,
-                   emulated_network=emulated)
+                   local=spec.get("local", False), emulated_network=emulated)
 
 
 def load_cluster(path_or_name: str | Path) -> Cluster:
@@ -328,11 +335,11 @@ def local_cluster(slowdowns: tuple[float, ...], name: str) -> Cluster:
                            mem_bandwidth=6e10 / s, op_overhead=1e-5 * (2 * s - 1), slowdown=s)
                     for i, s in enumerate(slowdowns))
     if len(devices) == 1:
-        return Cluster(name=name, devices=devices, collectives=fits_from_network(1, 1.0, 0.0))
+        return Cluster(name=name, devices=devices, collectives=fits_from_network(1, 1.0, 0.0), local=True)
     fits = {"all_reduce": Fit(alpha=4.5e-4, beta=1.0e9), "all_gather": Fit(alpha=4e-4, beta=1.4e9),
             "reduce_scatter": Fit(alpha=1e-3, beta=1.5e9), "all_to_all": Fit(alpha=3e-4, beta=3e9),
             "broadcast": Fit(alpha=2.2e-4, beta=2e9)}
-    return Cluster(name=name, devices=devices, collectives=fits)
+    return Cluster(name=name, devices=devices, collectives=fits, local=True)
 
 
 BUILTIN = {

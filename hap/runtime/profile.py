@@ -247,6 +247,8 @@ def profile_cluster(cluster: Cluster, comm: Comm, quick: bool = False) -> dict |
     if cluster.emulated_network is not None:
         bandwidth, latency = cluster.emulated_network
         spec["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+    if cluster.local:
+        spec["local"] = True
     spec["report"] = {"devices": reports, "collectives": fits}
     return spec
 
@@ -453,3 +455,39 @@ def _calibrate_rank(rank: int, model: nn.Module, inputs, plans: list[str], clust
         runs(keep=i >= 2)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(runs.result(), f)
+
+
+# -- calibrated node times, cached ---------------------------------------------------------------
+
+def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster,
+                      cache_dir: str | None = None) -> tuple[NodeTiming, bool]:
+    """The graph's node times on this cluster (measure_nodes at the full and a quarter batch,
+    then calibrate_nodes), read from `cache_dir` where this graph was calibrated on this
+    cluster before; and whether they came from the cache. The cache key is the graph's ops and
+    shapes, the cluster spec and the torch version: another model, size or cluster measures anew."""
+    key = _timing_key(graph, cluster)
+    path = os.path.join(cache_dir, f"timing-{key}.json") if cache_dir else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            found = json.load(f)
+        scale = found.pop("device_scale")
+        return NodeTiming(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()},
+                          device_scale=tuple(map(tuple, scale)) if scale else None), True
+    speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
+    small = tuple(t[: max(1, t.shape[0] // 4)] for t in inputs)
+    timing = calibrate_nodes(measure_nodes(graph, model, inputs, speed, small), model, inputs, cluster)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(timing), f)
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+    return timing, False
+
+
+def _timing_key(graph: Graph, cluster: Cluster) -> str:
+    import hashlib
+
+    shape = [(n.op, [graph.tensors[t].shape for t in (*n.inputs, *n.outputs)]) for n in graph.nodes]
+    text = json.dumps([shape, cluster.to_dict(), torch.__version__], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
