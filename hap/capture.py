@@ -107,11 +107,13 @@ def _functional(ep: ExportedProgram) -> ExportedProgram:
     with warnings.catch_warnings():  # torch's own pytree deprecation notices, not the user's business
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions({})
-    for fx in ep.graph.nodes:
-        if fx.op == "get_attr" or (fx.op == "call_function" and isinstance(fx.target, torch._ops.HigherOrderOperator)):
-            op = fx.target if fx.op == "get_attr" else fx.target.name()
-            raise CaptureError(f"unsupported higher-order op {op} at {_scope(fx) or 'the top module'} "
-                               f"(node {fx.name}): hap captures plain ATen ops only")
+    left = [fx for fx in ep.graph.nodes if fx.op == "call_function" and isinstance(fx.target, torch._ops.HigherOrderOperator)]
+    left += [fx for fx in ep.graph.nodes if fx.op == "get_attr"]  # a submodule no op of ours calls
+    if left:
+        fx = left[0]
+        op = fx.target.name() if fx.op == "call_function" else f"submodule {fx.target}"
+        raise CaptureError(f"unsupported higher-order op {op} at {_scope(fx) or 'the top module'} "
+                           f"(node {fx.name}): hap captures plain ATen ops only")
     return ep
 
 

@@ -1,9 +1,10 @@
 """Capture: the graph IR marks what needs gradients per output, and FLOPs come from torch."""
 
+import pytest
 import torch
 import torch.nn as nn
 
-from hap.capture import capture
+from hap.capture import CaptureError, capture
 
 torch.set_num_threads(1)
 
@@ -45,3 +46,72 @@ def test_loss_params_and_flops():
     second = next(n for n in linears if n.flops == 2 * 5 * 16 * 1)
     assert second.bwd_flops == 2 * (2 * 5 * 16 * 1)  # grads of its input and its weight
     assert first.bwd_flops == 2 * 5 * 8 * 16  # the weight's grad only: the data x needs none
+
+
+class Regions(nn.Module):
+    """A torch.no_grad() region and an autocast region: export wraps both in higher-order ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.cast = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.frozen(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = self.cast(x)
+        return (y * z.float()).sum()
+
+
+def test_wrapper_regions_are_inlined_with_their_semantics():
+    graph = capture(Regions(), (torch.randn(3, 4),))
+    assert not any("higher_order" in n.op for n in graph.nodes)
+    by_target = {graph.tensors[p].target: graph.tensors[p] for p in graph.params}
+    frozen = [graph.nodes[c] for c in by_target["frozen.weight"].consumers]
+    assert [n.op for n in frozen] == ["aten.detach.default"]  # no gradient reaches it, as on one device
+    linear = next(n for n in graph.nodes if n.op == "aten.linear.default" and graph.tensors[n.outputs[0]].dtype == "bfloat16")
+    assert graph.tensors[linear.outputs[0]].requires_grad  # the autocast linear trains, in bfloat16
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.cond(y.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (y,)).sum()
+
+
+def test_control_flow_is_a_one_line_error_naming_op_and_module():
+    with pytest.raises(CaptureError) as err:
+        capture(Branches(), (torch.randn(3, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "higher-order op cond" in text, text
+
+
+def test_buffer_mutation_and_input_mutation():
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen += x.shape[0]
+            return self.lin(x).sum()
+
+    graph = capture(Counts(), (torch.randn(3, 4),))
+    assert [graph.tensors[b].target for b in graph.buffer_updates] == ["seen"]
+
+    class Scribbles(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x):
+            x.mul_(2)
+            return self.lin(x).sum()
+
+    with pytest.raises(CaptureError, match="forward mutates its input x in place"):
+        capture(Scribbles(), (torch.randn(3, 4),))
