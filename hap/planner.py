@@ -277,26 +277,8 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
         if len(ratios) != cluster.size or min(ratios) < 0 or not math.isclose(sum(ratios), 1.0, abs_tol=1e-6):
             raise ValueError(f"ratios must be {cluster.size} non-negative shares summing to 1, got {list(ratios)}")
         start = tuple(ratios)
-    config = config or PlannerConfig()
-    t0 = time.perf_counter()
-    strategies = _strategies(graph)
-    classes = ShardClasses(graph, enumerate(strategies))
-    cost = CostModel(graph, cluster, classes, config.optimizer)
-    segment_of = [0] * len(graph.nodes)
-    ratios = [list(start)]
-    cuts = chunk_cuts(graph) if config.layer_cuts else None
-    exhaustive = []
-
-    def search(rs, restriction):
-        res = synthesize(graph, strategies, cost, segment_of, rs, restriction, cuts=cuts, width=config.width)
-        exhaustive.append(res.exhaustive)
-        return res.program
-
-    program = _baseline_program(search, ratios, restriction)
-    est = replay(program, cost, segment_of, ratios)
     winner = name if start is families[name][1] else f"{name}'s program at the given ratios"
-    return _assemble(graph, cluster, classes, segment_of, program, ratios, est, {}, time.perf_counter() - t0,
-                     {"winner": winner, "exhaustive": all(exhaustive)})
+    return _plan_at(graph, cluster, start, config, lambda search, rs: _baseline_program(search, rs, restriction), winner)
 
 
 def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float], kept: dict[str, Placement],
@@ -304,19 +286,33 @@ def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float], kep
     """The fastest program for `graph` at fixed `ratios` that keeps every parameter and buffer
     in the given placement (`kept`, by graph tensor name), so that it runs on state already
     sharded so: another input shape of a model already training."""
+    keep = Restriction(name="the parameters' layout", allow_load=lambda kind, name, p: kept.get(name, p) == p)
+    return _plan_at(graph, cluster, ratios, config, lambda search, rs: search(rs, keep), "planned for this shape")
+
+
+def _plan_at(graph: Graph, cluster: Cluster, ratios: Sequence[float], config: PlannerConfig | None,
+             find: Callable, winner: str) -> Plan:
+    """A one-segment plan at fixed ratios whose program `find(search, ratios)` finds, where
+    search(ratios, restriction) runs the synthesis."""
     config = config or PlannerConfig()
     t0 = time.perf_counter()
     strategies = _strategies(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     cost = CostModel(graph, cluster, classes, config.optimizer)
     segment_of = [0] * len(graph.nodes)
-    ratios = [list(ratios)]
-    keep = Restriction(name="the parameters' layout", allow_load=lambda kind, name, p: kept.get(name, p) == p)
-    res = synthesize(graph, strategies, cost, segment_of, ratios, keep, cuts=chunk_cuts(graph) if config.layer_cuts else None,
-                     width=config.width)
-    est = replay(res.program, cost, segment_of, ratios)
-    return _assemble(graph, cluster, classes, segment_of, res.program, ratios, est, {}, time.perf_counter() - t0,
-                     {"winner": "planned for this shape", "exhaustive": res.exhaustive})
+    rs = [list(ratios)]
+    cuts = chunk_cuts(graph) if config.layer_cuts else None
+    exhaustive = []
+
+    def search(ratios, restriction):
+        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, cuts=cuts, width=config.width)
+        exhaustive.append(res.exhaustive)
+        return res.program
+
+    program = find(search, rs)
+    est = replay(program, cost, segment_of, rs)
+    return _assemble(graph, cluster, classes, segment_of, program, rs, est, {}, time.perf_counter() - t0,
+                     {"winner": winner, "exhaustive": all(exhaustive)})
 
 
 def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:

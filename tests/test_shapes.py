@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from gloo import run_ranks
+from test_module import train
 
 import hap
 from hap.models import zoo
@@ -21,18 +22,6 @@ def batches():
     gen = torch.Generator().manual_seed(3)
     shapes = [(8, 16), (5, 16), (1, 16), (8, 8), (8, 16)]
     return [(ids, ids.clone()) for ids in (torch.randint(0, zoo.VOCAB, s, generator=gen) for s in shapes)]
-
-
-def train(model, data):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for batch in data:
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def train_ranks(rank, world, plan_json):
