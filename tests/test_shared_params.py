@@ -77,3 +77,24 @@ def test_batch_norm_statistics_are_buffer_updates():
     targets = {graph.tensors[b].target: graph.tensors[new] for b, new in graph.buffer_updates.items()}
     assert set(targets) == {"net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"}
     assert targets["net.1.running_mean"].shape == (4,) and targets["net.1.num_batches_tracked"].dtype == "int64"
+
+
+def test_synchronized_batch_norm_is_priced_as_its_all_reduces():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.head = nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.Linear(6, 2)
+
+        def forward(self, x, y):
+            h = self.bn(self.conv(x)).relu().mean((2, 3))
+            return nn.functional.cross_entropy(self.head(h), y)
+
+    graph = hap.capture(Net(), (torch.randn(8, 3, 10, 10), torch.randint(0, 2, (8,))))
+    cluster = hap.load_cluster("local")
+    plan = baseline_plan(graph, cluster, "dp-cp")  # data parallel: the batch norm must synchronize
+    bn = [ins for ins in plan.program if "batch_norm" in ins["op"]]
+    assert [ins["strategy"] for ins in bn] == ["sync-batch"]
+    stage = next(s for s in plan.stages if any(c.startswith("sync_batch_norm(") for c in s["collectives"]))
+    # forward and backward each all-reduce 2 float64 sums per channel: 2 * 6 * 8 bytes
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(_strategies(graph))))
+    assert stage["comm"] == 2 * cost.comm("all_reduce", 2 * 6 * 8).const > 0
