@@ -7,9 +7,12 @@
 
 Rank 0 plans (or the plan given is used), every rank receives the same plan, checks that its
 digest agrees with every other rank's and that the plan is for this many ranks, captures the
-model itself and keeps only its part of each parameter. The returned loss has the value of the
-global loss on every rank; its backward is exact, and the gradients of parameters kept whole
-are all-reduced in buckets overlapped with the backward (gradsync.py).
+model itself and keeps only its part of each parameter and buffer. The returned loss has the
+value of the global loss on every rank; its backward is exact, the gradients of parameters kept
+whole are all-reduced in buckets overlapped with the backward (gradsync.py), and the buffers the
+model mutates (BatchNorm's statistics) are updated as on one device. `full_state_dict()` gives
+the trained state whole, under the model's own keys. A batch of another shape runs the plan's
+program at the plan's ratios, or one planned for it on the same layout (`shapes` lists them).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan
 from ..planner import PlannerConfig, _strategies, estimate, plan as make_plan, plan_for_layout
-from ..search.astar import SearchError
 from ..rules import strategies_for
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
+from ..search.astar import SearchError
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
