@@ -4,7 +4,7 @@ from hap.rules import strategies_for
 from hap.rules.check import check_strategy
 from hap.rules.units import ShardClasses
 
-RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15])  # adversarial uneven splits, 2 and 3 devices
+RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15], [0.0, 0.6, 0.4])  # adversarial uneven splits; an idle rank 0
 
 
 def check_ops(graph, ops) -> dict:

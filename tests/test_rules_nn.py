@@ -23,7 +23,7 @@ from hap.rules.local import substitute
 from hap.rules.units import ShardClasses
 
 torch.set_num_threads(1)
-RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15])
+RATIOS = ([0.6, 0.4], [0.55, 0.3, 0.15], [0.0, 0.6, 0.4])  # the last: an idle rank 0, which holds P addends
 aten = torch.ops.aten
 
 

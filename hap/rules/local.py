@@ -105,8 +105,9 @@ def substitute(obj, values: dict[str, torch.Tensor]):
 def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: Graph, ctx: LocalContext) -> tuple:
     """Run `node` under strategy `st` on this device's local input tensors (by tensor name)."""
     empty = _empty_outputs(node, st, values, graph, ctx)
-    if empty is not None:
+    if isinstance(empty, Made):
         return empty
+    values = values if empty is None else empty
     args = substitute(node.args, values)
     kwargs = substitute(node.kwargs, values)
     pos = SIZE_ARGS.get(node.op)
@@ -142,11 +143,11 @@ class Made(tuple):
 
 
 def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: Graph, ctx: LocalContext):
-    """A device with a zero ratio holds empty shards. Where its shard of every output is empty
-    it has nothing to compute, and some ops refuse empty operands (a convolution with no output
-    channels); where its outputs are partial sums over a dim it holds none of, they are zeros.
-    Either way the outputs are made directly, tied to the inputs so that their gradients are
-    zeros, not missing."""
+    """A device with a zero ratio holds empty shards, and some ops refuse or misread empty
+    operands. Returns None (run the op as it is), the outputs made directly (Made: where this
+    device's shard of every output is empty, it has nothing to compute; they are tied to the
+    inputs so that their gradients are zeros, not missing), or the inputs to run the op on
+    instead (_fill_empty_contraction)."""
     if st.local is not None:  # a variant may call collectives, which every device must join: run it
         return None
     if all(x.numel() for x in values.values() if isinstance(x, torch.Tensor)):  # the common case
@@ -157,10 +158,12 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
     shapes = [local_shape(graph, name, p, ctx) for name, p in zip(node.outputs, st.outputs)]
     if not shapes or not any(graph.tensors[name].numel for name in node.outputs):  # empty on one device too
         return None
-    # Partial sums over a contracted dim this device holds none of are zeros (an empty sum);
-    # torch would instead contract nothing into a wrongly shaped result.
     if any(math.prod(shape) for shape in shapes) and not all(p.kind == "P" for p in st.outputs):
         return None
+    if any(p.kind == "P" for p in st.inputs):  # an additive term this device may owe
+        return _fill_empty_contraction(node, st, values)
+    # Partial sums over a contracted dim this device holds none of are zeros (an empty sum);
+    # torch would instead contract nothing into a wrongly shaped result.
     ties = [x.sum() * 0 for x in values.values() if isinstance(x, torch.Tensor) and x.requires_grad]
     outs = []
     for name, shape in zip(node.outputs, shapes):
@@ -169,6 +172,22 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
             out = out + sum(ties)
         outs.append(out)
     return Made(outs)
+
+
+def _fill_empty_contraction(node: Node, st: Strategy, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Partial sums over a contracted dim this device holds none of, plus an additive term it
+    may owe (linear's or a convolution's bias, loaded as P: rank 0's part is the bias). The
+    empty sum is zero, but torch contracts nothing into a wrongly shaped result (a convolution
+    over no input channels keeps no output channels). One zero slice in place of each empty
+    shard contracts to the same zero, in the right shape, with the additive term added.
+    Law: for out = f(x, W) + b, f linear in each sharded operand: f(x_{}, W_{}) = f(0, 0) = 0."""
+    filled = dict(values)
+    for name, p in zip(node.inputs, st.inputs):
+        x = values.get(name)
+        if isinstance(x, torch.Tensor) and p.is_shard and x.shape[p.dim] == 0:
+            zero = x.new_zeros([1 if d == p.dim else n for d, n in enumerate(x.shape)])
+            filled[name] = torch.cat([x, zero], p.dim)  # gradient: the empty shard's, empty
+    return filled
 
 
 def _load_variants() -> None:
