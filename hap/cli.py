@@ -2,6 +2,7 @@
 
     hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
     hap train --model vit --scale small --cluster local --steps 20 [--strategy dp-ev]
+    hap train --model vit --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]
     hap profile --cluster local -o local-profiled.yaml   # measure devices and collectives
     hap clusters                      # list the built-in clusters
     hap cluster paper-hetero-8        # show one (or a YAML file) as the planner reads it
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="price the plan from the model's own node times measured on this cluster (cached in .hap-cache/)")
     t.add_argument("--emulate", action="store_true",
                    help="run a cluster of devices not on this machine as local processes at this machine's speed")
+    t.add_argument("--checkpoint", metavar="DIR",
+                   help="write sharded checkpoints to DIR (at the last step, and every --checkpoint-every steps)")
+    t.add_argument("--checkpoint-every", type=int, metavar="N", help="write a checkpoint every N steps")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint DIR (any plan, ratios or cluster size) "
+                        "up to --steps in all")
 
     f = sub.add_parser("profile", help="measure a cluster's devices and collectives; write a cluster file")
     f.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
@@ -116,6 +123,7 @@ def cmd_train(args) -> int:
     cluster = load_cluster(args.cluster)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    resume = _resume_from(args)
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not cluster.local and not args.emulate:
         raise UserError(f"cluster {cluster.name!r} describes {cluster.gpus} GPUs that are not on this machine; hap train "
@@ -124,6 +132,9 @@ def cmd_train(args) -> int:
     if not cluster.local:
         say(f"emulating {cluster.name}'s {cluster.size} devices as local processes at this machine's speed (--emulate)")
     graph = _build_graph(args, cluster.gpus, say)
+    if resume is not None:
+        _check_checkpoint(resume[0], graph)
+        say(f"resuming from {resume[0]} (step {resume[1]})")
     say(cluster.describe())
     if args.calibrate:
         graph.timing = _calibrated(args, graph, cluster, say)
@@ -143,6 +154,41 @@ def cmd_train(args) -> int:
     if args.trace:
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json")
     return 0
+
+
+def _resume_from(args) -> tuple[str, int] | None:
+    """The checkpoint --resume continues from and its step (None: train from the start)."""
+    from .runtime.checkpoint import latest
+
+    if args.checkpoint is None:
+        if args.resume or args.checkpoint_every is not None:
+            raise UserError(f"{'--resume' if args.resume else '--checkpoint-every'} needs --checkpoint DIR")
+        return None
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UserError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if not args.resume:
+        return None
+    found = latest(args.checkpoint)
+    if found is None:
+        raise UserError(f"--resume: no checkpoint in {args.checkpoint}")
+    if found[1] >= args.steps:
+        raise UserError(f"--resume: the latest checkpoint in {args.checkpoint} is at step {found[1]}, "
+                        f"so --steps {args.steps} leaves nothing to train")
+    return found
+
+
+def _check_checkpoint(path: str, graph) -> None:
+    """The checkpoint must be of this model (its every parameter and buffer, by key and shape),
+    said here once rather than by every rank."""
+    from .runtime.checkpoint import check
+
+    used = {name for node in graph.nodes for name in node.inputs}
+    shapes = {t.target: t.shape for name, t in graph.tensors.items()
+              if t.kind == "buffer" or (t.kind == "param" and name in used)}
+    try:
+        check(path, shapes)
+    except ValueError as e:
+        raise UserError(f"--resume: {e}") from None
 
 
 def _calibrated(args, graph, cluster, say):
@@ -171,6 +217,7 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     from .cost.cluster import load_cluster
     from .models import build
     from .plan import Plan
+    from .runtime import checkpoint
     from .runtime.module import HAP
 
     torch.manual_seed(0)  # the same model on every rank
@@ -179,11 +226,13 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=Plan.from_json(plan_path))
     mine = dmodel.local_batch(*batch)  # each rank keeps only its part of the (fixed, synthetic) batch
     opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"], momentum=0.9)
-    traced = min(3, args["steps"]) if args["trace"] else 0
+    start = checkpoint.load(dmodel, opt, args["checkpoint"])[0] if args["resume"] else 0
+    every = args["checkpoint_every"] or args["steps"]
+    traced = min(3, args["steps"] - start) if args["trace"] else 0
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
     times = []
-    progress = _Progress(args["steps"]) if rank == 0 else None
-    for step in range(args["steps"]):
+    progress = _Progress(args["steps"], start) if rank == 0 else None
+    for step in range(start, args["steps"]):
         if profiler is not None and step == args["steps"] - traced:
             dmodel.executor.tracing = True
             profiler.start()
@@ -196,6 +245,10 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
         times.append(time.perf_counter() - t0)
         if progress is not None:
             progress.step(loss.item(), times[-1], norm)
+        if args["checkpoint"] and ((step + 1) % every == 0 or step + 1 == args["steps"]):
+            path = checkpoint.save(dmodel, opt, args["checkpoint"], step + 1)
+            if progress is not None:
+                progress.note(f"checkpoint at step {step + 1}: {path}")
     if progress is not None:
         progress.close()
     if profiler is not None:
@@ -211,11 +264,11 @@ class _Progress:
     """Training progress: one updating line on a terminal (tqdm), else a line every tenth of
     the steps (and the last)."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, done: int = 0):
         from tqdm import tqdm
 
-        self.steps, self.done = steps, 0
-        self.bar = tqdm(total=steps, unit="step", dynamic_ncols=True) if sys.stdout.isatty() else None
+        self.steps, self.done = steps, done
+        self.bar = tqdm(total=steps, initial=done, unit="step", dynamic_ncols=True) if sys.stdout.isatty() else None
 
     def step(self, loss: float, seconds: float, norm) -> None:
         self.done += 1
@@ -225,6 +278,13 @@ class _Progress:
             self.bar.update()
         elif self.done % max(1, self.steps // 10) == 0 or self.done == self.steps:
             print(f"step {self.done:4d}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms{clipped}", flush=True)
+
+    def note(self, line: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -110,6 +110,28 @@ def test_dropout_local_batches_and_clipping_like_one_device(tmp_path):
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
+def train_dropout_idle_rank0(rank, world):
+    """Data parallel with rank 0 holding no rows: it computes nothing, yet its generator,
+    which every forward shares with the others, must move on as one device's does."""
+    from hap.planner import baseline_plan
+
+    model, batches = small_vit(dropout=0.2)
+    cluster = hap.load_cluster("local")
+    plan = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp", ratios=[0.0, 1.0])
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    torch.manual_seed(1)  # one seed for the whole run, as the reference's
+    return {"losses": train(dmodel, batches + batches)}
+
+
+def test_an_idle_rank_0_draws_dropout_masks_like_one_device(tmp_path):
+    reports = run_ranks(train_dropout_idle_rank0, 2, tmp_path)
+    model, batches = small_vit(dropout=0.2)
+    torch.manual_seed(1)
+    losses = train(model, batches + batches)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+
+
 class Wide(torch.nn.Module):
     def __init__(self, d=16, h=48):
         super().__init__()

@@ -150,6 +150,8 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
     instead (_fill_empty_contraction)."""
     if st.local is not None:  # a variant may call collectives, which every device must join: run it
         return None
+    if is_random(node):  # an idle device still draws what one device draws: the generators stay as one
+        return None
     if all(x.numel() for x in values.values() if isinstance(x, torch.Tensor)):  # the common case
         return None
     starved = [name for name, x in values.items() if isinstance(x, torch.Tensor) and x.numel() == 0]

@@ -99,6 +99,10 @@ class Executor:
         sizes = self.sizes(tensor, p, seg)
         return full.narrow(p.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank])
 
+    def stored_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole parameter or buffer, as it keeps it."""
+        return self._local(full, name, *self.stored[name])
+
     def whole(self, param: str, local: torch.Tensor) -> torch.Tensor:
         """A parameter's (or its gradient's) whole value from this rank's part (a collective
         where the parameter is sharded: every rank calls it)."""

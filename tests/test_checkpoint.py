@@ -1,0 +1,291 @@
+"""Sharded checkpoints (hap.runtime.checkpoint) on real gloo ranks: a checkpoint written under
+one layout (a plan that shards parameters, buffers and so optimizer state unevenly, ratios,
+a number of ranks) loads under another and training goes on exactly as on one device; a run
+whose rank is killed resumes from its last checkpoint and ends where an uninterrupted run
+does; a save that dies midway leaves the previous checkpoint the latest; `hap train
+--checkpoint/--resume`; checkpoints of another model are one-line errors.
+
+The model, an MLP with batch norm, has parameters, buffers (running statistics) and, under
+the sharded layout, rows of each split [17, 7] (or [12, 7, 5, 0] on four ranks: a rank with
+none). fc1 has no bias: batch norm makes its gradient zero in theory, which Adam would turn
+from rounding noise into full steps."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from gloo import run_ranks
+
+import hap
+from hap.placement import S
+from hap.planner import baseline_plan, plan_for_layout
+from hap.runtime import checkpoint
+from hap.runtime.launch import RankFailed
+
+CLUSTERS = {2: "local-homo", 4: "local-4"}
+SHARDED = {"p_fc1_weight": S(0), "p_bn_weight": S(0), "p_bn_bias": S(0), "b_bn_running_mean": S(0),
+           "b_bn_running_var": S(0), "p_fc2_weight": S(1)}
+"""Megatron-style: fc1's rows, batch norm's channels and fc2's columns split alike."""
+
+
+class MLP(nn.Module):
+    def __init__(self, d=12, h=24, extra=False):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(d, h, bias=False), nn.BatchNorm1d(h), nn.Linear(h, d)
+        self.out = nn.Linear(d, d) if extra else None
+
+    def forward(self, x, y):
+        z = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        return ((self.out(z) if self.out is not None else z) - y).pow(2).mean()
+
+
+def batch(step):
+    """The batch of a step: a function of the step index only, so a resumed run sees the same data."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(10, 12, generator=gen), torch.randn(10, 12, generator=gen)
+
+
+def optimizer(params, kind):
+    return torch.optim.Adam(params, lr=0.01) if kind == "adam" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def distributed(world, layout, **model_args):
+    """The model under `layout`: ("sharded" or "dp", ratios)."""
+    torch.manual_seed(0)
+    model = MLP(**model_args).train()
+    cluster = hap.load_cluster(CLUSTERS[world])
+    graph = hap.capture(model, batch(0))
+    kind, ratios = layout
+    plan = plan_for_layout(graph, cluster, ratios, SHARDED) if kind == "sharded" else \
+        baseline_plan(graph, cluster, "dp-cp", ratios=ratios)
+    return hap.HAP(model, cluster, batch(0), plan=plan)
+
+
+def whole(dmodel, opt):
+    """The model's and the optimizer's state, whole, by the model's keys (a collective)."""
+    optim = {}
+    for name, p in dmodel.shards.items():
+        optim[dmodel.graph.tensors[name].target] = {
+            k: (dmodel.executor.whole(name, v) if v.dim() and v.shape == p.shape else v).tolist()
+            for k, v in opt.state[p].items()}
+    return {"model": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}, "optim": optim}
+
+
+def reference(steps, kind):
+    """The same training on one device, plain torch."""
+    torch.manual_seed(0)
+    model = MLP().train()
+    opt = optimizer(model.parameters(), kind)
+    for step in range(steps):
+        model(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    optim = {name: opt.state[p] for name, p in model.named_parameters()}
+    return model.state_dict(), optim
+
+
+def assert_like_reference(got, steps, kind):
+    """Parameters, buffers and optimizer state as one device's after `steps`; the random
+    generator as rank 0's was at the checkpoint (seeded 0, see train)."""
+    torch.manual_seed(0)
+    assert got["drawn"] == torch.rand(3).tolist()
+    model, optim = reference(steps, kind)
+    for key, v in model.items():
+        assert torch.allclose(torch.tensor(got["model"][key], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), key
+    for key, state in optim.items():
+        for k, v in state.items():
+            assert torch.allclose(torch.tensor(got["optim"][key][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), (key, k)
+
+
+def train(rank, world, layout, kind, directory, steps, resume=False, every=None, die=None, keep=None):
+    """Train to `steps` (from the latest checkpoint when resuming), saving every `every` steps
+    (keeping the last `keep`).
+    die: (rank, step, where) -- that rank kills itself after that step, or ("save") inside
+    the checkpoint's writer at the save of that step, or ("commit") raises just before the
+    rename that makes it the latest."""
+    dmodel = distributed(world, layout)
+    opt = optimizer(dmodel.parameters(), kind)
+    start, extra = checkpoint.load(dmodel, opt, directory) if resume else (0, None)
+    drawn = torch.rand(3).tolist()  # after a load: what rank 0's generator drew next at the save
+    for step in range(start, steps):
+        dmodel(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        if die is not None and die[:2] == (rank, step + 1):
+            _inject(die[2])
+        if every and (step + 1) % every == 0:
+            torch.manual_seed(rank)  # the ranks' generators differ: a checkpoint keeps rank 0's
+            checkpoint.save(dmodel, opt, directory, step + 1, extra={"seen": step + 1}, keep=keep)
+    return {"start": start, "extra": extra, "drawn": drawn, **whole(dmodel, opt)}
+
+
+def _inject(where):
+    """A failure where the test wants it (the worker's doing, not the product's)."""
+    if where == "step":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif where == "save":  # killed while writing its part of the checkpoint
+        import torch.distributed.checkpoint as dcp
+
+        def write_data(self, plan, planner):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        dcp.FileSystemWriter.write_data = write_data
+    else:  # every part written, then an error before the rename
+        def commit(*args):
+            raise OSError("injected: disk full")
+
+        checkpoint._commit = commit
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint at step 3 of Adam training under the sharded layout at 0.7 / 0.3."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    run_ranks(train, 2, tmp_path_factory.mktemp("reports"), ("sharded", [0.7, 0.3]), "adam", str(directory), 3, False, 3)
+    return directory
+
+
+@pytest.mark.parametrize("world, layout", [(2, ("sharded", [0.4, 0.6])), (2, ("dp", [0.4, 0.6])),
+                                           (4, ("sharded", [0.5, 0.3, 0.2, 0.0]))],
+                         ids=["other-ratios", "data-parallel", "four-ranks"])
+def test_checkpoint_loads_under_another_layout(saved, tmp_path, world, layout):
+    for got in run_ranks(train, world, tmp_path, layout, "adam", str(saved), 5, True):
+        assert got["start"] == 3 and got["extra"] == {"seen": 3}
+        assert_like_reference(got, 5, "adam")
+
+
+def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(RankFailed, match="rank 1 died from signal SIGKILL"):
+        run_ranks(train, 2, tmp_path, ("sharded", [0.7, 0.3]), "sgd", directory, 8, False, 2, (1, 5, "step"))
+    assert checkpoint.latest(directory) == (os.path.join(directory, "step-00000004"), 4)
+    for got in run_ranks(train, 2, tmp_path, ("dp", [0.4, 0.6]), "sgd", directory, 8, True, 2, None, 2):
+        assert got["start"] == 4
+        assert_like_reference(got, 8, "sgd")  # momentum buffers included
+    assert sorted(os.listdir(directory)) == ["latest", "step-00000006", "step-00000008"]  # the last two kept
+
+
+def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
+    directory, empty_first = str(tmp_path / "ckpt"), ("sharded", [0.0, 1.0])  # rank 0 holds no rows: no shards
+    with pytest.raises(RankFailed, match="rank 1 died from signal SIGKILL"):  # killed while writing step 4
+        run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, False, 2, (1, 4, "save"))
+    assert sorted(os.listdir(directory)) == [".tmp-step-00000004", "latest", "step-00000002"]
+    with pytest.raises(RankFailed, match="injected: disk full"):  # resumed, written in full, not renamed
+        run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, True, 2, (0, 4, "commit"))
+    assert os.path.exists(os.path.join(directory, ".tmp-step-00000004", ".metadata"))
+    assert checkpoint.latest(directory)[1] == 2
+    for got in run_ranks(train, 2, tmp_path, ("sharded", [0.7, 0.3]), "sgd", directory, 2, True):
+        assert got["start"] == 2
+        assert_like_reference(got, 2, "sgd")
+
+
+def wrong_checkpoints(rank, world, directory):
+    dmodel = distributed(2, ("sharded", [0.7, 0.3]))
+    opt = optimizer(dmodel.parameters(), "sgd")
+    errors = {}
+    try:
+        checkpoint.load(dmodel, opt, os.path.join(directory, "empty"))
+    except ValueError as e:
+        errors["empty"] = str(e)
+    checkpoint.save(dmodel, opt, directory, 0)  # no optimizer state yet: none is saved
+    errors["again"] = checkpoint.save(dmodel, opt, directory, 0)  # the same step: a new name, then the latest
+    for name, args in {"wider": {"h": 16}, "deeper": {"extra": True}}.items():
+        other = distributed(2, ("dp", [0.5, 0.5]), **args)
+        before = {k: v.clone() for k, v in other.full_state_dict().items()}
+        try:
+            checkpoint.load(other, optimizer(other.parameters(), "sgd"), directory)
+        except ValueError as e:
+            errors[name] = str(e)
+        errors[name + " untouched"] = all(torch.equal(v, before[k]) for k, v in other.full_state_dict().items())
+    return errors
+
+
+def test_checkpoint_of_another_model_is_an_error(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    path = os.path.join(directory, "step-00000000.1")
+    for got in run_ranks(wrong_checkpoints, 2, tmp_path, directory):
+        assert got["again"] == path
+        assert got["empty"] == f"no checkpoint in {directory}/empty"
+        assert got["wider"] == f"'fc1.weight' is (24, 12) in checkpoint {path} but (16, 12) in the model"
+        assert got["deeper"] == (f"checkpoint {path} has no 'out.weight', which the model needs "
+                                 "(a checkpoint of another model?)")
+        assert got["wider untouched"] and got["deeper untouched"]
+
+
+def test_cli_resumes_where_it_stopped(tmp_path, capfd):
+    from hap.cli import main
+
+    directory = str(tmp_path / "ckpt")
+
+    def losses(*args):
+        assert main(["train", "--model", "vit", *args]) == 0
+        out = capfd.readouterr().out
+        return out, {int(s): loss for s, loss in re.findall(r"^step\s+(\d+)/\d+\s+loss (\S+)", out, re.M)}
+
+    out, _ = losses("--steps", "4", "--checkpoint", directory, "--checkpoint-every", "2")
+    assert f"checkpoint at step 2: {directory}/step-00000002" in out and "checkpoint at step 4" in out
+    out, resumed = losses("--steps", "6", "--checkpoint", directory, "--resume", "--cluster", "local-4")  # 2 -> 4 ranks
+    assert sorted(resumed) == [5, 6] and "checkpoint at step 6" in out
+    _, straight = losses("--steps", "6")
+    assert resumed == {5: straight[5], 6: straight[6]}
+
+    for args, error in [(["--resume"], "--resume needs --checkpoint DIR"),
+                        (["--checkpoint", str(tmp_path / "none"), "--resume"], f"--resume: no checkpoint in {tmp_path}/none"),
+                        (["--checkpoint", directory, "--resume", "--steps", "6"],
+                         f"--resume: the latest checkpoint in {directory} is at step 6, so --steps 6 leaves nothing to train"),
+                        (["--checkpoint", directory, "--resume", "--steps", "8", "--layers", "1"], "which the model lacks")]:
+        assert main(["train", "--model", "vit", *args]) == 2
+        err = capfd.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("hap: error: ") and error in err, err
+
+
+def state_dicts(rank, world, directory, first):
+    """dmodel.state_dict() / load_state_dict(): whole state dicts in, sharded ones through
+    torch.distributed.checkpoint directly (saved under one layout, loaded under another)."""
+    torch.manual_seed(7)
+    other = MLP().train()
+    other(*batch(0))  # running statistics that are not the initial ones
+    dmodel = distributed(world, ("sharded", [0.7, 0.3] if first else [0.0, 1.0]))
+    out = {}
+    if first:
+        out["whole"] = dmodel.load_state_dict(other.state_dict())
+        out["whole equal"] = all(torch.equal(v, other.state_dict()[k]) for k, v in dmodel.full_state_dict().items())
+        dcp.save(dmodel.state_dict(), checkpoint_id=directory, process_group=dmodel.comm.group)
+        dmodel(*batch(1)).backward()  # the forward moves the statistics: the save holds the old ones
+    else:
+        sd = dmodel.state_dict()
+        dcp.load(sd, checkpoint_id=directory, process_group=dmodel.comm.group)
+        out["sharded"] = dmodel.load_state_dict(sd)
+        out["sharded equal"] = all(torch.equal(v, other.state_dict()[k]) for k, v in dmodel.full_state_dict().items())
+    state = other.state_dict()
+    for name, bad in {"missing": {k: v for k, v in state.items() if k != "bn.running_var"},
+                      "unknown": {**state, "fc3.weight": state["fc2.weight"]},
+                      "misshapen": {**state, "fc2.weight": state["fc2.weight"].t()}}.items():
+        before = {k: v.clone() for k, v in dmodel.full_state_dict().items()}
+        try:
+            dmodel.load_state_dict(bad)
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + " untouched"] = all(torch.equal(v, before[k]) for k, v in dmodel.full_state_dict().items())
+    out["lenient"] = dmodel.load_state_dict({k: v for k, v in state.items() if k != "bn.running_var"}, strict=False)
+    return out
+
+
+def test_state_dict_whole_and_through_dcp(tmp_path):
+    directory = str(tmp_path / "dcp")
+    saved, = {json.dumps(r, sort_keys=True) for r in run_ranks(state_dicts, 2, tmp_path, directory, True)}
+    loaded, = {json.dumps(r, sort_keys=True) for r in run_ranks(state_dicts, 2, tmp_path, directory, False)}
+    saved, loaded = json.loads(saved), json.loads(loaded)
+    assert saved["whole"] == [[], []] and saved["whole equal"]
+    assert loaded["sharded"] == [[], []] and loaded["sharded equal"]  # [0.7, 0.3] -> [0.0, 1.0]
+    for got in (saved, loaded):
+        assert got["missing"] == "the state dict has no 'bn.running_var', which the model needs"
+        assert got["unknown"] == "the state dict holds 'fc3.weight', which the model lacks"
+        assert got["misshapen"] == "'fc2.weight' is (24, 12) in the state dict but (12, 24) in the model"
+        assert got["missing untouched"] and got["unknown untouched"] and got["misshapen untouched"]
+        assert got["lenient"] == [["bn.running_var"], []]
