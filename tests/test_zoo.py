@@ -149,7 +149,9 @@ def test_zoo_trains_like_one_device(cluster_name, tmp_path):
             rows.append({"model": name, "plan": key.split("/")[1], **facts[name], **worst})
     _print_table(cluster_name, rows)
     if os.environ.get("HAP_ZOO_REPORT"):
-        with open(os.environ["HAP_ZOO_REPORT"] + f".{cluster_name}.json", "w") as f:
+        path = os.environ["HAP_ZOO_REPORT"] + f".{cluster_name}.json"
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
     assert not failures, "\n".join(failures)
     assert len(rows) >= len(zoo.ZOO)
