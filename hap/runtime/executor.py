@@ -16,6 +16,7 @@ ones are already exact.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Callable, Sequence
 
@@ -30,7 +31,7 @@ from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
 from ..search.program import Step, kept_placements
-from .collectives import Comm, all_reduce, gather_padded, run_move
+from .collectives import Comm, all_reduce, gather_padded, resplit, run_move
 
 
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -265,6 +266,56 @@ class Executor:
 
         return call
 
+    def reshard(self, ratios: Sequence[Sequence[float]], optimizers: Sequence[torch.optim.Optimizer] = ()) -> int:
+        """Between steps, move every sharded parameter and buffer to the shard sizes of new
+        ratios (per segment, per rank), exactly: rows travel between ranks (collectives.resplit),
+        nothing is recomputed. Parameters stay the same objects, so `optimizers` keep them;
+        their per-parameter state of the parameter's shape (momentum, Adam's moments) moves
+        with it. A collective: every rank calls it with the same ratios. Returns the bytes this
+        rank sent and received."""
+        ratios = _checked_ratios(ratios, len(self.ratios), self.comm.world)
+        if any(p.grad is not None for p in self.params.values()):
+            raise ValueError("reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))")
+        sharded = [(name, p, seg) for name, (p, seg) in self.stored.items() if p.is_shard]
+        old = {name: self.sizes(name, p, seg) for name, p, seg in sharded}
+        self.ratios = ratios
+        moved = [(name, p.dim, old[name], self.sizes(name, p, seg)) for name, p, seg in sharded]
+        moved = [m for m in moved if m[2] != m[3]]
+        states = self._states_to_move([name for name, *_ in moved], optimizers)
+        nbytes = 0
+        with torch.no_grad():
+            for name, dim, before, after in moved:
+                x = self.params[name] if name in self.params else self.buffers[name]
+                entries = states.get(name, [])
+                row_bytes = x.element_size() * math.prod(self.graph.tensors[name].shape) // max(1, sum(before))
+                nbytes += _rows_exchanged(before, after, self.comm.rank) * row_bytes * (1 + len(entries))
+                for state, key in entries:
+                    state[key] = resplit(state[key].contiguous(), dim, before, after, self.comm)
+                new = resplit(x.detach().contiguous(), dim, before, after, self.comm)
+                if name in self.params:
+                    x.data = new  # the same Parameter: the optimizers hold it
+                else:
+                    self.buffers[name] = new
+        self._steps, self._direct, self._early_counts = None, {}, []  # sizes are compiled in: rebuild
+        return nbytes
+
+    def _states_to_move(self, names: list[str], optimizers) -> dict[str, list[tuple[dict, str]]]:
+        """Per moved parameter, the optimizer state entries shaped like it; every rank must hold
+        the same entries (the resplits are collectives), or a ValueError before any moves."""
+        out: dict[str, list[tuple[dict, str]]] = {name: [] for name in names}
+        for opt in optimizers:
+            for name in names:
+                param = self.params.get(name)
+                state = opt.state.get(param, {}) if param is not None else {}
+                out[name] += [(state, k) for k, v in sorted(state.items())
+                              if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == param.shape]
+        mine = [(name, key) for name, entries in out.items() for _, key in entries]
+        every: list = [None] * self.comm.world
+        dist.all_gather_object(every, mine, group=self.comm.group)
+        if any(other != mine for other in every):
+            raise ValueError("reshard: the ranks' optimizers hold different per-parameter state (step them alike first)")
+        return out
+
     def _update_buffers(self, held: dict[tuple[str, Placement], torch.Tensor]) -> None:
         """Write every mutated buffer's new value into the buffer as this rank keeps it: a copy
         where the program holds the value in the buffer's own layout (BatchNorm's statistics
@@ -387,3 +438,28 @@ def _free_move(dst: Placement, needs_grad: bool, src: Placement = R) -> Move:
     found = [mv for mv in moves_between(src, dst, needs_grad) if mv.fwd is None]
     assert found, f"no local move {src} -> {dst}"
     return found[0]
+
+
+def _checked_ratios(ratios, segments: int, world: int) -> list[list[float]]:
+    """Ratios per segment as the executor takes them: one list per segment (or one list for a
+    one-segment plan), one non-negative share per rank, some share positive."""
+    rows = [list(map(float, ratios))] if ratios and not isinstance(ratios[0], (list, tuple)) else [list(map(float, r)) for r in ratios]
+    if len(rows) != segments:
+        raise ValueError(f"ratios for {len(rows)} segments, the plan has {segments}")
+    for r in rows:
+        if len(r) != world:
+            raise ValueError(f"ratios {r} for {len(r)} ranks, this run has {world}")
+        if any(x < 0 or x != x for x in r) or sum(r) <= 0:
+            raise ValueError(f"ratios {r} must be non-negative with a positive sum")
+    return [[x / sum(r) for x in r] for r in rows]
+
+
+def _rows_exchanged(before: Sequence[int], after: Sequence[int], rank: int) -> int:
+    """Rows rank sends plus rows it receives when shards of sizes `before` become `after`."""
+    def span(sizes):
+        start = sum(sizes[:rank])
+        return start, start + sizes[rank]
+
+    (a0, a1), (b0, b1) = span(before), span(after)
+    kept = max(0, min(a1, b1) - max(a0, b0))
+    return (a1 - a0 - kept) + (b1 - b0 - kept)

@@ -30,7 +30,7 @@ from ..capture import capture
 from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan
-from ..planner import PlannerConfig, _strategies, estimate, plan as make_plan, plan_for_layout
+from ..planner import PlannerConfig, _splits, _strategies, estimate, plan as make_plan, plan_for_layout
 from ..rules import strategies_for
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
@@ -239,6 +239,25 @@ class HAP(nn.Module):
         for g in sharded + whole:
             g.mul_(coef)
         return total
+
+    def reshard(self, ratios: Sequence[float] | Sequence[Sequence[float]],
+                optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ()) -> int:
+        """Between steps, give every rank a new share of the work: parameters, buffers and each
+        optimizer's per-parameter state move to the shard sizes of `ratios` (one share per
+        rank; per segment for a plan of several), exactly, and the plan says so from then on
+        (`plan.ratios`, `plan.splits`, its estimate). A collective: every rank calls it with
+        the same ratios, after zero_grad(set_to_none=True). Returns the bytes this rank sent
+        and received."""
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        ex = self.executor
+        nbytes = ex.reshard(ratios, optimizers)
+        plan = dataclasses.replace(self.plan, ratios=ex.ratios,
+                                   splits=_splits(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
+        self.plan = dataclasses.replace(plan, estimated_iteration_seconds=estimate(self.graph, self.cluster, plan).seconds)
+        self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
+        self._parts = {}
+        log.info("hap: resharded to %s (%d bytes moved on rank %d)", ex.ratios, nbytes, self.comm.rank)
+        return nbytes
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""

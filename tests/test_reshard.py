@@ -1,0 +1,90 @@
+"""dmodel.reshard(ratios, optimizers) between steps, on real gloo ranks: parameters, buffers
+and every optimizer's per-parameter state move to the new shard sizes exactly, so 2 steps at
+ratios A, a reshard to B and 2 more steps equal 4 steps on one device; bad calls are one-line
+errors. The model and layouts are test_checkpoint's (an MLP with batch norm, Megatron-style
+sharding or data parallelism)."""
+
+import pytest
+import torch
+from gloo import run_ranks
+from test_checkpoint import MLP, batch, distributed, optimizer, reference, whole
+
+STEPS = 4
+
+
+def train_and_reshard(rank, world, layout, new_ratios, kind):
+    dmodel = distributed(world, layout)
+    opt = optimizer(dmodel.parameters(), kind)
+    out = {}
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            out["bytes"] = dmodel.reshard(new_ratios, opt)
+            out["ratios"] = dmodel.plan.ratios
+            out["fc1 rows"] = dmodel.plan.splits.get("p_fc1_weight", {}).get("0")
+            out["x rows"] = dmodel.input_slices()[0]
+        dmodel(*dmodel.local_batch(*batch(step))).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    return {**out, **whole(dmodel, opt), "drawn": torch.rand(3).tolist()}
+
+
+def assert_like_one_device(got, kind):
+    model, optim = reference(STEPS, kind)
+    for key, v in model.items():
+        assert torch.allclose(torch.tensor(got["model"][key], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), key
+    for key, state in optim.items():
+        for k, v in state.items():
+            assert torch.allclose(torch.tensor(got["optim"][key][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), (key, k)
+
+
+def test_megatron_layout_reshards_with_adam_state(tmp_path):
+    # [0.7, 0.3] splits 24 rows [17, 7]; [0.0, 1.0] gives rank 1 all 24: rank 0 sends 17 rows of
+    # fc1.weight (12 floats), fc2.weight's columns (12), bn's weight, bias (1) with Adam's two
+    # moments each, and of the two running statistics (1): 17 * 4 B * (3*12 + 3*12 + 3 + 3 + 1 + 1).
+    reports = run_ranks(train_and_reshard, 2, tmp_path, ("sharded", [0.7, 0.3]), [0.0, 1.0], "adam")
+    for got in reports:
+        assert got["bytes"] == 17 * 4 * 80
+        assert got["ratios"] == [[0.0, 1.0]] and got["fc1 rows"] == [0, 24]
+        assert_like_one_device(got, "adam")
+
+
+def test_data_parallel_on_four_ranks_reshards_the_batch(tmp_path):
+    reports = run_ranks(train_and_reshard, 4, tmp_path, ("dp", [0.5, 0.3, 0.2, 0.0]), [0.1, 0.2, 0.3, 0.4], "sgd")
+    assert [got["x rows"] for got in reports] == [[0, 0, 1], [0, 1, 2], [0, 3, 3], [0, 6, 4]]  # (dim, start, rows) of 10
+    for got in reports:
+        assert got["bytes"] == 0  # data parallel keeps parameters whole: nothing moves
+        assert_like_one_device(got, "sgd")
+
+
+def test_megatron_layout_on_four_ranks_with_an_idle_rank(tmp_path):
+    for got in run_ranks(train_and_reshard, 4, tmp_path, ("sharded", [0.5, 0.3, 0.2, 0.0]), [0.0, 0.25, 0.25, 0.5], "sgd"):
+        assert_like_one_device(got, "sgd")  # momentum included
+
+
+def bad_reshards(rank, world):
+    dmodel = distributed(2, ("sharded", [0.7, 0.3]))
+    opt = optimizer(dmodel.parameters(), "sgd")
+    errors = {}
+    for name, ratios in {"ranks": [0.5, 0.3, 0.2], "negative": [1.5, -0.5], "zero": [0.0, 0.0],
+                         "segments": [[0.5, 0.5], [0.5, 0.5]]}.items():
+        try:
+            dmodel.reshard(ratios, opt)
+        except ValueError as e:
+            errors[name] = str(e)
+    dmodel(*batch(0)).backward()
+    try:
+        dmodel.reshard([0.5, 0.5], opt)
+    except ValueError as e:
+        errors["grads"] = str(e)
+    return errors
+
+
+def test_bad_reshards_are_one_line_errors(tmp_path):
+    for got in run_ranks(bad_reshards, 2, tmp_path):
+        assert got == {
+            "ranks": "ratios [0.5, 0.3, 0.2] for 3 ranks, this run has 2",
+            "negative": "ratios [1.5, -0.5] must be non-negative with a positive sum",
+            "zero": "ratios [0.0, 0.0] must be non-negative with a positive sum",
+            "segments": "ratios for 2 segments, the plan has 1",
+            "grads": "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))"}
