@@ -1,7 +1,7 @@
 """The `hap` command line.
 
     hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
-    hap train --model vit --scale small --cluster local --steps 20 [--strategy dp-ev]
+    hap train --model vit --scale small --cluster local --steps 20 [--planner dp-ev]
     hap train --model vit --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]
     hap profile --cluster local -o local-profiled.yaml   # measure devices and collectives
     hap clusters                      # list the built-in clusters
@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="synthesize a plan and print its summary")
     _add_model_args(p)
     p.add_argument("--cluster", default="paper-hetero-8", help="built-in cluster name or YAML file")
+    p.add_argument("--planner", default="astar", metavar="NAME",
+                   help="which planner: astar (hap's synthesis), or a baseline: dp-ev, dp-cp, tp, ep")
     p.add_argument("--segments", type=int, default=1, help="model segments with their own ratios")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--listing", action="store_true", help="print the program, one instruction per line")
@@ -48,8 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     t.set_defaults(scale="small")
     t.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
     t.add_argument("--steps", type=int, default=10, help="training iterations")
-    t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"], default="hap",
-                   help="hap's plan, or data parallelism with even / compute-proportional batch shares")
+    t.add_argument("--planner", metavar="NAME",
+                   help="which planner: astar (hap's synthesis, the default), or a baseline: dp-ev, dp-cp, tp, ep")
+    t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"],
+                   help="the same as --planner (hap: astar), kept for old command lines")
     t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     t.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
     t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank: DIR/rank<r>.json")
@@ -90,9 +94,12 @@ def _build_graph(args, devices: int, say):
 
 def cmd_plan(args) -> int:
     from .cost.cluster import load_cluster
-    from .planner import PlannerConfig, plan
+    from .planner import PlannerConfig
+    from .planners import PLANNERS, make_plan
 
     cluster = load_cluster(args.cluster)
+    if args.planner not in PLANNERS:
+        raise UserError(f"unknown planner {args.planner!r}; choose one of {', '.join(PLANNERS)}")
     if args.segments < 1:
         raise UserError(f"--segments must be at least 1, got {args.segments}")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True))
@@ -100,7 +107,10 @@ def cmd_plan(args) -> int:
     graph = _build_graph(args, cluster.gpus, say)
     say(f"{graph.summary()} (captured in {time.perf_counter() - t0:.1f} s)")
     say(cluster.describe())
-    result = plan(graph, cluster, PlannerConfig(segments=args.segments), progress=say)
+    try:
+        result = make_plan(args.planner, graph, cluster, PlannerConfig(segments=args.segments), progress=say)
+    except ValueError as e:  # a baseline this graph has not (ep without experts)
+        raise UserError(f"--planner {args.planner}: {e}") from None
     print(result.summary())
     if args.listing:
         print(result.listing())
@@ -117,13 +127,18 @@ def cmd_train(args) -> int:
     import tempfile
 
     from .cost.cluster import load_cluster
-    from .planner import baseline_plan, plan
+    from .planners import PLANNERS, make_plan
     from .runtime.launch import spawn
 
     cluster = load_cluster(args.cluster)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     resume = _resume_from(args)
+    if args.planner is not None and args.strategy is not None:
+        raise UserError("give --planner or --strategy, not both")
+    planner = args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy)
+    if planner not in PLANNERS:
+        raise UserError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not cluster.local and not args.emulate:
         raise UserError(f"cluster {cluster.name!r} describes {cluster.gpus} GPUs that are not on this machine; hap train "
@@ -138,12 +153,15 @@ def cmd_train(args) -> int:
     say(cluster.describe())
     if args.calibrate:
         graph.timing = _calibrated(args, graph, cluster, say)
-    result = plan(graph, cluster, progress=None) if args.strategy == "hap" else baseline_plan(graph, cluster, args.strategy)
+    try:
+        result = make_plan(planner, graph, cluster)
+    except ValueError as e:  # a baseline this graph has not (ep without experts)
+        raise UserError(f"--planner {planner}: {e}") from None
     print(result.summary())
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")
         result.to_json(path)
-        say(f"training {args.steps} steps with {args.strategy} on {cluster.size} local processes")
+        say(f"training {args.steps} steps with {planner}'s plan on {cluster.size} local processes")
         spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json")))
         times = json.loads(open(os.path.join(tmp, "times.json")).read())
     steady = times[2:] if len(times) > 3 else times  # the first iterations warm up allocators and caches

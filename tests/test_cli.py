@@ -14,7 +14,7 @@ def test_train_refuses_gpus_not_on_this_machine(capsys):
 
 
 def test_train_prints_a_line_every_tenth_of_the_steps(capfd):  # capfd: the ranks print, not this process
-    assert main(["train", "--model", "vit", "--steps", "20", "--strategy", "dp-ev"]) == 0
+    assert main(["train", "--model", "vit", "--steps", "20", "--planner", "dp-ev"]) == 0
     out = capfd.readouterr().out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == [f"{k}/20" for k in range(2, 21, 2)]
@@ -31,3 +31,30 @@ def test_profiled_local_clusters_stay_local():
     local = hap.load_cluster("local")
     assert local.local and not hap.load_cluster("paper-hetero-8").local
     assert cluster_from_dict(local.to_dict()).local
+
+
+def test_planners_by_name(capsys):
+    from hap.models import build
+    from hap.planners import PLANNERS, make_plan, register
+
+    assert list(PLANNERS)[:5] == ["astar", "dp-ev", "dp-cp", "tp", "ep"]
+    model, inputs = build("vgg19", scale="small", hidden=64, batch=16)
+    graph, cluster = hap.capture(model, inputs), hap.load_cluster("paper-hetero-8")
+    plans = {name: make_plan(name, graph, cluster) for name in ("astar", "dp-ev", "dp-cp")}
+    assert plans["dp-ev"].ratios == [[0.125] * 8] and plans["dp-cp"].ratios != plans["dp-ev"].ratios
+    # the synthesis searches a space that holds both baselines: it is never slower than either
+    assert plans["astar"].estimated_iteration_seconds <= min(p.estimated_iteration_seconds for p in plans.values())
+    try:
+        register("astar")(lambda *a: None)
+    except ValueError as e:
+        assert str(e) == "a planner named 'astar' is already registered"
+    else:
+        raise AssertionError("a second 'astar' was registered")
+
+    for args, error in [(["--planner", "greedy"], "unknown planner 'greedy'; choose one of astar, dp-ev, dp-cp, tp, ep"),
+                        (["--planner", "ep"], "--planner ep: unknown baseline 'ep' for this graph")]:
+        assert main(["plan", "--model", "vgg19", "--scale", "small", "--quiet", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"hap: error: {error}"), err
+    assert main(["plan", "--model", "vgg19", "--scale", "small", "--quiet", "--planner", "dp-cp"]) == 0
+    assert "winner: dp-cp" in capsys.readouterr().out
