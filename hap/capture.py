@@ -26,7 +26,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
-from .ir import Graph, Node, Tensor, TensorRef
+from .ir import Graph, Node, Tensor, TensorRef, node_signature
 
 # Nodes that produce nothing the program needs.
 _SKIPPED_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}
@@ -274,26 +274,11 @@ def _is_float(dtype: str) -> bool:
 def _count_flops(graph: Graph) -> None:
     seen: dict[tuple, tuple[float, float]] = {}
     for n in graph.nodes:
-        key = _signature(n, graph)
+        key = node_signature(n, graph)
         if key not in seen:
             seen[key] = _node_flops(n, graph)
         n.flops, n.bwd_flops = seen[key]
         n.bytes_moved = sum(graph.tensors[t].nbytes for t in (*n.inputs, *n.outputs))
-
-
-def _signature(n: Node, graph: Graph) -> tuple:
-    def sig(a):
-        if isinstance(a, TensorRef):
-            t = graph.tensors[a.name]
-            return ("T", t.shape, t.dtype, t.requires_grad)
-        if isinstance(a, (list, tuple)):
-            return tuple(sig(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, sig(v)) for k, v in a.items()))
-        return repr(a)
-
-    outs = tuple(graph.tensors[o].requires_grad for o in n.outputs)
-    return (n.op, sig(n.args), sig(n.kwargs), outs)
 
 
 def meta_args(n: Node, graph: Graph, with_grad: bool):

@@ -152,3 +152,21 @@ class Graph:
             f"({self.param_bytes / 2**20:.1f} MiB), {self.total_flops / 1e9:.1f} GFLOP per iteration, "
             f"{len(ops)} distinct ops"
         )
+
+
+def node_signature(n: Node, graph: Graph) -> tuple:
+    """What a node's strategies and cost depend on: its op, its arguments (tensors by shape,
+    dtype and whether they carry a gradient) and which outputs carry one. Nodes with equal
+    signatures (the layers of a deep model) share that work."""
+    def sig(a):
+        if isinstance(a, TensorRef):
+            t = graph.tensors[a.name]
+            return ("T", t.shape, t.dtype, t.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return tuple(sig(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, sig(v)) for k, v in a.items()))
+        return repr(a)
+
+    outs = tuple(graph.tensors[o].requires_grad for o in n.outputs)
+    return (n.op, sig(n.args), sig(n.kwargs), outs)

@@ -15,6 +15,7 @@ from typing import Any
 from .ir import Graph
 from .placement import parse
 from .rules import Strategy
+from .rules.units import ShardClasses
 from .search.moves import Move
 from .search.program import Load, MoveStep, Step
 
@@ -156,4 +157,23 @@ def program_to_dicts(steps: list[Step], graph: Graph) -> list[dict]:
             "moves": [{"tensor": ms.tensor, "name": ms.move.name, "src": str(ms.move.src), "dst": str(ms.move.dst),
                        "fwd": ms.move.fwd, "bwd": ms.move.bwd} for ms in step.moves],
         })
+    return out
+
+
+def shard_splits(program: list[Step], graph: Graph, classes: ShardClasses, segment_of, ratios) -> dict:
+    """Plan.splits: tensor -> dim (as text) -> integer shard sizes per device, for every tensor dim
+    the program shards (the sizes of the last segment that shards it)."""
+    out: dict[str, dict[str, list[int]]] = {}
+
+    def note(t, p, seg):
+        if p.is_shard:
+            out.setdefault(t, {})[str(p.dim)] = classes.split_sizes(t, p.dim, ratios[seg])
+
+    for step in program:
+        seg = segment_of[step.node]
+        node = graph.nodes[step.node]
+        for t, p in zip(node.inputs, step.strategy.inputs):
+            note(t, p, seg)
+        for t, p in zip(node.outputs, step.strategy.outputs):
+            note(t, p, seg)
     return out

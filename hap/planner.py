@@ -29,8 +29,8 @@ from .cost.cluster import Cluster
 from .cost.model import CostModel
 from .ir import Graph
 from .placement import Placement
-from .plan import Plan, program_to_dicts
-from .rules import has_rule, strategies_for
+from .plan import Plan, program_to_dicts, shard_splits
+from .rules import has_rule, strategy_table
 from .rules.units import ShardClasses
 from .search.astar import Frame, Restriction, SearchError, chunk_cuts, synthesize
 from .search.program import Estimate, Step, replay
@@ -160,7 +160,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
     config = config or PlannerConfig()
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    strategies = _strategies(graph)
+    strategies = strategy_table(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     cost = CostModel(graph, cluster, classes, config.optimizer)
     segment_of = segment_graph(graph, config.segments)
@@ -296,7 +296,7 @@ def _plan_at(graph: Graph, cluster: Cluster, ratios: Sequence[float], config: Pl
     search(ratios, restriction) runs the synthesis."""
     config = config or PlannerConfig()
     t0 = time.perf_counter()
-    strategies = _strategies(graph)
+    strategies = strategy_table(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     cost = CostModel(graph, cluster, classes, config.optimizer)
     segment_of = [0] * len(graph.nodes)
@@ -320,7 +320,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig |
     measured anew): the same replay that priced it when it was planned."""
     if len(plan.devices) != cluster.size:
         raise ValueError(f"the plan is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
-    classes = ShardClasses(graph, enumerate(_strategies(graph)))
+    classes = ShardClasses(graph, enumerate(strategy_table(graph)))
     cost = CostModel(graph, cluster, classes, (config or PlannerConfig()).optimizer)
     segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]
     return replay(plan.steps(graph), cost, segment_of, plan.ratios)
@@ -340,7 +340,7 @@ def _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselin
     return Plan(
         model=graph.model_name, cluster=cluster.to_dict(), devices=[d.name for d in cluster.devices],
         segments=_segment_ranges(segment_of), ratios=ratios, program=program_to_dicts(program, graph),
-        splits=_splits(program, graph, classes, segment_of, ratios),
+        splits=shard_splits(program, graph, classes, segment_of, ratios),
         estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
         stages=[{"comm": s.comm, "collectives": s.collectives, "fwd": max(s.fwd, default=0.0), "bwd": max(s.bwd, default=0.0)}
                 for s in est.stages],
@@ -366,22 +366,6 @@ def _fits(est: Estimate, capacity) -> bool:
     return all(m <= c for m, c in zip(est.memory, capacity))
 
 
-def _strategies(graph: Graph):
-    """Strategies per node; nodes with the same op, arguments and shapes share the work."""
-    from .capture import _signature
-
-    memo: dict = {}
-    out = []
-    for node in graph.nodes:
-        key = _signature(node, graph)
-        if key not in memo:
-            memo[key] = (node, strategies_for(node, graph))
-            out.append(memo[key][1])
-        else:
-            out.append(memo[key][1])
-    return out
-
-
 def _segment_ranges(segment_of: list[int]) -> list[list[int]]:
     ranges: list[list[int]] = []
     for i, s in enumerate(segment_of):
@@ -391,18 +375,3 @@ def _segment_ranges(segment_of: list[int]) -> list[list[int]]:
     return ranges
 
 
-def _splits(program: list[Step], graph: Graph, classes: ShardClasses, segment_of, ratios) -> dict:
-    out: dict[str, dict[str, list[int]]] = {}
-
-    def note(t, p, seg):
-        if p.is_shard:
-            out.setdefault(t, {})[str(p.dim)] = classes.split_sizes(t, p.dim, ratios[seg])
-
-    for step in program:
-        seg = segment_of[step.node]
-        node = graph.nodes[step.node]
-        for t, p in zip(node.inputs, step.strategy.inputs):
-            note(t, p, seg)
-        for t, p in zip(node.outputs, step.strategy.outputs):
-            note(t, p, seg)
-    return out

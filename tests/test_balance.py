@@ -10,7 +10,7 @@ from hap.capture import capture
 from hap.cost.cluster import Cluster, Device, fits_from_network
 from hap.cost.model import CostModel
 from hap.placement import D, R, S
-from hap.planner import _strategies
+from hap.rules import strategy_table
 from hap.rules import Strategy
 from hap.rules.units import ShardClasses, round_sizes
 from hap.search.moves import all_gather_padded
@@ -52,7 +52,7 @@ def batch_then_gather(graph):
 
 
 def model_for(graph, cl):
-    return CostModel(graph, cl, ShardClasses(graph, enumerate(_strategies(graph))))
+    return CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
 
 
 def test_compute_bound_gives_compute_proportional_ratios(graph):

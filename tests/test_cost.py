@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hap.capture import capture
 from hap.cost.cluster import Cluster, Device, fits_from_network
 from hap.cost.model import CostModel
-from hap.planner import _strategies
+from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 
 torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def test_bytes_not_elements(graph):
     assert t.nbytes == 4 * t.numel  # float32
     devs = (Device(name="a", flops=1e12, memory=2**34), Device(name="b", flops=1e12, memory=2**34))
     cl = Cluster(name="t", devices=devs, collectives=fits_from_network(2, 1e9, 0.0))
-    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(_strategies(graph))))
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
     # all-reduce of n bytes on 2 devices over 1e9 B/s: 2 (m-1)/m * n / bw = n / 1e9 (+ launch).
     launch = cl.fit("all_reduce").alpha
     assert cost.comm("all_reduce", t.nbytes).const - launch == pytest.approx(t.nbytes / 1e9)
@@ -112,7 +112,7 @@ def test_measured_node_times_replace_flops_and_split_fixed_from_work():
                           device_flops=1e11)
     devices = (Device(name="fast", flops=1e11, memory=2**30), Device(name="slow", flops=2.5e10, memory=2**30))
     cost = CostModel(g, Cluster(name="t", devices=devices, collectives=fits_from_network(2, 1e9, 0.0)),
-                     ShardClasses(g, enumerate(_strategies(g))))
+                     ShardClasses(g, enumerate(strategy_table(g))))
     node = g.nodes[0]
     fwd, bwd = cost.base_times(node)
     assert fwd == pytest.approx((3e-3, 12e-3)) and bwd == pytest.approx((6e-3, 24e-3))
@@ -141,7 +141,7 @@ def test_calibrated_scales_idle_devices_and_the_loss_all_reduce():
     devices = (Device(name="fast", flops=1e11, memory=2**30, op_overhead=1e-5),
                Device(name="slow", flops=2.5e10, memory=2**30, op_overhead=4e-5))
     cluster = Cluster(name="t", devices=devices, collectives=fits_from_network(2, 1e9, 5e-4))
-    strategies = _strategies(g)
+    strategies = strategy_table(g)
     cost = CostModel(g, cluster, ShardClasses(g, enumerate(strategies)))
     mm = next(nd for nd in g.nodes if nd.op == "aten.linear.default")
     assert cost.base_times(mm) == (pytest.approx((4.5e-3, 12e-3)), pytest.approx((7.5e-3, 18e-3)))
@@ -179,7 +179,7 @@ def test_random_ops_price_the_generator_broadcast():
     def cost_of(p, devs):
         g = capture(Net(p), (torch.randn(4, 8),))
         cluster = Cluster(name="t", devices=devs, collectives=fits)
-        return CostModel(g, cluster, ShardClasses(g, enumerate(_strategies(g))))
+        return CostModel(g, cluster, ShardClasses(g, enumerate(strategy_table(g))))
 
     assert cost_of(0.5, devices).rng_sync == pytest.approx(1e-3 + 5056 / 1e8)
     assert cost_of(0.5, devices).step_sync(0.0) == pytest.approx(cost_of(0.5, devices).loss_sync + 1e-3 + 5056 / 1e8)

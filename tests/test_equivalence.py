@@ -41,7 +41,8 @@ from hap.cost.cluster import Cluster, Device, fits_from_network
 from hap.cost.model import CostModel
 from hap.models import MODELS, resolve
 from hap.placement import R, S
-from hap.planner import _dp, _params_only, _strategies, _tp
+from hap.planner import _dp, _params_only, _tp
+from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 from hap.runtime.collectives import Comm, all_reduce
 from hap.runtime.executor import Executor, leaf_values
@@ -303,7 +304,7 @@ def worker(rank, world):
         t0 = time.perf_counter()
         model, batches = build(model_name, world)
         graph = capture(model, tuple(batches[0]))
-        strategies = _strategies(graph)
+        strategies = strategy_table(graph)
         classes = ShardClasses(graph, enumerate(strategies))
         # The ranks share the searches (each is deterministic) and swap the programs: the last
         # rank plans (the longest job), the others synthesize the restricted programs.

@@ -4,10 +4,9 @@ ratios A, a reshard to B and 2 more steps equal 4 steps on one device; bad calls
 errors. The model and layouts are test_checkpoint's (an MLP with batch norm, Megatron-style
 sharding or data parallelism)."""
 
-import pytest
 import torch
 from gloo import run_ranks
-from test_checkpoint import MLP, batch, distributed, optimizer, reference, whole
+from test_checkpoint import batch, distributed, optimizer, reference, whole
 
 STEPS = 4
 

@@ -11,7 +11,8 @@ from hap.capture import capture
 from hap.cost.cluster import Cluster, Device, fits_from_network
 from hap.cost.model import CostModel
 from hap.placement import S
-from hap.planner import _strategies, _tp
+from hap.rules import strategy_table
+from hap.planner import _tp
 from hap.rules.units import ShardClasses
 from hap.runtime.collectives import Comm, all_reduce
 from hap.runtime.executor import Executor, leaf_values
@@ -71,7 +72,7 @@ def worker(rank, world):
     model = MLP()
     batches = [torch.randn(20, 12) for _ in range(STEPS)]
     graph = capture(model, (batches[0],))
-    strategies = _strategies(graph)
+    strategies = strategy_table(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     seg = [0] * len(graph.nodes)
     report = {"failures": [], "moves": [], "programs": []}
@@ -132,7 +133,7 @@ def test_an_idle_device_makes_its_outputs_without_computing():
     x = torch.randn(6, 12)
     graph = capture(model, (x,))
     fc1 = next(n for n in graph.nodes if n.op == "aten.linear.default")
-    st = next(s for s in _strategies(graph)[fc1.index] if s.inputs[0] == S(0) and s.inputs[1].kind == "R")
+    st = next(s for s in strategy_table(graph)[fc1.index] if s.inputs[0] == S(0) and s.inputs[1].kind == "R")
     ctx = LocalContext(device=1, world=2, split=lambda t, d: [graph.tensors[t].shape[d], 0], all_reduce=lambda t: t)
     w = model.fc1.weight.detach().requires_grad_()
     values = {fc1.inputs[0]: torch.zeros(0, 12), fc1.inputs[1]: w, fc1.inputs[2]: model.fc1.bias.detach()}

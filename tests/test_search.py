@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as hs
 from hap.capture import capture
 from hap.cost.cluster import Cluster, Device, fits_from_network, paper_cluster
 from hap.cost.model import CostModel
-from hap.planner import _strategies
+from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 from hap.search.astar import chunk_cuts, synthesize
 from hap.search.moves import moves_between
@@ -96,7 +96,7 @@ def brute_force(graph, strategies, cost, segment_of, ratios, cuts=()):
 
 
 def setup(graph, cluster):
-    strategies = _strategies(graph)
+    strategies = strategy_table(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     return strategies, CostModel(graph, cluster, classes), [0] * len(graph.nodes)
 

@@ -7,7 +7,8 @@ import torch.nn as nn
 
 import hap
 from hap.cost.model import CostModel
-from hap.planner import _strategies, baseline_plan
+from hap.rules import strategy_table
+from hap.planner import baseline_plan
 from hap.rules.units import ShardClasses
 from hap.search.program import kept_placements, memory_terms, synced_bytes
 
@@ -39,7 +40,7 @@ def priced_dp(tie: bool):
     plan = baseline_plan(graph, cluster, "dp-ev")
     program = plan.steps(graph)
     segment_of = [0] * len(graph.nodes)
-    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(_strategies(graph))))
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
     return graph, program, segment_of, cost
 
 
@@ -96,5 +97,5 @@ def test_synchronized_batch_norm_is_priced_as_its_all_reduces():
     assert [ins["strategy"] for ins in bn] == ["sync-batch"]
     stage = next(s for s in plan.stages if any(c.startswith("sync_batch_norm(") for c in s["collectives"]))
     # forward and backward each all-reduce 2 float64 sums per channel: 2 * 6 * 8 bytes
-    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(_strategies(graph))))
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
     assert stage["comm"] == 2 * cost.comm("all_reduce", 2 * 6 * 8).const > 0

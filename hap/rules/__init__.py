@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ir import Graph, Node, TensorRef
+from ..ir import Graph, Node, TensorRef, node_signature
 from ..placement import D, P, Placement, R, S
 
 __all__ = ["Strategy", "register", "strategies_for", "has_rule", "RULES", "R", "D", "P", "S"]
@@ -90,6 +90,20 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
             seen.add((st.inputs, st.outputs))
             out.append(st)
     return out
+
+
+def strategy_table(graph: Graph) -> list[list[Strategy]]:
+    """Per node (by index), its strategies (strategies_for); nodes with the same signature
+    (ir.node_signature) share one list. The planner, the cost model and the runtime all read
+    the rules through this."""
+    memo: dict[tuple, list[Strategy]] = {}
+    table = []
+    for node in graph.nodes:
+        key = node_signature(node, graph)
+        if key not in memo:
+            memo[key] = strategies_for(node, graph)
+        table.append(memo[key])
+    return table
 
 
 def _uniform(node: Node, p: Placement, name: str) -> Strategy:

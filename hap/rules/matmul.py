@@ -17,7 +17,7 @@ Replicated compute (R, and D for sufficient factor broadcasting) comes from the 
 from __future__ import annotations
 
 from ..ir import Graph, Node
-from . import D, P, R, S, Strategy, arg, ndim, register
+from . import P, R, S, Strategy, arg, ndim, register
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 

@@ -29,9 +29,9 @@ import torch.nn as nn
 from ..capture import capture
 from ..cost.cluster import Cluster
 from ..placement import R
-from ..plan import Plan
-from ..planner import PlannerConfig, _splits, _strategies, estimate, plan as make_plan, plan_for_layout
-from ..rules import strategies_for
+from ..plan import Plan, shard_splits
+from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout
+from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
@@ -73,7 +73,7 @@ class HAP(nn.Module):
         self._state_keys = _state_keys(model, graph)
         self.plan = _agree(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
         segment_of = [s for s, (first, last) in enumerate(self.plan.segments) for _ in range(first, last + 1)]
-        classes = ShardClasses(graph, enumerate(_strategies(graph)))
+        classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm)
         _check_splits(self.plan, ex)
         if meta:
@@ -194,7 +194,7 @@ class HAP(nn.Module):
                 kept = {name: p for name, (p, _) in base.stored.items()}  # every rank plans; they must agree
                 plan = _agree(plan_for_layout(graph, self.cluster, self.plan.ratios[0], kept), self.comm)
                 how = f"a program planned for it in {plan.synthesis_seconds:.2f} s"
-            ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))), base.segment_of
+            ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(strategy_table(graph))), base.segment_of
                           if plan is self.plan else [0] * len(graph.nodes), plan.ratios, self.comm)
             for name, (p, seg) in base.stored.items():
                 if ex.kept.get(name, (p, seg)) != (p, seg) or ex.sizes(name, p, seg) != base.sizes(name, p, seg):
@@ -252,7 +252,7 @@ class HAP(nn.Module):
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
         plan = dataclasses.replace(self.plan, ratios=ex.ratios,
-                                   splits=_splits(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
+                                   splits=shard_splits(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
         self.plan = dataclasses.replace(plan, estimated_iteration_seconds=estimate(self.graph, self.cluster, plan).seconds)
         self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
         self._parts = {}

@@ -119,14 +119,15 @@ def op_overhead(emulation: Emulation | None, repeats: int) -> float:
     """Seconds per node per pass of the executor, forward and backward averaged."""
     from ..capture import capture
     from ..cost.cluster import local_cluster
-    from ..planner import _strategies, baseline_plan
+    from ..planner import baseline_plan
+    from ..rules import strategy_table
     from ..rules.units import ShardClasses
     from .executor import Executor, leaf_values
 
     model, inputs = _TinyChain(200), (torch.randn(4),)
     graph = capture(model, inputs)
     program = baseline_plan(graph, local_cluster((1.0,), "one"), "dp-ev")
-    ex = Executor(graph, program.steps(graph), ShardClasses(graph, enumerate(_strategies(graph))),
+    ex = Executor(graph, program.steps(graph), ShardClasses(graph, enumerate(strategy_table(graph))),
                   [0] * len(graph.nodes), program.ratios, Comm(rank=0, world=1, emulation=emulation))
     values = leaf_values(graph, model, inputs)
     ex.shard_parameters(values)
