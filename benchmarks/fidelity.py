@@ -61,7 +61,7 @@ def run_rank(rank: int, cluster_file: str, name: str, knobs: dict, plan_path: st
     from hap.cost.cluster import load_cluster
     from hap.plan import Plan
     from hap.runtime.module import HAP
-    from hap.runtime.profile import CalibrationRuns
+    from hap.cost.calibrate import CalibrationRuns
 
     cluster = load_cluster(cluster_file)
     model, batch = build(name, knobs)
@@ -122,7 +122,7 @@ def measure(out_dir: str, n_variants: int, steps: int) -> list[dict]:
     from hap.capture import capture
     from hap.cost.cluster import load_cluster
     from hap.planner import baseline_plan, estimate, plan
-    from hap.runtime.profile import calibration_plans, fit_calibration
+    from hap.cost.calibrate import calibration_plans, fit_calibration
 
     cluster_file = os.path.join(out_dir, "local-profiled.yaml")
     subprocess.run([sys.executable, "-m", "hap", "profile", "--cluster", "local", "-o", cluster_file], check=True,

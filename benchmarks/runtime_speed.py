@@ -67,9 +67,9 @@ def model_without_dropout(name: str, **knobs):
 def node_timing(graph, model, batch, cluster, calibration=None):
     """The graph's node times as this cluster runs them: each node timed alone on this process
     (as fast as the cluster's unslowed devices) at the full and a quarter batch, then
-    calibrated on the cluster itself (with `calibration`, profile.calibration_plans' result, if
+    calibrated on the cluster itself (with `calibration`, cost.calibrate.calibration_plans' result, if
     the caller has it)."""
-    from hap.runtime.profile import calibrate_nodes, measure_nodes
+    from hap.cost.calibrate import calibrate_nodes, measure_nodes
 
     speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
     timing = measure_nodes(graph, model, batch, speed, tuple(t[: max(1, len(t) // 4)] for t in batch))
@@ -151,8 +151,8 @@ def main() -> int:
     ap.add_argument("--part", choices=["all", "hetero", "homo"], default="all",
                     help="both comparisons, or only hap vs DP-EV/DP-CP, or only hap vs DDP")
     ap.add_argument("--node-timing", action="store_true",
-                    help="price computation from each node's measured time (profile.measure_nodes), calibrated on "
-                         "the cluster (profile.calibrate_nodes), not from FLOPs")
+                    help="price computation from each node's measured time (cost.calibrate.measure_nodes), calibrated on "
+                         "the cluster (cost.calibrate.calibrate_nodes), not from FLOPs")
     ap.add_argument("--quick", action="store_true", help="6 rounds instead of 20")
     args = ap.parse_args()
     if args.quick:

@@ -210,11 +210,11 @@ def _check_checkpoint(path: str, graph) -> None:
 
 
 def _calibrated(args, graph, cluster, say):
-    """The graph's node times measured on this cluster (profile.calibrated_timing), cached."""
+    """The graph's node times measured on this cluster (cost.calibrate.calibrated_timing), cached."""
     import torch
 
     from .models import build
-    from .runtime.profile import calibrated_timing
+    from .cost.calibrate import calibrated_timing
 
     torch.manual_seed(0)
     model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,

@@ -101,7 +101,7 @@ class NodeTiming:
     device_scale: tuple[tuple[float, float, float, float], ...] | None = None
     """Per device of the cluster: factors (forward work, forward fixed, backward work, backward
     fixed) that turn the times above into that device's, measured by running the model in hap's
-    runtime on every device at once (profile.calibrate_nodes). They include what timing nodes
+    runtime on every device at once (cost.calibrate.calibrate_nodes). They include what timing nodes
     one by one misses: the executor's own cost per node, an emulated device's stretch, and the
     devices slowing each other down. None: not calibrated."""
 
@@ -116,7 +116,7 @@ class Graph:
     loss: str
     model_name: str = "model"
     timing: NodeTiming | None = None
-    """Measured seconds per node (hap.runtime.profile.measure_nodes); when set, the cost model
+    """Measured seconds per node (hap.cost.calibrate.measure_nodes); when set, the cost model
     prices computation from them instead of from FLOPs and bytes."""
     buffer_updates: dict[str, str] = field(default_factory=dict)
     """Buffers the forward mutates (BatchNorm's running statistics, counters): buffer tensor ->

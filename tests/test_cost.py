@@ -85,7 +85,7 @@ def test_machine_devices_divide_compute_and_add_intra_sync(graph):
 
 def test_measured_node_times_replace_flops_and_split_fixed_from_work():
     from hap.ir import NodeTiming
-    from hap.runtime.profile import measure_nodes
+    from hap.cost.calibrate import measure_nodes
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))

@@ -90,7 +90,7 @@ def test_calibration_measures_each_device_in_the_runtime():
     from hap.capture import capture
     from hap.cost.cluster import load_cluster
     from hap.models import build
-    from hap.runtime.profile import calibrate_nodes, measure_nodes
+    from hap.cost.calibrate import calibrate_nodes, measure_nodes
 
     torch.manual_seed(0)
     model, batch = build("vit", scale="small", layers=1, hidden=32, batch=16)
@@ -115,7 +115,7 @@ def test_calibration_refuses_a_batch_too_small_to_split():
     them, and the error says so before any rank starts."""
     from hap.cost.cluster import load_cluster
     from hap.ir import NodeTiming
-    from hap.runtime.profile import calibrate_nodes
+    from hap.cost.calibrate import calibrate_nodes
 
     timing = NodeTiming(fwd=(1e-3,), bwd=(2e-3,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=1e11)
     with pytest.raises(ValueError, match="a batch of 1 is too small to calibrate 2 devices on"):
@@ -126,7 +126,7 @@ def test_calibration_shares_tilt_every_device_both_ways():
     """Compute-proportional shares (3:1 here) tilted 3:1 each way: (3*1.5, 1*0.5) = (4.5, 0.5)
     -> (0.9, 0.1), and (3*0.5, 1*1.5) = (1.5, 1.5) -> (0.5, 0.5). A homogeneous pair gets
     (0.75, 0.25) and (0.25, 0.75): every device has two different shares."""
-    from hap.runtime.profile import calibration_shares
+    from hap.cost.calibrate import calibration_shares
 
     hetero = cluster_from_dict({"devices": [{"name": "fast", "flops": 3e10, "memory": "1GiB"},
                                             {"name": "slow", "flops": 1e10, "memory": "1GiB"}],
@@ -142,7 +142,7 @@ def test_fit_calibration_splits_each_pass_into_fixed_and_work():
     (s = 0.75 and 0.25); backward 13 and 5 ms: 1 ms + s * 16 ms. The node times sum to 4 ms of
     work and 0.5 ms fixed forward, 8 and 2 ms backward: factors 2, 2, 2, 0.5."""
     from hap.ir import NodeTiming
-    from hap.runtime.profile import fit_calibration
+    from hap.cost.calibrate import fit_calibration
 
     timing = NodeTiming(fwd=(1e-3, 3e-3), bwd=(2e-3, 6e-3), fwd_fixed=(0.5e-3, 0.0), bwd_fixed=(1e-3, 1e-3),
                         device_flops=1e11)
@@ -173,7 +173,7 @@ def test_wait_clock_runs_from_before_to_after_and_not_for_launches():
 
 def test_calibration_needs_two_devices():
     from hap.ir import NodeTiming
-    from hap.runtime.profile import calibrate_nodes
+    from hap.cost.calibrate import calibrate_nodes
 
     timing = NodeTiming(fwd=(1e-3,), bwd=(2e-3,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=1e11)
     with pytest.raises(ValueError, match="calibration needs two devices at least; cluster 'one' has 1"):

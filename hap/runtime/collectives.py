@@ -46,7 +46,7 @@ Gather = Literal["padded", "grouped"]
 @dataclass(slots=True)
 class WaitClock:
     """Seconds a rank spends inside collectives: waiting for the other ranks, then transferring.
-    A step's wall time less this is the rank's busy time, what profile.calibrate_nodes fits."""
+    A step's wall time less this is the rank's busy time, what cost.calibrate.calibrate_nodes fits."""
 
     seconds: float = 0.0
     entered: float | None = None
