@@ -94,6 +94,11 @@ def assert_like_reference(got, steps, kind):
     generator as rank 0's was at the checkpoint (seeded 0, see train)."""
     torch.manual_seed(0)
     assert got["drawn"] == torch.rand(3).tolist()
+    assert_state_like_reference(got, steps, kind)
+
+
+def assert_state_like_reference(got, steps, kind):
+    """Parameters, buffers and optimizer state (as `whole` gives them) as one device's after `steps`."""
     model, optim = reference(steps, kind)
     for key, v in model.items():
         assert torch.allclose(torch.tensor(got["model"][key], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), key
