@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from .collectives import _with_length
+
 POINTER = "latest"
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
 _NAME = re.compile(r"step-(\d+)(\.\d+)?$")
@@ -42,8 +44,7 @@ def state_dict(dmodel) -> dict[str, torch.Tensor]:
     knows its rows in the whole (see _sharded)."""
     ex, out = dmodel.executor, {}
     for name in ex.stored:
-        local = ex.params[name] if name in ex.params else ex.buffers[name]
-        out[dmodel.graph.tensors[name].target] = _like(dmodel, name, local.detach().contiguous())
+        out[dmodel.graph.tensors[name].target] = _like(dmodel, name, ex.value_of(name).detach().contiguous())
     return out
 
 
@@ -87,12 +88,12 @@ def _local_part(dmodel, name: str, key: str, value) -> torch.Tensor:
     """This rank's part of graph tensor `name` from a state-dict value (whole, or this rank's rows)."""
     ex, t = dmodel.executor, dmodel.graph.tensors[name]
     p, seg = ex.stored[name]
-    mine = ex.params[name] if name in ex.params else ex.buffers[name]
+    mine = ex.value_of(name)
     if isinstance(value, ShardedTensor):
         if tuple(value.size()) != tuple(t.shape):
             raise ValueError(f"{key!r} is {tuple(value.size())} in the state dict but {tuple(t.shape)} in the model")
         shards = value.local_shards()
-        local = shards[0].tensor if shards else mine.new_empty(_with(t.shape, p.dim, 0) if p.is_shard else t.shape)
+        local = shards[0].tensor if shards else mine.new_empty(_with_length(t.shape, p.dim, 0) if p.is_shard else t.shape)
     elif isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(t.shape):
         local = ex.stored_part(name, value)
     else:
@@ -102,10 +103,6 @@ def _local_part(dmodel, name: str, key: str, value) -> torch.Tensor:
         raise ValueError(f"{key!r}: this rank's part is {tuple(local.shape)} in the state dict but "
                          f"{tuple(mine.shape)} under this plan (load a sharded checkpoint with checkpoint.load)")
     return local.to(mine.dtype)
-
-
-def _with(shape, dim: int, n: int) -> list[int]:
-    return [n if d == dim else s for d, s in enumerate(shape)]
 
 
 def optimizer_state_dict(dmodel, opt: torch.optim.Optimizer) -> dict[str, Any]:

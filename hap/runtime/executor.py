@@ -100,6 +100,10 @@ class Executor:
         sizes = self.sizes(tensor, p, seg)
         return full.narrow(p.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank])
 
+    def value_of(self, name: str) -> torch.Tensor:
+        """This rank's part of parameter or buffer `name`, as it keeps it."""
+        return self.params[name] if name in self.params else self.buffers[name]
+
     def stored_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole parameter or buffer, as it keeps it."""
         return self._local(full, name, *self.stored[name])
@@ -143,7 +147,7 @@ class Executor:
 
     def _load(self, tensor: str, p: Placement, seg: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
         if tensor in self.params or tensor in self.buffers:
-            held = self.params[tensor] if tensor in self.params else self.buffers[tensor]
+            held = self.value_of(tensor)
             q, q_seg = self.stored[tensor]
             if (q, q_seg) == (p, seg) or (p == q and not p.is_shard):
                 return held
@@ -285,7 +289,7 @@ class Executor:
         nbytes = 0
         with torch.no_grad():
             for name, dim, before, after in moved:
-                x = self.params[name] if name in self.params else self.buffers[name]
+                x = self.value_of(name)
                 entries = states.get(name, [])
                 row_bytes = x.element_size() * math.prod(self.graph.tensors[name].shape) // max(1, sum(before))
                 nbytes += _rows_exchanged(before, after, self.comm.rank) * row_bytes * (1 + len(entries))

@@ -287,14 +287,13 @@ class HAP(nn.Module):
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (a tied
         parameter under each of its names): it loads into the original model, which then
         evaluates as the distributed one. A collective: all ranks call it; every rank gets it."""
-        ex, out, whole = self.executor, {}, {}
+        ex, out, whole, original = self.executor, {}, {}, self.model.state_dict()
         for key, name in self._state_keys.items():
             if name is None or name not in ex.stored:  # not used by the forward: never trained, as on one device
-                out[key] = self.model.state_dict()[key].detach().clone()
+                out[key] = original[key].detach().clone()
                 continue
             if name not in whole:
-                local = self.shards[name] if name in self.shards else ex.buffers[name]
-                whole[name] = ex.whole(name, local.detach()).clone()
+                whole[name] = ex.whole(name, ex.value_of(name).detach()).clone()
             out[key] = whole[name]
         return out
 
