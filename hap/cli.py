@@ -95,11 +95,10 @@ def _build_graph(args, devices: int, say):
 def cmd_plan(args) -> int:
     from .cost.cluster import load_cluster
     from .planner import PlannerConfig
-    from .planners import PLANNERS, make_plan
+    from .planners import make_plan
 
     cluster = load_cluster(args.cluster)
-    if args.planner not in PLANNERS:
-        raise UserError(f"unknown planner {args.planner!r}; choose one of {', '.join(PLANNERS)}")
+    _check_planner(args.planner)
     if args.segments < 1:
         raise UserError(f"--segments must be at least 1, got {args.segments}")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True))
@@ -127,7 +126,7 @@ def cmd_train(args) -> int:
     import tempfile
 
     from .cost.cluster import load_cluster
-    from .planners import PLANNERS, make_plan
+    from .planners import make_plan
     from .runtime.launch import spawn
 
     cluster = load_cluster(args.cluster)
@@ -136,9 +135,7 @@ def cmd_train(args) -> int:
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
-    planner = args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy)
-    if planner not in PLANNERS:
-        raise UserError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not cluster.local and not args.emulate:
         raise UserError(f"cluster {cluster.name!r} describes {cluster.gpus} GPUs that are not on this machine; hap train "
@@ -172,6 +169,17 @@ def cmd_train(args) -> int:
     if args.trace:
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json")
     return 0
+
+
+def _check_planner(name: str) -> str:
+    """`name`, if a planner has it (said before capturing the model), else a UserError."""
+    from .planners import planner_named
+
+    try:
+        planner_named(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return name
 
 
 def _resume_from(args) -> tuple[str, int] | None:

@@ -41,13 +41,17 @@ def register(name: str) -> Callable[[Planner], Planner]:
     return add
 
 
-def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
-              progress: Progress | None = None) -> Plan:
-    """The plan of planner `name` for `graph` on `cluster`; an unknown name is a ValueError
-    listing the known ones."""
+def planner_named(name: str) -> Planner:
+    """The planner registered as `name`; an unknown name is a ValueError listing the known ones."""
     if name not in PLANNERS:
         raise ValueError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
-    return PLANNERS[name](graph, cluster, config or PlannerConfig(), progress or (lambda msg: None))
+    return PLANNERS[name]
+
+
+def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
+              progress: Progress | None = None) -> Plan:
+    """The plan of planner `name` (planner_named) for `graph` on `cluster`."""
+    return planner_named(name)(graph, cluster, config or PlannerConfig(), progress or (lambda msg: None))
 
 
 @register("astar")
