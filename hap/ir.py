@@ -170,3 +170,45 @@ def node_signature(n: Node, graph: Graph) -> tuple:
 
     outs = tuple(graph.tensors[o].requires_grad for o in n.outputs)
     return (n.op, sig(n.args), sig(n.kwargs), outs)
+
+
+def chunk_cuts(graph: Graph, max_live: int = 1, max_chunk: int = 16) -> list[int]:
+    """Where to cut the graph for the layer-wise search: before every node where at most
+    `max_live` activations other than scalars are live (layer boundaries: a scalar such as an
+    auxiliary loss may ride along to the end), and inside longer stretches, at the points with
+    the fewest live activations, so that no chunk exceeds `max_chunk` nodes."""
+    live = live_counts(graph, scalars=False)
+    n = len(graph.nodes)
+    base = [0] + [k for k in range(1, n) if live[k] <= max_live] + [n]
+    cuts = []
+    for lo, hi in zip(base, base[1:]):
+        while hi - lo > max_chunk:
+            # the least-live point in the second half of the next max_chunk nodes
+            lo = min(range(lo + max_chunk // 2, lo + max_chunk + 1), key=lambda k: (live[k], -k))
+            cuts.append(lo)
+        cuts.append(hi)
+    return [c for c in cuts if 0 < c < n]
+
+
+def live_counts(graph: Graph, scalars: bool = True) -> list[int]:
+    """Activations live before each node index (produced earlier, used there or later)."""
+    delta = [0] * (len(graph.nodes) + 2)
+    for t in graph.tensors.values():
+        if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer and (scalars or len(t.shape) > 0):
+            delta[t.producer + 1] += 1
+            delta[max(t.consumers) + 1] -= 1
+    out, acc = [], 0
+    for k in range(len(graph.nodes) + 1):
+        acc += delta[k]
+        out.append(acc)
+    return out
+
+
+def chunk_of(graph: Graph) -> list[int]:
+    """The layer chunk (between consecutive `chunk_cuts`) of every node: gradient buckets are
+    formed per chunk, so the buckets and the layer-cut search share one notion of a layer."""
+    out, c, cuts = [], 0, set(chunk_cuts(graph))
+    for k in range(len(graph.nodes)):
+        c += k in cuts
+        out.append(c)
+    return out

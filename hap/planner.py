@@ -32,7 +32,7 @@ from .placement import Placement
 from .plan import Plan, program_to_dicts, shard_splits
 from .rules import has_rule, strategy_table
 from .rules.units import ShardClasses
-from .search.astar import Frame, Restriction, SearchError, chunk_cuts, synthesize
+from .search.astar import Frame, Restriction, SearchError, synthesize
 from .search.program import Estimate, Step, replay
 
 
@@ -58,9 +58,9 @@ class PlannerConfig:
     of identical layers need about 2-6, so their plans are proven optimal. After one search of
     a plan outgrows it, the plan's later searches apply the cap from the start."""
     layer_cuts: bool = True
-    """Search layer by layer: end a stage at every point where one activation is live (see
-    search.astar.synthesize). Plans are always priced exactly afterwards; False searches the
-    exact stage model, which is slower on deep models."""
+    """Bound the cost of every layer ahead by a search of that layer alone (the A* heuristic,
+    see search.astar.synthesize); False bounds it by its computation, which is slower on deep
+    models. The plan is the same either way."""
 
 
 def _dp() -> Restriction:
@@ -175,15 +175,14 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         candidates.append((est.seconds, name, program, ratios, est))
         return est
 
-    cuts = chunk_cuts(graph) if config.layer_cuts else None
     frame = Frame(graph, strategies, cost, segment_of)
 
     def search(ratios, restriction=None):
         # Once a search of this graph outgrew its exhaustive budget, the next ones would too:
         # they apply the width cap from the start.
         budget = config.width_after if stats["exhaustive"] else 0.0
-        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic, cuts=cuts,
-                         width=config.width, width_after=budget, frame=frame)
+        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic,
+                         layer_bounds=config.layer_cuts, width=config.width, width_after=budget, frame=frame)
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
@@ -301,11 +300,11 @@ def _plan_at(graph: Graph, cluster: Cluster, ratios: Sequence[float], config: Pl
     cost = CostModel(graph, cluster, classes, config.optimizer)
     segment_of = [0] * len(graph.nodes)
     rs = [list(ratios)]
-    cuts = chunk_cuts(graph) if config.layer_cuts else None
     exhaustive = []
 
     def search(ratios, restriction):
-        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, cuts=cuts, width=config.width)
+        res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, layer_bounds=config.layer_cuts,
+                         width=config.width)
         exhaustive.append(res.exhaustive)
         return res.program
 

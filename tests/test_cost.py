@@ -124,7 +124,7 @@ def test_calibrated_scales_idle_devices_and_the_loss_all_reduce():
     """Worked example: one node, 3 ms forward work + 1 ms fixed, 6 + 2 ms backward, on a
     calibrated pair of devices (factors fast 1.5/2/1.25/1, slow 4/4/3/3)."""
     from hap.ir import NodeTiming
-    from hap.search.program import step_compute
+    from hap.search.program import NumericShares, node_times
 
     class Net(nn.Module):
         def __init__(self):
@@ -150,7 +150,7 @@ def test_calibrated_scales_idle_devices_and_the_loss_all_reduce():
     # split 1/0 on the batch: the slow device holds none of it and pays only the fastest
     # device's bookkeeping (1e-5 s per pass), not its own stretched fixed time
     batch = next(st for st in strategies[mm.index] if st.inputs[0].kind == "S" and st.inputs[0].dim == 0)
-    fwd, bwd, _ = step_compute(cost, mm.index, batch, [], [1.0, 0.0])
+    fwd, bwd = node_times(cost, NumericShares(cost, [[1.0, 0.0]]), mm.index, batch, [], 0)
     assert fwd == pytest.approx((4.5e-3 + 2e-3, 1e-5)) and bwd == pytest.approx((7.5e-3 + 2e-3, 1e-5))
     # every step ends with the loss's scalar all-reduce: latency 5e-4 s (ring, 2 devices)
     assert cost.loss_sync == pytest.approx(cost.comm("all_reduce", 4.0).const) and cost.loss_sync > 5e-4
@@ -182,5 +182,5 @@ def test_random_ops_price_the_generator_broadcast():
         return CostModel(g, cluster, ShardClasses(g, enumerate(strategy_table(g))))
 
     assert cost_of(0.5, devices).rng_sync == pytest.approx(1e-3 + 5056 / 1e8)
-    assert cost_of(0.5, devices).step_sync(0.0) == pytest.approx(cost_of(0.5, devices).loss_sync + 1e-3 + 5056 / 1e8)
+    assert cost_of(0.5, devices).step_overhead == pytest.approx(cost_of(0.5, devices).loss_sync + 1e-3 + 5056 / 1e8)
     assert cost_of(0.0, devices).rng_sync == 0.0 and cost_of(0.5, devices[:1]).rng_sync == 0.0

@@ -13,8 +13,9 @@ import torch
 from gloo import run_ranks
 
 import hap
+from hap.cost import model as cost_model
 from hap.models import vit
-from hap.runtime import gradsync
+from hap.planner import baseline_plan
 
 STEPS = 2
 
@@ -82,8 +83,10 @@ def train_clipped(model, batches, clip, step_batch=lambda b: b):
 
 def train_hap_dropout(rank, world):
     model, batches = small_vit(dropout=0.2)
-    gradsync.FIRST_BUCKET_BYTES = gradsync.BUCKET_BYTES = 4096  # many buckets, all-reduced during the backward
-    dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
+    cost_model.BUCKET_LATENCY_SHARE = 0.999  # a bucket per layer, all-reduced during the backward
+    cluster = hap.load_cluster("local")
+    dp = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp")  # every rank reads its rows
+    dmodel = hap.HAP(model, cluster, batches[0], plan=dp)
     buckets = len(dmodel.grad_sync.buckets)
     torch.manual_seed(rank)  # ranks' generators differ: hap must draw rank 0's numbers everywhere
     torch.rand(rank + 1)

@@ -16,7 +16,7 @@ from hap.planner import _tp
 from hap.rules.units import ShardClasses
 from hap.runtime.collectives import Comm, all_reduce
 from hap.runtime.executor import Executor, leaf_values
-from hap.search.astar import Restriction, chunk_cuts, synthesize
+from hap.search.astar import Restriction, synthesize
 
 
 class MLP(nn.Module):
@@ -40,10 +40,13 @@ CASES = {
         ((1e9, 1e9), 1e11, (0.6, 0.4), "tp"),
         ((3e9, 1e9), 1e11, (0.6, 0.4), "sharded"),
         ((3e9, 1e9), 1e11, (0.8, 0.2), "sharded-batch"),
+        ((3e9, 1e9), 1e11, (0.8, 0.2), "sharded-batch-no-gather"),
+        ((3e9, 1e9), 1e11, (0.6, 0.4), "sharded-no-gather"),
         ((3e9, 1e9), 1e11, (1.0, 0.0), "sharded")],  # rank 1 holds empty shards and computes nothing
     3: [((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), None),
         ((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), "sharded"),
-        ((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), "sharded-batch")],
+        ((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), "sharded-batch"),
+        ((2e9, 2e9, 1e9), 1e11, (0.55, 0.3, 0.15), "sharded-batch-no-gather")],
 }
 
 
@@ -58,11 +61,16 @@ def restriction(name, graph):
     def allow(kind, tensor, p):
         if kind == "param" and tensor in big:
             return p.is_shard
-        if kind == "input" and name == "sharded-batch":
+        if kind == "input" and name.startswith("sharded-batch"):
             return p == S(0)
         return True
 
-    return Restriction(name=name, allow_load=allow)
+    # "...-no-gather": activations change layout by all-to-all, reduce-scatter or all-reduce only
+    no_gather = name.endswith("-no-gather")
+    return Restriction(name=name, allow_load=allow,
+                       allow_move=lambda mv: not (no_gather and mv.name in ("all_gather", "grouped_broadcast")))
+
+
 STEPS = 3
 
 
@@ -80,7 +88,7 @@ def worker(rank, world):
         devices = tuple(Device(name=f"d{i}", flops=s, memory=2**34) for i, s in enumerate(speeds))
         cost = CostModel(graph, Cluster(name="t", devices=devices, collectives=fits_from_network(world, bandwidth, 1e-5)),
                          classes)
-        program = synthesize(graph, strategies, cost, seg, [ratios], restriction(rule, graph), cuts=chunk_cuts(graph)).program
+        program = synthesize(graph, strategies, cost, seg, [ratios], restriction(rule, graph), layer_bounds=True).program
         report["moves"] += sorted({ms.move.name for st in program for ms in st.moves})
         report["programs"].append(sorted({str(ld.placement) for st in program for ld in st.loads if ld.tensor in graph.params}))
         what = f"{ratios} {rule or 'hap'}"

@@ -1,14 +1,20 @@
 """Load balancing: the sharding ratios that minimise a fixed program's time (HAP section 5).
 
-For a fixed program the time is linear in the ratios B[s][j] (segment s, device j) once
-three kinds of epigraph variables are added:
-    T_i  >= time of stage i's computation on device j, for every j   (forward, backward)
-    M_s  >= B[s][j] for every j          (collectives are priced by the largest share)
-    Z_s  >= M_{s-1}, M_s                  (the all-to-all re-splitting at a segment boundary)
-minimise  sum_i (T_fwd_i + T_bwd_i) + sum (const + slope * M or Z) + gradient sync
-subject to sum_j B[s][j] = 1, B >= 0, memory_j(B) <= capacity_j.
+The LP is the program's one pricing walk (search/program.walk) run on linear expressions
+instead of numbers. Shares are the variables B[s][j] (segment s, device j, each row summing to
+1), and each maximum the walk takes becomes an epigraph variable:
+    T    >= every device's forward (backward) computation of a stage
+    M_s  >= B[s][j] for every j        (collectives are priced by the largest share)
+    Z    >= M_a, M_b                    (a rebalance between segments a and b)
+    X    >= 0 and every bucket's excess over the backward (overlapped gradient sync)
+minimise  the walk's total (stages, collectives, X)  subject to  memory_j(B) <= capacity_j.
+Minimising makes every epigraph variable tight where it matters, so the optimum's objective
+is the walk's price of the optimal ratios (tests/test_pricing.py checks it against replay).
 
-The LP sees continuous shares; the plan's integer shard sizes are rounded afterwards
+A device with no share of a node pays only the executor's bookkeeping for it (CostModel.
+fixed_times), which is not linear in its share: the LP is solved for a pattern of idle
+devices, first none; when devices come out idle, again with them fixed idle, until the pattern
+repeats. The LP sees continuous shares; the plan's integer shard sizes are rounded afterwards
 (section 5.1) and the plan is re-priced exactly. An infeasible or failed LP raises
 BalanceError naming the cause, never returns a guess.
 """
@@ -23,7 +29,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from ..cost.model import CostModel
-from ..search.program import Step, memory_terms, synced_bytes
+from ..search.program import Step, memory_terms, walk
 
 
 class BalanceError(ValueError):
@@ -35,123 +41,178 @@ class BalanceResult:
     ratios: list[list[float]]
     """ratios[segment][device], each row summing to 1."""
     objective: float
-    """The LP's estimate of the iteration time in seconds (continuous shares)."""
+    """The LP's iteration time in seconds at `ratios` (continuous shares): the walk's price."""
     status: Literal["optimal"]
     message: str
+    idle: list[tuple[int, int]]
+    """(segment, device) pairs the final LP held idle (share 0)."""
 
 
-class _LP:
+class Lin:
+    """A linear expression: sum of coefficient * variable, plus a constant."""
+
+    __slots__ = ("terms", "const")
+
+    def __init__(self, terms: dict[int, float] | None = None, const: float = 0.0):
+        self.terms, self.const = terms or {}, const
+
+    def __add__(self, other):
+        if isinstance(other, Lin):
+            terms = dict(self.terms)
+            for v, c in other.terms.items():
+                terms[v] = terms.get(v, 0.0) + c
+            return Lin(terms, self.const + other.const)
+        return Lin(self.terms, self.const + other)
+
+    __radd__ = __add__
+
+    def __mul__(self, k: float):
+        return Lin({v: c * k for v, c in self.terms.items()}, self.const * k)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return self * -1.0
+
+    def __sub__(self, other):
+        return self + (-other)
+
+
+class _Program:
+    """Variables, objective and constraints `row . x <= rhs` of an LP in the making."""
+
     def __init__(self):
         self.n = 0
-        self.c: list[float] = []
         self.rows: list[dict[int, float]] = []
         self.rhs: list[float] = []
-        self.const = 0.0
+        self.fixed_zero: set[int] = set()
 
-    def var(self, cost: float = 0.0) -> int:
-        self.c.append(cost)
+    def var(self) -> int:
         self.n += 1
         return self.n - 1
 
-    def le(self, coeffs: dict[int, float], rhs: float) -> None:
-        self.rows.append(coeffs)
+    def at_least(self, v: int, value) -> None:
+        """x_v >= value (a number or a Lin)."""
+        if isinstance(value, Lin):  # value.terms . x - x_v <= -value.const
+            row = dict(value.terms)
+            row[v] = row.get(v, 0.0) - 1.0
+            self.le(row, -value.const)
+        else:
+            self.le({v: -1.0}, -value)
+
+    def le(self, row: dict[int, float], rhs: float) -> None:
+        self.rows.append(row)
         self.rhs.append(rhs)
+
+
+class LPShares:
+    """The walk's algebra for the LP: shares are variables, maxima epigraph variables."""
+
+    def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]]):
+        self.lp, self.m, self.idle = lp, m, idle
+        self.B = [[lp.var() for _ in range(m)] for _ in range(segments)]
+        self.M = [lp.var() for _ in range(segments)]
+        for s in range(segments):
+            for j in range(m):
+                lp.le({self.B[s][j]: 1.0, self.M[s]: -1.0}, 0.0)
+                if (s, j) in idle:
+                    lp.fixed_zero.add(self.B[s][j])
+        self._shares = [[Lin({b: 1.0}) for b in row] for row in self.B]
+        self._pairs: dict[tuple[int, int], Lin] = {}
+
+    def of(self, tensor: str, dim: int, seg: int) -> list[Lin]:
+        return self._shares[seg]
+
+    def active(self, tensor: str, dim: int, seg: int) -> tuple[bool, ...]:
+        return tuple((seg, j) not in self.idle for j in range(self.m))
+
+    def live(self, tensor: str, dim: int, seg: int) -> int:
+        return sum(self.active(tensor, dim, seg))
+
+    def largest(self, sharded) -> Lin:
+        segs = sorted({s for _, _, s in sharded})
+        if len(segs) == 1:
+            return Lin({self.M[segs[0]]: 1.0})
+        key = (segs[0], segs[-1])
+        if key not in self._pairs:
+            z = self.lp.var()
+            for s in segs:
+                self.lp.at_least(z, Lin({self.M[s]: 1.0}))
+            self._pairs[key] = Lin({z: 1.0})
+        return self._pairs[key]
+
+    def vmax(self, values) -> Lin | float:
+        if not any(isinstance(v, Lin) for v in values):
+            return max(values)
+        t = self.lp.var()
+        for v in values:
+            self.lp.at_least(t, v)
+        return Lin({t: 1.0})
+
+    def positive_part(self, values) -> Lin:
+        x = self.lp.var()  # variables are non-negative
+        for v in values:
+            self.lp.at_least(x, v)
+        return Lin({x: 1.0})
 
 
 def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], segments: int,
             memory_limit: Sequence[float] | None = None) -> BalanceResult:
     """Optimal ratios per segment for `program`; memory_limit defaults to each GPU's memory."""
-    m = cost.m
-    graph = cost.graph
-    lp = _LP()
-    B = [[lp.var() for _ in range(m)] for _ in range(segments)]
-    M = [lp.var() for _ in range(segments)]
-    for s in range(segments):
-        for j in range(m):
-            lp.le({B[s][j]: 1.0, M[s]: -1.0}, 0.0)
-
-    def stage_vars():
-        return lp.var(1.0), lp.var(1.0)
-
-    fwd_rows: dict[int, dict[int, float]] = {}
-    bwd_rows: dict[int, dict[int, float]] = {}
-    fwd_const = [0.0] * m
-    bwd_const = [0.0] * m
-    T = stage_vars()
-    stage_terms: list[tuple] = []  # (T pair, fwd coeff rows per device, consts) closed stages
-    prev_seg = segment_of[program[0].node] if program else 0
-
-    def close():
-        nonlocal T, fwd_rows, bwd_rows, fwd_const, bwd_const
-        stage_terms.append((T, fwd_rows, bwd_rows, fwd_const, bwd_const))
-        T = stage_vars()
-        fwd_rows, bwd_rows, fwd_const, bwd_const = {}, {}, [0.0] * m, [0.0] * m
-
-    def add(rows, consts, seg, vec, sharded):
-        for j, a in enumerate(vec):
-            if a == 0.0:
-                continue
-            if sharded:
-                row = rows.setdefault(j, {})
-                row[B[seg][j]] = row.get(B[seg][j], 0.0) + a
-            else:
-                consts[j] += a
-
-    def comm_cost(kind, nbytes, share_var):
-        cc = cost.comm(kind, nbytes)
-        lp.const += cc.const
-        if cc.slope and share_var is not None:
-            lp.c[share_var] += cc.slope
-        elif cc.slope:
-            lp.const += cc.slope  # a collective on a whole tensor: largest share 1
-
-    for step in program:
-        seg = segment_of[step.node]
-        for ms in step.moves:
-            mv = ms.move
-            if not mv.communicates:
-                continue
-            close()
-            nbytes = graph.tensors[ms.tensor].nbytes
-            if mv.name == "rebalance":
-                z = lp.var()
-                lp.le({M[prev_seg]: 1.0, z: -1.0}, 0.0)
-                lp.le({M[seg]: 1.0, z: -1.0}, 0.0)
-                share = z
-            else:
-                share = M[seg] if (mv.src.is_shard or mv.dst.is_shard) else None
-            for kind in (mv.fwd, mv.bwd):
-                if kind is not None:
-                    comm_cost(kind, nbytes, share)
-        prev_seg = seg
-        node = graph.nodes[step.node]
-        inner = cost.variant_comm(node, step.strategy)
-        if inner:  # the node synchronizes the devices itself
-            close()
-            lp.const += inner
-        fwd, bwd = cost.base_times(node)
-        sharded = cost.work_shard(node, step.strategy) is not None
-        add(fwd_rows, fwd_const, seg, fwd, sharded)
-        add(bwd_rows, bwd_const, seg, bwd, sharded)
-        if cost.has_fixed:
-            fixed_fwd, fixed_bwd = cost.fixed_times(node)
-            add(fwd_rows, fwd_const, seg, fixed_fwd, False)
-            add(bwd_rows, bwd_const, seg, fixed_bwd, False)
-        for ld in step.loads:
-            t = graph.tensors[ld.tensor]
-            if t.kind == "param" and t.requires_grad:
-                if any(cost.intra_grad):
-                    add(bwd_rows, bwd_const, seg, cost.grad_intra(t.nbytes), ld.placement.is_shard)
-    close()
-    lp.const += cost.step_sync(synced_bytes(program, graph, segment_of))
-
-    for (tf, tb), frows, brows, fc, bc in stage_terms:
-        for t, rows, consts in ((tf, frows, fc), (tb, brows, bc)):
-            for j in range(m):
-                lp.le({**rows.get(j, {}), t: -1.0}, -consts[j])
-
     caps = list(memory_limit) if memory_limit is not None else [d.memory for d in cost.cluster.devices]
-    mem_rows = [dict() for _ in range(m)]
+    idle: set[tuple[int, int]] = set()
+    for _ in range(cost.m * segments + 1):
+        result = _solve(program, cost, segment_of, segments, caps, idle)
+        now = {(s, j) for s, row in enumerate(result.ratios) for j, x in enumerate(row) if x == 0.0}
+        if now <= idle:
+            return result
+        idle = now  # price those devices idle, as replay does, and solve again
+    return result
+
+
+def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float], idle) -> BalanceResult:
+    m = cost.m
+    lp = _Program()
+    alg = LPShares(lp, m, segments, idle)
+    objective = walk(program, cost, segment_of, alg).total + cost.step_overhead
+    if not isinstance(objective, Lin):
+        objective = Lin({}, objective)
+    _memory_rows(lp, alg.B, program, cost, segment_of, caps)
+
+    c = np.zeros(lp.n)
+    for v, k in objective.terms.items():
+        c[v] += k
+    A_eq = np.zeros((segments, lp.n))
+    for s in range(segments):
+        A_eq[s, alg.B[s]] = 1.0
+    rows, cols, vals = [], [], []
+    for i, row in enumerate(lp.rows):
+        for col, v in row.items():
+            rows.append(i)
+            cols.append(col)
+            vals.append(v)
+    A_ub = coo_matrix((vals, (rows, cols)), shape=(len(lp.rows), lp.n)).tocsr()
+    bounds = [(0, 0) if v in lp.fixed_zero else (0, None) for v in range(lp.n)]
+    res = linprog(c, A_ub=A_ub, b_ub=np.array(lp.rhs), A_eq=A_eq, b_eq=np.ones(segments), bounds=bounds, method="highs")
+    if res.status == 2:
+        raise BalanceError("out of memory: no sharding ratios fit this program in the devices' memory "
+                           f"({', '.join(f'{c / 2**30:.1f} GiB' for c in caps)})")
+    if res.status != 0:
+        raise BalanceError(f"ratio LP failed (HiGHS status {res.status}): {res.message}")
+    ratios = []
+    for s in range(segments):
+        row = [max(0.0, float(res.x[v])) for v in alg.B[s]]
+        row = [x if x > 1e-9 else 0.0 for x in row]
+        total = sum(row)
+        ratios.append([x / total for x in row])
+    return BalanceResult(ratios=ratios, objective=float(res.fun) + objective.const, status="optimal",
+                         message=res.message, idle=sorted(idle))
+
+
+def _memory_rows(lp: _Program, B, program, cost: CostModel, segment_of, caps: list[float]) -> None:
+    """memory_j(B) <= capacity_j, from the same terms `program.memory` sums."""
+    m = cost.m
+    mem_rows: list[dict[int, float]] = [dict() for _ in range(m)]
     mem_const = [0.0] * m
     for name, p, seg, nbytes, whole in memory_terms(program, cost, segment_of):
         for j in range(m):
@@ -167,28 +228,3 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
                                f"replicated part of this program alone but has {caps[j] / 2**30:.2f} GiB")
         if mem_rows[j]:
             lp.le(mem_rows[j], caps[j] - mem_const[j])
-
-    A_eq = np.zeros((segments, lp.n))
-    for s in range(segments):
-        A_eq[s, B[s]] = 1.0
-    rows, cols, vals = [], [], []
-    for i, row in enumerate(lp.rows):
-        for col, v in row.items():
-            rows.append(i)
-            cols.append(col)
-            vals.append(v)
-    A_ub = coo_matrix((vals, (rows, cols)), shape=(len(lp.rows), lp.n)).tocsr()
-    res = linprog(np.array(lp.c), A_ub=A_ub, b_ub=np.array(lp.rhs), A_eq=A_eq, b_eq=np.ones(segments),
-                  bounds=[(0, None)] * lp.n, method="highs")
-    if res.status == 2:
-        raise BalanceError("out of memory: no sharding ratios fit this program in the devices' memory "
-                           f"({', '.join(f'{c / 2**30:.1f} GiB' for c in caps)})")
-    if res.status != 0:
-        raise BalanceError(f"ratio LP failed (HiGHS status {res.status}): {res.message}")
-    ratios = []
-    for s in range(segments):
-        row = [max(0.0, float(res.x[v])) for v in B[s]]
-        row = [x if x > 1e-9 else 0.0 for x in row]
-        total = sum(row)
-        ratios.append([x / total for x in row])
-    return BalanceResult(ratios=ratios, objective=float(res.fun) + lp.const, status="optimal", message=res.message)

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
 from ..rules.units import ShardClasses
@@ -82,7 +82,9 @@ class CostModel:
         self.loss_sync = self.comm("all_reduce", 4.0).const if self.m > 1 else 0.0
         self.rng_sync = 0.0
         if self.m > 1 and any(is_random(node) for node in graph.nodes):
-            self.rng_sync = self.comm_time("all_gather_grouped", RNG_STATE_BYTES, (1.0,) + (0.0,) * (self.m - 1))
+            self.rng_sync = self.grouped_gather(RNG_STATE_BYTES, 1)
+        self.chunk_of = chunk_of(graph)  # the layer chunk of every node: a stage ends at each chunk's start
+        self.bucket_of = sync_groups(graph, self)  # the gradient bucket of every node's first-used parameters
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
 
@@ -178,11 +180,17 @@ class CostModel:
 
     def comm_time(self, kind: str, nbytes: float, shares: Sequence[float]) -> float:
         """Exact time under the given (rounded) shares; grouped broadcasts skip empty shards."""
-        if kind == "all_gather_grouped" and self.m > 1:
-            f = self.cluster.fit("broadcast")
-            live = sum(1 for s in shares if s > 0)
-            return live * f.alpha + nbytes / f.beta + self.intra_coll * nbytes
+        if kind == "all_gather_grouped":
+            return self.grouped_gather(nbytes, sum(1 for s in shares if s > 0))
         return self.comm(kind, nbytes).at(max(shares) if shares else 1.0)
+
+    def grouped_gather(self, nbytes: float, live: int) -> float:
+        """An all-gather as one broadcast per device that holds rows (`live` of them): each
+        pays the latency, the rows add up to the whole tensor once."""
+        if self.m == 1:
+            return 0.0
+        f = self.cluster.fit("broadcast")
+        return live * f.alpha + nbytes / f.beta + self.intra_coll * nbytes
 
     def variant_comm(self, node: Node, st: Strategy) -> float:
         """Seconds of the collectives that `st`'s local variant makes inside the node, forward
@@ -192,13 +200,14 @@ class CostModel:
         return sum(self.comm(kind, nbytes).const for kind, nbytes in variant_collectives(node, st, self.graph))
 
     def grad_sync(self, nbytes: float) -> float:
-        """One bucketed all-reduce of the replicated parameters' gradients."""
+        """One bucket's all-reduce of gradients (nbytes of them)."""
         return self.comm("all_reduce", nbytes).const if nbytes > 0 else 0.0
 
-    def step_sync(self, grad_bytes: float) -> float:
-        """The collectives every step makes besides the program's: the gradients' all-reduce, the
-        loss's, and the random generator's broadcast for a model with random ops."""
-        return self.grad_sync(grad_bytes) + self.loss_sync + self.rng_sync
+    @property
+    def step_overhead(self) -> float:
+        """The collectives every step makes besides the program's and the gradients': the loss's
+        all-reduce, and the random generator's broadcast for a model with random ops."""
+        return self.loss_sync + self.rng_sync
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -213,3 +222,38 @@ def max_share(shares: Sequence[float]) -> float:
 def finite(x: float) -> float:
     assert math.isfinite(x), "cost model produced a non-finite time"
     return x
+
+
+BUCKET_LATENCY_SHARE = 0.25  # a bucket is large enough that its latency is at most this part of its time
+
+
+def sync_groups(graph: Graph, cost: CostModel) -> list[int]:
+    """The gradient bucket of every node: consecutive layer chunks, from the last (whose
+    gradients arrive first), joined until the parameters first used in them are large enough
+    that the all-reduce's latency is at most BUCKET_LATENCY_SHARE of its time. Graph and
+    cluster decide the buckets, not the program: the search can then price them step by step.
+    The runtime syncs, in each bucket, the parameters the program keeps whole."""
+    chunks = cost.chunk_of
+    n = len(graph.nodes)
+    if not n:
+        return []
+    chunk_bytes = [0.0] * (chunks[-1] + 1)
+    for t in graph.tensors.values():
+        if t.kind == "param" and t.requires_grad and t.consumers:
+            chunk_bytes[chunks[t.consumers[0]]] += t.nbytes
+    alpha = cost.grad_sync(1.0) - (cost.grad_sync(2.0) - cost.grad_sync(1.0))
+    slope = cost.grad_sync(2.0) - cost.grad_sync(1.0)
+    enough = alpha * (1 - BUCKET_LATENCY_SHARE) / BUCKET_LATENCY_SHARE / slope if slope > 0 else 0.0
+    group_of_chunk = [0] * len(chunk_bytes)
+    group, size = 0, 0.0
+    for c in range(len(chunk_bytes) - 1, -1, -1):
+        if size >= enough and chunk_bytes[c]:
+            group, size = group + 1, 0.0
+        group_of_chunk[c] = group
+        size += chunk_bytes[c]
+    for c in range(1, len(chunk_bytes)):  # a bucket starts where its parameters do: its readiness waits for no less
+        if not chunk_bytes[c]:
+            group_of_chunk[c] = group_of_chunk[c - 1]
+    last = group_of_chunk[0]
+    return [last - group_of_chunk[chunks[k]] for k in range(n)]  # numbered in forward order
+

@@ -1,11 +1,12 @@
 """Gradient synchronization overlapped with the backward pass, as DDP does it.
 
 Parameters kept whole (R) on every rank receive partial gradients that must be summed over
-ranks. They are grouped into buckets in the order their gradients arrive (the reverse of the
-order the program first uses them); a bucket's all-reduce starts, asynchronously, as soon as
-it and every bucket before it are complete (every rank starts them in the same order), so
-communication runs while the backward computes the earlier layers' gradients. The last
-gradient to arrive waits for all of them and writes the sums back.
+ranks. The plan groups them into buckets, one per layer chunk, in the order their gradients
+arrive (search/program.sync_buckets, the buckets its cost model prices); a bucket's
+all-reduce starts, asynchronously, as soon as it and every bucket before it are complete
+(every rank starts them in the same order), so communication runs while the backward computes
+the earlier layers' gradients. The last gradient to arrive waits for all of them and writes
+the sums back.
 """
 
 from __future__ import annotations
@@ -18,23 +19,13 @@ import torch.nn as nn
 
 from .collectives import Comm
 
-FIRST_BUCKET_BYTES = 1 << 20  # DDP's sizes: a small first bucket starts communicating early,
-BUCKET_BYTES = 25 << 20  # then large ones pay the per-collective latency rarely
-
-
 class GradSync:
-    def __init__(self, params: Sequence[nn.Parameter], comm: Comm):
-        """params: in the order their gradients will arrive."""
+    def __init__(self, buckets: Sequence[Sequence[nn.Parameter]], comm: Comm):
+        """buckets: in the order they complete (their gradients' arrival), none empty."""
+        assert all(buckets), "an empty gradient bucket"
         self.comm = comm
-        self.buckets: list[list[nn.Parameter]] = []
-        size = cap = 0
-        for p in params:
-            if size >= cap:
-                cap = FIRST_BUCKET_BYTES if not self.buckets else BUCKET_BYTES
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+        self.buckets: list[list[nn.Parameter]] = [list(b) for b in buckets]
+        params = [p for b in self.buckets for p in b]
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._reset()
         if comm.world > 1:

@@ -28,13 +28,14 @@ import torch.nn as nn
 
 from ..capture import capture
 from ..cost.cluster import Cluster
-from ..placement import R
+from ..cost.model import CostModel
 from ..plan import Plan, shard_splits
 from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout
 from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
+from ..search.program import sync_buckets
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
@@ -82,13 +83,8 @@ class HAP(nn.Module):
             self.shards = nn.ParameterDict(ex.params)
         else:
             self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
-        first_use = {}
-        for i, step in enumerate(ex.program):
-            for ld in step.loads:
-                first_use.setdefault(ld.tensor, i)
-        whole = [name for name, p in self.shards.items() if ex.stored[name][0] == R and p.requires_grad]
-        whole.sort(key=lambda name: -first_use[name])  # gradients arrive last-used first
-        self.grad_sync = GradSync([self.shards[name] for name in whole], comm)
+        buckets = sync_buckets(ex.program, graph, segment_of, CostModel(graph, cluster, classes).bucket_of)
+        self.grad_sync = GradSync([[self.shards[name] for name in bucket] for bucket in buckets], comm)
         self._random = any(is_random(node) for node in graph.nodes)
         self._meta = meta
         self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}

@@ -35,16 +35,17 @@ import bisect
 import gc
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..cost.model import CostModel
-from ..ir import Graph
+from ..ir import Graph, chunk_cuts  # noqa: F401  (chunk_cuts: part of this module's interface)
 from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
-from .program import Load, MoveStep, Step, move_seconds, step_compute
+from .program import Load, MoveStep, NumericShares, Step, move_price, node_times
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 R_CODE = R.code
@@ -76,18 +77,36 @@ class _Option:
     loads: tuple[Load, ...]
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
-    sync_bytes: float
+    sync_bytes: float  # gradient bytes this node makes the runtime all-reduce (first use of a parameter kept whole)
     outs: tuple[int, ...]  # properties produced
     inner: float = 0.0  # seconds of the collectives the strategy makes inside the node (a stage boundary)
+    keeps: tuple = ()  # (parameter id, placement code, segment): a shared parameter first loaded sharded
+    uses: tuple = ()  # (parameter id, placement code or -1 for several, segment): a later use of a shared parameter
+
+
+class _Sync:
+    """The walk's gradient-sync bookkeeping (search/program.walk) in a search state: backward
+    seconds of closed stages (P) and of the open stage's opening collectives (C), the current
+    chunk's anchor -(P + C) and bucket bytes, the seconds of closed buckets, and the largest
+    excess of a bucket's end over the backward (a shared instance while nothing changes)."""
+    __slots__ = ("done", "opening", "anchor", "bucket", "synced", "excess")
+
+    def __init__(self, done=0.0, opening=0.0, anchor=0.0, bucket=0.0, synced=0.0, excess=-math.inf):
+        self.done, self.opening, self.anchor, self.bucket, self.synced, self.excess = done, opening, anchor, bucket, synced, excess
 
 
 class _State:
-    __slots__ = ("k", "props", "comm", "synced", "closed", "fwd", "bwd", "parent", "step", "reach", "key", "bound")
+    __slots__ = ("k", "props", "comm", "shared", "closed", "fwd", "bwd", "sync", "parent", "step", "reach", "key", "bound")
 
-    def __init__(self, k, props, comm, synced, closed, fwd, bwd, parent, step):
-        self.k, self.props, self.comm, self.synced = k, props, comm, synced
-        self.closed, self.fwd, self.bwd = closed, fwd, bwd
+    def __init__(self, k, props, comm, shared, closed, fwd, bwd, sync, parent, step):
+        self.k, self.props, self.comm, self.shared = k, props, comm, shared
+        self.closed, self.fwd, self.bwd, self.sync = closed, fwd, bwd, sync
         self.parent, self.step, self.reach, self.key, self.bound = parent, step, None, None, None
+
+    @property
+    def exposed(self) -> float:
+        """Gradient sync seconds the backward cannot hide, as far as the program goes."""
+        return self.sync.excess if self.sync is not None and self.sync.excess > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -103,19 +122,18 @@ class SearchResult:
 
 def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int],
                ratios: Sequence[Sequence[float]], restriction: Restriction | None = None,
-               heuristic: bool = True, cuts: Sequence[int] | None = None,
+               heuristic: bool = True, layer_bounds: bool = False,
                max_expansions: int = 5_000_000, width: int | None = None,
                width_after: float = 0.0, frame: Frame | None = None) -> SearchResult:
     """The cheapest program under `ratios` (per segment) in the canonical-order space.
 
-    cuts=None: stages end only at communication, the exact cost model. cuts=[k, ...] (layer
-    boundaries, see `chunk_cuts`): a stage also ends before each node k, which can only add
-    cost (max(a + b) <= max(a) + max(b)) and is exact where no stage would cross a cut. In
-    exchange the costs of the chunks between cuts add up, and the heuristic gains, for every
-    chunk still ahead, the cost of that chunk's best program from the most favourable entry
-    state (every placement of its inputs at hand): a lower bound that already counts the
-    communication and gradient synchronisation each layer cannot avoid. Identical chunks
-    (transformer layers) share that bound, found once by the same A*.
+    Programs are priced as `program.walk` prices them: stages end at communication and at
+    layer boundaries (cost.chunk_of), so the costs of the chunks between boundaries add up.
+    layer_bounds=True: the heuristic gains, for every chunk still ahead, the cost of that
+    chunk's best program from the most favourable entry state (every placement of its inputs
+    at hand): a lower bound that already counts the communication each layer cannot avoid.
+    Identical chunks (transformer layers) share that bound, found once by the same A*.
+    Without it, a chunk ahead is bounded by its cheapest computation alone.
 
     width=None keeps the search exhaustive (a proven optimum); an int caps the programs
     expanded per node index (see `_astar`) once the search has expanded `width_after` programs
@@ -127,48 +145,17 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts or (), frame)
-        start = _State(0, frozenset(), frozenset(), False, 0.0, space.zero, space.zero, None, None)
+        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
+        start = _State(0, frozenset(), frozenset(), frozenset(), 0.0, space.zero, space.zero, _Sync(), None, None)
         best, best_cost = _astar(space, start, space.n, True, max_expansions, width, int(width_after * space.n))
     finally:
         if gc_was_enabled:
             gc.enable()
     # the step's own collectives but the gradients' (the loss's all-reduce, the generator's
     # broadcast) cost every program alike: the search leaves them out, the total has them
-    total = best_cost + cost.step_sync(0.0)
+    total = best_cost + cost.step_overhead
     return SearchResult(_steps_to(space, best, start), total, space.expanded, space.generated,
                         time.perf_counter() - t0, space.exhaustive)
-
-
-def chunk_cuts(graph: Graph, max_live: int = 1, max_chunk: int = 16) -> list[int]:
-    """Where to cut the graph for the layer-wise search: before every node where at most
-    `max_live` activations other than scalars are live (layer boundaries: a scalar such as an
-    auxiliary loss may ride along to the end), and inside longer stretches, at the points with
-    the fewest live activations, so that no chunk exceeds `max_chunk` nodes."""
-    live = _live_counts(graph, scalars=False)
-    n = len(graph.nodes)
-    base = [0] + [k for k in range(1, n) if live[k] <= max_live] + [n]
-    cuts = []
-    for lo, hi in zip(base, base[1:]):
-        while hi - lo > max_chunk:
-            # the least-live point in the second half of the next max_chunk nodes
-            lo = min(range(lo + max_chunk // 2, lo + max_chunk + 1), key=lambda k: (live[k], -k))
-            cuts.append(lo)
-        cuts.append(hi)
-    return [c for c in cuts if 0 < c < n]
-
-
-def _live_counts(graph: Graph, scalars: bool = True) -> list[int]:
-    delta = [0] * (len(graph.nodes) + 2)
-    for t in graph.tensors.values():
-        if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer and (scalars or len(t.shape) > 0):
-            delta[t.producer + 1] += 1
-            delta[max(t.consumers) + 1] -= 1
-    out, acc = [], 0
-    for k in range(len(graph.nodes) + 1):
-        acc += delta[k]
-        out.append(acc)
-    return out
 
 
 class Frame:
@@ -183,6 +170,13 @@ class Frame:
         self.names = {i: name for name, i in tid.items()}
         self.loss_id = tid[graph.loss]
         self.dead_at = dead_at = _dead_sets(graph, tid, self.loss_id)
+        # Trainable parameters used by several nodes: the search keeps their later loads in the
+        # placement of the first (or the first whole), so that whether the runtime syncs them
+        # is known at their first use, where their gradient bucket is (program.synced_params).
+        self.shared = {name: i for i, name in enumerate(
+            name for name, t in graph.tensors.items() if t.kind == "param" and t.requires_grad and len(t.consumers) > 1)}
+        self.shared_done = [frozenset(i for name, i in self.shared.items() if graph.tensors[name].consumers[-1] == k)
+                            for k in range(len(graph.nodes))]
         self.alike, self.choices = [], []
         for k, node in enumerate(graph.nodes):
             # Nodes alike in op, work and tensors (every layer's) are priced once per search.
@@ -200,14 +194,37 @@ class Frame:
                         reqs.append((tid[name], p.code))
                 outs = tuple(tid[o] * CODE_BITS + p.code for o, p in zip(node.outputs, st.outputs)
                              if tid[o] not in dead_at[k] or tid[o] == self.loss_id)
-                choices.append((st, tuple(dict.fromkeys(loads)), tuple(dict.fromkeys(reqs)), outs))
+                loads = tuple(dict.fromkeys(loads))
+                choices.append((st, loads, tuple(dict.fromkeys(reqs)), outs, self._sync_choice(k, loads)))
             self.choices.append(choices)
+
+
+    def _sync_choice(self, k: int, loads: Sequence[Load]) -> tuple[float, tuple, tuple]:
+        """(bytes synced from here, shared parameters first loaded sharded, later uses of
+        shared parameters) for a node's loads: the `kept_placements` rule, decided at first use."""
+        graph, seg = self.graph, self.segment_of[k]
+        places: dict[str, list[Placement]] = {}
+        for ld in loads:
+            t = graph.tensors[ld.tensor]
+            if t.kind == "param" and t.requires_grad:
+                places.setdefault(ld.tensor, []).append(ld.placement)
+        sync, keeps, uses = 0.0, [], []
+        for name, ps in places.items():
+            t = graph.tensors[name]
+            if t.consumers[0] == k:
+                if len(ps) > 1 or ps[0].kind in ("R", "P"):
+                    sync += t.nbytes
+                elif name in self.shared:
+                    keeps.append((self.shared[name], ps[0].code, seg))
+            else:
+                uses.append((self.shared[name], ps[0].code if len(ps) == 1 else -1, seg))
+        return sync, tuple(keeps), tuple(uses)
 
 
 class _Space:
     """The search space: options per node under the ratios, moves, heuristic, and expansion."""
 
-    def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, cuts, frame=None):
+    def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame=None):
         self.graph, self.cost, self.segment_of, self.ratios, self.restriction = graph, cost, segment_of, ratios, restriction
         self.m = m = cost.m
         self.zero = (0.0,) * m
@@ -216,7 +233,8 @@ class _Space:
         frame = frame or Frame(graph, strategies, cost, segment_of)
         assert frame.graph is graph and frame.strategies is strategies and frame.segment_of == list(segment_of)
         self.tid, self.needs_grad, self.names = frame.tid, frame.needs_grad, frame.names
-        self.loss_id, self.dead_at = frame.loss_id, frame.dead_at
+        self.loss_id, self.dead_at, self.shared_done = frame.loss_id, frame.dead_at, frame.shared_done
+        self.alg = alg = NumericShares(cost, ratios)
         self.expanded = self.generated = 0
         self.exhaustive = True
 
@@ -224,40 +242,55 @@ class _Space:
         self.opts = opts = []
         priced: dict[tuple, tuple] = {}
         for k, node in enumerate(nodes):
-            r = ratios[segment_of[k]]
             alike = frame.alike[k]
             ok = []
-            for i, (st, loads, reqs, outs) in enumerate(frame.choices[k]):
+            for i, (st, loads, reqs, outs, (sync_bytes, keeps, uses)) in enumerate(frame.choices[k]):
                 if restriction and not all(restriction.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement)
                                            for ld in loads):
                     continue
                 found = priced.get((alike, i))
                 if found is None:
-                    found = priced[(alike, i)] = step_compute(cost, k, st, loads, r)
-                fwd, bwd, sync_bytes = found
-                ok.append(_Option(st, reqs, loads, fwd, bwd, sync_bytes, outs, cost.variant_comm(node, st)))
+                    fwd, bwd = node_times(cost, alg, k, st, loads, segment_of[k])
+                    found = priced[(alike, i)] = (tuple(fwd), tuple(bwd))
+                ok.append(_Option(st, reqs, loads, found[0], found[1], sync_bytes, outs, cost.variant_comm(node, st),
+                                  keeps, uses))
             if not ok:
                 raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
             opts.append(ok)
 
         self.seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
-        alpha = cost.grad_sync(1.0) - cost.grad_sync(0.0) if m > 1 else 0.0
+        chunk, bucket = cost.chunk_of, cost.bucket_of
+        self.bucket_end = [k + 1 == n or bucket[k + 1] != bucket[k] for k in range(n)]
         self.sync_slope = cost.grad_sync(2.0) - cost.grad_sync(1.0) if m > 1 else 0.0
-        self.alpha_sync = alpha - self.sync_slope
+        self.sync_alpha = cost.grad_sync(1.0) - self.sync_slope if m > 1 else 0.0
+        # The most gradient sync a program can still add from node k on, beyond its open
+        # bucket's latency: a bucket per later chunk, every trainable parameter first used from k.
+        self.sync_rest = rest = [0.0] * (n + 1)
+        first_use = [0.0] * n
+        for t in graph.tensors.values():
+            if t.kind == "param" and t.requires_grad and t.consumers:
+                first_use[t.consumers[0]] += t.nbytes
+        synced_buckets = sorted({bucket[k] for k in range(n) if first_use[k]})
+        bytes_from = 0.0
+        for k in range(n - 1, -1, -1):
+            bytes_from += first_use[k]
+            later = len(synced_buckets) - bisect.bisect_right(synced_buckets, bucket[k])
+            rest[k] = self.sync_slope * bytes_from + self.sync_alpha * later
         self._moves: dict[tuple, list] = {}
         if restriction:
             for dst in (D, P, Placement("S", 0)):
                 for mv in moves_between(R, dst, True):
                     if not restriction.allow_move(mv):
                         raise ValueError(f"restriction {restriction.name!r} forbids the free move {mv.name} (R -> {dst})")
-        self.cut_set = frozenset(c for c in cuts if 0 < c < n)
-        self._heuristic(heuristic)
+        self.cut_set = frozenset(k for k in range(1, n) if chunk[k] != chunk[k - 1])
+        self._heuristic(heuristic, layer_bounds)
 
-    def _heuristic(self, enabled: bool) -> None:
+    def _heuristic(self, enabled: bool, layer_bounds: bool) -> None:
         """h(state at k) = open stage plus, per device, the cheapest computation left in the
         chunk (max over devices, forward and backward apart), plus the lower bound of every
-        later chunk. At a chunk's start the open stage is empty and the chunk's own bound is
-        used instead of its computation alone."""
+        later chunk (its cheapest computation, or with layer_bounds its searched bound). At a
+        chunk's start the open stage is empty and the chunk's own searched bound is used
+        instead of its computation alone."""
         n, zero, opts = self.n, self.zero, self.opts
         self.suffix_f = suffix_f = [zero] * (n + 1)
         self.suffix_b = suffix_b = [zero] * (n + 1)
@@ -273,13 +306,13 @@ class _Space:
         if not self.cut_set:
             return
         bounds = [0] + sorted(self.cut_set) + [n]
-        live = _live_lists(self, bounds)
+        live = _live_lists(self, bounds) if layer_bounds else {}
         lower: dict[tuple, float] = {}
         after = 0.0
         for lo, hi in reversed(list(zip(bounds, bounds[1:]))):
             for k in range(lo + 1, hi):
                 future[k] = after
-            if lo in self.seg_start:
+            if lo in self.seg_start or not layer_bounds:
                 # Entering a segment re-splits every sharded live placement: with all of them at
                 # hand the bound would pay for rebalances no real entry makes. Computation only.
                 future[lo] = after
@@ -298,7 +331,7 @@ class _Space:
         never hurt (a move or strategy possible with fewer stays possible), so no real entry
         state does better."""
         props = frozenset(t * CODE_BITS + c for t in live_in for c in _codes_for(self.graph.tensors[self.names[t]]))
-        start = _State(lo, props, frozenset(), True, 0.0, self.zero, self.zero, None, None)
+        start = _State(lo, props, frozenset(), frozenset(), 0.0, self.zero, self.zero, None, None, None)  # sync unpriced
         try:
             found = _astar(self, start, hi, False, BOUND_EXPANSIONS_PER_NODE * (hi - lo))
         except SearchError:  # too wide to bound cheaply: fall back to its computation alone
@@ -330,7 +363,7 @@ class _Space:
             for mv in moves_between(from_code(src), dst_p, self.graph.tensors[name].requires_grad):
                 if self.restriction and not self.restriction.allow_move(mv):
                     continue
-                f, b = move_seconds(self.cost, name, mv, self.ratios[seg], self.ratios[seg])
+                f, b = move_price(self.cost, self.alg, name, mv, seg, seg)
                 found.append((src, mv, f, b))
         return found
 
@@ -340,25 +373,37 @@ class _Space:
         return rest + self.future[k] if with_future else rest
 
     def expand(self, s: _State, emit: Callable[[_State], None]) -> None:
-        """Every child of s: a strategy for node s.k, with the moves its inputs need."""
+        """Every child of s: a strategy for node s.k, with the moves its inputs need. Stages
+        and gradient buckets are assembled exactly as `program.walk` does."""
         self.expanded += 1
         k = s.k
         seg = self.segment_of[k]
-        props, closed, fwd, bwd = s.props, s.closed, s.fwd, s.bwd
+        props, closed, fwd, bwd, sync = s.props, s.closed, s.fwd, s.bwd, s.sync
         zero, names = self.zero, self.names
+        done, opening = (sync.done, sync.opening) if sync is not None else (0.0, 0.0)
         pre_moves: tuple[MoveStep, ...] = ()
         if k in self.seg_start:  # re-split every sharded live tensor to the new segment's ratios
             for p in sorted(props):
                 if p % CODE_BITS >= 3:
                     name, pl = names[p // CODE_BITS], from_code(p % CODE_BITS)
                     mv = rebalance(pl)
-                    f, b = move_seconds(self.cost, name, mv, self.ratios[self.segment_of[k - 1]], self.ratios[seg])
-                    closed += max(fwd) + max(bwd) + f + b
+                    f, b = move_price(self.cost, self.alg, name, mv, self.segment_of[k - 1], seg)
+                    slowest = max(bwd)
+                    closed += max(fwd) + slowest + f + b
+                    done, opening = done + slowest + opening, b
                     fwd = bwd = zero
                     pre_moves += (MoveStep(name, mv),)
         dead = self.dead_at[k]
         cut = k + 1 in self.cut_set
+        bucket_end = self.bucket_end[k]
         for opt in self.opts[k]:
+            shared = s.shared
+            if sync is not None and (opt.uses or opt.keeps):
+                if not _shared_ok(shared, opt.uses):
+                    continue
+                shared = shared.union(opt.keeps) if opt.keeps else shared
+                if self.shared_done[k]:
+                    shared = frozenset(e for e in shared if e[0] not in self.shared_done[k])
             choices = []
             feasible = True
             for t, code in opt.reqs:
@@ -374,13 +419,15 @@ class _Space:
                 continue
             outs = opt.outs
             for combo in itertools.product(*choices) if choices else ((),):
-                c_closed, c_fwd, c_bwd = closed, fwd, bwd
+                c_closed, c_fwd, c_bwd, c_done, c_opening = closed, fwd, bwd, done, opening
                 comm = s.comm
                 if combo:
                     new_props = set(props)
                     for t, (src, mv, f, b) in combo:
                         if mv.communicates:
-                            c_closed += max(c_fwd) + max(c_bwd) + f + b
+                            slowest = max(c_bwd)
+                            c_closed += max(c_fwd) + slowest + f + b
+                            c_done, c_opening = c_done + slowest + c_opening, b
                             c_fwd = c_bwd = zero
                         if mv.fwd is not None:
                             comm = comm | {t}
@@ -389,27 +436,34 @@ class _Space:
                 else:
                     new_props = props.union(outs)
                 if opt.inner:  # the node synchronizes the devices itself
-                    c_closed += max(c_fwd) + max(c_bwd) + opt.inner
+                    slowest = max(c_bwd)
+                    c_closed += max(c_fwd) + slowest + opt.inner
+                    c_done, c_opening = c_done + slowest + c_opening, opt.inner
                     c_fwd = c_bwd = zero
                 c_fwd = tuple(map(float.__add__, c_fwd, opt.fwd))
                 c_bwd = tuple(map(float.__add__, c_bwd, opt.bwd))
-                synced = s.synced
-                if opt.sync_bytes:
-                    c_closed += opt.sync_bytes * self.sync_slope
-                    if not synced:
-                        c_closed += self.alpha_sync
-                        synced = True
                 if dead:
                     new_props = frozenset(p for p in new_props if p // CODE_BITS not in dead)
                     comm = comm - dead
                 elif combo:
                     new_props = frozenset(new_props)
                 if cut:  # the stage ends at the layer boundary
-                    c_closed += max(c_fwd) + max(c_bwd)
+                    slowest = max(c_bwd)
+                    c_closed += max(c_fwd) + slowest
+                    c_done, c_opening = c_done + slowest + c_opening, 0.0
                     c_fwd = c_bwd = zero
+                c_sync = sync
+                if sync is not None and (opt.sync_bytes or bucket_end or c_done != sync.done or c_opening != sync.opening):
+                    c_sync = _Sync(c_done, c_opening, sync.anchor, sync.bucket + opt.sync_bytes, sync.synced, sync.excess)
+                    if bucket_end:  # the bucket is complete; the next one begins
+                        if c_sync.bucket:
+                            c_sync.synced += self.cost.grad_sync(c_sync.bucket)
+                            c_sync.excess = max(c_sync.excess, c_sync.synced + c_sync.anchor)
+                            c_sync.bucket = 0.0
+                        c_sync.anchor = -(c_done + c_opening)
                 self.generated += 1
                 # The Step is built only for the programs returned (see `step_of`).
-                emit(_State(k + 1, new_props, comm, synced, c_closed, c_fwd, c_bwd, s, (opt, combo, pre_moves)))
+                emit(_State(k + 1, new_props, comm, shared, c_closed, c_fwd, c_bwd, c_sync, s, (opt, combo, pre_moves)))
 
     def step_of(self, s: _State) -> Step:
         """The instruction that made s from its parent."""
@@ -436,7 +490,7 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
     per_node = [0] * (space.n + 1)
     counter = itertools.count()
     h = space.h
-    queue = [(h(start.k, start.fwd, start.bwd, with_future), -start.k, next(counter), start)]
+    queue = [(start.closed + start.exposed + h(start.k, start.fwd, start.bwd, with_future), -start.k, next(counter), start)]
     table: dict[tuple, list[_State]] = {}
     best: _State | None = None
     best_cost = float("inf")
@@ -444,8 +498,8 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
     width_from = space.expanded + width_after
 
     def push(child: _State) -> None:
-        score = child.closed + h(child.k, child.fwd, child.bwd, with_future)
-        if score < best_cost and not _dominated(table, child):  # deeper first among equal scores
+        score = child.closed + child.exposed + h(child.k, child.fwd, child.bwd, with_future)
+        if score < best_cost and not _dominated(space, table, child):  # deeper first among equal scores
             heapq.heappush(queue, (score, -child.k, next(counter), child))
 
     while queue:
@@ -453,18 +507,18 @@ def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expan
         if score >= best_cost:
             break
         if s.k == goal:
-            final = s.closed + max(s.fwd) + max(s.bwd)
+            final = s.closed + max(s.fwd) + max(s.bwd) + s.exposed
             if final < best_cost:
                 best, best_cost = s, final
             continue
-        if _dominated(table, s):
+        if _dominated(space, table, s):
             continue
         if width is not None:
             if per_node[s.k] >= width and space.expanded >= width_from:
                 space.exhaustive = False
                 continue
             per_node[s.k] += 1
-        _insert(table, s)
+        _insert(space, table, s)
         if space.expanded >= limit:
             raise SearchError(f"search exceeded {max_expansions} expansions at node {s.k} of {space.n}")
         space.expand(s, push)
@@ -527,7 +581,7 @@ def _chunk_key(space: _Space, lo: int, hi: int, live) -> tuple:
 def _table_key(s: _State) -> tuple:
     # Only programs holding the same live tensors are compared (any of their placements).
     if s.key is None:
-        s.key = s.k, s.synced, frozenset(p // CODE_BITS for p in s.props)
+        s.key = s.k, s.shared, frozenset(p // CODE_BITS for p in s.props)
     return s.key
 
 
@@ -549,43 +603,70 @@ def _bound(s: _State) -> frozenset:
     return s.bound
 
 
-def _dominated(table: dict, s: _State) -> bool:
+def _dominated(space: _Space, table: dict, s: _State) -> bool:
     """Fig. 10 line 9: a program with at least s's properties (up to free moves), no more
     tensors it may not communicate, and no dearer for any continuation makes s redundant."""
     entries = table.get(_table_key(s))
     if not entries:
         return False
-    reach, comm, closed = _reach(s), s.comm, s.closed
-    for e in entries:  # the cheap test first: a dominator has closed no more stages' cost
-        if e.closed <= closed and _bound(e) <= comm and reach <= (e.reach or _reach(e)) and _no_dearer(e, s):
+    reach, comm = _reach(s), s.comm
+    for e in entries:
+        if _bound(e) <= comm and reach <= (e.reach or _reach(e)) and _no_dearer(space, e, s):
             return True
     return False
 
 
-def _insert(table: dict, s: _State) -> None:
+def _insert(space: _Space, table: dict, s: _State) -> None:
     """Lines 12-14: add s, dropping the programs it dominates."""
     key = _table_key(s)
-    reach, bound, closed = _reach(s), _bound(s), s.closed
+    reach, bound = _reach(s), _bound(s)
     table[key] = [e for e in table.get(key, ())
-                  if not (closed <= e.closed and bound <= e.comm and (e.reach or _reach(e)) <= reach and _no_dearer(s, e))] + [s]
+                  if not (bound <= e.comm and (e.reach or _reach(e)) <= reach and _no_dearer(space, s, e))] + [s]
 
 
-def _no_dearer(a: _State, b: _State) -> bool:
+def _no_dearer(space: _Space, a: _State, b: _State) -> bool:
     """a costs no more than b after any common continuation.
 
-    The open stage closes at max_j(fwd_j + x_j) for whatever x follows, and
-    max_j(a_j + x_j) <= max_j(b_j + x_j) + max_j (a_j - b_j)^+, so it suffices that
-    a.closed + max(a.fwd - b.fwd)^+ + max(a.bwd - b.bwd)^+ <= b.closed."""
+    Stages: the open stage closes at max_j(fwd_j + x_j) for whatever x follows, and
+    max_j(a_j + x_j) <= max_j(b_j + x_j) + max_j (a_j - b_j)^+, so the stages cost a at most
+    d = a.closed - b.closed + max(a.fwd - b.fwd)^+ + max(a.bwd - b.bwd)^+ more than b.
+
+    Gradient sync adds max(0, E, K): E the excess so far, K that of buckets still to close
+    (program.walk). K of the open bucket is synced + slope * bucket + anchor + what follows,
+    K of later buckets the same with -(P + C) for the anchor, less the backward of the open
+    stage, which differs by at most max(b.bwd - a.bwd)^+; the same continuation adds the same.
+    As max(p, q) - max(p', q') <= max(p - p', q - q'), a is no dearer when d plus the largest
+    of those differences (and of max(0, E)) is at most 0. When a's sync can no longer be
+    exposed (its K bound is at most 0), only max(0, E) matters."""
     extra = a.closed - b.closed
-    if extra > 0:
-        return False
     df = max(map(float.__sub__, a.fwd, b.fwd))
     if df > 0:
         extra += df
     db = max(map(float.__sub__, a.bwd, b.bwd))
     if db > 0:
         extra += db
-    return extra <= 0
+    sa, sb = a.sync, b.sync
+    if sa is None:
+        return extra <= 0
+    if sa.bucket and not sb.bucket:  # a's open bucket is non-empty whatever follows, b's may not
+        return False
+    gap = a.exposed - b.exposed
+    queued_a = sa.synced + space.sync_slope * sa.bucket
+    if queued_a + space.sync_alpha + space.sync_rest[a.k] + sa.anchor > 0:
+        queued_b = sb.synced + space.sync_slope * sb.bucket
+        open_bucket = queued_a + sa.anchor - queued_b - sb.anchor
+        later = queued_a - sa.done - sa.opening - queued_b + sb.done + sb.opening + max(0.0, -min(map(float.__sub__, a.bwd, b.bwd)))
+        gap = max(gap, open_bucket, later)
+    return extra + gap <= 0
+
+
+def _shared_ok(shared: frozenset, uses: tuple) -> bool:
+    """Later uses of shared parameters load them as first loaded (unless that was whole)."""
+    for pid, code, seg in uses:
+        for e in shared:
+            if e[0] == pid and (code, seg) != e[1:]:
+                return False
+    return True
 
 
 def _dead_sets(graph: Graph, tid: dict[str, int], loss_id: int) -> list[frozenset[int]]:

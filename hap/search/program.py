@@ -8,17 +8,21 @@ strategy asks for:
 
 Execution is split in stages at every move that communicates (HAP section 3.2): all devices
 synchronise there. A stage costs its collectives plus, for the forward and the backward
-separately, the largest computation time over devices. The gradients of replicated
-parameters are all-reduced in one bucket after the backward.
+separately, the largest computation time over devices. Stages also end at layer boundaries
+(`ir.chunk_cuts`; an upper bound, exact where one device is the slowest throughout a layer),
+where the gradients of the parameters kept whole are all-reduced, one bucket per layer chunk,
+overlapped with the backward.
 
-`replay` prices a fixed program under any ratios with exact integer shard sizes; the search
-prices the same steps incrementally with the same functions, so the two always agree.
+`walk` is the one pricing of a program. `replay` runs it on numbers (exact integer shard
+sizes, or the ratios themselves); the load balancer runs it on linear expressions (its LP);
+the search prices each step with the same `node_times` and `move_price` and assembles stages
+and buckets as the walk does, step by step (tests/test_pricing.py checks all three agree).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..cost.model import CostModel
 from ..ir import Graph
@@ -51,12 +55,14 @@ class Step:
 
 @dataclass(slots=True)
 class Stage:
-    comm: float = 0.0
+    comm: Any = 0.0
     """Seconds of collectives (forward and backward) that open this stage."""
+    comm_bwd: Any = 0.0
+    """The part of `comm` the backward runs (after this stage's backward computation)."""
     collectives: list[str] = field(default_factory=list)
-    fwd: list[float] = field(default_factory=list)
+    fwd: list = field(default_factory=list)
     """Forward computation seconds per device."""
-    bwd: list[float] = field(default_factory=list)
+    bwd: list = field(default_factory=list)
     """Backward computation seconds per device."""
 
     @property
@@ -65,12 +71,28 @@ class Stage:
 
 
 @dataclass(slots=True)
+class Bucket:
+    """One all-reduce of gradient sync: the parameters first used in one layer chunk."""
+    bucket: int
+    """Its number in CostModel.bucket_of (forward order)."""
+    nbytes: float
+    seconds: Any
+    stage: int
+    """The stage open where the bucket's chunks begin: its gradients are all there once the
+    backward has computed this stage."""
+
+
+@dataclass(slots=True)
 class Estimate:
     seconds: float
     stages: list[Stage]
     grad_sync: float
+    """Seconds of gradient sync the backward does not hide (on the iteration's critical path)."""
     memory: list[float]
     """Peak bytes per GPU on each device (weights, gradients, optimizer states, activations)."""
+    buckets: list[Bucket] = field(default_factory=list)
+    """The gradient all-reduces, in forward order of their layer chunks (the runtime launches
+    them in the reverse order, as their gradients arrive)."""
 
     def breakdown(self) -> dict[str, float]:
         return {
@@ -78,92 +100,220 @@ class Estimate:
             "backward_compute": sum(max(s.bwd, default=0.0) for s in self.stages),
             "communication": sum(s.comm for s in self.stages),
             "gradient_sync": self.grad_sync,
+            "gradient_sync_overlapped": sum(b.seconds for b in self.buckets) - self.grad_sync,
         }
 
 
-def move_seconds(cost: CostModel, tensor: str, mv: Move, ratios_before: Sequence[float], ratios: Sequence[float]) -> tuple[float, float]:
-    """Forward and backward seconds of a move; ratios_before differ from ratios only for rebalances."""
+# -- the algebra of shares ------------------------------------------------------------------------
+#
+# The walk below prices a program once for all its users. It never looks at the ratios itself:
+# it asks an algebra for the devices' shares and for the maxima it needs. NumericShares answers
+# with numbers (replay, and the search, which prices each step with the same functions);
+# balance/lp.py answers with linear expressions in the ratios and epigraph variables, which
+# turns the same walk into the load balancer's LP.
+
+
+class NumericShares:
+    """Shares as numbers: the exact integer shard sizes under `ratios` (what the runtime
+    runs), or, with continuous=True, the ratios themselves (what the LP sees)."""
+
+    def __init__(self, cost: CostModel, ratios: Ratios, continuous: bool = False):
+        self.cost, self.ratios, self.continuous = cost, ratios, continuous
+
+    def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
+        if self.continuous:
+            return self.ratios[seg]
+        return self.cost.shares(tensor, dim, self.ratios[seg])
+
+    def active(self, tensor: str, dim: int, seg: int) -> tuple[bool, ...]:
+        return tuple(s > 0 for s in self.of(tensor, dim, seg))
+
+    def live(self, tensor: str, dim: int, seg: int) -> int:
+        return sum(1 for s in self.of(tensor, dim, seg) if s > 0)
+
+    def largest(self, sharded: Sequence[tuple[str, int, int]]) -> float:
+        return max(max(self.of(t, d, s)) for t, d, s in sharded)
+
+    @staticmethod
+    def vmax(values: Sequence[float]) -> float:
+        return max(values)
+
+    @staticmethod
+    def positive_part(values: Sequence[float]) -> float:
+        return max(0.0, *values)
+
+
+def move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_dst: int):
+    """Forward and backward seconds of a move (seg_src differs from seg_dst only for a rebalance).
+
+    Collectives on a shard are priced by the largest share involved; a grouped all-gather
+    (one broadcast per device holding rows) by how many devices hold rows."""
     nbytes = cost.graph.tensors[tensor].nbytes
 
-    def seconds(kind: str | None, src: Placement, dst: Placement, r_src, r_dst) -> float:
+    def seconds(kind: str | None, src: Placement, dst: Placement, s_src: int, s_dst: int):
         if kind is None:
             return 0.0
-        shares = []
-        if src.is_shard:
-            shares.append(max(cost.shares(tensor, src.dim, r_src)))
-        if dst.is_shard:
-            shares.append(max(cost.shares(tensor, dst.dim, r_dst)))
+        sharded = [(tensor, p.dim, s) for p, s in ((src, s_src), (dst, s_dst)) if p.is_shard]
         if kind == "all_gather_grouped":
-            sh = cost.shares(tensor, (src if src.is_shard else dst).dim, r_src if src.is_shard else r_dst)
-            return cost.comm_time(kind, nbytes, sh)
-        return cost.comm(kind, nbytes).at(max(shares, default=1.0))
+            t, d, s = sharded[0]
+            return cost.grouped_gather(nbytes, alg.live(t, d, s))
+        cc = cost.comm(kind, nbytes)
+        return cc.const + cc.slope * (alg.largest(sharded) if sharded else 1.0)
 
-    fwd = seconds(mv.fwd, mv.src, mv.dst, ratios_before, ratios)
-    bwd = seconds(mv.bwd, mv.dst, mv.src, ratios, ratios_before)
-    return fwd, bwd
+    return seconds(mv.fwd, mv.src, mv.dst, seg_src, seg_dst), seconds(mv.bwd, mv.dst, mv.src, seg_dst, seg_src)
 
 
-def step_compute(cost: CostModel, step_node: int, st: Strategy, loads: Sequence[Load], ratios: Sequence[float]):
-    """(forward per device, backward per device, bytes of replicated-parameter gradients). The
-    search's view of gradient sync, one step at a time: a parameter loaded R at its first use.
-    Pricing a whole program counts what the runtime syncs instead (`synced_bytes`)."""
+def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
+    """Forward and backward seconds per device of node k under strategy st: its work at each
+    device's share, its fixed cost (a device with no share only keeps books), and a machine's
+    internal all-reduce of the parameter gradients it computes."""
     graph = cost.graph
-    node = graph.nodes[step_node]
+    node = graph.nodes[k]
     fwd, bwd = cost.base_times(node)
     shard = cost.work_shard(node, st)
-    frac = None
+    active = None
     if shard is not None:
-        frac = cost.shares(shard[0], shard[1], ratios)
-        fwd = tuple(a * f for a, f in zip(fwd, frac))
-        bwd = tuple(a * f for a, f in zip(bwd, frac))
+        frac = alg.of(shard[0], shard[1], seg)
+        fwd = [a * f for a, f in zip(fwd, frac)]
+        bwd = [a * f for a, f in zip(bwd, frac)]
+        active = alg.active(shard[0], shard[1], seg)
     if cost.has_fixed:
-        fixed_fwd, fixed_bwd = cost.fixed_times(node, frac)
-        fwd = tuple(a + c for a, c in zip(fwd, fixed_fwd))
-        bwd = tuple(a + c for a, c in zip(bwd, fixed_bwd))
-    sync_bytes = 0.0
-    for ld in loads:
-        t = graph.tensors[ld.tensor]
-        if t.kind != "param" or not t.requires_grad:
-            continue
-        if ld.placement.kind == "R" and t.consumers[0] == step_node:  # a shared parameter: once
-            sync_bytes += t.nbytes
-        local = cost.shares(ld.tensor, ld.placement.dim, ratios) if ld.placement.is_shard else (1.0,) * cost.m
-        if any(cost.intra_grad):
-            bwd = tuple(b + g * s for b, g, s in zip(bwd, cost.grad_intra(t.nbytes), local))
-    return fwd, bwd, sync_bytes
+        fixed_fwd, fixed_bwd = cost.fixed_times(node, active)
+        fwd = [a + c for a, c in zip(fwd, fixed_fwd)]
+        bwd = [a + c for a, c in zip(bwd, fixed_bwd)]
+    if any(cost.intra_grad):
+        for ld in loads:
+            t = graph.tensors[ld.tensor]
+            if t.kind == "param" and t.requires_grad:
+                local = alg.of(ld.tensor, ld.placement.dim, seg) if ld.placement.is_shard else (1.0,) * cost.m
+                bwd = [b + g * s for b, g, s in zip(bwd, cost.grad_intra(t.nbytes), local)]
+    return list(fwd), list(bwd)
 
 
-def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
-           cuts: Sequence[int] = ()) -> Estimate:
-    """Price a program exactly: stages, gradient sync and memory under `ratios`.
+@dataclass(slots=True)
+class Walked:
+    """A program priced by `walk`: numbers, or linear expressions under the LP's algebra."""
+    total: Any
+    """Iteration seconds but the per-step loss and generator syncs (CostModel.step_overhead)."""
+    stages: list[Stage]
+    exposed_sync: Any
+    buckets: list[Bucket]
 
-    cuts: also start a stage before these nodes (the layer-cut search's pricing, an upper
-    bound on the exact cost)."""
-    m = cost.m
+
+def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], alg) -> Walked:
+    """Price a program: the one walk that replay, the load balancer's LP and (step by step,
+    astar._Space.expand) the search share.
+
+    Stages: a stage ends at every move that communicates and at every layer boundary (the
+    first node of every chunk, cost.chunk_of); it costs its collectives plus the slowest
+    device's forward and backward computation.
+
+    Gradient sync, overlapped with the backward as the runtime runs it (runtime/gradsync.py):
+    the trainable parameters the runtime keeps whole (`synced_params`) are all-reduced in one
+    bucket per group of layer chunks (cost.bucket_of) of their first use. The backward runs the
+    stages in reverse; a bucket is ready when the backward of the stage open at its start is done,
+    and buckets are all-reduced one after another as they become ready. With W the backward's
+    length, P_c + C_c the backward that follows chunk c's readiness (closed stages before it,
+    plus the backward of the collectives opening its stage) and S_c the seconds of the buckets
+    0..c, the last bucket ends at W + max_c (S_c - P_c - C_c): the iteration pays
+    max(0, that excess) beyond its stages.
+    """
+    graph, m, chunk_of, bucket_of = cost.graph, cost.m, cost.chunk_of, cost.bucket_of
+    sync_at: dict[int, float] = {}
+    for name, node in synced_params(program, graph, segment_of).items():
+        sync_at[node] = sync_at.get(node, 0.0) + graph.tensors[name].nbytes
     stages = [Stage(fwd=[0.0] * m, bwd=[0.0] * m)]
+    total = 0.0
+    backward_done = 0.0  # P: backward seconds of the closed stages, their collectives included
+    opening_bwd = 0.0  # C: backward seconds of the collectives that opened the current stage
+    anchor, anchor_stage = 0.0, 0  # -(P + C) where the current bucket began, and the stage open there
+    bucket_bytes, synced, excess = 0.0, 0.0, []
+    buckets: list[Bucket] = []
+
+    def close(comm_fwd, comm_bwd, label: str | None) -> None:
+        nonlocal total, backward_done, opening_bwd
+        cur = stages[-1]
+        slowest_bwd = alg.vmax(cur.bwd)
+        total = total + alg.vmax(cur.fwd) + slowest_bwd + comm_fwd + comm_bwd
+        backward_done = backward_done + slowest_bwd + opening_bwd
+        opening_bwd = comm_bwd
+        stages.append(Stage(comm=comm_fwd + comm_bwd, comm_bwd=comm_bwd, collectives=[label] if label else [],
+                            fwd=[0.0] * m, bwd=[0.0] * m))
+
+    def end_bucket(bucket: int) -> None:
+        nonlocal bucket_bytes, synced
+        if bucket_bytes:
+            seconds = cost.grad_sync(bucket_bytes)
+            synced += seconds
+            excess.append(synced + anchor)
+            buckets.append(Bucket(bucket, bucket_bytes, seconds, anchor_stage))
+        bucket_bytes = 0.0
+
     prev_seg = segment_of[program[0].node] if program else 0
-    cut_set = set(cuts)
+    prev_node = None
     for step in program:
-        seg = segment_of[step.node]
-        if step.node in cut_set:
-            stages.append(Stage(fwd=[0.0] * m, bwd=[0.0] * m))
+        k, seg = step.node, segment_of[step.node]
+        if prev_node is not None and chunk_of[k] != chunk_of[prev_node]:  # a layer boundary
+            close(0.0, 0.0, None)
+            if bucket_of[k] != bucket_of[prev_node]:
+                end_bucket(bucket_of[prev_node])
+                anchor, anchor_stage = -(backward_done + opening_bwd), len(stages) - 1
+        prev_node = k
         for ms in step.moves:
-            before = ratios[prev_seg] if ms.move.name == "rebalance" else ratios[seg]
-            f, b = move_seconds(cost, ms.tensor, ms.move, before, ratios[seg])
+            f, b = move_price(cost, alg, ms.tensor, ms.move, prev_seg if ms.move.name == "rebalance" else seg, seg)
             if ms.move.communicates:
-                stages.append(Stage(comm=f + b, collectives=[f"{ms.move.name}({ms.tensor})"], fwd=[0.0] * m, bwd=[0.0] * m))
+                close(f, b, f"{ms.move.name}({ms.tensor})")
         prev_seg = seg
-        inner = cost.variant_comm(cost.graph.nodes[step.node], step.strategy)
+        node = graph.nodes[k]
+        inner = cost.variant_comm(node, step.strategy)
         if inner:  # the node synchronizes the devices itself (synchronized batch norm)
-            stages.append(Stage(comm=inner, collectives=[f"{step.strategy.local}({cost.graph.nodes[step.node].name})"],
-                                fwd=[0.0] * m, bwd=[0.0] * m))
-        fwd, bwd, _ = step_compute(cost, step.node, step.strategy, step.loads, ratios[seg])
+            close(0.0, inner, f"{step.strategy.local}({node.name})")
+        fwd, bwd = node_times(cost, alg, k, step.strategy, step.loads, seg)
         cur = stages[-1]
         cur.fwd = [a + b for a, b in zip(cur.fwd, fwd)]
         cur.bwd = [a + b for a, b in zip(cur.bwd, bwd)]
-    grad_sync = cost.step_sync(synced_bytes(program, cost.graph, segment_of))
-    total = sum(s.seconds for s in stages) + grad_sync
-    return Estimate(seconds=total, stages=stages, grad_sync=grad_sync, memory=memory(program, cost, segment_of, ratios))
+        bucket_bytes += sync_at.get(k, 0.0)
+    if prev_node is not None:
+        end_bucket(bucket_of[prev_node])
+    cur = stages[-1]
+    total = total + alg.vmax(cur.fwd) + alg.vmax(cur.bwd)
+    exposed = alg.positive_part(excess) if excess else 0.0
+    return Walked(total=total + exposed, stages=stages, exposed_sync=exposed, buckets=buckets)
+
+
+def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
+           continuous: bool = False) -> Estimate:
+    """Price a program: stages, overlapped gradient sync and memory under `ratios` (integer
+    shard sizes; continuous=True: the ratios themselves, as the LP sees them)."""
+    w = walk(program, cost, segment_of, NumericShares(cost, ratios, continuous))
+    return Estimate(seconds=w.total + cost.step_overhead, stages=w.stages, grad_sync=w.exposed_sync,
+                    memory=memory(program, cost, segment_of, ratios), buckets=w.buckets)
+
+
+def synced_params(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, int]:
+    """The trainable parameters whose gradients the runtime all-reduces (those kept whole, once
+    however many nodes use them: a tied embedding), with the node of their first use."""
+    first: dict[str, int] = {}
+    for step in program:
+        for ld in step.loads:
+            first.setdefault(ld.tensor, step.node)
+    return {name: first[name] for name, (p, _) in kept_placements(program, graph, segment_of).items()
+            if p == R and graph.tensors[name].kind == "param" and graph.tensors[name].requires_grad}
+
+
+def synced_bytes(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> float:
+    """Bytes of gradient the runtime all-reduces per step."""
+    return float(sum(graph.tensors[name].nbytes for name in synced_params(program, graph, segment_of)))
+
+
+def sync_buckets(program: Sequence[Step], graph: Graph, segment_of: Sequence[int], bucket_of: Sequence[int]) -> list[list[str]]:
+    """The runtime's gradient buckets in the order it launches them (their gradients' arrival:
+    the last bucket of `bucket_of` (CostModel.bucket_of) first), parameters within one in
+    reverse order of first use."""
+    by_chunk: dict[int, list[str]] = {}
+    for name, node in sorted(synced_params(program, graph, segment_of).items(), key=lambda kv: (-kv[1], kv[0])):
+        by_chunk.setdefault(bucket_of[node], []).append(name)
+    return [by_chunk[c] for c in sorted(by_chunk, reverse=True)]
 
 
 def kept_placements(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, tuple[Placement, int]]:
@@ -181,13 +331,6 @@ def kept_placements(program: Sequence[Step], graph: Graph, segment_of: Sequence[
         p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
         kept[name] = (R, 0) if p == P else (p, seg)
     return kept
-
-
-def synced_bytes(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> float:
-    """Bytes of gradient the step all-reduces: each trainable parameter kept whole, once however
-    many nodes use it (a tied embedding)."""
-    return float(sum(graph.tensors[name].nbytes for name, (p, _) in kept_placements(program, graph, segment_of).items()
-                     if p == R and graph.tensors[name].kind == "param" and graph.tensors[name].requires_grad))
 
 
 def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int]):
