@@ -246,7 +246,7 @@ def run_experts(expert_counts) -> list[ExpertPoint]:
         else:
             ep = baseline_plan(moe_graph(padded, batch, padded_from=e), cluster, "ep")
             ep_padded = (ep.estimated_iteration_seconds, max(ep.memory_bytes) <= capacity_bytes)
-        split = result.splits.get(graph.experts[0], {}).get("0")
+        split = result.shard_sizes(graph.experts[0], 0)
         out.append(ExpertPoint(e, padded, result.estimated_iteration_seconds, "/".join(map(str, split)) if split else "replicated",
                                ep_padded, *((result.baselines[k]["seconds"], result.baselines[k]["fits"]) for k in ("ep", "dp_cp"))))
         say(f"  {e} experts: {time.perf_counter() - t0:.1f} s")

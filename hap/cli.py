@@ -377,6 +377,8 @@ def cmd_cluster(args) -> int:
 
     cluster = load_cluster(args.name)
     print(cluster.describe())
+    if cluster.topology is not None:
+        print(f"topology: {cluster.topology.describe()}")
     print(yaml.safe_dump(cluster.to_dict(), sort_keys=False), end="")
     return 0
 

@@ -1,16 +1,28 @@
-"""The Plan: a synthesized program, its ratios and its estimates, readable and JSON round-trippable.
+"""The Plan (format version 2): everything the runtime needs to train, and the estimates.
 
-Everything in a Plan is plain data (names, placements as text, numbers), so a plan written by
-`hap plan` can be loaded by the runtime on every rank and checked against the graph there.
+A plan is typed, self-contained plain data (names, placements as text, numbers), so a plan
+written by `hap plan` is loaded by the runtime on every rank and checked against the graph
+there; the runtime needs nothing else from the planner:
+
+- stages: each a device group (ranks), the program it runs (one Instruction per node), its
+  segments with their ratios, and the integer shard size of every sharded (tensor, dim,
+  segment). One stage spans all devices today; several form a pipeline with a `schedule`.
+- sync: per parameter the runtime keeps whole, how its gradient is synchronized (bucketed
+  all-reduce), in which bucket (launch order) and over which device group.
+- the estimate (iteration seconds, breakdown, timeline, memory), the baselines priced by
+  the same cost model, and how the search went.
+
+Version-1 files (before stages) are refused with a one-line error: plan again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .ir import Graph
 from .placement import parse
@@ -19,7 +31,78 @@ from .rules.units import ShardClasses
 from .search.moves import Move
 from .search.program import Load, MoveStep, Step
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoveOp:
+    """A layout change before a node: `name` (search.moves) turns `tensor` from src to dst with
+    the forward collective `fwd` and the backward collective `bwd` (None: local)."""
+    tensor: str
+    name: str
+    src: str
+    dst: str
+    fwd: str | None
+    bwd: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Instruction:
+    """One node of the program: its strategy, the placement of every input and output, the
+    leaves it loads and the moves before it. Placements are in their text form (S(0), R, P, D)."""
+    node: str
+    op: str
+    strategy: str
+    local: str | None
+    """The strategy's local variant (e.g. sync-batch), if any."""
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+    loads: tuple[tuple[str, str], ...]
+    moves: tuple[MoveOp, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardSize:
+    """The integer rows of every device of a stage on one sharded (tensor, dim) in one segment."""
+    tensor: str
+    dim: int
+    segment: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(slots=True, kw_only=True)
+class PlanStage:
+    """A program that a group of devices runs. A plan of several stages is a pipeline."""
+    devices: list[int]
+    """The device group: the ranks that run this stage, in the order its ratios list them."""
+    nodes: list[int]
+    """[first, last] index of the graph's nodes this stage runs."""
+    segments: list[list[int]]
+    """Per segment, [first node index, last node index]: regions with their own ratios."""
+    ratios: list[list[float]]
+    """ratios[segment][i]: the share of self.devices[i], from the load balancer."""
+    program: list[Instruction]
+    shards: list[ShardSize]
+    """Every sharded (tensor, dim, segment) with its integer sizes per device."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncEntry:
+    """How the runtime synchronizes one parameter's gradient (one it keeps whole)."""
+    param: str
+    strategy: Literal["all_reduce"] = "all_reduce"
+    """all_reduce: summed in a bucket, overlapped with the backward (runtime/gradsync.py)."""
+    bucket: int
+    """Buckets are launched in this order (their gradients' arrival), each as one collective."""
+    devices: tuple[int, ...]
+    """The device group that sums it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """How a plan of several stages pipelines its micro-batches."""
+    name: Literal["gpipe", "1f1b"]
+    micro_batches: int
 
 
 @dataclass(kw_only=True)
@@ -28,17 +111,15 @@ class Plan:
     cluster: dict
     """The cluster spec (Cluster.to_dict())."""
     devices: list[str]
-    segments: list[list[int]]
-    """Per segment, [first node index, last node index]."""
-    ratios: list[list[float]]
-    """ratios[segment][device] from the load balancer."""
-    program: list[dict]
-    """Per node: strategy, placements of inputs and outputs, leaf loads and preceding moves."""
-    splits: dict[str, dict[str, list[int]]]
-    """tensor -> dim (as text) -> integer shard sizes per device, for every sharded tensor dim."""
+    stages: list[PlanStage]
+    sync: list[SyncEntry]
+    """Per synchronized parameter, in launch order."""
+    schedule: Schedule | None
+    """For more than one stage: the pipeline schedule; None for one stage."""
     estimated_iteration_seconds: float
     breakdown: dict[str, float]
-    stages: list[dict]
+    timeline: list[dict]
+    """The estimate's stages between collectives: {comm, collectives, fwd, bwd} in seconds."""
     memory_bytes: list[float]
     baselines: dict[str, dict]
     """dp_ev, dp_cp, tp: {seconds, memory_bytes, ratios, breakdown} under the same cost model."""
@@ -46,8 +127,46 @@ class Plan:
     replicated_ops: list[str]
     """Ops without a sharding rule: they run replicated (each listed once)."""
     search: dict = field(default_factory=dict)
-    """How the plan was found: rounds, expansions, which candidate won."""
+    """How the plan was found: planner, rounds, expansions, which candidate won."""
     version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ValueError("a plan needs at least one stage")
+        if len(self.stages) > 1 and self.schedule is None:
+            raise ValueError(f"a plan of {len(self.stages)} stages needs a pipeline schedule")
+
+    # -- the one stage of a plan without pipeline ----------------------------------------------
+
+    @property
+    def stage(self) -> PlanStage:
+        """The plan's stage, for a plan of one (every plan the runtime runs today)."""
+        if len(self.stages) != 1:
+            raise ValueError(f"this plan is a pipeline of {len(self.stages)} stages; hap's runtime runs one-stage plans")
+        return self.stages[0]
+
+    @property
+    def ratios(self) -> list[list[float]]:
+        return self.stage.ratios
+
+    @property
+    def segments(self) -> list[list[int]]:
+        return self.stage.segments
+
+    @property
+    def program(self) -> list[Instruction]:
+        return self.stage.program
+
+    def shard_sizes(self, tensor: str, dim: int, segment: int = 0) -> list[int] | None:
+        """The plan's integer sizes of `tensor` on `dim` in `segment`, or None if not sharded so."""
+        for sh in self.stage.shards:
+            if (sh.tensor, sh.dim, sh.segment) == (tensor, dim, segment):
+                return list(sh.sizes)
+        return None
+
+    def with_ratios(self, ratios: list[list[float]], shards: list[ShardSize]) -> "Plan":
+        """This plan at other ratios (after a reshard); the estimate is the caller's to update."""
+        return dataclasses.replace(self, stages=[dataclasses.replace(self.stage, ratios=ratios, shards=shards)])
 
     # -- serialisation -------------------------------------------------------------------------
 
@@ -62,9 +181,20 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        if d.get("version") != FORMAT_VERSION:
-            raise ValueError(f"plan format version {d.get('version')} is not {FORMAT_VERSION}")
-        return cls(**d)
+        version = d.get("version")
+        if version == 1:
+            raise ValueError("this is a version-1 plan (before stages and per-parameter sync): plan the model again "
+                             "with `hap plan`")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"plan format version {version!r} is not {FORMAT_VERSION}")
+        d = dict(d)
+        try:
+            d["stages"] = [_stage_from_dict(st) for st in d["stages"]]
+            d["sync"] = [SyncEntry(**{**e, "devices": tuple(e["devices"])}) for e in d["sync"]]
+            d["schedule"] = Schedule(**d["schedule"]) if d.get("schedule") else None
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed plan: {e}") from None
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "Plan":
@@ -75,9 +205,16 @@ class Plan:
 
     @property
     def digest(self) -> str:
-        """A hash of the program and ratios: ranks compare it at start-up."""
-        key = json.dumps({"program": self.program, "ratios": self.ratios, "segments": self.segments}, sort_keys=True)
+        """A hash of the stages and sync: ranks compare it at start-up."""
+        key = json.dumps({"stages": [asdict(st) for st in self.stages], "sync": [asdict(e) for e in self.sync]},
+                         sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def device_groups(self) -> list[tuple[int, ...]]:
+        """Every device group the plan names (stages, synchronization), once, in a fixed order:
+        the runtime creates a process group for each at start-up."""
+        groups = [tuple(st.devices) for st in self.stages] + [e.devices for e in self.sync]
+        return sorted(set(groups))
 
     # -- rebinding to a graph ------------------------------------------------------------------
 
@@ -86,14 +223,14 @@ class Plan:
         by_name = {n.name: n for n in graph.nodes}
         steps = []
         for ins in self.program:
-            node = by_name.get(ins["node"])
-            if node is None or node.op != ins["op"]:
-                raise ValueError(f"plan does not match the model: node {ins['node']} ({ins['op']}) not in the graph")
-            st = Strategy(tuple(parse(p) for _, p in ins["inputs"]), tuple(parse(p) for _, p in ins["outputs"]),
-                          ins["strategy"], ins.get("local"))
-            loads = tuple(Load(t, parse(p)) for t, p in ins["loads"])
-            moves = tuple(MoveStep(mv["tensor"], Move(mv["name"], parse(mv["src"]), parse(mv["dst"]), mv["fwd"], mv["bwd"]))
-                          for mv in ins["moves"])
+            node = by_name.get(ins.node)
+            if node is None or node.op != ins.op:
+                raise ValueError(f"plan does not match the model: node {ins.node} ({ins.op}) not in the graph")
+            st = Strategy(tuple(parse(p) for _, p in ins.inputs), tuple(parse(p) for _, p in ins.outputs),
+                          ins.strategy, ins.local)
+            loads = tuple(Load(t, parse(p)) for t, p in ins.loads)
+            moves = tuple(MoveStep(mv.tensor, Move(mv.name, parse(mv.src), parse(mv.dst), mv.fwd, mv.bwd))
+                          for mv in ins.moves)
             steps.append(Step(node.index, st, loads, moves))
         return steps
 
@@ -113,11 +250,10 @@ class Plan:
         lines.append(f"  memory per GPU: {' '.join(_size(b) for b in self.memory_bytes)}")
         kinds: dict[str, int] = {}
         for ins in self.program:
-            kinds[ins["strategy"]] = kinds.get(ins["strategy"], 0) + 1
-            for mv in ins["moves"]:
-                if mv["fwd"] or mv["bwd"]:
-                    key = f"{mv['name']}"
-                    kinds[key] = kinds.get(key, 0) + 1
+            kinds[ins.strategy] = kinds.get(ins.strategy, 0) + 1
+            for mv in ins.moves:
+                if mv.fwd or mv.bwd:
+                    kinds[mv.name] = kinds.get(mv.name, 0) + 1
         lines.append("  instructions: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
         if self.replicated_ops:
             lines.append(f"  replicated (no sharding rule): {', '.join(self.replicated_ops)}")
@@ -126,14 +262,14 @@ class Plan:
     def listing(self) -> str:
         out = []
         for ins in self.program:
-            for mv in ins["moves"]:
-                dual = f", backward {mv['bwd']}" if mv["bwd"] else ""
-                out.append(f"  {mv['tensor']} | {mv['src']} -> {mv['dst']}   {mv['name']} [{mv['fwd'] or 'local'}{dual}]")
-            for t, p in ins["loads"]:
+            for mv in ins.moves:
+                dual = f", backward {mv.bwd}" if mv.bwd else ""
+                out.append(f"  {mv.tensor} | {mv.src} -> {mv.dst}   {mv.name} [{mv.fwd or 'local'}{dual}]")
+            for t, p in ins.loads:
                 out.append(f"  {t} | {p}   load")
-            ins_text = ", ".join(f"{t}:{p}" for t, p in ins["inputs"])
-            outs_text = ", ".join(f"{t}:{p}" for t, p in ins["outputs"])
-            out.append(f"{outs_text} = {ins['op'].removeprefix('aten.')}({ins_text})   # {ins['strategy']}")
+            ins_text = ", ".join(f"{t}:{p}" for t, p in ins.inputs)
+            outs_text = ", ".join(f"{t}:{p}" for t, p in ins.outputs)
+            out.append(f"{outs_text} = {ins.op.removeprefix('aten.')}({ins_text})   # {ins.strategy}")
         return "\n".join(out)
 
 
@@ -145,29 +281,37 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def program_to_dicts(steps: list[Step], graph: Graph) -> list[dict]:
+def _stage_from_dict(d: dict) -> PlanStage:
+    program = [Instruction(**{**ins, "inputs": tuple(map(tuple, ins["inputs"])), "outputs": tuple(map(tuple, ins["outputs"])),
+                              "loads": tuple(map(tuple, ins["loads"])), "moves": tuple(MoveOp(**mv) for mv in ins["moves"])})
+               for ins in d["program"]]
+    shards = [ShardSize(**{**sh, "sizes": tuple(sh["sizes"])}) for sh in d["shards"]]
+    return PlanStage(**{**d, "program": program, "shards": shards})
+
+
+def instructions(steps: list[Step], graph: Graph) -> list[Instruction]:
+    """A program as the plan's instructions."""
     out = []
     for step in steps:
         node = graph.nodes[step.node]
-        out.append({
-            "node": node.name, "op": node.op, "strategy": step.strategy.name, "local": step.strategy.local,
-            "inputs": [[t, str(p)] for t, p in zip(node.inputs, step.strategy.inputs)],
-            "outputs": [[t, str(p)] for t, p in zip(node.outputs, step.strategy.outputs)],
-            "loads": [[ld.tensor, str(ld.placement)] for ld in step.loads],
-            "moves": [{"tensor": ms.tensor, "name": ms.move.name, "src": str(ms.move.src), "dst": str(ms.move.dst),
-                       "fwd": ms.move.fwd, "bwd": ms.move.bwd} for ms in step.moves],
-        })
+        out.append(Instruction(
+            node=node.name, op=node.op, strategy=step.strategy.name, local=step.strategy.local,
+            inputs=tuple((t, str(p)) for t, p in zip(node.inputs, step.strategy.inputs)),
+            outputs=tuple((t, str(p)) for t, p in zip(node.outputs, step.strategy.outputs)),
+            loads=tuple((ld.tensor, str(ld.placement)) for ld in step.loads),
+            moves=tuple(MoveOp(tensor=ms.tensor, name=ms.move.name, src=str(ms.move.src), dst=str(ms.move.dst),
+                               fwd=ms.move.fwd, bwd=ms.move.bwd) for ms in step.moves)))
     return out
 
 
-def shard_splits(program: list[Step], graph: Graph, classes: ShardClasses, segment_of, ratios) -> dict:
-    """Plan.splits: tensor -> dim (as text) -> integer shard sizes per device, for every tensor dim
-    the program shards (the sizes of the last segment that shards it)."""
-    out: dict[str, dict[str, list[int]]] = {}
+def shard_sizes(program: list[Step], graph: Graph, classes: ShardClasses, segment_of, ratios) -> list[ShardSize]:
+    """Every (tensor, dim, segment) the program shards, with its integer sizes per device."""
+    seen: dict[tuple[str, int, int], ShardSize] = {}
 
     def note(t, p, seg):
-        if p.is_shard:
-            out.setdefault(t, {})[str(p.dim)] = classes.split_sizes(t, p.dim, ratios[seg])
+        if p.is_shard and (t, p.dim, seg) not in seen:
+            seen[(t, p.dim, seg)] = ShardSize(tensor=t, dim=p.dim, segment=seg,
+                                              sizes=tuple(classes.split_sizes(t, p.dim, ratios[seg])))
 
     for step in program:
         seg = segment_of[step.node]
@@ -176,4 +320,6 @@ def shard_splits(program: list[Step], graph: Graph, classes: ShardClasses, segme
             note(t, p, seg)
         for t, p in zip(node.outputs, step.strategy.outputs):
             note(t, p, seg)
-    return out
+        for ms in step.moves:
+            note(ms.tensor, ms.move.dst, seg)
+    return list(seen.values())

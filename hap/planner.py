@@ -29,11 +29,11 @@ from .cost.cluster import Cluster
 from .cost.model import CostModel
 from .ir import Graph
 from .placement import Placement
-from .plan import Plan, program_to_dicts, shard_splits
+from .plan import Plan, PlanStage, SyncEntry, instructions, shard_sizes
 from .rules import has_rule, strategy_table
 from .rules.units import ShardClasses
 from .search.astar import Frame, Restriction, SearchError, synthesize
-from .search.program import Estimate, Step, replay
+from .search.program import Estimate, Step, replay, sync_buckets
 
 
 @dataclass(kw_only=True, slots=True)
@@ -336,13 +336,18 @@ def _baseline_program(search, ratios, restriction: Restriction) -> list[Step]:
 
 
 def _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselines, seconds, search) -> Plan:
+    devices = list(range(cluster.size))
+    bucket_of = CostModel(graph, cluster, classes).bucket_of
+    sync = [SyncEntry(param=name, bucket=i, devices=tuple(devices))
+            for i, bucket in enumerate(sync_buckets(program, graph, segment_of, bucket_of)) for name in bucket]
+    stage = PlanStage(devices=devices, nodes=[0, len(graph.nodes) - 1], segments=_segment_ranges(segment_of), ratios=ratios,
+                      program=instructions(program, graph), shards=shard_sizes(program, graph, classes, segment_of, ratios))
     return Plan(
         model=graph.model_name, cluster=cluster.to_dict(), devices=[d.name for d in cluster.devices],
-        segments=_segment_ranges(segment_of), ratios=ratios, program=program_to_dicts(program, graph),
-        splits=shard_splits(program, graph, classes, segment_of, ratios),
+        stages=[stage], sync=sync, schedule=None,
         estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
-        stages=[{"comm": s.comm, "collectives": s.collectives, "fwd": max(s.fwd, default=0.0), "bwd": max(s.bwd, default=0.0)}
-                for s in est.stages],
+        timeline=[{"comm": s.comm, "collectives": s.collectives, "fwd": max(s.fwd, default=0.0), "bwd": max(s.bwd, default=0.0)}
+                  for s in est.stages],
         memory_bytes=est.memory, baselines=baselines, synthesis_seconds=seconds,
         replicated_ops=sorted({n.op for n in graph.nodes if not has_rule(n.op)}), search=search,
     )

@@ -101,7 +101,7 @@ def test_ep_even_ratios_integer_expert_shards(experts, sizes):
     graph = moe_graph(experts)
     result = baseline_plan(graph, cluster(THREE), "ep")
     for p in graph.experts:
-        assert result.splits[p]["0"] == sizes
+        assert result.shard_sizes(p, 0) == sizes
 
 
 def test_plan_falls_back_to_ep_when_only_ep_fits():

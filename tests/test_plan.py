@@ -50,7 +50,8 @@ def test_json_round_trip(result, graph, tmp_path):
     path = tmp_path / "plan.json"
     result.to_json(path)
     data = json.loads(path.read_text())
-    for key in ("synthesis_seconds", "estimated_iteration_seconds", "baselines", "program", "ratios", "memory_bytes"):
+    for key in ("version", "stages", "sync", "schedule", "synthesis_seconds", "estimated_iteration_seconds", "baselines",
+                "timeline", "memory_bytes"):
         assert key in data
     assert set(data["baselines"]) >= {"dp_ev", "dp_cp"}
     again = Plan.from_json(path)
@@ -67,7 +68,7 @@ def test_length_one_dims_are_never_sharded(graph, result):
                 if p.is_shard:
                     assert graph.tensors[name].shape[p.dim] > 1
     # The [1, d] parameter is loaded whole: R (its gradient is summed), D or P, never S(0).
-    loads = [p for ins in result.program for t, p in ins["loads"] if t == "p_scale"]
+    loads = [p for ins in result.program for t, p in ins.loads if t == "p_scale"]
     assert loads and all(p in ("R", "D", "P") or p == "S(1)" for p in loads)
 
 
@@ -84,8 +85,8 @@ def test_unknown_op_runs_replicated_and_is_listed():
     g = capture(Odd(), (torch.randn(4, 8),))
     p = plan(g, load_cluster("local"))
     assert any("bessel_j0" in op for op in p.replicated_ops)
-    entry = next(ins for ins in p.program if "bessel_j0" in ins["op"])
-    assert entry["strategy"] in ("replicated", "duplicated")
+    entry = next(ins for ins in p.program if "bessel_j0" in ins.op)
+    assert entry.strategy in ("replicated", "duplicated")
 
 
 def test_segments_partition_in_order(graph):
@@ -184,7 +185,69 @@ def test_baseline_at_given_ratios(graph):
 
     pair = local_cluster((1.0, 1.0), "pair")
     p = baseline_plan(graph, pair, "dp-ev", ratios=(0.75, 0.25))
-    assert p.ratios == [[0.75, 0.25]] and p.splits[graph.inputs[0]]["0"] == [24, 8]
+    assert p.ratios == [[0.75, 0.25]] and p.shard_sizes(graph.inputs[0], 0) == [24, 8]
     assert p.search["winner"] == "dp-ev's program at the given ratios"
     with pytest.raises(ValueError, match="ratios must be 2 non-negative shares summing to 1"):
         baseline_plan(graph, pair, "dp-ev", ratios=(0.75, 0.5))
+
+
+def test_plan_v2_is_typed_and_self_contained(graph, result):
+    """Stages with a device group, per-(tensor, dim, segment) shard sizes, per-parameter sync
+    in bucket order; every sharded tensor dim of the program has its sizes."""
+    from hap.plan import Instruction, SyncEntry
+    from hap.search.program import synced_params
+
+    assert result.version == 2 and result.schedule is None and len(result.stages) == 1
+    stage = result.stage
+    assert stage.devices == list(range(8)) and stage.nodes == [0, len(graph.nodes) - 1]
+    assert all(isinstance(ins, Instruction) for ins in stage.program)
+    steps = result.steps(graph)
+    seg = [0] * len(graph.nodes)
+    assert {e.param for e in result.sync} == set(synced_params(steps, graph, seg))
+    assert all(isinstance(e, SyncEntry) and e.strategy == "all_reduce" and e.devices == tuple(range(8)) for e in result.sync)
+    assert [e.bucket for e in result.sync] == sorted(e.bucket for e in result.sync)  # launch order
+    sharded = {(t, p.dim) for s in steps for t, p in zip(graph.nodes[s.node].inputs, s.strategy.inputs) if p.is_shard}
+    assert sharded <= {(sh.tensor, sh.dim) for sh in stage.shards}
+    for sh in stage.shards:
+        assert sum(sh.sizes) == graph.tensors[sh.tensor].shape[sh.dim] and len(sh.sizes) == 8
+
+
+def test_two_segments_keep_both_shard_sizes(graph):
+    """Every sharded (tensor, dim, segment) has its sizes (Plan v1 kept one per tensor dim)."""
+    from hap.cost.model import CostModel
+    from hap.plan import shard_sizes
+    from hap.planner import _dp
+    from hap.rules import strategy_table
+    from hap.rules.units import ShardClasses
+    from hap.search.astar import synthesize
+
+    strategies = strategy_table(graph)
+    classes = ShardClasses(graph, enumerate(strategies))
+    cost = CostModel(graph, load_cluster("local"), classes)
+    seg = segment_graph(graph, 2)
+    ratios = [[0.75, 0.25], [0.4, 0.6]]
+    program = synthesize(graph, strategies, cost, seg, ratios, _dp()).program  # the batch split in both
+    shards = {(sh.tensor, sh.dim, sh.segment): list(sh.sizes) for sh in shard_sizes(program, graph, classes, seg, ratios)}
+    assert shards[(graph.inputs[0], 0, 0)] == [24, 8]
+    # fc1's output is made in segment 0 and re-split (rebalanced) for segment 1: both sizes kept
+    assert shards[("linear", 0, 0)] == [24, 8] and shards[("linear", 0, 1)] == [13, 19]
+
+
+def test_old_and_malformed_plans_are_one_line_errors(result):
+    data = result.to_dict()
+    with pytest.raises(ValueError, match="version-1 plan .* plan the model again") as e:
+        Plan.from_dict({**data, "version": 1})
+    assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(ValueError, match="malformed plan"):
+        Plan.from_dict({k: v for k, v in data.items() if k != "stages"})
+    with pytest.raises(ValueError, match="needs a pipeline schedule"):
+        dataclasses.replace(result, stages=result.stages * 2)
+    pipeline = dataclasses.replace(result, stages=result.stages * 2, schedule=hap_schedule())
+    with pytest.raises(ValueError, match="pipeline of 2 stages"):
+        pipeline.ratios
+
+
+def hap_schedule():
+    from hap.plan import Schedule
+
+    return Schedule(name="1f1b", micro_batches=4)

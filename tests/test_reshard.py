@@ -18,7 +18,7 @@ def train_and_reshard(rank, world, layout, new_ratios, kind):
         if step == STEPS // 2:
             out["bytes"] = dmodel.reshard(new_ratios, opt)
             out["ratios"] = dmodel.plan.ratios
-            out["fc1 rows"] = dmodel.plan.splits.get("p_fc1_weight", {}).get("0")
+            out["fc1 rows"] = dmodel.plan.shard_sizes("p_fc1_weight", 0)
             out["x rows"] = dmodel.input_slices()[0]
         dmodel(*dmodel.local_batch(*batch(step))).backward()
         opt.step()

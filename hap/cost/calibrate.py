@@ -136,7 +136,7 @@ def calibration_plans(model: nn.Module, inputs: Sequence[torch.Tensor], cluster:
         raise ValueError(f"a batch of {batch} is too small to calibrate {cluster.size} devices on")
     graph = capture(model, tuple(inputs))
     plans = [baseline_plan(graph, cluster, "dp-ev", ratios=r) for r in calibration_shares(cluster)]
-    splits = [p.splits.get(graph.inputs[0], {}).get("0") for p in plans]
+    splits = [p.shard_sizes(graph.inputs[0], 0) for p in plans]
     if None in splits:
         raise ValueError("calibration needs the model's first input split on dim 0 (the batch) by data parallelism")
     rows = list(zip(*splits))  # per device: its rows under each plan

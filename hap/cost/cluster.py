@@ -15,8 +15,17 @@ File format (YAML):
     devices:                      # in rank order; `count` repeats an entry
       - {name: v100, count: 2, flops: 3.86e12, memory: 16GiB, gpus: 1}
       - {name: p100, count: 6, flops: 2.15e12, memory: 16GiB}
-    network: {bandwidth: 10.4Gbps, latency: 30us}   # or:
-    collectives:
+    network: {bandwidth: 10.4Gbps, latency: 30us}   # every device its own machine; or:
+    machines:                     # the devices, in rank order, on machines (cost/topology.py)
+      - {name: node-a, devices: 2, intra: {bandwidth: 100GB/s, latency: 2us},
+         nic: {bandwidth: 25Gbps, latency: 10us}}
+      - {name: node-b, devices: 6, intra: {bandwidth: 16GB/s, latency: 5us},
+         nic: {bandwidth: 10Gbps, latency: 30us}}
+    links:                        # optional: per-pair overrides
+      - {between: [0, 7], bandwidth: 1Gbps, latency: 100us}
+    algorithm: auto               # all-reduce by ring, tree, hierarchical, or auto (fastest per size)
+    emulate: true                 # local clusters: each collective also takes its modelled time
+    collectives:                  # or the fits directly (`hap profile` measures them)
       all_reduce: {alpha: 2e-4, beta: 7.4e8}
       all_gather: {alpha: 1e-4, beta: 1.5e9}
       reduce_scatter: {alpha: 1e-4, beta: 1.5e9}
@@ -34,9 +43,11 @@ from typing import Literal
 
 import yaml
 
+from .topology import ALGORITHMS, Link, Machine, Topology, uniform
+
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 COLLECTIVES: tuple[Collective, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-LAUNCH_OVERHEAD = 20e-6  # seconds a collective costs beyond its link latency (kernel launch, sync)
+REFERENCE_BYTES = 1 << 20  # the size at which the fastest algorithm is chosen for a fixed fit
 
 
 class ClusterError(ValueError):
@@ -91,6 +102,14 @@ class Cluster:
     emulated_network: tuple[float, float] | None = None
     """(bandwidth bytes/s, latency s) that the local runtime emulates on every collective by
     sleeping (`network: {..., emulate: true}`); None: links run at this machine's speed."""
+    topology: Topology | None = None
+    """Machines, network cards and links (from `machines:` or `network:`); None where the file
+    gives only measured collective fits."""
+    emulate_links: bool = False
+    """The local runtime makes each collective take the topology's time too (`emulate: true`)."""
+    measured_fits: bool = False
+    """The file gives the collectives' fits itself (`collectives:`, measured): they win over the
+    topology's."""
 
     @property
     def size(self) -> int:
@@ -101,6 +120,14 @@ class Cluster:
         return sum(d.gpus for d in self.devices)
 
     def fit(self, name: Collective) -> Fit:
+        return self.collectives[name]
+
+    def fit_at(self, name: Collective, nbytes: float) -> Fit:
+        """The fit of collective `name` on nbytes over all devices: with a topology whose
+        all-reduce algorithm is "auto", the fastest algorithm's for that size."""
+        if self.topology is not None and name == "all_reduce" and self.topology.algorithm == "auto" \
+                and not self.measured_fits:
+            return topology_fit(self.topology, name, range(self.size), nbytes)
         return self.collectives[name]
 
     def compute_proportional(self) -> list[float]:
@@ -126,18 +153,29 @@ class Cluster:
         out = {
             "name": self.name,
             "devices": [{k: getattr(d, k) for k in Device.__slots__} for d in self.devices],
-            "collectives": {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()},
         }
+        if self.topology is not None and self.size > 1:
+            link = lambda x: {"bandwidth": x.bandwidth, "latency": x.latency}  # noqa: E731
+            out["machines"] = [{"name": m.name, "devices": len(m.devices), "intra": link(m.intra), "nic": link(m.nic)}
+                               for m in self.topology.machines]
+            out["links"] = [{"between": [a, b], **link(x)} for a, b, x in self.topology.overrides]
+            out["algorithm"] = self.topology.algorithm
+        if self.measured_fits or self.topology is None or self.emulated_network is not None:
+            out["collectives"] = {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()}
+        if self.emulate_links:
+            out["emulate"] = True
         if self.emulated_network is not None:
             bandwidth, latency = self.emulated_network
             out["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+            out.pop("machines", None), out.pop("links", None), out.pop("algorithm", None)
         if self.local:
             out["local"] = True
         return out
 
 
 def fits_from_network(m: int, bandwidth: float, latency: float) -> dict[str, Fit]:
-    """Ring-algorithm fits for m devices joined by links of `bandwidth` bytes/s and `latency` s.
+    """Ring-algorithm fits for m devices joined by links of `bandwidth` bytes/s and `latency` s
+    (each device its own machine): the topology's pricing, cost/topology.py.
 
     With shard size s (bytes) and volume defined as in cost/model.py:
       all-reduce of n bytes:       2(m-1)/m * n / bw      -> beta = bw * m / (2(m-1))
@@ -145,17 +183,20 @@ def fits_from_network(m: int, bandwidth: float, latency: float) -> dict[str, Fit
       all-to-all, volume m*s:      (m-1) * s / bw         -> beta = bw * m / (m-1)
       broadcast of n bytes (pipelined chain): n / bw      -> beta = bw
     """
-    if m <= 1:
-        free = Fit(alpha=0.0, beta=math.inf)
-        return {k: free for k in COLLECTIVES}
-    steps = m - 1
-    return {
-        "all_reduce": Fit(alpha=2 * steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / (2 * steps)),
-        "all_gather": Fit(alpha=steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / steps),
-        "reduce_scatter": Fit(alpha=steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / steps),
-        "all_to_all": Fit(alpha=steps * latency + LAUNCH_OVERHEAD, beta=bandwidth * m / steps),
-        "broadcast": Fit(alpha=math.ceil(math.log2(m)) * latency + LAUNCH_OVERHEAD, beta=bandwidth),
-    }
+    return fits_from_topology(uniform(max(m, 1), bandwidth, latency))
+
+
+def topology_fit(topology: Topology, kind: str, group, nbytes: float = REFERENCE_BYTES) -> Fit:
+    """The (alpha, beta) of collective `kind` over `group` by the algorithm fastest at nbytes."""
+    group = list(group)
+    algorithm, _ = topology.best(kind, nbytes, group)
+    alpha, per_byte = topology.coefficients(kind, group, algorithm)
+    return Fit(alpha=alpha, beta=1 / per_byte if per_byte > 0 else math.inf)
+
+
+def fits_from_topology(topology: Topology) -> dict[str, Fit]:
+    """Fits of every collective over all the topology's devices."""
+    return {k: topology_fit(topology, k, range(topology.size)) for k in COLLECTIVES}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,17 +279,26 @@ def _parse_device(spec, i: int) -> list[Device]:
 def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
     if not isinstance(spec, dict):
         raise ClusterError(f"a cluster spec is a mapping with 'devices'; got {type(spec).__name__}")
-    unknown = set(spec) - {"name", "devices", "network", "collectives", "local"}
+    allowed = ("name", "devices", "network", "machines", "links", "algorithm", "emulate", "collectives", "local")
+    unknown = set(spec) - set(allowed)
     if unknown:
-        raise ClusterError(f"unknown top-level key(s) {sorted(unknown)}; allowed: name, devices, network, collectives, local")
-    if not isinstance(spec.get("local", False), bool):
-        raise ClusterError(f"local must be true or false, got {spec['local']!r}")
+        raise ClusterError(f"unknown top-level key(s) {sorted(unknown)}; allowed: {', '.join(allowed)}")
+    for key in ("local", "emulate"):
+        if not isinstance(spec.get(key, False), bool):
+            raise ClusterError(f"{key} must be true or false, got {spec[key]!r}")
     devs_spec = spec.get("devices")
     if not isinstance(devs_spec, list) or not devs_spec:
         raise ClusterError("'devices' must be a non-empty list")
     devices = tuple(d for i, s in enumerate(devs_spec) for d in _parse_device(s, i))
     fits: dict[str, Fit] = {}
-    emulated = None
+    emulated = topology = None
+    if "network" in spec and "machines" in spec:
+        raise ClusterError("give 'network' (every device its own machine) or 'machines', not both")
+    if "machines" in spec:
+        topology = _parse_topology(spec, len(devices))
+        fits.update(fits_from_topology(topology))
+    elif "links" in spec or "algorithm" in spec:
+        raise ClusterError("'links' and 'algorithm' describe 'machines': give those too")
     if "network" in spec:
         net = spec["network"]
         if not isinstance(net, dict) or "bandwidth" not in net:
@@ -264,6 +314,7 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
             emulated = (bw, lat)
         if "collectives" not in spec or not net.get("emulate", False):
             fits.update(fits_from_network(len(devices), bw, lat))
+        topology = uniform(len(devices), bw, lat)
     for key, f in (spec.get("collectives") or {}).items():
         if key not in COLLECTIVES:
             raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
@@ -276,8 +327,55 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: give 'network' or 'collectives'")
     if len(devices) == 1:
         fits = fits_from_network(1, 1.0, 0.0)
+    if spec.get("emulate", False) and topology is None:
+        raise ClusterError("emulate: true needs 'machines' or 'network' to say what to emulate")
     return Cluster(name=str(spec.get("name", default_name)), devices=devices, collectives=fits,
-                   local=spec.get("local", False), emulated_network=emulated)
+                   local=spec.get("local", False), emulated_network=emulated, topology=topology,
+                   emulate_links=spec.get("emulate", False), measured_fits="collectives" in spec)
+
+
+def _parse_link(spec, where: str, default: Link | None = None) -> Link:
+    if spec is None and default is not None:
+        return default
+    if not isinstance(spec, dict) or "bandwidth" not in spec or set(spec) - {"bandwidth", "latency"}:
+        raise ClusterError(f"{where}: expected {{bandwidth: ..., latency: ...}}, got {spec!r}")
+    return Link(bandwidth=_positive(_quantity(spec["bandwidth"], _RATE_UNITS, f"{where}.bandwidth"), f"{where} bandwidth"),
+                latency=_positive(_quantity(spec.get("latency", 0), _TIME_UNITS, f"{where}.latency"), f"{where} latency",
+                                  allow_zero=True))
+
+
+def _parse_topology(spec: dict, n: int) -> Topology:
+    machines_spec = spec["machines"]
+    if not isinstance(machines_spec, list) or not machines_spec:
+        raise ClusterError("'machines' must be a non-empty list of {name, devices, intra, nic}")
+    machines, first = [], 0
+    for i, m in enumerate(machines_spec):
+        where = f"machines[{i}]"
+        if not isinstance(m, dict) or set(m) - {"name", "devices", "intra", "nic"} or "nic" not in m:
+            raise ClusterError(f"{where}: expected {{name, devices: count, intra: link, nic: link}}, got {m!r}")
+        count = m.get("devices", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ClusterError(f"{where}: devices must be a positive count, got {count!r}")
+        nic = _parse_link(m["nic"], f"{where}.nic")
+        if count > 1 and "intra" not in m:
+            raise ClusterError(f"{where}: a machine of {count} devices needs 'intra' (the link between them)")
+        machines.append(Machine(name=str(m.get("name", f"machine{i}")), devices=tuple(range(first, first + count)),
+                                intra=_parse_link(m.get("intra"), f"{where}.intra", nic), nic=nic))
+        first += count
+    if first != n:
+        raise ClusterError(f"the machines hold {first} devices but 'devices' lists {n}")
+    overrides = []
+    for i, e in enumerate(spec.get("links") or []):
+        where = f"links[{i}]"
+        pair = e.get("between") if isinstance(e, dict) else None
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(d, int) and 0 <= d < n for d in pair)
+                and pair[0] != pair[1]):
+            raise ClusterError(f"{where}: 'between' must name two different devices 0..{n - 1}, got {pair!r}")
+        overrides.append((pair[0], pair[1], _parse_link({k: v for k, v in e.items() if k != "between"}, where)))
+    algorithm = spec.get("algorithm", "auto")
+    if algorithm not in (*ALGORITHMS, "auto"):
+        raise ClusterError(f"algorithm must be one of {', '.join((*ALGORITHMS, 'auto'))}, got {algorithm!r}")
+    return Topology(machines=tuple(machines), overrides=tuple(overrides), algorithm=algorithm)
 
 
 def load_cluster(path_or_name: str | Path) -> Cluster:
@@ -321,7 +419,8 @@ def paper_cluster(gpus: int, heterogeneous: bool) -> Cluster:
     devices = tuple(Device(name=n, gpus=per, **spec) for n, spec in kinds)
     label = "hetero" if heterogeneous else "homo"
     return Cluster(name=f"paper-{label}-{gpus}", devices=devices,
-                   collectives=fits_from_network(len(devices), PAPER_BANDWIDTH, PAPER_LATENCY))
+                   collectives=fits_from_network(len(devices), PAPER_BANDWIDTH, PAPER_LATENCY),
+                   topology=uniform(len(devices), PAPER_BANDWIDTH, PAPER_LATENCY))
 
 
 def local_cluster(slowdowns: tuple[float, ...], name: str) -> Cluster:
@@ -339,7 +438,7 @@ def local_cluster(slowdowns: tuple[float, ...], name: str) -> Cluster:
     fits = {"all_reduce": Fit(alpha=4.5e-4, beta=1.0e9), "all_gather": Fit(alpha=4e-4, beta=1.4e9),
             "reduce_scatter": Fit(alpha=1e-3, beta=1.5e9), "all_to_all": Fit(alpha=3e-4, beta=3e9),
             "broadcast": Fit(alpha=2.2e-4, beta=2e9)}
-    return Cluster(name=name, devices=devices, collectives=fits, local=True)
+    return Cluster(name=name, devices=devices, collectives=fits, local=True, measured_fits=True)
 
 
 BUILTIN = {

@@ -163,7 +163,7 @@ class CostModel:
         if m == 1:
             return CommCost(0.0, 0.0)
         if kind == "all_reduce":
-            return CommCost(c.fit("all_reduce").time(nbytes) + self.intra_coll * nbytes, 0.0)
+            return CommCost(c.fit_at("all_reduce", nbytes).time(nbytes) + self.intra_coll * nbytes, 0.0)
         if kind == "all_gather_padded":
             f = c.fit("all_gather")
             return CommCost(f.alpha + self.intra_coll * nbytes, m * nbytes / f.beta)

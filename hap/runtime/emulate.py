@@ -7,9 +7,9 @@ is paid, by sleeping, just before the rank's next collective, which is where a s
 makes the others wait. Paying once per collective instead of once per node keeps the sleeps
 long enough for the OS timer to honour them (a sleep of a few microseconds takes ~60 us).
 
-A cluster whose network says `emulate: true` also makes each collective take its modelled
-link time (latency + volume / bandwidth, the fits of hap/cost/cluster.py) on top of its real
-time on this machine.
+A cluster that says `emulate: true` (at the top, with `machines`, or in its `network`) also
+makes each collective take its modelled link time (latency + volume / bandwidth, priced on the
+cluster's topology by its slowest link, hap/cost/topology.py) on top of its real time here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cost.cluster import Cluster, Fit, fits_from_network
+from ..cost.cluster import Cluster, Fit, fits_from_network, fits_from_topology
 
 
 @dataclass(slots=True, kw_only=True)
@@ -37,6 +37,8 @@ class Emulation:
         if cluster.emulated_network is not None:
             bandwidth, latency = cluster.emulated_network
             link = fits_from_network(cluster.size, bandwidth, latency)
+        elif cluster.emulate_links:
+            link = fits_from_topology(cluster.topology)
         return cls(slowdown=cluster.devices[rank].slowdown, link=link)
 
     def computed(self, seconds: float, passes: float = 1.0) -> None:

@@ -28,14 +28,13 @@ import torch.nn as nn
 
 from ..capture import capture
 from ..cost.cluster import Cluster
-from ..cost.model import CostModel
-from ..plan import Plan, shard_splits
+from ..placement import R
+from ..plan import Plan, shard_sizes
 from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout
 from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from ..search.program import sync_buckets
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
@@ -83,8 +82,8 @@ class HAP(nn.Module):
             self.shards = nn.ParameterDict(ex.params)
         else:
             self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
-        buckets = sync_buckets(ex.program, graph, segment_of, CostModel(graph, cluster, classes).bucket_of)
-        self.grad_sync = GradSync([[self.shards[name] for name in bucket] for bucket in buckets], comm)
+        self.groups = _device_groups(self.plan, comm)
+        self.grad_sync = GradSync(_buckets(self.plan, self.shards, ex), comm)
         self._random = any(is_random(node) for node in graph.nodes)
         self._meta = meta
         self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}
@@ -241,14 +240,13 @@ class HAP(nn.Module):
         """Between steps, give every rank a new share of the work: parameters, buffers and each
         optimizer's per-parameter state move to the shard sizes of `ratios` (one share per
         rank; per segment for a plan of several), exactly, and the plan says so from then on
-        (`plan.ratios`, `plan.splits`, its estimate). A collective: every rank calls it with
+        (`plan.ratios`, its shard sizes, its estimate). A collective: every rank calls it with
         the same ratios, after zero_grad(set_to_none=True). Returns the bytes this rank sent
         and received."""
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
-        plan = dataclasses.replace(self.plan, ratios=ex.ratios,
-                                   splits=shard_splits(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
+        plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
         self.plan = dataclasses.replace(plan, estimated_iteration_seconds=estimate(self.graph, self.cluster, plan).seconds)
         self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
         self._parts = {}
@@ -361,12 +359,44 @@ def _agree(plan: Plan | None, comm: Comm) -> Plan:
 
 
 def _check_splits(plan: Plan, ex: Executor) -> None:
-    """The shard sizes this rank computes must be the plan's (same graph, same rounding). The
-    plan lists one split per tensor dim, so only one-segment plans are checked."""
-    if len(plan.ratios) != 1:
-        return
-    for tensor, dims in plan.splits.items():
-        for dim, sizes in dims.items():
-            mine = ex.classes.split_sizes(tensor, int(dim), plan.ratios[0])
-            if list(mine) != list(sizes):
-                raise ValueError(f"plan does not match the model: {tensor} dim {dim} split {sizes} in the plan, {mine} here")
+    """The shard sizes this rank computes must be the plan's (same graph, same rounding), for
+    every sharded (tensor, dim, segment)."""
+    for sh in plan.stage.shards:
+        if sh.tensor not in ex.graph.tensors:
+            raise ValueError(f"plan does not match the model: it shards {sh.tensor}, which the model does not have")
+        mine = ex.classes.split_sizes(sh.tensor, sh.dim, plan.ratios[sh.segment])
+        if list(mine) != list(sh.sizes):
+            raise ValueError(f"plan does not match the model: {sh.tensor} dim {sh.dim} segment {sh.segment} split "
+                             f"{list(sh.sizes)} in the plan, {list(mine)} here")
+
+
+def _device_groups(plan: Plan, comm: Comm) -> dict[tuple[int, ...], object]:
+    """A process group for every device group the plan names, made once at start-up (every rank
+    takes part in making each, as torch.distributed requires). The whole world is comm's."""
+    world = tuple(range(comm.world))
+    groups: dict[tuple[int, ...], object] = {world: comm.group}
+    for devices in plan.device_groups():
+        if any(d < 0 or d >= comm.world for d in devices):
+            raise ValueError(f"the plan names devices {list(devices)}, but ranks are 0..{comm.world - 1}")
+        if devices not in groups:
+            groups[devices] = dist.new_group(list(devices))
+    return groups
+
+
+def _buckets(plan: Plan, shards, ex: Executor) -> list[list[nn.Parameter]]:
+    """The plan's gradient buckets in launch order, as this rank's parameters. The plan must
+    sync exactly the parameters the program keeps whole."""
+    whole = {name for name, p in shards.items() if ex.stored[name][0] == R and p.requires_grad}
+    planned = {e.param for e in plan.sync}
+    if planned != whole:
+        raise ValueError(f"the plan's sync does not match its program: {sorted(planned ^ whole)[:3]} "
+                         "are synced but not kept whole, or kept whole but not synced")
+    world = tuple(range(ex.comm.world))
+    for e in plan.sync:
+        if e.strategy != "all_reduce" or e.devices != world:
+            raise ValueError(f"{e.param}: sync {e.strategy} over devices {list(e.devices)} is not run by this runtime "
+                             "(bucketed all-reduce over all devices)")
+    buckets: dict[int, list[nn.Parameter]] = {}
+    for e in plan.sync:
+        buckets.setdefault(e.bucket, []).append(shards[e.param])
+    return [buckets[b] for b in sorted(buckets)]

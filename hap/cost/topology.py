@@ -1,0 +1,172 @@
+"""Cluster topology: machines, their network cards and links, and collectives priced on them.
+
+A topology places the cluster's devices (in rank order) on machines. Devices of one machine
+talk over its internal link (NVLink, PCIe: `intra`); devices of two machines over the slower
+of their network cards (`nic`); a per-pair override replaces either (a congested or degraded
+link). Every link is (bandwidth bytes/s, latency s), and a message of n bytes takes
+latency + n / bandwidth.
+
+A collective over any device group is priced by the algorithm that runs it; n is the bytes of
+the whole tensor, g the group's size, and (bw, lat) the slowest link the algorithm uses:
+
+    ring all-reduce        2(g-1) lat + 2(g-1)/g n / bw     over the ring's slowest link
+    tree all-reduce        2 ceil(log2 g) (lat + n / bw)   reduce up a binary tree, broadcast down
+    hierarchical all-reduce  reduce inside each machine ((k-1) lat_in + (k-1)/k n / bw_in), ring
+                           all-reduce among one device per machine over the NICs, broadcast inside
+                           (the same as the reduce): k the most devices of the group on a machine
+    ring all-gather, reduce-scatter, all-to-all   (g-1) lat + (g-1)/g V / bw, V = g * shard bytes
+    broadcast              ceil(log2 g) lat + n / bw        (pipelined)
+    send/recv              lat + n / bw                     over the one link
+
+All are latency + bytes / bandwidth, so the cost model keeps its linear form (cluster.Fit);
+`best` picks the algorithm that is fastest for a given size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+Algorithm = Literal["ring", "tree", "hierarchical"]
+ALGORITHMS: tuple[Algorithm, ...] = ("ring", "tree", "hierarchical")
+LAUNCH_OVERHEAD = 20e-6  # seconds a collective costs beyond its link latency (kernel launch, sync)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    bandwidth: float
+    """Bytes per second."""
+    latency: float
+    """Seconds per message."""
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Machine:
+    name: str
+    devices: tuple[int, ...]
+    """The cluster's device indices (ranks) on this machine."""
+    intra: Link
+    """Between two devices of this machine."""
+    nic: Link
+    """This machine's network card."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    machines: tuple[Machine, ...]
+    overrides: tuple[tuple[int, int, Link], ...] = ()
+    """(device a, device b, link): replaces the link between a and b, both ways."""
+    algorithm: Algorithm | Literal["auto"] = "auto"
+    """How all-reduces run: one algorithm, or "auto", the fastest for each size."""
+
+    def __post_init__(self):
+        seen = sorted(d for m in self.machines for d in m.devices)
+        assert seen == list(range(len(seen))), "every device on exactly one machine"
+
+    @property
+    def size(self) -> int:
+        return sum(len(m.devices) for m in self.machines)
+
+    def machine_of(self, device: int) -> int:
+        for i, m in enumerate(self.machines):
+            if device in m.devices:
+                return i
+        raise ValueError(f"device {device} is on no machine (the cluster has {self.size})")
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between devices a and b."""
+        for x, y, link in self.overrides:
+            if {x, y} == {a, b}:
+                return link
+        ma, mb = self.machines[self.machine_of(a)], self.machines[self.machine_of(b)]
+        if ma is mb:
+            return ma.intra
+        return _slowest([ma.nic, mb.nic])
+
+    def send(self, a: int, b: int, nbytes: float) -> float:
+        """Seconds of a point-to-point send of nbytes from a to b."""
+        return self.link(a, b).time(nbytes)
+
+    def ring_link(self, group: Sequence[int]) -> Link:
+        """The slowest link of the ring through `group` in its order."""
+        return _slowest([self.link(a, b) for a, b in zip(group, [*group[1:], group[0]])])
+
+    def seconds(self, kind: str, nbytes: float, group: Sequence[int], algorithm: Algorithm = "ring") -> float:
+        """Seconds of collective `kind` over `group`: nbytes is the whole tensor for all_reduce
+        and broadcast, the cost model's volume V for all_gather, reduce_scatter and all_to_all."""
+        alpha, per_byte = self.coefficients(kind, group, algorithm)
+        return alpha + per_byte * nbytes
+
+    def coefficients(self, kind: str, group: Sequence[int], algorithm: Algorithm = "ring") -> tuple[float, float]:
+        """(seconds, seconds per byte) of the collective: its time is their linear function."""
+        g = len(group)
+        if g <= 1:
+            return 0.0, 0.0
+        if kind == "all_reduce":
+            if algorithm == "tree":
+                link, depth = _slowest([self.link(a, b) for a in group for b in group if a < b]), math.ceil(math.log2(g))
+                return LAUNCH_OVERHEAD + 2 * depth * link.latency, 2 * depth / link.bandwidth
+            if algorithm == "hierarchical":
+                return self._hierarchical(group)
+            link = self.ring_link(group)
+            return LAUNCH_OVERHEAD + 2 * (g - 1) * link.latency, 2 * (g - 1) / g / link.bandwidth
+        if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            link = self.ring_link(group) if kind != "all_to_all" else _slowest(
+                [self.link(a, b) for a in group for b in group if a < b])
+            return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / link.bandwidth
+        if kind == "broadcast":
+            link = self.ring_link(group)
+            return LAUNCH_OVERHEAD + math.ceil(math.log2(g)) * link.latency, 1 / link.bandwidth
+        raise ValueError(f"unknown collective {kind!r}")
+
+    def _hierarchical(self, group: Sequence[int]) -> tuple[float, float]:
+        per_machine: dict[int, list[int]] = {}
+        for d in group:
+            per_machine.setdefault(self.machine_of(d), []).append(d)
+        leaders = [devs[0] for devs in per_machine.values()]
+        alpha, per_byte = LAUNCH_OVERHEAD, 0.0
+        inside = [devs for devs in per_machine.values() if len(devs) > 1]
+        if inside:  # reduce to one device per machine, and broadcast back at the end
+            k = max(len(devs) for devs in inside)
+            link = _slowest([self.ring_link(devs) for devs in inside])
+            alpha += 2 * (k - 1) * link.latency
+            per_byte += 2 * (k - 1) / k / link.bandwidth
+        if len(leaders) > 1:
+            a, b = self.coefficients("all_reduce", leaders, "ring")
+            alpha += a - LAUNCH_OVERHEAD
+            per_byte += b
+        return alpha, per_byte
+
+    def best(self, kind: str, nbytes: float, group: Sequence[int]) -> tuple[Algorithm, float]:
+        """The algorithm that runs the collective fastest (the topology's own, unless "auto"),
+        and its seconds."""
+        if kind != "all_reduce":
+            return "ring", self.seconds(kind, nbytes, group)
+        choices = ALGORITHMS if self.algorithm == "auto" else (self.algorithm,)
+        return min(((a, self.seconds(kind, nbytes, group, a)) for a in choices), key=lambda x: x[1])
+
+    def describe(self) -> str:
+        parts = [f"{m.name}: devices {list(m.devices)}, inside {_rate(m.intra)}, network card {_rate(m.nic)}"
+                 for m in self.machines]
+        parts += [f"link {a}-{b}: {_rate(link)}" for a, b, link in self.overrides]
+        return "; ".join(parts)
+
+
+def _slowest(links: Sequence[Link]) -> Link:
+    """The bottleneck of links used together: the least bandwidth and the most latency."""
+    return Link(bandwidth=min(x.bandwidth for x in links), latency=max(x.latency for x in links))
+
+
+def _rate(link: Link) -> str:
+    return f"{link.bandwidth * 8 / 1e9:g} Gbps, {link.latency * 1e6:g} us"
+
+
+def uniform(devices: int, bandwidth: float, latency: float) -> Topology:
+    """Every device on its own machine, all network cards alike (today's `network:` files)."""
+    nic = Link(bandwidth=bandwidth, latency=latency)
+    return Topology(machines=tuple(Machine(name=f"machine{i}", devices=(i,), intra=nic, nic=nic) for i in range(devices)),
+                    algorithm="ring")

@@ -1,0 +1,124 @@
+"""Cluster topology: machines, network cards, link overrides; collectives priced by algorithm."""
+
+import pytest
+import yaml
+
+from hap.cost.cluster import ClusterError, cluster_from_dict, fits_from_network, load_cluster
+from hap.cost.topology import Link, Machine, Topology
+from hap.runtime.emulate import Emulation
+
+GB, GBPS = 1e9, 1e9 / 8
+
+# Two machines of two devices: A fast inside (100 GB/s) with a 25 Gbps card, B slower inside
+# (16 GB/s) with a 10 Gbps card.
+MIXED = {
+    "name": "mixed",
+    "devices": [{"name": "a100", "count": 2, "flops": 1e14, "memory": "40GiB"},
+                {"name": "v100", "count": 2, "flops": 3e13, "memory": "16GiB"}],
+    "machines": [{"name": "A", "devices": 2, "intra": {"bandwidth": "100GB/s", "latency": "2us"},
+                  "nic": {"bandwidth": "25Gbps", "latency": "10us"}},
+                 {"name": "B", "devices": 2, "intra": {"bandwidth": "16GB/s", "latency": "5us"},
+                  "nic": {"bandwidth": "10Gbps", "latency": "30us"}}],
+}
+
+
+def test_all_reduce_by_algorithm_worked_example():
+    """100 MB all-reduced over the four devices (L = 20 us launch):
+    ring: slowest link 10 Gbps / 30 us:  L + 6 * 30us + 2 * 3/4 * 1e8 / 1.25e9      = 120.2 ms
+    tree: depth 2:                       L + 4 * 30us + 4 * 1e8 / 1.25e9           = 320.14 ms
+    hierarchical: inside (k=2, 16 GB/s, 5 us): 2 * 5us + 2 * 1/2 * 1e8 / 16e9 = 6.26 ms,
+          leaders' ring (2, 10 Gbps, 30 us):   2 * 30us + 1e8 / 1.25e9      = 80.06 ms,  + L
+    """
+    topo = cluster_from_dict(MIXED).topology
+    n, group = 1e8, [0, 1, 2, 3]
+    assert topo.seconds("all_reduce", n, group, "ring") == pytest.approx(20e-6 + 180e-6 + 0.12)
+    assert topo.seconds("all_reduce", n, group, "tree") == pytest.approx(20e-6 + 120e-6 + 0.32)
+    assert topo.seconds("all_reduce", n, group, "hierarchical") == pytest.approx(20e-6 + 10e-6 + 6.25e-3 + 60e-6 + 0.08)
+    assert topo.best("all_reduce", n, group)[0] == "hierarchical"
+    # inside one machine only its own link counts: 2 devices of A, ring = L + 2us + 1e8 / 100e9
+    assert topo.seconds("all_reduce", n, [0, 1]) == pytest.approx(20e-6 + 2 * 2e-6 + 1e8 / 100e9)
+    assert topo.send(1, 2, 1e6) == pytest.approx(30e-6 + 1e6 / (10 * GBPS))  # A's card to B's: B's is slower
+    assert topo.send(2, 3, 1e6) == pytest.approx(5e-6 + 1e6 / (16 * GB))
+
+
+def test_the_cost_model_prices_all_reduce_by_the_fastest_algorithm():
+    from hap.cost.cluster import topology_fit
+
+    cl = cluster_from_dict(MIXED)
+    assert cl.fit_at("all_reduce", 1e8).time(1e8) == pytest.approx(cl.topology.best("all_reduce", 1e8, range(4))[1])
+    ring = cluster_from_dict({**MIXED, "algorithm": "ring"})
+    assert ring.fit_at("all_reduce", 1e8).time(1e8) == pytest.approx(0.1202)
+    assert topology_fit(cl.topology, "broadcast", [2, 3]).beta == pytest.approx(16 * GB)
+
+
+def test_one_slow_network_card_bounds_the_ring():
+    """Eight machines of 10 Gbps, one of them with a 1 Gbps card: the all-reduce's bandwidth
+    term is 10x the uniform cluster's; a per-pair override slows just one link."""
+    base = {"devices": [{"flops": 1e13, "memory": "16GiB", "count": 8}]}
+    card = lambda gbps: {"nic": {"bandwidth": f"{gbps}Gbps", "latency": "30us"}}  # noqa: E731
+    uniform = cluster_from_dict({**base, "machines": [card(10)] * 8})
+    slow = cluster_from_dict({**base, "machines": [card(10)] * 7 + [card(1)]})
+    per_byte = lambda cl: 1 / cl.fit("all_reduce").beta  # noqa: E731
+    assert per_byte(slow) == pytest.approx(10 * per_byte(uniform))
+    override = cluster_from_dict({**base, "machines": [card(10)] * 8,
+                                  "links": [{"between": [3, 4], "bandwidth": "2Gbps", "latency": "30us"}]})
+    assert per_byte(override) == pytest.approx(5 * per_byte(uniform))
+    assert override.topology.send(3, 4, 1e6) == pytest.approx(30e-6 + 1e6 / (2 * GBPS))
+    assert override.topology.send(2, 4, 1e6) == uniform.topology.send(2, 4, 1e6)
+    # a group that avoids the slow link prices without it
+    assert override.topology.seconds("all_reduce", 1e8, [0, 1, 2, 3]) == uniform.topology.seconds("all_reduce", 1e8, [0, 1, 2, 3])
+
+
+def test_network_files_keep_loading_with_the_same_fits():
+    """`network:` is every device its own machine: the ring fits of before (8 devices, 10.4
+    Gbps, 30 us: all-reduce alpha = 20 us + 14 * 30 us, beta = 1.3e9 * 8 / 14)."""
+    cl = cluster_from_dict({"devices": [{"flops": 1e13, "memory": "16GiB", "count": 8}],
+                            "network": {"bandwidth": "10.4Gbps", "latency": "30us"}})
+    assert cl.fit("all_reduce").alpha == pytest.approx(440e-6)
+    assert cl.fit("all_reduce").beta == pytest.approx(1.3e9 * 8 / 14)
+    before = fits_from_network(8, 1.3e9, 30e-6)
+    for kind, fit in cl.collectives.items():
+        assert (fit.alpha, fit.beta) == (pytest.approx(before[kind].alpha), pytest.approx(before[kind].beta)), kind
+    paper = load_cluster("paper-hetero-8")
+    assert paper.collectives == fits_from_network(8, 1.3e9, 30e-6) and paper.topology is not None
+
+
+def test_topology_round_trips_and_describes(tmp_path):
+    cl = cluster_from_dict({**MIXED, "links": [{"between": [0, 3], "bandwidth": "1Gbps", "latency": "1ms"}],
+                            "algorithm": "hierarchical"})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cl.to_dict()))
+    again = load_cluster(path)
+    assert again.topology == cl.topology and again.collectives == cl.collectives
+    text = cl.topology.describe()
+    assert "A: devices [0, 1]" in text and "link 0-3: 1 Gbps, 1000 us" in text
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"machines": [MIXED["machines"][0]]}, "the machines hold 2 devices but 'devices' lists 4"),
+    ({"links": [{"between": [0, 9], "bandwidth": "1Gbps"}]}, r"'between' must name two different devices 0..3"),
+    ({"algorithm": "butterfly"}, "algorithm must be one of ring, tree, hierarchical, auto"),
+    ({"machines": [{"devices": 4, "nic": {"bandwidth": "1Gbps"}}]}, "a machine of 4 devices needs 'intra'"),
+    ({"network": {"bandwidth": "1Gbps"}}, "give 'network' .* or 'machines', not both"),
+    ({"machines": [{"devices": 4, "intra": {"bandwidth": "1GB/s"}, "nic": {"speed": 1}}]}, r"machines\[0\].nic: expected"),
+])
+def test_malformed_topologies_are_one_line_errors(change, message):
+    with pytest.raises(ClusterError, match=message) as e:
+        cluster_from_dict({**MIXED, **change})
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_emulation_sleeps_the_topologys_time():
+    cl = cluster_from_dict({**MIXED, "emulate": True, "local": True})
+    emu = Emulation.for_rank(cl, 0)
+    assert emu.link["all_reduce"].time(1e6) == pytest.approx(cl.fit("all_reduce").time(1e6))
+    assert not Emulation.for_rank(cluster_from_dict(MIXED), 0).link
+    with pytest.raises(ClusterError, match="emulate: true needs 'machines' or 'network'"):
+        cluster_from_dict({"devices": MIXED["devices"], "collectives": load_cluster("local-4").to_dict()["collectives"],
+                           "emulate": True})
+
+
+def test_a_hand_built_topology_checks_its_machines():
+    fast = Link(bandwidth=1e9, latency=1e-5)
+    with pytest.raises(AssertionError):
+        Topology(machines=(Machine(name="a", devices=(0, 2), intra=fast, nic=fast),))
