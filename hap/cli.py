@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("-o", "--output", required=True, metavar="FILE", help="the profiled cluster file (YAML)")
     f.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
 
+    x = sub.add_parser("explain", help="draw a plan's iteration per device, its layouts and where the time goes")
+    x.add_argument("plan", help="a plan file (hap plan --json, or hap train --trace DIR writes DIR/plan.json)")
+    x.add_argument("-o", "--output", default="explain", metavar="DIR", help="where to write (default: explain/)")
+    x.add_argument("--trace", metavar="DIR", help="the traces of `hap train --trace DIR`: measured beside the estimate")
+
     sub.add_parser("clusters", help="list the built-in clusters")
     c = sub.add_parser("cluster", help="show a cluster as the planner reads it")
     c.add_argument("name", help="built-in cluster name or YAML file")
@@ -167,7 +172,26 @@ def cmd_train(args) -> int:
     print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(steady)}), "
           f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
     if args.trace:
-        print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json")
+        result.to_json(os.path.join(args.trace, "plan.json"))
+        print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
+              f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from .explain import explain
+    from .plan import Plan
+
+    try:
+        plan = Plan.from_json(args.plan)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{args.plan}: {e}") from None
+    try:
+        report = explain(plan, args.output, args.trace)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print("\n".join(report))
+    print(f"wrote {args.output}/timeline.png, timeline.json (chrome://tracing), layouts.txt")
     return 0
 
 
@@ -235,6 +259,7 @@ def _calibrated(args, graph, cluster, say):
 
 
 def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
+    import contextlib
     import json
     import os
 
@@ -263,11 +288,12 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
             dmodel.executor.tracing = True
             profiler.start()
         t0 = time.perf_counter()
-        loss = dmodel(*mine, part=True)  # the loss must fall
-        loss.backward()
-        norm = dmodel.clip_grad_norm_(args["clip"]) if args["clip"] else None
-        opt.step()
-        opt.zero_grad()
+        with torch.profiler.record_function(f"hap step {step}") if profiler is not None else contextlib.nullcontext():
+            loss = dmodel(*mine, part=True)  # the loss must fall
+            loss.backward()
+            norm = dmodel.clip_grad_norm_(args["clip"]) if args["clip"] else None
+            opt.step()
+            opt.zero_grad()
         times.append(time.perf_counter() - t0)
         if progress is not None:
             progress.step(loss.item(), times[-1], norm)
@@ -391,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     handlers = {"plan": cmd_plan, "train": cmd_train, "profile": cmd_profile, "clusters": cmd_clusters,
-                "cluster": cmd_cluster}
+                "cluster": cmd_cluster, "explain": cmd_explain}
     try:
         return handlers[args.command](args)
     except (UserError, ClusterError, CaptureError, BalanceError) as e:

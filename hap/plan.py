@@ -118,8 +118,10 @@ class Plan:
     """For more than one stage: the pipeline schedule; None for one stage."""
     estimated_iteration_seconds: float
     breakdown: dict[str, float]
-    timeline: list[dict]
-    """The estimate's stages between collectives: {comm, collectives, fwd, bwd} in seconds."""
+    timeline: dict
+    """The estimate, for `hap explain`: `stages` between collectives ({collectives, comm,
+    comm_bwd, fwd and bwd per device} in seconds), gradient `buckets` ({bucket, bytes, seconds,
+    stage}) and `step_sync` seconds (planner.timeline)."""
     memory_bytes: list[float]
     baselines: dict[str, dict]
     """dp_ev, dp_cp, tp: {seconds, memory_bytes, ratios, breakdown} under the same cost model."""
@@ -247,7 +249,7 @@ class Plan:
             lines.append(f"  {name:6s} {b['seconds'] * 1e3:9.1f} ms   hap is {speedup:.2f}x" + ("" if b.get("fits", True) else "  (does not fit in memory)"))
         for s, r in enumerate(self.ratios):
             lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
-        lines.append(f"  memory per GPU: {' '.join(_size(b) for b in self.memory_bytes)}")
+        lines.append(f"  memory per GPU: {' '.join(size_text(b) for b in self.memory_bytes)}")
         kinds: dict[str, int] = {}
         for ins in self.program:
             kinds[ins.strategy] = kinds.get(ins.strategy, 0) + 1
@@ -273,7 +275,7 @@ class Plan:
         return "\n".join(out)
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
     """Bytes in the unit that fits: 812 KiB, 3.4 MiB, 15.2 GiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:

@@ -346,11 +346,23 @@ def _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselin
         model=graph.model_name, cluster=cluster.to_dict(), devices=[d.name for d in cluster.devices],
         stages=[stage], sync=sync, schedule=None,
         estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
-        timeline=[{"comm": s.comm, "collectives": s.collectives, "fwd": max(s.fwd, default=0.0), "bwd": max(s.bwd, default=0.0)}
-                  for s in est.stages],
+        timeline=timeline(est),
         memory_bytes=est.memory, baselines=baselines, synthesis_seconds=seconds,
         replicated_ops=sorted({n.op for n in graph.nodes if not has_rule(n.op)}), search=search,
     )
+
+
+def timeline(est: Estimate) -> dict:
+    """An estimate as the plan keeps it: per stage its collectives (forward and backward
+    seconds) and each device's computation; per gradient bucket its seconds and the stage
+    whose backward it waits for; the loss's and generator's per-step syncs (`hap explain`
+    draws the iteration from these)."""
+    return {
+        "stages": [{"collectives": s.collectives, "comm": s.comm, "comm_bwd": s.comm_bwd, "fwd": list(s.fwd), "bwd": list(s.bwd)}
+                   for s in est.stages],
+        "buckets": [{"bucket": b.bucket, "bytes": b.nbytes, "seconds": b.seconds, "stage": b.stage} for b in est.buckets],
+        "step_sync": est.seconds - sum(s.seconds for s in est.stages) - est.grad_sync,
+    }
 
 
 def _largest_params(graph: Graph, state_factor: float, budget: float) -> set[str]:

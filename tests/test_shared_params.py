@@ -95,7 +95,7 @@ def test_synchronized_batch_norm_is_priced_as_its_all_reduces():
     plan = baseline_plan(graph, cluster, "dp-cp")  # data parallel: the batch norm must synchronize
     bn = [ins for ins in plan.program if "batch_norm" in ins.op]
     assert [ins.strategy for ins in bn] == ["sync-batch"]
-    stage = next(s for s in plan.timeline if any(c.startswith("sync_batch_norm(") for c in s["collectives"]))
+    stage = next(s for s in plan.timeline["stages"] if any(c.startswith("sync_batch_norm(") for c in s["collectives"]))
     # forward and backward each all-reduce 2 float64 sums per channel: 2 * 6 * 8 bytes
     cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
     assert stage["comm"] == 2 * cost.comm("all_reduce", 2 * 6 * 8).const > 0

@@ -177,7 +177,7 @@ class Executor:
             for ms, src_sizes, dst_sizes in moves:
                 x = held[(ms.tensor, ms.move.src)]
                 if self.tracing:
-                    with self._span(f"{ms.move.name} {ms.tensor} {ms.move.src}->{ms.move.dst}"):
+                    with self._span(f"hap move {ms.move.name} {ms.tensor} {ms.move.src}->{ms.move.dst}"):
                         x = run_move(x, ms.move, self.comm, src_sizes, dst_sizes)
                 else:
                     x = run_move(x, ms.move, self.comm, src_sizes, dst_sizes)
@@ -193,7 +193,7 @@ class Executor:
             else:
                 local = {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)}
                 t0, self._waited = time.perf_counter(), 0.0
-                with self._span(f"{node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
+                with self._span(f"hap node {node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
                     outs = run_node(node, st, local, self.graph, ctx)
                 if self.emulation is not None and not isinstance(outs, Made):
                     # only computing is stretched: time in the node's own collectives (a global

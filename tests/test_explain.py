@@ -1,0 +1,66 @@
+"""hap explain: the estimated iteration per device, layouts, and the measured one beside it."""
+
+import json
+
+import pytest
+import torch
+
+from hap import capture, load_cluster, plan
+from hap.cli import main
+from hap.explain import SYNC, estimated_events, layouts
+from hap.models import build
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def vit_plan():
+    cluster = load_cluster("paper-hetero-8")
+    model, inputs = build("vit", layers=2, devices=cluster.gpus, device="meta")
+    return plan(capture(model, inputs), cluster)
+
+
+def test_the_drawn_iteration_is_the_estimate(vit_plan):
+    """The timeline rebuilt from the plan ends where the cost model's estimate does, and its
+    gradient buckets overlap the backward as priced."""
+    events, total = estimated_events(vit_plan)
+    assert total == pytest.approx(vit_plan.estimated_iteration_seconds, rel=1e-9)
+    assert max(e.start + e.seconds for e in events) == pytest.approx(total, rel=1e-9)
+    sync = [e for e in events if e.lane == SYNC and e.device == 0]
+    assert len(sync) == len(vit_plan.timeline["buckets"]) > 1
+    backward_end = max(e.start + e.seconds for e in events if e.name.startswith("backward"))
+    assert min(e.start for e in sync) < backward_end  # some sync runs during the backward
+    for a, b in zip(sync, sync[1:]):
+        assert b.start >= a.start + a.seconds - 1e-12  # one bucket at a time
+
+
+def test_layouts_name_every_parameter_and_its_sync(vit_plan):
+    text = "\n".join(layouts(vit_plan))
+    for e in vit_plan.sync:
+        assert f"gradient: all-reduce in bucket {e.bucket}" in text and e.param in text
+    assert "S(0)   [dim 0 seg 0: " in text  # the batch split, with its rows per device
+
+
+def test_explain_a_trained_plan_beside_its_traces(tmp_path, capsys):
+    traces, out = tmp_path / "traces", tmp_path / "explain"
+    assert main(["train", "--model", "vit", "--cluster", "local", "--steps", "4", "--trace", str(traces)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(traces / "plan.json"), "-o", str(out), "--trace", str(traces)]) == 0
+    report = capsys.readouterr().out
+    assert "measured step (last traced, per rank)" in report and "estimated iteration" in report
+    trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    kinds = {e["pid"].split(":")[0] for e in trace}
+    assert kinds == {"estimated", "measured"}
+    measured = [e for e in trace if e["pid"].startswith("measured") and e["tid"] == "compute"]
+    assert measured, "the executor's node spans are in the measured timeline"
+    assert (out / "timeline.png").stat().st_size > 10_000 and (out / "layouts.txt").read_text()
+
+
+def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
+    assert main(["explain", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    path = tmp_path / "plan.json"
+    vit_plan.to_json(path)
+    assert main(["explain", str(path), "-o", str(tmp_path / "x"), "--trace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no trace for rank 0" in err and len(err.splitlines()) == 1
