@@ -12,8 +12,8 @@ import os
 from hap.runtime.launch import spawn
 
 
-def run_ranks(worker, world, tmp_path, *args) -> list[dict]:
-    spawn(_report, world, args=(worker, world, str(tmp_path), args))
+def run_ranks(worker, world, tmp_path, *args, backend="gloo") -> list[dict]:
+    spawn(_report, world, args=(worker, world, str(tmp_path), args), backend=backend)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -102,3 +102,20 @@ def test_moves_cover_every_runtime_collective():
 def test_a_move_without_a_runtime_is_an_error():
     with pytest.raises(ValueError, match="no runtime for move 'teleport'"):
         run_move(torch.zeros(2), Move("teleport", R, D, None, None), Comm(rank=0, world=1))
+
+
+def test_every_move_has_a_runtime_and_its_collectives_a_price():
+    """The move registry: every move the search can make (between any two placements, with
+    and without gradients, and the segment rebalance) runs through MOVE_RUNTIMES, and every
+    collective it names, forward or dual, is priced by COLLECTIVE_PRICES."""
+    from hap.cost.model import COLLECTIVE_PRICES
+    from hap.placement import D, P, R, S
+    from hap.runtime.collectives import MOVE_RUNTIMES
+    from hap.search.moves import moves_between, rebalance
+
+    places = [R, D, P, S(0), S(1), S(2)]
+    made = {mv for a in places for b in places if a != b for g in (True, False) for mv in moves_between(a, b, g)}
+    made |= {rebalance(S(0)), rebalance(S(1))}
+    assert {mv.name for mv in made} == set(MOVE_RUNTIMES)  # no move without a runtime, no runtime unused
+    kinds = {k for mv in made for k in (mv.fwd, mv.bwd) if k}
+    assert kinds == set(COLLECTIVE_PRICES)

@@ -41,7 +41,7 @@ from hap.cost.cluster import Cluster, Device, fits_from_network
 from hap.cost.model import CostModel
 from hap.models import MODELS, resolve
 from hap.placement import R, S
-from hap.planner import _dp, _params_only, _tp
+from hap.planner import _dp, _params_only, _tp, segment_graph
 from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 from hap.runtime.collectives import Comm, all_reduce
@@ -181,9 +181,19 @@ def restriction(family: str, graph) -> Restriction:
 EVEN = {2: (0.5, 0.5), 3: (1 / 3, 1 / 3, 1 / 3)}
 SKEWED = {2: (0.8, 0.2), 3: (0.55, 0.3, 0.15)}
 IDLE = {2: (1.0, 0.0), 3: (0.6, 0.4, 0.0)}  # the last rank holds empty shards and computes nothing
-RATIOS = {"even": EVEN, "skewed": SKEWED, "idle": IDLE}
+# two segments with other ratios each: every live shard is re-split (all-to-all) where they meet
+TWO_SEGMENTS = {2: ((0.7, 0.3), (0.35, 0.65)), 3: ((0.5, 0.3, 0.2), (0.2, 0.3, 0.5))}
+RATIOS = {"even": EVEN, "skewed": SKEWED, "idle": IDLE, "two-segments": TWO_SEGMENTS}
 PROGRAMS = [("dp", "skewed"), ("tp", "even"), ("sharded", "even"), ("sharded-grouped", "skewed"),
-            ("sharded-batch-grouped", "skewed"), ("sharded", "idle"), ("hap", "planned")]
+            ("sharded-batch-grouped", "skewed"), ("sharded", "idle"), ("dp", "two-segments"),
+            ("sharded-batch-grouped", "two-segments"), ("hap", "planned")]
+
+
+def segmentation(which, graph, world):
+    """(segment of every node, ratios per segment) of a case."""
+    if which == "two-segments":
+        return segment_graph(graph, 2), [list(r) for r in TWO_SEGMENTS[world]]
+    return [0] * len(graph.nodes), [list(RATIOS[which][world])]
 CLUSTER_SPEEDS = {2: (3e9, 1e9), 3: (2e9, 2e9, 1e9)}
 MODEL_NAMES = BUILT_IN + list(LIBRARY)
 
@@ -283,10 +293,10 @@ def make_program(family, which, graph, strategies, classes, world):
             # Without the baselines as candidates (the restricted cases run those families): hap's
             # own Q/B alternation, and planning stays short.
             return hap.plan(graph, cluster(CLUSTER_SPEEDS[world], bandwidth=1e9), hap.PlannerConfig(baselines=False))
-        ratios = RATIOS[which][world]
+        seg, ratios = segmentation(which, graph, world)
         # compute proportional to the ratios (an idle rank: a slow device, not a zero-speed one)
-        cost = CostModel(graph, cluster([max(r, 0.1) * 3e9 for r in ratios]), classes)
-        return synthesize(graph, strategies, cost, [0] * len(graph.nodes), [ratios], restriction(family, graph),
+        cost = CostModel(graph, cluster([max(r, 0.1) * 3e9 for r in ratios[0]]), classes)
+        return synthesize(graph, strategies, cost, seg, ratios, restriction(family, graph),
                           width=24, width_after=8.0).program
     except Exception as e:  # a family with no program for a model is a failure too
         return f"{type(e).__name__}: {e}"
@@ -324,13 +334,17 @@ def worker(rank, world):
                 ran, planned, ratios, loads = run_hap(what, model_name, model, batches, programs[i], world, comm, tally,
                                                       report["failures"])
             else:
-                ratios = RATIOS[which][world]
-                ran, planned, loads = run_program(what, model_name, model, batches, graph, programs[i], classes, ratios,
-                                                  comm, tally, report["failures"])
+                seg, ratios = segmentation(which, graph, world)
+                ran, planned, loads = run_program(what, model_name, model, batches, graph, programs[i], classes, seg,
+                                                  ratios, comm, tally, report["failures"])
+                ratios = ratios[0]
             missing = planned - ran
             if missing:
                 report["failures"].append(f"{what}: the program plans {sorted(missing)} but the ranks never ran it")
-            report["cases"].append({"model": model_name, "program": family, "ratios": list(ratios),
+            steps = programs[i] if isinstance(programs[i], list) else programs[i].steps(graph)
+            moves = sorted({ms.move.name for st in steps for ms in st.moves})
+            report["cases"].append({"model": model_name, "program": family, "which": which, "ratios": list(ratios),
+                                    "moves": moves,
                                     "planned": sorted(planned), "ran": sorted(ran), "param_loads": loads})
             report["seconds"][what] = time.perf_counter() - t0
     return report
@@ -340,9 +354,9 @@ def _param_loads(program, graph) -> list[str]:
     return sorted({str(ld.placement) for st in program for ld in st.loads if ld.tensor in graph.params})
 
 
-def run_program(what, model_name, model, batches, graph, program, classes, ratios, comm, tally, failures):
-    """The program on hap's Executor, as test_runtime.py runs it."""
-    ex = Executor(graph, program, classes, [0] * len(graph.nodes), [ratios], comm)
+def run_program(what, model_name, model, batches, graph, program, classes, seg, ratios, comm, tally, failures):
+    """The program on hap's Executor (ratios per segment), as test_runtime.py runs it."""
+    ex = Executor(graph, program, classes, seg, ratios, comm)
     params = ex.shard_parameters(leaf_values(graph, model, batches[0]))
 
     def step_fn(batch):
@@ -408,11 +422,14 @@ def test_training_equals_one_device(world, runs):
     failures = [f"rank {r}: {f}" for r, rep in enumerate(reports) for f in rep["failures"]]
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
     cases = reports[0]["cases"]
-    assert [(c["model"], c["program"]) for c in cases] == [(m, f) for m in MODEL_NAMES for f, _ in PROGRAMS]
+    assert [(c["model"], c["program"], c["which"]) for c in cases] == [(m, f, w) for m in MODEL_NAMES for f, w in PROGRAMS]
     for c in cases:
         assert math.isclose(sum(c["ratios"]), 1.0, rel_tol=1e-9)
         if c["program"].startswith("sharded"):
             assert any(p.startswith("S(") for p in c["param_loads"]), c  # weights really sharded
+    # Two segments re-split their shards where they meet (where a shard is live there).
+    resplit = [c["model"] for c in cases if c["which"] == "two-segments" and "rebalance" in c["moves"]]
+    assert len(resplit) >= 3, resplit
     # The planner's own plans are skewed like the cluster (the slowest device gets least).
     for c in cases:
         if c["program"] == "hap":

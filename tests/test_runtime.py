@@ -74,11 +74,13 @@ def restriction(name, graph):
 STEPS = 3
 
 
-def worker(rank, world):
+def worker(rank, world, device="cpu"):
+    """device "cuda": every rank on its own GPU (the NCCL tier, test_gpu.py)."""
     comm = Comm.default()
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
-    model = MLP()
-    batches = [torch.randn(20, 12) for _ in range(STEPS)]
+    model = MLP().to(dev)
+    batches = [torch.randn(20, 12).to(dev) for _ in range(STEPS)]
     graph = capture(model, (batches[0],))
     strategies = strategy_table(graph)
     classes = ShardClasses(graph, enumerate(strategies))
@@ -93,7 +95,7 @@ def worker(rank, world):
         report["programs"].append(sorted({str(ld.placement) for st in program for ld in st.loads if ld.tensor in graph.params}))
         what = f"{ratios} {rule or 'hap'}"
 
-        reference = MLP()
+        reference = MLP().to(dev)
         reference.load_state_dict(model.state_dict())
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
         ex = Executor(graph, program, classes, seg, [ratios], comm)

@@ -159,24 +159,12 @@ class CostModel:
 
     def comm(self, kind: str, nbytes: float) -> CommCost:
         """The collective `kind` on a tensor of nbytes, as const + slope * (largest share)."""
-        m, c = self.m, self.cluster
-        if m == 1:
+        if self.m == 1:
             return CommCost(0.0, 0.0)
-        if kind == "all_reduce":
-            return CommCost(c.fit_at("all_reduce", nbytes).time(nbytes) + self.intra_coll * nbytes, 0.0)
-        if kind == "all_gather_padded":
-            f = c.fit("all_gather")
-            return CommCost(f.alpha + self.intra_coll * nbytes, m * nbytes / f.beta)
-        if kind == "all_gather_grouped":
-            f = c.fit("broadcast")
-            return CommCost(m * f.alpha + nbytes / f.beta + self.intra_coll * nbytes, 0.0)
-        if kind == "reduce_scatter":
-            f = c.fit("reduce_scatter")
-            return CommCost(f.alpha + self.intra_coll * nbytes, m * nbytes / f.beta)
-        if kind == "all_to_all":
-            f = c.fit("all_to_all")
-            return CommCost(f.alpha, m * nbytes / f.beta + self.intra_coll * nbytes)
-        raise ValueError(f"unknown collective {kind}")
+        price = COLLECTIVE_PRICES.get(kind)
+        if price is None:
+            raise ValueError(f"unknown collective {kind!r}; priced: {', '.join(COLLECTIVE_PRICES)}")
+        return price(self, nbytes)
 
     def comm_time(self, kind: str, nbytes: float, shares: Sequence[float]) -> float:
         """Exact time under the given (rounded) shares; grouped broadcasts skip empty shards."""
@@ -213,6 +201,39 @@ class CostModel:
 
     def gpus(self, j: int) -> int:
         return self.cluster.devices[j].gpus
+
+
+# -- the collectives' prices: one small function per collective kind (the names moves use) ---------
+# m devices, n bytes of the whole tensor, s the largest share; intra_coll prices machines of
+# several GPUs gathering to and broadcasting from one GPU (see the module docstring).
+
+def _all_reduce(cost: CostModel, n: float) -> CommCost:  # V = n
+    return CommCost(cost.cluster.fit_at("all_reduce", n).time(n) + cost.intra_coll * n, 0.0)
+
+
+def _all_gather_padded(cost: CostModel, n: float) -> CommCost:  # V = m * s * n
+    f = cost.cluster.fit("all_gather")
+    return CommCost(f.alpha + cost.intra_coll * n, cost.m * n / f.beta)
+
+
+def _all_gather_grouped(cost: CostModel, n: float) -> CommCost:  # every device broadcasts its rows
+    f = cost.cluster.fit("broadcast")
+    return CommCost(cost.m * f.alpha + n / f.beta + cost.intra_coll * n, 0.0)
+
+
+def _reduce_scatter(cost: CostModel, n: float) -> CommCost:  # V = m * s * n, padded like NCCL's
+    f = cost.cluster.fit("reduce_scatter")
+    return CommCost(f.alpha + cost.intra_coll * n, cost.m * n / f.beta)
+
+
+def _all_to_all(cost: CostModel, n: float) -> CommCost:  # V = m * max(s before, s after) * n
+    f = cost.cluster.fit("all_to_all")
+    return CommCost(f.alpha, cost.m * n / f.beta + cost.intra_coll * n)
+
+
+COLLECTIVE_PRICES = {"all_reduce": _all_reduce, "all_gather_padded": _all_gather_padded,
+                     "all_gather_grouped": _all_gather_grouped, "reduce_scatter": _reduce_scatter,
+                     "all_to_all": _all_to_all}
 
 
 def max_share(shares: Sequence[float]) -> float:

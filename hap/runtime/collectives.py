@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -348,32 +348,72 @@ class _ZeroPartial(torch.autograd.Function):
         return g, None, None
 
 
+MoveRuntime = Callable[[torch.Tensor, Move, Comm, Sequence[int] | None, Sequence[int] | None], torch.Tensor]
+MOVE_RUNTIMES: dict[str, MoveRuntime] = {}
+"""Move name (search/moves.py) -> how a rank runs it: an autograd Function whose backward is the
+move's dual. Every move the search can make has one (tests/test_collectives.py checks)."""
+
+
+def runs(*names: str):
+    """Register the runtime of the moves `names`."""
+    def register(fn: MoveRuntime) -> MoveRuntime:
+        for name in names:
+            MOVE_RUNTIMES[name] = fn
+        return fn
+    return register
+
+
 def run_move(x: torch.Tensor, mv: Move, comm: Comm, src_sizes: Sequence[int] | None = None,
              dst_sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Apply one layout move of a program to this rank's local tensor.
 
     src_sizes / dst_sizes: the per-rank lengths of the sharded dim of the source / destination
     placement (needed where that placement is S; for a rebalance, the old and new split)."""
-    src, dst = mv.src, mv.dst
-    name = mv.name
-    if name in ("all_gather", "grouped_broadcast"):
-        how: Gather = "grouped" if mv.fwd == AG_GROUPED else "padded"
-        return _AllGather.apply(x, src.dim, _sizes(src_sizes, "source"), how, dst == R, comm)
-    if name == "all_reduce":
-        return _AllReduce.apply(x, dst == R, comm)
-    if name == "reduce_scatter":
-        return _ReduceScatter.apply(x, dst.dim, _sizes(dst_sizes, "destination"), comm)
-    if name == "all_to_all":
-        return _AllToAll.apply(x, src.dim, dst.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
-    if name == "rebalance":
-        return _Resplit.apply(x, src.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
-    if name == "slice":
-        return _Slice.apply(x, dst.dim, _sizes(dst_sizes, "destination"), src == R, comm)
-    if name in ("duplicate", "replicate"):
-        return _SameValues.apply(x, name == "replicate", comm)
-    if name == "zero_partial":
-        return _ZeroPartial.apply(x, src == R, comm)
-    raise ValueError(f"no runtime for move {name!r} ({src} -> {dst})")
+    run = MOVE_RUNTIMES.get(mv.name)
+    if run is None:
+        raise ValueError(f"no runtime for move {mv.name!r} ({mv.src} -> {mv.dst})")
+    return run(x, mv, comm, src_sizes, dst_sizes)
+
+
+@runs("all_gather", "grouped_broadcast")
+def _run_all_gather(x, mv, comm, src_sizes, dst_sizes):  # S -> R | D; dual: reduce-scatter | slice
+    how: Gather = "grouped" if mv.fwd == AG_GROUPED else "padded"
+    return _AllGather.apply(x, mv.src.dim, _sizes(src_sizes, "source"), how, mv.dst == R, comm)
+
+
+@runs("all_reduce")
+def _run_all_reduce(x, mv, comm, src_sizes, dst_sizes):  # P -> R | D; dual: all-reduce | nothing
+    return _AllReduce.apply(x, mv.dst == R, comm)
+
+
+@runs("reduce_scatter")
+def _run_reduce_scatter(x, mv, comm, src_sizes, dst_sizes):  # P -> S; dual: all-gather
+    return _ReduceScatter.apply(x, mv.dst.dim, _sizes(dst_sizes, "destination"), comm)
+
+
+@runs("all_to_all")
+def _run_all_to_all(x, mv, comm, src_sizes, dst_sizes):  # S(a) -> S(b); dual: all-to-all back
+    return _AllToAll.apply(x, mv.src.dim, mv.dst.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
+
+
+@runs("rebalance")
+def _run_rebalance(x, mv, comm, src_sizes, dst_sizes):  # S(d) at one split -> S(d) at another
+    return _Resplit.apply(x, mv.src.dim, _sizes(src_sizes, "source"), _sizes(dst_sizes, "destination"), comm)
+
+
+@runs("slice")
+def _run_slice(x, mv, comm, src_sizes, dst_sizes):  # R | D -> S; dual: local | all-gather
+    return _Slice.apply(x, mv.dst.dim, _sizes(dst_sizes, "destination"), mv.src == R, comm)
+
+
+@runs("duplicate", "replicate")
+def _run_same_values(x, mv, comm, src_sizes, dst_sizes):  # R <-> D; dual: local | all-reduce
+    return _SameValues.apply(x, mv.name == "replicate", comm)
+
+
+@runs("zero_partial")
+def _run_zero_partial(x, mv, comm, src_sizes, dst_sizes):  # R | D -> P; dual: local
+    return _ZeroPartial.apply(x, mv.src == R, comm)
 
 
 def _sizes(sizes: Sequence[int] | None, which: str) -> tuple[int, ...]:

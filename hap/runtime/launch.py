@@ -46,16 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:
-    """Run fn(rank, *args) on `world` local processes with a gloo group whose collectives time out
-    after timeout_s; a rank that fails ends them all and raises RankFailed naming it."""
+def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo") -> None:
+    """Run fn(rank, *args) on `world` local processes with a process group (gloo; or nccl, each
+    rank on GPU `rank`) whose collectives time out after timeout_s; a rank that fails ends them
+    all and raises RankFailed naming it."""
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
     with tempfile.TemporaryDirectory(prefix="hap-ranks-") as reports:
         # torch starts the ranks (and has each die with the parent); the joining is ours: torch's
         # ProcessContext.join blames whichever failure it sees first (often a peer's "Connection
         # closed by peer") and gives stuck ranks 30 s after SIGTERM.
-        procs = mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s, reports),
+        procs = mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s, reports, backend),
                                    nprocs=world, join=False, start_method="spawn").processes
         try:
             gone = _wait(procs)
@@ -107,10 +108,13 @@ def _failure(procs: list, gone: set[int], reports: str) -> RankFailed:
     return RankFailed(f"rank {rank} died {'with' if code > 0 else 'from'} {how}", rank)
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_s: float, reports: str) -> None:
+def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_s: float, reports: str,
+           backend: str = "gloo") -> None:
     torch.set_num_threads(1)  # one core's worth per rank: ranks share this machine
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         fn(rank, *args)
         dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts)
