@@ -4,7 +4,7 @@ steps when stdout is not a terminal; memory is shown in a unit that fits."""
 
 import hap
 from hap.cli import main
-from hap.plan import _size
+from hap.plan import size_text as _size
 
 
 def test_train_refuses_gpus_not_on_this_machine(capsys):

@@ -82,6 +82,10 @@ def test_profile_measures_the_emulated_slowdown(tmp_path):
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         fit = cluster.fit(kind)
         assert fit.alpha > 0 and fit.beta > 0, (kind, fit)
+    # the measured link between the two ranks: one machine, its link's latency and bandwidth
+    link = cluster.topology.link(0, 1)
+    assert cluster.topology.machines[0].devices == (0, 1) and cluster.measured_fits
+    assert 0 < link.latency < 0.01 and link.bandwidth > 1e7, report["links"]
 
 
 def test_calibration_measures_each_device_in_the_runtime():

@@ -216,6 +216,50 @@ def profile_collectives(comm: Comm, quick: bool = False) -> dict[str, dict]:
     return fits
 
 
+def profile_links(comm: Comm, quick: bool = False) -> dict[tuple[int, int], dict]:
+    """Point-to-point links: for every pair of ranks, latency and bandwidth from ping-pongs of
+    several sizes (half a round trip each). Every rank calls it; rank 0 gets them all."""
+    sizes = [2**10, 2**16, 2**20]
+    repeats = 3 if quick else 7
+    mine: dict[str, dict] = {}
+    for a in range(comm.world):
+        for b in range(a + 1, comm.world):
+            seconds = []
+            for nbytes in sizes:
+                t = torch.zeros(nbytes // 4)
+                dist.barrier(group=comm.group)
+                if comm.rank not in (a, b):
+                    continue
+                samples = []
+                for _ in range(repeats + 1):  # the first warms the connection
+                    t0 = time.perf_counter()
+                    if comm.rank == a:
+                        dist.send(t, b, group=comm.group)
+                        dist.recv(t, b, group=comm.group)
+                    else:
+                        dist.recv(t, a, group=comm.group)
+                        dist.send(t, a, group=comm.group)
+                    samples.append((time.perf_counter() - t0) / 2)
+                seconds.append(statistics.median(samples[1:]))
+            if comm.rank == a:
+                fit = fit_line(sizes, seconds)
+                mine[f"{a},{b}"] = {"latency": max(fit.const, 0.0), "bandwidth": 1.0 / fit.per_unit if fit.per_unit > 0 else 1e15}
+    parts = [None] * comm.world
+    dist.all_gather_object(parts, mine, group=comm.group)
+    return {tuple(int(x) for x in key.split(",")): link for part in parts for key, link in part.items()}
+
+
+def local_topology(links: dict[tuple[int, int], dict], world: int, name: str = "localhost") -> dict:
+    """The cluster file's `machines` and `links` for ranks on one machine: the median measured
+    link between any two, and the pairs more than 25% slower or faster as overrides."""
+    bandwidths = sorted(x["bandwidth"] for x in links.values())
+    latencies = sorted(x["latency"] for x in links.values())
+    typical = {"bandwidth": bandwidths[len(bandwidths) // 2], "latency": latencies[len(latencies) // 2]}
+    odd = [{"between": [a, b], **x} for (a, b), x in sorted(links.items())
+           if abs(x["bandwidth"] / typical["bandwidth"] - 1) > 0.25]
+    return {"machines": [{"name": name, "devices": world, "intra": typical, "nic": typical}], "links": odd}
+
+
 def profile_cluster(cluster: Cluster, comm: Comm, quick: bool = False) -> dict | None:
     """Every rank measures its device and joins the collectives; rank 0 returns the profiled
     cluster spec (cluster-file form) with a `report` of the raw rates, the others None."""
@@ -230,6 +274,7 @@ def profile_cluster(cluster: Cluster, comm: Comm, quick: bool = False) -> dict |
     reports = [None] * comm.world
     dist.all_gather_object(reports, mine, group=comm.group)
     fits = profile_collectives(comm, quick) if comm.world > 1 else {}
+    links = profile_links(comm, quick) if comm.world > 1 else {}
     if comm.rank != 0:
         return None
     devices = []
@@ -242,9 +287,11 @@ def profile_cluster(cluster: Cluster, comm: Comm, quick: bool = False) -> dict |
     if cluster.emulated_network is not None:
         bandwidth, latency = cluster.emulated_network
         spec["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+    elif links:  # the measured collectives price the plan; the links describe the machine
+        spec.update(local_topology(links, comm.world))
     if cluster.local:
         spec["local"] = True
-    spec["report"] = {"devices": reports, "collectives": fits}
+    spec["report"] = {"devices": reports, "collectives": fits, "links": {f"{a}-{b}": x for (a, b), x in links.items()}}
     return spec
 
 
