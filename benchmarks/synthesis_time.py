@@ -36,6 +36,10 @@ def timed_plan(graph, cluster, repeats):
     return statistics.median(times), result
 
 
+def _faster(ours: float, published: float | None) -> str:
+    return "" if published is None else ("yes" if ours < published else "NO")
+
+
 def _kind(result) -> str:
     return "exhaustive" if result.search.get("exhaustive", True) else "width-limited"
 
@@ -50,7 +54,7 @@ def main() -> int:
     het8 = load_cluster("paper-hetero-8")
 
     print("Synthesis time on paper-hetero-8 (seconds; published = the Rust prototype, same machine class)")
-    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'per layer':>9}  search")
+    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'faster':>6} {'per layer':>9}  search")
     rows = []
     layer_counts = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16, 24]
     for layers in layer_counts:
@@ -59,13 +63,14 @@ def main() -> int:
         secs, result = timed_plan(graph, het8, repeats)
         pub = PUBLISHED.get(("vit", layers))
         rows.append((layers, secs))
-        print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {secs / layers:9.4f}  "
-              f"{_kind(result)}", flush=True)
+        print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {_faster(secs, pub):>6} "
+              f"{secs / layers:9.4f}  {_kind(result)}", flush=True)
     for name in ("vgg19", "bert", "bert-moe"):
         model, inputs = build(name, devices=het8.gpus, device="meta")
         graph = capture(model, inputs, name=name)
         secs, result = timed_plan(graph, het8, repeats)
-        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {PUBLISHED[(name, None)]:>9} {'':9}  {_kind(result)}",
+        pub = PUBLISHED[(name, None)]
+        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {pub:>9} {_faster(secs, pub):>6} {'':9}  {_kind(result)}",
               flush=True)
     if len(rows) >= 2:
         (l0, t0), (l1, t1) = rows[0], rows[-1]
