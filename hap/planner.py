@@ -258,7 +258,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
         raise BalanceError(f"out of memory: the most frugal program found needs {worst[4].memory[j] / 2**30:.2f} GiB on "
                            f"device {j} ({cluster.devices[j].name}), which has {capacity[j] / 2**30:.2f} GiB")
     seconds, winner, program, ratios, est = min(feasible, key=lambda c: c[0])
-    return _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselines, time.perf_counter() - t0,
+    return _assemble(cost, segment_of, program, ratios, est, baselines, time.perf_counter() - t0,
                      {**stats, "winner": winner, "candidates": len(candidates)})
 
 
@@ -310,7 +310,7 @@ def _plan_at(graph: Graph, cluster: Cluster, ratios: Sequence[float], config: Pl
 
     program = find(search, rs)
     est = replay(program, cost, segment_of, rs)
-    return _assemble(graph, cluster, classes, segment_of, program, rs, est, {}, time.perf_counter() - t0,
+    return _assemble(cost, segment_of, program, rs, est, {}, time.perf_counter() - t0,
                      {"winner": winner, "exhaustive": all(exhaustive)})
 
 
@@ -335,11 +335,12 @@ def _baseline_program(search, ratios, restriction: Restriction) -> list[Step]:
         return search(ratios, Restriction(name=restriction.name, allow_load=_params_only(restriction)))
 
 
-def _assemble(graph, cluster, classes, segment_of, program, ratios, est, baselines, seconds, search) -> Plan:
+def _assemble(cost: CostModel, segment_of, program, ratios, est, baselines, seconds, search) -> Plan:
+    """The Plan of a program priced by `cost` (whose graph, cluster and shard classes it is)."""
+    graph, cluster, classes = cost.graph, cost.cluster, cost.classes
     devices = list(range(cluster.size))
-    bucket_of = CostModel(graph, cluster, classes).bucket_of
     sync = [SyncEntry(param=name, bucket=i, devices=tuple(devices))
-            for i, bucket in enumerate(sync_buckets(program, graph, segment_of, bucket_of)) for name in bucket]
+            for i, bucket in enumerate(sync_buckets(program, graph, segment_of, cost.bucket_of)) for name in bucket]
     stage = PlanStage(devices=devices, nodes=[0, len(graph.nodes) - 1], segments=_segment_ranges(segment_of), ratios=ratios,
                       program=instructions(program, graph), shards=shard_sizes(program, graph, classes, segment_of, ratios))
     return Plan(

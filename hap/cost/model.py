@@ -84,6 +84,13 @@ class CostModel:
         if self.m > 1 and any(is_random(node) for node in graph.nodes):
             self.rng_sync = self.grouped_gather(RNG_STATE_BYTES, 1)
         self.chunk_of = chunk_of(graph)  # the layer chunk of every node: a stage ends at each chunk's start
+        # gradient sync: a bucket of b bytes all-reduces in sync_alpha + sync_slope * b seconds
+        self.sync_slope = self.grad_sync(2.0) - self.grad_sync(1.0)
+        self.sync_alpha = self.grad_sync(1.0) - self.sync_slope
+        self.first_use_bytes = [0.0] * len(graph.nodes)  # bytes of trainable parameters each node uses first
+        for t in graph.tensors.values():
+            if t.kind == "param" and t.requires_grad and t.consumers:
+                self.first_use_bytes[t.consumers[0]] += t.nbytes
         self.bucket_of = sync_groups(graph, self)  # the gradient bucket of every node's first-used parameters
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
@@ -259,11 +266,9 @@ def sync_groups(graph: Graph, cost: CostModel) -> list[int]:
     if not n:
         return []
     chunk_bytes = [0.0] * (chunks[-1] + 1)
-    for t in graph.tensors.values():
-        if t.kind == "param" and t.requires_grad and t.consumers:
-            chunk_bytes[chunks[t.consumers[0]]] += t.nbytes
-    alpha = cost.grad_sync(1.0) - (cost.grad_sync(2.0) - cost.grad_sync(1.0))
-    slope = cost.grad_sync(2.0) - cost.grad_sync(1.0)
+    for k, nbytes in enumerate(cost.first_use_bytes):
+        chunk_bytes[chunks[k]] += nbytes
+    alpha, slope = cost.sync_alpha, cost.sync_slope
     enough = alpha * (1 - BUCKET_LATENCY_SHARE) / BUCKET_LATENCY_SHARE / slope if slope > 0 else 0.0
     group_of_chunk = [0] * len(chunk_bytes)
     group, size = 0, 0.0

@@ -177,6 +177,7 @@ class Frame:
             name for name, t in graph.tensors.items() if t.kind == "param" and t.requires_grad and len(t.consumers) > 1)}
         self.shared_done = [frozenset(i for name, i in self.shared.items() if graph.tensors[name].consumers[-1] == k)
                             for k in range(len(graph.nodes))]
+        self.sync_rest = _sync_rest(cost)
         self.alike, self.choices = [], []
         for k, node in enumerate(graph.nodes):
             # Nodes alike in op, work and tensors (every layer's) are priced once per search.
@@ -261,21 +262,7 @@ class _Space:
         self.seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
         chunk, bucket = cost.chunk_of, cost.bucket_of
         self.bucket_end = [k + 1 == n or bucket[k + 1] != bucket[k] for k in range(n)]
-        self.sync_slope = cost.grad_sync(2.0) - cost.grad_sync(1.0) if m > 1 else 0.0
-        self.sync_alpha = cost.grad_sync(1.0) - self.sync_slope if m > 1 else 0.0
-        # The most gradient sync a program can still add from node k on, beyond its open
-        # bucket's latency: a bucket per later chunk, every trainable parameter first used from k.
-        self.sync_rest = rest = [0.0] * (n + 1)
-        first_use = [0.0] * n
-        for t in graph.tensors.values():
-            if t.kind == "param" and t.requires_grad and t.consumers:
-                first_use[t.consumers[0]] += t.nbytes
-        synced_buckets = sorted({bucket[k] for k in range(n) if first_use[k]})
-        bytes_from = 0.0
-        for k in range(n - 1, -1, -1):
-            bytes_from += first_use[k]
-            later = len(synced_buckets) - bisect.bisect_right(synced_buckets, bucket[k])
-            rest[k] = self.sync_slope * bytes_from + self.sync_alpha * later
+        self.sync_slope, self.sync_alpha, self.sync_rest = cost.sync_slope, cost.sync_alpha, frame.sync_rest
         self._moves: dict[tuple, list] = {}
         if restriction:
             for dst in (D, P, Placement("S", 0)):
@@ -667,6 +654,20 @@ def _shared_ok(shared: frozenset, uses: tuple) -> bool:
             if e[0] == pid and (code, seg) != e[1:]:
                 return False
     return True
+
+
+def _sync_rest(cost: CostModel) -> list[float]:
+    """Per node k, the most gradient sync a program can still add from k on, beyond its open
+    bucket's latency: a bucket per later group, every trainable parameter first used from k."""
+    n, bucket, first_use = len(cost.graph.nodes), cost.bucket_of, cost.first_use_bytes
+    rest = [0.0] * (n + 1)
+    synced_buckets = sorted({bucket[k] for k in range(n) if first_use[k]})
+    bytes_from = 0.0
+    for k in range(n - 1, -1, -1):
+        bytes_from += first_use[k]
+        later = len(synced_buckets) - bisect.bisect_right(synced_buckets, bucket[k])
+        rest[k] = cost.sync_slope * bytes_from + cost.sync_alpha * later
+    return rest
 
 
 def _dead_sets(graph: Graph, tid: dict[str, int], loss_id: int) -> list[frozenset[int]]:

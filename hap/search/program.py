@@ -72,7 +72,7 @@ class Stage:
 
 @dataclass(slots=True)
 class Bucket:
-    """One all-reduce of gradient sync: the parameters first used in one layer chunk."""
+    """One all-reduce of gradient sync: the parameters first used in one group of layer chunks."""
     bucket: int
     """Its number in CostModel.bucket_of (forward order)."""
     nbytes: float
