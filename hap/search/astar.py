@@ -27,15 +27,42 @@ With layer cuts (`synthesize(cuts=...)`, what the planner uses) ecost also count
 chunk between cuts still ahead, a lower bound on that chunk's cost; an optional width caps
 the programs expanded per node once an exhaustive budget is spent (the result then says
 whether the cap dropped any).
+
+The search (Fig. 10 from a start state to a goal node) is best-first on cost + heuristic:
+
+- Dominance (line 9): programs holding the same live tensors are compared. A program with at
+  least another's properties up to free moves (R slices to any S, duplicates to D and
+  zero-pads to P with no communication in either pass and no stage boundary, so holding R is
+  as good as holding all of them), no more tensors it may not communicate and cannot do
+  without (a tensor held in R needs no more communication), and no dearer for any
+  continuation makes the other redundant. The table holds expanded programs only: a program
+  is checked when generated and again when popped.
+- "No dearer", a against b: the open stage closes at max_j(fwd_j + x_j) for whatever x follows,
+  and max_j(a_j + x_j) <= max_j(b_j + x_j) + max_j(a_j - b_j)^+, so the stages cost a at most
+  d = a.closed - b.closed + max(a.fwd - b.fwd)^+ + max(a.bwd - b.bwd)^+ more than b. Gradient
+  sync adds max(0, E, K): E the excess so far, K that of buckets still to close
+  (program.walk). K of the open bucket is synced + slope * bucket + anchor + what follows, K
+  of later buckets the same with -(P + C) for the anchor, less the backward of the open stage,
+  which differs by at most max(b.bwd - a.bwd)^+; the same continuation adds the same. As
+  max(p, q) - max(p', q') <= max(p - p', q - q'), a is no dearer when d plus the largest of
+  those differences (and of max(0, E)) is at most 0. When a's sync can no longer be exposed
+  (its K bound is at most 0), only max(0, E) matters. A non-empty open bucket against an
+  empty one is never no dearer.
+- A program's score adds to its closed stages and the heuristic a lower bound of the exposed
+  gradient sync: the excess so far, and the open bucket as if nothing more joined it.
+- Width: where many small tensors each have several near-equally cheap placements (MoE
+  routing masks), the programs below the optimum's score multiply; an optional cap on the
+  programs expanded per node index (after an exhaustive budget) keeps the search linear there,
+  and the result then says it is not a proven optimum.
+
+The state walk itself (expansion, dominance, queue) is compiled (_core.cpp); this module builds
+every number it reads: options priced by program.node_times, moves by program.move_price, the
+heuristic, the gradient-sync constants.
 """
 
 from __future__ import annotations
 
 import bisect
-import gc
-import heapq
-import itertools
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -45,13 +72,11 @@ from ..ir import Graph, chunk_cuts  # noqa: F401  (chunk_cuts: part of this modu
 from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
+from . import _core
 from .program import Load, MoveStep, NumericShares, Step, move_price, node_times
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
-R_CODE = R.code
-MAX_CODES = 3 + 8  # R, D, P and S(0..7): a superset of any tensor's placements is harmless in `_reach`
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
-
 
 
 class SearchError(RuntimeError):
@@ -68,45 +93,6 @@ class Restriction:
     allow_move: Callable[[Move], bool] = lambda mv: True
     """May this move be used. Moves that communicate in neither pass must stay allowed: the
     dominance test counts on R turning into D, P or a shard for free."""
-
-
-@dataclass(slots=True)
-class _Option:
-    strategy: Strategy
-    reqs: tuple[tuple[int, int], ...]  # (activation tensor id, placement code) needed
-    loads: tuple[Load, ...]
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
-    sync_bytes: float  # gradient bytes this node makes the runtime all-reduce (first use of a parameter kept whole)
-    outs: tuple[int, ...]  # properties produced
-    inner: float = 0.0  # seconds of the collectives the strategy makes inside the node (a stage boundary)
-    keeps: tuple = ()  # (parameter id, placement code, segment): a shared parameter first loaded sharded
-    uses: tuple = ()  # (parameter id, placement code or -1 for several, segment): a later use of a shared parameter
-
-
-class _Sync:
-    """The walk's gradient-sync bookkeeping (search/program.walk) in a search state: backward
-    seconds of closed stages (P) and of the open stage's opening collectives (C), the current
-    chunk's anchor -(P + C) and bucket bytes, the seconds of closed buckets, and the largest
-    excess of a bucket's end over the backward (a shared instance while nothing changes)."""
-    __slots__ = ("done", "opening", "anchor", "bucket", "synced", "excess")
-
-    def __init__(self, done=0.0, opening=0.0, anchor=0.0, bucket=0.0, synced=0.0, excess=-math.inf):
-        self.done, self.opening, self.anchor, self.bucket, self.synced, self.excess = done, opening, anchor, bucket, synced, excess
-
-
-class _State:
-    __slots__ = ("k", "props", "comm", "shared", "closed", "fwd", "bwd", "sync", "parent", "step", "reach", "key", "bound")
-
-    def __init__(self, k, props, comm, shared, closed, fwd, bwd, sync, parent, step):
-        self.k, self.props, self.comm, self.shared = k, props, comm, shared
-        self.closed, self.fwd, self.bwd, self.sync = closed, fwd, bwd, sync
-        self.parent, self.step, self.reach, self.key, self.bound = parent, step, None, None, None
-
-    @property
-    def exposed(self) -> float:
-        """Gradient sync seconds the backward cannot hide, as far as the program goes."""
-        return self.sync.excess if self.sync is not None and self.sync.excess > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -136,35 +122,31 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     Without it, a chunk ahead is bounded by its cheapest computation alone.
 
     width=None keeps the search exhaustive (a proven optimum); an int caps the programs
-    expanded per node index (see `_astar`) once the search has expanded `width_after` programs
+    expanded per node index (see the module docstring) once the search has expanded `width_after` programs
     per node of the graph, and the result says whether the cap dropped any.
     """
     t0 = time.perf_counter()
-    # The search allocates many small acyclic objects; with a large captured graph alive, the
-    # cyclic collector's full passes would cost more than the search itself.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
-        start = _State(0, frozenset(), frozenset(), frozenset(), 0.0, space.zero, space.zero, _Sync(), None, None)
-        best, best_cost = _astar(space, start, space.n, True, max_expansions, width, int(width_after * space.n))
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
+    found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n))
+    if found is None:
+        raise SearchError("no complete program found")
+    program, best_cost = found
     # the step's own collectives but the gradients' (the loss's all-reduce, the generator's
     # broadcast) cost every program alike: the search leaves them out, the total has them
     total = best_cost + cost.step_overhead
-    return SearchResult(_steps_to(space, best, start), total, space.expanded, space.generated,
-                        time.perf_counter() - t0, space.exhaustive)
+    return SearchResult(program, total, space.core.expanded, space.core.generated, time.perf_counter() - t0,
+                        space.core.exhaustive)
 
 
 class Frame:
     """What every search of one graph shares, whatever the ratios: tensor ids, when tensors
-    die, and per node and strategy its leaf loads, required placements and produced
-    properties. The planner builds one and passes it to each of its searches."""
+    die, per node and strategy its leaf loads, required placements and produced properties,
+    the classes of nodes and moves priced alike, the layer chunks' shapes, and the prices
+    already found per ratios. The planner builds one and passes it to each of its searches."""
 
     def __init__(self, graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int]):
-        self.graph, self.strategies, self.segment_of = graph, strategies, list(segment_of)
+        self.graph, self.strategies, self.cost, self.segment_of = graph, strategies, cost, list(segment_of)
+        n = len(graph.nodes)
         self.tid = tid = {name: i for i, name in enumerate(t for t in graph.tensors if graph.tensors[t].producer >= 0)}
         self.needs_grad = {i: graph.tensors[name].requires_grad for name, i in tid.items()}
         self.names = {i: name for name, i in tid.items()}
@@ -176,15 +158,22 @@ class Frame:
         self.shared = {name: i for i, name in enumerate(
             name for name, t in graph.tensors.items() if t.kind == "param" and t.requires_grad and len(t.consumers) > 1)}
         self.shared_done = [frozenset(i for name, i in self.shared.items() if graph.tensors[name].consumers[-1] == k)
-                            for k in range(len(graph.nodes))]
-        self.sync_rest = _sync_rest(cost)
-        self.alike, self.choices = [], []
+                            for k in range(n)]
+        self.seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
+        chunk = cost.chunk_of
+        self.cut_set = frozenset(k for k in range(1, n) if chunk[k] != chunk[k - 1])
+        # Nodes alike in op, work and tensors (every layer's) are priced once per ratios: a price class each.
+        classes: dict[tuple, int] = {}
+        self.alike, self.alike_node, self.choices = [], [], []
         for k, node in enumerate(graph.nodes):
-            # Nodes alike in op, work and tensors (every layer's) are priced once per search.
-            self.alike.append((id(strategies[k]), node.flops, node.bwd_flops, node.bytes_moved, segment_of[k],
-                               tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
-                                      cost.granules(x)) for x in node.inputs),
-                               tuple(cost.granules(x) for x in node.outputs)))
+            key = (id(strategies[k]), node.flops, node.bwd_flops, node.bytes_moved, segment_of[k],
+                   tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
+                          cost.granules(x)) for x in node.inputs),
+                   tuple(cost.granules(x) for x in node.outputs))
+            if key not in classes:
+                classes[key] = len(self.alike_node)
+                self.alike_node.append(k)
+            self.alike.append(classes[key])
             choices = []
             for st in strategies[k]:
                 loads, reqs = [], []
@@ -196,9 +185,61 @@ class Frame:
                 outs = tuple(tid[o] * CODE_BITS + p.code for o, p in zip(node.outputs, st.outputs)
                              if tid[o] not in dead_at[k] or tid[o] == self.loss_id)
                 loads = tuple(dict.fromkeys(loads))
-                choices.append((st, loads, tuple(dict.fromkeys(reqs)), outs, self._sync_choice(k, loads)))
+                choices.append(_Choice(st, loads, tuple(dict.fromkeys(reqs)), outs, cost.variant_comm(node, st),
+                                       *self._sync_choice(k, loads)))
             self.choices.append(choices)
+        # Moves, by class: tensors alike in bytes, gradient and split granules (every layer's)
+        # have the same moves to a placement, priced alike.
+        move_classes: dict[tuple, int] = {}
+        self.move_class: dict[tuple[int, int, int], int] = {}
+        self.moves: list[list[tuple[int, Move]]] = []  # per class: (source code, move)
+        self.move_tensor: list[tuple[str, int]] = []  # per class: a tensor and segment to price it by
+        for k, choices in enumerate(self.choices):
+            seg = segment_of[k]
+            for ch in choices:
+                for t, code in ch.reqs:
+                    if (t, code, seg) in self.move_class:
+                        continue
+                    name = self.names[t]
+                    tensor = graph.tensors[name]
+                    key = (tensor.nbytes, tensor.requires_grad, cost.granules(name), code, seg)
+                    if key not in move_classes:
+                        move_classes[key] = len(self.moves)
+                        dst = from_code(code)
+                        self.moves.append([(src, mv) for src in _codes_for(tensor) if src != code
+                                           for mv in moves_between(from_code(src), dst, tensor.requires_grad)])
+                        self.move_tensor.append((name, seg))
+                    self.move_class[(t, code, seg)] = move_classes[key]
+        self.sync_rest = _sync_rest(cost)
+        bucket = cost.bucket_of
+        self.core = _core.Frame(
+            cost.m, [[_core.Option(c.reqs, c.outs, c.sync_bytes, c.inner, c.keeps, c.uses) for c in choices]
+                     for choices in self.choices],
+            self.alike, self.segment_of, [k in self.seg_start for k in range(n)], [k + 1 in self.cut_set for k in range(n)],
+            [k + 1 == n or bucket[k + 1] != bucket[k] for k in range(n)], [sorted(d) for d in dead_at],
+            [sorted(d) for d in self.shared_done], [(t, code, seg, c) for (t, code, seg), c in self.move_class.items()],
+            [[(src, mv.communicates, mv.fwd is not None) for src, mv in moves] for moves in self.moves],
+            cost.sync_slope, cost.sync_alpha, self.sync_rest, cost.grad_sync)
+        self.bounds = [0] + sorted(self.cut_set) + [n]
+        self.live = _live_lists(self, self.bounds + sorted(self.seg_start))
+        self.chunk_key = {lo: self._chunk_key(lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])}
+        self._prices: dict[tuple, tuple[list, list]] = {}
 
+    def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
+        """Per price class the (forward, backward) seconds of each option, and per move class
+        those of each move, under `ratios`: computed once per ratios."""
+        key = tuple(map(tuple, ratios))
+        found = self._prices.get(key)
+        if found is None:
+            cost, alg = self.cost, NumericShares(self.cost, ratios)
+            options = []
+            for k in self.alike_node:
+                seg = self.segment_of[k]
+                options.append([_core.Price(*node_times(cost, alg, k, c.strategy, c.loads, seg)) for c in self.choices[k]])
+            moves = [[move_price(cost, alg, name, mv, seg, seg) for _, mv in self.moves[c]]
+                     for c, (name, seg) in enumerate(self.move_tensor)]
+            found = self._prices[key] = (options, moves)
+        return found
 
     def _sync_choice(self, k: int, loads: Sequence[Load]) -> tuple[float, tuple, tuple]:
         """(bytes synced from here, shared parameters first loaded sharded, later uses of
@@ -221,439 +262,158 @@ class Frame:
                 uses.append((self.shared[name], ps[0].code if len(ps) == 1 else -1, seg))
         return sync, tuple(keeps), tuple(uses)
 
+    def _chunk_key(self, lo: int, hi: int) -> tuple:
+        """Everything a chunk's bound search sees but the ratios, with tensors numbered by
+        first appearance: chunks with equal keys (every layer's) have equal bounds."""
+        local = {t: i for i, t in enumerate(self.live[lo])}
+
+        def rid(t):
+            if t not in local:
+                local[t] = len(local)
+            return local[t]
+
+        nodes = []
+        for k in range(lo, hi):
+            opts = tuple((c.strategy, c.inner, tuple((rid(t), code) for t, code in c.reqs),
+                          tuple(rid(p // CODE_BITS) * CODE_BITS + p % CODE_BITS for p in c.outs)) for c in self.choices[k])
+            nodes.append((self.alike[k], opts, tuple(sorted(rid(t) for t in self.dead_at[k]))))
+        tensors = []
+        for t in sorted(local, key=local.get):
+            tt = self.graph.tensors[self.names[t]]
+            tensors.append((tt.shape, tt.dtype, tt.requires_grad, self.cost.granules(self.names[t])))
+        seg_in = self.segment_of[lo - 1] if lo in self.seg_start else None
+        return tuple(nodes), tuple(tensors), tuple(rid(t) for t in self.live[hi]), seg_in, hi == len(self.graph.nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """A strategy of a node as the search sees it."""
+    strategy: Strategy
+    loads: tuple[Load, ...]
+    reqs: tuple[tuple[int, int], ...]  # (activation tensor id, placement code) needed
+    outs: tuple[int, ...]  # properties produced
+    inner: float  # seconds of the collectives the strategy makes inside the node (a stage boundary)
+    sync_bytes: float  # gradient bytes this node makes the runtime all-reduce (first use of a parameter kept whole)
+    keeps: tuple  # (parameter id, placement code, segment): a shared parameter first loaded sharded
+    uses: tuple  # (parameter id, placement code or -1 for several, segment): a later use of a shared parameter
+
 
 class _Space:
-    """The search space: options per node under the ratios, moves, heuristic, and expansion."""
+    """One search's space: the frame under the ratios and a restriction, its heuristic."""
 
     def __init__(self, graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame=None):
-        self.graph, self.cost, self.segment_of, self.ratios, self.restriction = graph, cost, segment_of, ratios, restriction
-        self.m = m = cost.m
-        self.zero = (0.0,) * m
-        nodes = graph.nodes
-        self.n = n = len(nodes)
         frame = frame or Frame(graph, strategies, cost, segment_of)
         assert frame.graph is graph and frame.strategies is strategies and frame.segment_of == list(segment_of)
-        self.tid, self.needs_grad, self.names = frame.tid, frame.needs_grad, frame.names
-        self.loss_id, self.dead_at, self.shared_done = frame.loss_id, frame.dead_at, frame.shared_done
-        self.alg = alg = NumericShares(cost, ratios)
-        self.expanded = self.generated = 0
-        self.exhaustive = True
-
-        # Options per node under the segment's ratios; alike nodes (every layer's) share the pricing.
-        self.opts = opts = []
-        priced: dict[tuple, tuple] = {}
-        for k, node in enumerate(nodes):
-            alike = frame.alike[k]
-            ok = []
-            for i, (st, loads, reqs, outs, (sync_bytes, keeps, uses)) in enumerate(frame.choices[k]):
-                if restriction and not all(restriction.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement)
-                                           for ld in loads):
-                    continue
-                found = priced.get((alike, i))
-                if found is None:
-                    fwd, bwd = node_times(cost, alg, k, st, loads, segment_of[k])
-                    found = priced[(alike, i)] = (tuple(fwd), tuple(bwd))
-                ok.append(_Option(st, reqs, loads, found[0], found[1], sync_bytes, outs, cost.variant_comm(node, st),
-                                  keeps, uses))
-            if not ok:
-                raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
-            opts.append(ok)
-
-        self.seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
-        chunk, bucket = cost.chunk_of, cost.bucket_of
-        self.bucket_end = [k + 1 == n or bucket[k + 1] != bucket[k] for k in range(n)]
-        self.sync_slope, self.sync_alpha, self.sync_rest = cost.sync_slope, cost.sync_alpha, frame.sync_rest
-        self._moves: dict[tuple, list] = {}
+        self.frame, self.graph, self.cost, self.segment_of, self.ratios = frame, graph, cost, segment_of, ratios
+        self.n = n = len(graph.nodes)
         if restriction:
             for dst in (D, P, Placement("S", 0)):
                 for mv in moves_between(R, dst, True):
                     if not restriction.allow_move(mv):
                         raise ValueError(f"restriction {restriction.name!r} forbids the free move {mv.name} (R -> {dst})")
-        self.cut_set = frozenset(k for k in range(1, n) if chunk[k] != chunk[k - 1])
-        self._heuristic(heuristic, layer_bounds)
+        self.allowed = allowed = []
+        for k, node in enumerate(graph.nodes):
+            ok = [i for i, c in enumerate(frame.choices[k]) if not restriction or all(
+                restriction.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement) for ld in c.loads)]
+            if not ok:
+                raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
+            allowed.append(ok)
+        options, moves = frame.prices(ratios)
+        move_prices = [[(f, b, not restriction or restriction.allow_move(mv)) for (f, b), (_, mv) in zip(prices, frame.moves[c])]
+                       for c, prices in enumerate(moves)]
+        self.core = _core.Space(frame.core, options, allowed, move_prices)
+        if frame.seg_start:  # every sharded placement of a tensor live at a segment start can be re-split there
+            alg = NumericShares(cost, ratios)
+            for k in sorted(frame.seg_start):
+                for t in frame.live[k]:
+                    name = frame.names[t]
+                    for code in _codes_for(graph.tensors[name])[3:]:
+                        f, b = move_price(cost, alg, name, rebalance(from_code(code)), segment_of[k - 1], segment_of[k])
+                        self.core.set_rebalance(t, code, k, f, b)
+        self._heuristic(heuristic, layer_bounds, restriction is not None)
 
-    def _heuristic(self, enabled: bool, layer_bounds: bool) -> None:
+    def run(self, k: int, props, with_sync: bool, goal: int, with_future: bool, max_expansions: int,
+            width: int | None = None, width_after: int = 0) -> tuple[list[Step], float] | None:
+        """The cheapest program from node k holding `props` to node `goal` (the module docstring's search):
+        its steps and cost, or None when there is none. with_sync: price gradient sync from an
+        empty bucket (the whole program's search) or leave it unpriced (a chunk's bound)."""
+        res = self.core.search(k, list(props), with_sync, goal, with_future, max_expansions,
+                               -1 if width is None else width, width_after)
+        if res.status == 2:
+            raise SearchError(f"search exceeded {max_expansions} expansions at node {res.at_node} of {self.n}")
+        if res.status == 1:
+            return None
+        return [self._step(*entry) for entry in res.path], res.cost
+
+    def _step(self, k: int, option: int, combo, rebalanced) -> Step:
+        """The instruction the search took at node k: rebalances (at a segment start), moves, the node."""
+        fr = self.frame
+        choice = fr.choices[k][option]
+        seg = self.segment_of[k]
+        moves = tuple(MoveStep(fr.names[p // CODE_BITS], rebalance(from_code(p % CODE_BITS))) for p in rebalanced)
+        moves += tuple(MoveStep(fr.names[t], fr.moves[fr.move_class[(t, code, seg)]][i][1]) for t, code, i in combo)
+        return Step(k, choice.strategy, choice.loads, moves)
+
+    def _heuristic(self, enabled: bool, layer_bounds: bool, restricted: bool) -> None:
         """h(state at k) = open stage plus, per device, the cheapest computation left in the
         chunk (max over devices, forward and backward apart), plus the lower bound of every
         later chunk (its cheapest computation, or with layer_bounds its searched bound). At a
         chunk's start the open stage is empty and the chunk's own searched bound is used
         instead of its computation alone."""
-        n, zero, opts = self.n, self.zero, self.opts
-        self.suffix_f = suffix_f = [zero] * (n + 1)
-        self.suffix_b = suffix_b = [zero] * (n + 1)
-        self.future = future = [0.0] * (n + 1)
         if not enabled:
             return
-        for k in range(n - 1, -1, -1):
-            lf = tuple(map(min, *(o.fwd for o in opts[k]))) if len(opts[k]) > 1 else opts[k][0].fwd
-            lb = tuple(map(min, *(o.bwd for o in opts[k]))) if len(opts[k]) > 1 else opts[k][0].bwd
-            rest_f, rest_b = (zero, zero) if k + 1 in self.cut_set else (suffix_f[k + 1], suffix_b[k + 1])
-            suffix_f[k] = tuple(map(float.__add__, rest_f, lf))
-            suffix_b[k] = tuple(map(float.__add__, rest_b, lb))
-        if not self.cut_set:
+        core, frame = self.core, self.frame
+        core.compute_suffix()
+        if not frame.cut_set:
             return
-        bounds = [0] + sorted(self.cut_set) + [n]
-        live = _live_lists(self, bounds) if layer_bounds else {}
+        future = [0.0] * (self.n + 1)
         lower: dict[tuple, float] = {}
         after = 0.0
+        bounds = frame.bounds
         for lo, hi in reversed(list(zip(bounds, bounds[1:]))):
             for k in range(lo + 1, hi):
                 future[k] = after
-            if lo in self.seg_start or not layer_bounds:
+            if lo in frame.seg_start or not layer_bounds:
                 # Entering a segment re-splits every sharded live placement: with all of them at
                 # hand the bound would pay for rebalances no real entry makes. Computation only.
                 future[lo] = after
-                after += max(suffix_f[lo]) + max(suffix_b[lo])
+                after += core.suffix_max(lo)
                 continue
-            key = _chunk_key(self, lo, hi, live)
+            key = (frame.chunk_key[lo], tuple(tuple(self.allowed[k]) for k in range(lo, hi)) if restricted else None)
             if key not in lower:
-                lower[key] = self._chunk_bound(lo, hi, live[lo])
+                lower[key] = self._chunk_bound(lo, hi, frame.live[lo])
             after += lower[key]
             future[lo] = after
-            suffix_f[lo] = suffix_b[lo] = zero  # a chunk start's state has no open stage
+            core.clear_suffix(lo)  # a chunk start's state has no open stage
+        core.set_future(future)
 
     def _chunk_bound(self, lo: int, hi: int, live_in: list[int]) -> float:
         """Cost of chunk [lo, hi) from the best conceivable entry: every placement of every live
         input at hand, none communicated yet, gradient sync already started. More properties
         never hurt (a move or strategy possible with fewer stays possible), so no real entry
         state does better."""
-        props = frozenset(t * CODE_BITS + c for t in live_in for c in _codes_for(self.graph.tensors[self.names[t]]))
-        start = _State(lo, props, frozenset(), frozenset(), 0.0, self.zero, self.zero, None, None, None)  # sync unpriced
+        props = [t * CODE_BITS + c for t in live_in for c in _codes_for(self.graph.tensors[self.frame.names[t]])]
         try:
-            found = _astar(self, start, hi, False, BOUND_EXPANSIONS_PER_NODE * (hi - lo))
+            found = self.run(lo, props, False, hi, False, BOUND_EXPANSIONS_PER_NODE * (hi - lo))
         except SearchError:  # too wide to bound cheaply: fall back to its computation alone
-            return max(self.suffix_f[lo]) + max(self.suffix_b[lo])
+            return self.core.suffix_max(lo)
         return found[1] if found else float("inf")
-
-
-    def moves_for(self, t: int, dst: int, seg: int):
-        """(src code, move, fwd s, bwd s) for every move making placement `dst` of tensor t."""
-        key = (t, dst, seg)
-        found = self._moves.get(key)
-        if found is None:
-            # Tensors alike in bytes, gradient and split granules (every layer's) share the work.
-            name = self.names[t]
-            tensor = self.graph.tensors[name]
-            alike = (tensor.nbytes, self.needs_grad[t], self.cost.granules(name), dst, seg)
-            found = self._moves.get(alike)
-            if found is None:
-                found = self._moves[alike] = self._new_moves(name, dst, seg)
-            self._moves[key] = found
-        return found
-
-    def _new_moves(self, name: str, dst: int, seg: int) -> list:
-        found = []
-        dst_p = from_code(dst)
-        for src in _codes_for(self.graph.tensors[name]):
-            if src == dst:
-                continue
-            for mv in moves_between(from_code(src), dst_p, self.graph.tensors[name].requires_grad):
-                if self.restriction and not self.restriction.allow_move(mv):
-                    continue
-                f, b = move_price(self.cost, self.alg, name, mv, seg, seg)
-                found.append((src, mv, f, b))
-        return found
-
-    def h(self, k, fwd, bwd, with_future: bool = True) -> float:
-        sf, sb = self.suffix_f[k], self.suffix_b[k]
-        rest = max(map(float.__add__, fwd, sf)) + max(map(float.__add__, bwd, sb))
-        return rest + self.future[k] if with_future else rest
-
-    def expand(self, s: _State, emit: Callable[[_State], None]) -> None:
-        """Every child of s: a strategy for node s.k, with the moves its inputs need. Stages
-        and gradient buckets are assembled exactly as `program.walk` does."""
-        self.expanded += 1
-        k = s.k
-        seg = self.segment_of[k]
-        props, closed, fwd, bwd, sync = s.props, s.closed, s.fwd, s.bwd, s.sync
-        zero, names = self.zero, self.names
-        done, opening = (sync.done, sync.opening) if sync is not None else (0.0, 0.0)
-        pre_moves: tuple[MoveStep, ...] = ()
-        if k in self.seg_start:  # re-split every sharded live tensor to the new segment's ratios
-            for p in sorted(props):
-                if p % CODE_BITS >= 3:
-                    name, pl = names[p // CODE_BITS], from_code(p % CODE_BITS)
-                    mv = rebalance(pl)
-                    f, b = move_price(self.cost, self.alg, name, mv, self.segment_of[k - 1], seg)
-                    slowest = max(bwd)
-                    closed += max(fwd) + slowest + f + b
-                    done, opening = done + slowest + opening, b
-                    fwd = bwd = zero
-                    pre_moves += (MoveStep(name, mv),)
-        dead = self.dead_at[k]
-        cut = k + 1 in self.cut_set
-        bucket_end = self.bucket_end[k]
-        for opt in self.opts[k]:
-            shared = s.shared
-            if sync is not None and (opt.uses or opt.keeps):
-                if not _shared_ok(shared, opt.uses):
-                    continue
-                shared = shared.union(opt.keeps) if opt.keeps else shared
-                if self.shared_done[k]:
-                    shared = frozenset(e for e in shared if e[0] not in self.shared_done[k])
-            choices = []
-            feasible = True
-            for t, code in opt.reqs:
-                if t * CODE_BITS + code in props:
-                    continue
-                cand = [(t, c) for c in self.moves_for(t, code, seg) if t * CODE_BITS + c[0] in props
-                        and not (c[1].fwd is not None and t in s.comm)]
-                if not cand:
-                    feasible = False
-                    break
-                choices.append(cand)
-            if not feasible:
-                continue
-            outs = opt.outs
-            for combo in itertools.product(*choices) if choices else ((),):
-                c_closed, c_fwd, c_bwd, c_done, c_opening = closed, fwd, bwd, done, opening
-                comm = s.comm
-                if combo:
-                    new_props = set(props)
-                    for t, (src, mv, f, b) in combo:
-                        if mv.communicates:
-                            slowest = max(c_bwd)
-                            c_closed += max(c_fwd) + slowest + f + b
-                            c_done, c_opening = c_done + slowest + c_opening, b
-                            c_fwd = c_bwd = zero
-                        if mv.fwd is not None:
-                            comm = comm | {t}
-                        new_props.add(t * CODE_BITS + mv.dst.code)
-                    new_props.update(outs)
-                else:
-                    new_props = props.union(outs)
-                if opt.inner:  # the node synchronizes the devices itself
-                    slowest = max(c_bwd)
-                    c_closed += max(c_fwd) + slowest + opt.inner
-                    c_done, c_opening = c_done + slowest + c_opening, opt.inner
-                    c_fwd = c_bwd = zero
-                c_fwd = tuple(map(float.__add__, c_fwd, opt.fwd))
-                c_bwd = tuple(map(float.__add__, c_bwd, opt.bwd))
-                if dead:
-                    new_props = frozenset(p for p in new_props if p // CODE_BITS not in dead)
-                    comm = comm - dead
-                elif combo:
-                    new_props = frozenset(new_props)
-                if cut:  # the stage ends at the layer boundary
-                    slowest = max(c_bwd)
-                    c_closed += max(c_fwd) + slowest
-                    c_done, c_opening = c_done + slowest + c_opening, 0.0
-                    c_fwd = c_bwd = zero
-                c_sync = sync
-                if sync is not None and (opt.sync_bytes or bucket_end or c_done != sync.done or c_opening != sync.opening):
-                    c_sync = _Sync(c_done, c_opening, sync.anchor, sync.bucket + opt.sync_bytes, sync.synced, sync.excess)
-                    if bucket_end:  # the bucket is complete; the next one begins
-                        if c_sync.bucket:
-                            c_sync.synced += self.cost.grad_sync(c_sync.bucket)
-                            c_sync.excess = max(c_sync.excess, c_sync.synced + c_sync.anchor)
-                            c_sync.bucket = 0.0
-                        c_sync.anchor = -(c_done + c_opening)
-                self.generated += 1
-                # The Step is built only for the programs returned (see `step_of`).
-                emit(_State(k + 1, new_props, comm, shared, c_closed, c_fwd, c_bwd, c_sync, s, (opt, combo, pre_moves)))
-
-    def step_of(self, s: _State) -> Step:
-        """The instruction that made s from its parent."""
-        opt, combo, pre_moves = s.step
-        moves = pre_moves + tuple(MoveStep(self.names[t], mv) for t, (src, mv, f, b) in combo)
-        return Step(s.k - 1, opt.strategy, opt.loads, moves)
-
-
-def _astar(space: _Space, start: _State, goal: int, with_future: bool, max_expansions: int, width: int | None = None,
-           width_after: int = 0):
-    """Fig. 10 from `start` to node `goal`: best-first on cost + heuristic, dominance pruning,
-    stop when no score can beat the best complete program. Returns (state, cost) or None.
-
-    The dominance table holds expanded programs only: a program is checked against it when
-    generated and again when popped (something expanded meanwhile may dominate it), so the
-    many programs generated but never expanded cost no comparisons.
-
-    width: expand at most this many programs per node index. Where many small tensors each
-    have several near-equally cheap placements (MoE routing masks), the programs below the
-    optimum's score multiply; the width keeps the search linear there. A search that drops
-    a program for width sets space.exhaustive = False, and the result is then only the best
-    program found, not a proven optimum. The cap applies only after `width_after` expansions,
-    so searches that finish within them stay exhaustive."""
-    per_node = [0] * (space.n + 1)
-    counter = itertools.count()
-    h = space.h
-    queue = [(start.closed + start.exposed + h(start.k, start.fwd, start.bwd, with_future), -start.k, next(counter), start)]
-    table: dict[tuple, list[_State]] = {}
-    best: _State | None = None
-    best_cost = float("inf")
-    limit = space.expanded + max_expansions
-    width_from = space.expanded + width_after
-
-    def push(child: _State) -> None:
-        score = child.closed + child.exposed + h(child.k, child.fwd, child.bwd, with_future)
-        if score < best_cost and not _dominated(space, table, child):  # deeper first among equal scores
-            heapq.heappush(queue, (score, -child.k, next(counter), child))
-
-    while queue:
-        score, _, _, s = heapq.heappop(queue)
-        if score >= best_cost:
-            break
-        if s.k == goal:
-            final = s.closed + max(s.fwd) + max(s.bwd) + s.exposed
-            if final < best_cost:
-                best, best_cost = s, final
-            continue
-        if _dominated(space, table, s):
-            continue
-        if width is not None:
-            if per_node[s.k] >= width and space.expanded >= width_from:
-                space.exhaustive = False
-                continue
-            per_node[s.k] += 1
-        _insert(space, table, s)
-        if space.expanded >= limit:
-            raise SearchError(f"search exceeded {max_expansions} expansions at node {s.k} of {space.n}")
-        space.expand(s, push)
-    if best is None:
-        if with_future:
-            raise SearchError("no complete program found")
-        return None
-    return best, best_cost
-
-
-def _steps_to(space: _Space, s: _State, stop: _State | None) -> list[Step]:
-    program = []
-    while s is not stop and s.parent is not None:
-        program.append(space.step_of(s))
-        s = s.parent
-    program.reverse()
-    return program
 
 
 # -- layer lower bounds -----------------------------------------------------------------------
 
-def _live_lists(space: _Space, bounds: Sequence[int]) -> dict[int, list[int]]:
+def _live_lists(frame: Frame, bounds: Sequence[int]) -> dict[int, list[int]]:
     """Activation ids live at each cut (produced before it, used at or after it), in id order."""
-    bounds = sorted(bounds)
+    bounds = sorted(set(bounds))
     out: dict[int, list[int]] = {b: [] for b in bounds}
-    for i, name in sorted(space.names.items()):
-        t = space.graph.tensors[name]
-        if i == space.loss_id:
+    for i, name in sorted(frame.names.items()):
+        t = frame.graph.tensors[name]
+        if i == frame.loss_id:
             continue
         last = max(t.consumers) if t.consumers else t.producer
         for b in bounds[bisect.bisect_right(bounds, t.producer):bisect.bisect_right(bounds, last)]:
             out[b].append(i)
     return out
-
-
-def _chunk_key(space: _Space, lo: int, hi: int, live) -> tuple:
-    """Everything the chunk search sees, with tensors numbered by first appearance."""
-    local = {t: i for i, t in enumerate(live[lo])}
-
-    def rid(t):
-        if t not in local:
-            local[t] = len(local)
-        return local[t]
-
-    nodes = []
-    for k in range(lo, hi):
-        opts = tuple((o.strategy, o.fwd, o.bwd, o.sync_bytes, tuple((rid(t), c) for t, c in o.reqs),
-                      tuple(rid(p // CODE_BITS) * CODE_BITS + p % CODE_BITS for p in o.outs)) for o in space.opts[k])
-        nodes.append((space.graph.nodes[k].op, space.segment_of[k], opts, tuple(sorted(rid(t) for t in space.dead_at[k]))))
-    tensors = []
-    for t in sorted(local, key=local.get):
-        name = space.names[t]
-        tt = space.graph.tensors[name]
-        tensors.append((tt.shape, tt.dtype, tt.requires_grad,
-                        space.cost.granules(name)))
-    seg_in = space.segment_of[lo - 1] if lo in space.seg_start else None
-    return (tuple(nodes), tuple(tensors), tuple(rid(t) for t in live[hi]), seg_in, hi == space.n)
-
-
-def _table_key(s: _State) -> tuple:
-    # Only programs holding the same live tensors are compared (any of their placements).
-    if s.key is None:
-        s.key = s.k, s.shared, frozenset(p // CODE_BITS for p in s.props)
-    return s.key
-
-
-def _reach(s: _State) -> frozenset:
-    """s's properties plus those one free move away: R (the whole value, partial gradient)
-    slices to any S, duplicates to D and zero-pads to P with no communication in either pass
-    and no stage boundary, so holding R is as good as holding all of them."""
-    if s.reach is None:
-        extra = [p - R_CODE + c for p in s.props if p % CODE_BITS == R_CODE for c in range(MAX_CODES)]
-        s.reach = s.props.union(extra) if extra else s.props
-    return s.reach
-
-
-def _bound(s: _State) -> frozenset:
-    """The communicated tensors s may not communicate again and cannot do without: a tensor
-    held in R needs no more communication (every placement is a free move away)."""
-    if s.bound is None:
-        s.bound = frozenset(t for t in s.comm if t * CODE_BITS + R_CODE not in s.props) if s.comm else s.comm
-    return s.bound
-
-
-def _dominated(space: _Space, table: dict, s: _State) -> bool:
-    """Fig. 10 line 9: a program with at least s's properties (up to free moves), no more
-    tensors it may not communicate, and no dearer for any continuation makes s redundant."""
-    entries = table.get(_table_key(s))
-    if not entries:
-        return False
-    reach, comm = _reach(s), s.comm
-    for e in entries:
-        if _bound(e) <= comm and reach <= (e.reach or _reach(e)) and _no_dearer(space, e, s):
-            return True
-    return False
-
-
-def _insert(space: _Space, table: dict, s: _State) -> None:
-    """Lines 12-14: add s, dropping the programs it dominates."""
-    key = _table_key(s)
-    reach, bound = _reach(s), _bound(s)
-    table[key] = [e for e in table.get(key, ())
-                  if not (bound <= e.comm and (e.reach or _reach(e)) <= reach and _no_dearer(space, s, e))] + [s]
-
-
-def _no_dearer(space: _Space, a: _State, b: _State) -> bool:
-    """a costs no more than b after any common continuation.
-
-    Stages: the open stage closes at max_j(fwd_j + x_j) for whatever x follows, and
-    max_j(a_j + x_j) <= max_j(b_j + x_j) + max_j (a_j - b_j)^+, so the stages cost a at most
-    d = a.closed - b.closed + max(a.fwd - b.fwd)^+ + max(a.bwd - b.bwd)^+ more than b.
-
-    Gradient sync adds max(0, E, K): E the excess so far, K that of buckets still to close
-    (program.walk). K of the open bucket is synced + slope * bucket + anchor + what follows,
-    K of later buckets the same with -(P + C) for the anchor, less the backward of the open
-    stage, which differs by at most max(b.bwd - a.bwd)^+; the same continuation adds the same.
-    As max(p, q) - max(p', q') <= max(p - p', q - q'), a is no dearer when d plus the largest
-    of those differences (and of max(0, E)) is at most 0. When a's sync can no longer be
-    exposed (its K bound is at most 0), only max(0, E) matters."""
-    extra = a.closed - b.closed
-    df = max(map(float.__sub__, a.fwd, b.fwd))
-    if df > 0:
-        extra += df
-    db = max(map(float.__sub__, a.bwd, b.bwd))
-    if db > 0:
-        extra += db
-    sa, sb = a.sync, b.sync
-    if sa is None:
-        return extra <= 0
-    if sa.bucket and not sb.bucket:  # a's open bucket is non-empty whatever follows, b's may not
-        return False
-    gap = a.exposed - b.exposed
-    queued_a = sa.synced + space.sync_slope * sa.bucket
-    if queued_a + space.sync_alpha + space.sync_rest[a.k] + sa.anchor > 0:
-        queued_b = sb.synced + space.sync_slope * sb.bucket
-        open_bucket = queued_a + sa.anchor - queued_b - sb.anchor
-        later = queued_a - sa.done - sa.opening - queued_b + sb.done + sb.opening + max(0.0, -min(map(float.__sub__, a.bwd, b.bwd)))
-        gap = max(gap, open_bucket, later)
-    return extra + gap <= 0
-
-
-def _shared_ok(shared: frozenset, uses: tuple) -> bool:
-    """Later uses of shared parameters load them as first loaded (unless that was whole)."""
-    for pid, code, seg in uses:
-        for e in shared:
-            if e[0] == pid and (code, seg) != e[1:]:
-                return False
-    return True
 
 
 def _sync_rest(cost: CostModel) -> list[float]:

@@ -1,0 +1,624 @@
+// The A* search's inner loop (search/astar.py holds the algorithm's description and builds
+// every table this file reads: options priced by program.node_times, moves priced by
+// program.move_price, the heuristic, the sync bookkeeping's constants). This file only walks
+// states: it expands them, tests dominance and keeps the queue, exactly as astar.py documents.
+// Nothing here prices anything: every number comes from Python.
+//
+// Properties are ints, tensor id * 64 + placement code (R=0, D=1, P=2, S(d)=3+d).
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <tuple>
+#include <queue>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int CODE_BITS = 64;
+constexpr int R_CODE = 0;
+constexpr int MAX_CODES = 11;  // R, D, P and S(0..7): a superset is harmless in reach()
+constexpr double INF = std::numeric_limits<double>::infinity();
+
+using Prop = int32_t;
+using Shared = std::array<int, 3>;  // (parameter id, placement code, segment)
+
+struct Option {  // a strategy of a node, as the search sees it (whatever the ratios)
+    std::vector<std::pair<int, int>> reqs;  // (tensor id, placement code) needed
+    std::vector<Prop> outs;                 // properties produced (sorted)
+    double sync_bytes = 0.0, inner = 0.0;
+    std::vector<Shared> keeps, uses;
+};
+
+struct MoveKind {  // a move from placement code `src` (its price comes with each search)
+    int src;
+    bool communicates, has_fwd;
+};
+
+struct Price {
+    std::vector<double> fwd, bwd;
+};
+
+// Everything the searches of one graph share: options, move lists, stage and bucket
+// boundaries, when tensors die, gradient-sync constants (astar.Frame builds it).
+struct Frame {
+    int m, n;
+    std::vector<std::vector<Option>> opts;
+    std::vector<int> alike;  // per node: its price class (nodes alike in op, work and tensors)
+    std::vector<int> segment_of;
+    std::vector<bool> seg_start, cut_after, bucket_end;
+    std::vector<std::vector<int>> dead_at, shared_done;
+    std::unordered_map<long, int> move_class;  // (tensor, code, segment) -> move class
+    std::vector<std::vector<MoveKind>> move_kinds;  // per move class
+    double sync_slope, sync_alpha;
+    std::vector<double> sync_rest;
+    py::function grad_sync;
+};
+
+struct Sync {
+    double done = 0, opening = 0, anchor = 0, bucket = 0, synced = 0, excess = -INF;
+};
+
+struct Choice {  // one move of a step: tensor, destination code, index in its move list
+    int t, code, index;
+};
+
+struct State {
+    int k = 0, parent = -1;
+    std::vector<Prop> props;   // sorted, unique
+    std::vector<int> comm;     // tensors communicated forward (sorted)
+    std::vector<Shared> shared;
+    double closed = 0.0;
+    std::vector<double> fwd, bwd;
+    bool has_sync = false;
+    Sync sync;
+    int option = -1;
+    std::vector<Choice> combo;
+    bool pre = false;  // rebalanced the sharded properties first (a segment start)
+    // caches
+    bool has_reach = false, has_bound = false, has_key = false;
+    std::vector<Prop> reach;
+    std::vector<int> bound;
+    size_t key_hash = 0;
+    std::vector<int> key;
+
+    double exposed() const { return has_sync && sync.excess > 0 ? sync.excess : 0.0; }
+};
+
+template <class T>
+bool contains(const std::vector<T>& sorted, const T& x) {
+    return std::binary_search(sorted.begin(), sorted.end(), x);
+}
+
+template <class T>
+bool subset(const std::vector<T>& a, const std::vector<T>& b) {  // a <= b, both sorted
+    return std::includes(b.begin(), b.end(), a.begin(), a.end());
+}
+
+template <class T>
+void sort_unique(std::vector<T>& v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+}
+
+inline double vmax(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+inline long move_key(int t, int code, int seg) { return (static_cast<long>(t) * CODE_BITS + code) * 4096 + seg; }
+
+struct KeyHash {
+    size_t operator()(const std::vector<int>& v) const {
+        size_t h = 1469598103934665603ULL;
+        for (int x : v) h = (h ^ static_cast<size_t>(x)) * 1099511628211ULL;
+        return h;
+    }
+};
+
+struct Result {
+    int status;  // 0 found, 1 none found, 2 expansion limit
+    double cost;
+    int at_node;
+    py::list path;
+};
+
+class Space {
+   public:
+    // One search's space: the frame under one set of ratios. prices[a][i]: option i of the
+    // nodes of price class a; allowed[k]: the options of node k a restriction leaves;
+    // move_prices[c][i]: (forward s, backward s, allowed) of move i of move class c.
+    Space(std::shared_ptr<Frame> frame, std::vector<std::vector<Price>> prices, std::vector<std::vector<int>> allowed,
+          std::vector<std::vector<std::tuple<double, double, bool>>> move_prices)
+        : fr_(std::move(frame)), prices_(std::move(prices)), allowed_(std::move(allowed)), move_prices_(std::move(move_prices)) {
+        m_ = fr_->m;
+        n_ = fr_->n;
+        zero_.assign(m_, 0.0);
+        suffix_f_.assign(n_ + 1, zero_);
+        suffix_b_.assign(n_ + 1, zero_);
+        future_.assign(n_ + 1, 0.0);
+    }
+
+    void set_rebalance(int t, int code, int k, double f, double b) { rebalance_[rebalance_key(t, code, k)] = {f, b}; }
+
+    // Per device, the cheapest computation left in each node's chunk (the heuristic's suffix):
+    // at a cut the rest is empty.
+    void compute_suffix() {
+        for (int k = n_ - 1; k >= 0; --k) {
+            std::vector<double> lf(m_, INF), lb(m_, INF);
+            for (int i : allowed_[k]) {
+                const Price& p = price(k, i);
+                for (int j = 0; j < m_; ++j) {
+                    lf[j] = std::min(lf[j], p.fwd[j]);
+                    lb[j] = std::min(lb[j], p.bwd[j]);
+                }
+            }
+            const bool cut = fr_->cut_after[k];
+            for (int j = 0; j < m_; ++j) {
+                suffix_f_[k][j] = (cut ? 0.0 : suffix_f_[k + 1][j]) + lf[j];
+                suffix_b_[k][j] = (cut ? 0.0 : suffix_b_[k + 1][j]) + lb[j];
+            }
+        }
+    }
+    double suffix_max(int k) const { return vmax(suffix_f_[k]) + vmax(suffix_b_[k]); }
+    void clear_suffix(int k) {
+        suffix_f_[k] = zero_;
+        suffix_b_[k] = zero_;
+    }
+    void set_future(std::vector<double> future) { future_ = std::move(future); }
+
+    double h(int k, const std::vector<double>& fwd, const std::vector<double>& bwd, bool with_future) const {
+        const auto& sf = suffix_f_[k];
+        const auto& sb = suffix_b_[k];
+        double a = -INF, b = -INF;
+        for (int j = 0; j < m_; ++j) {
+            a = std::max(a, fwd[j] + sf[j]);
+            b = std::max(b, bwd[j] + sb[j]);
+        }
+        return a + b + (with_future ? future_[k] : 0.0);
+    }
+
+    // See astar.py: best-first on cost + heuristic, dominance pruning, width cap.
+    Result search(int start_k, std::vector<Prop> start_props, bool with_sync, int goal, bool with_future,
+                  long max_expansions, int width, long width_after) {
+        states_.clear();
+        table_.clear();
+        sort_unique(start_props);
+        State start;
+        start.k = start_k;
+        start.props = std::move(start_props);
+        start.fwd = zero_;
+        start.bwd = zero_;
+        start.has_sync = with_sync;
+        states_.push_back(std::move(start));
+
+        std::vector<long> per_node(n_ + 1, 0);
+        long counter = 0;
+        using Entry = std::tuple<double, int, long, int>;  // score, -k, order, state
+        std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue;
+        int best = -1;
+        double best_cost = INF;
+        long limit = expanded + max_expansions;
+        long width_from = expanded + width_after;
+
+        {
+            const State& s = states_[0];
+            queue.emplace(s.closed + exposed_bound(s) + h(s.k, s.fwd, s.bwd, with_future), -s.k, counter++, 0);
+        }
+        std::vector<int> children;
+        while (!queue.empty()) {
+            auto [score, negk, order, idx] = queue.top();
+            queue.pop();
+            if (score >= best_cost) break;
+            if (states_[idx].k == goal) {
+                const State& s = states_[idx];
+                double final_cost = s.closed + vmax(s.fwd) + vmax(s.bwd) + s.exposed();
+                if (final_cost < best_cost) {
+                    best = idx;
+                    best_cost = final_cost;
+                }
+                continue;
+            }
+            if (dominated(idx)) continue;
+            if (width >= 0) {
+                int k = states_[idx].k;
+                if (per_node[k] >= width && expanded >= width_from) {
+                    exhaustive = false;
+                    continue;
+                }
+                per_node[k] += 1;
+            }
+            insert(idx);
+            if (expanded >= limit) return Result{2, INF, states_[idx].k, py::list()};
+            children.clear();
+            expand(idx, children);
+            for (int c : children) {
+                const State& ch = states_[c];
+                double sc = ch.closed + exposed_bound(ch) + h(ch.k, ch.fwd, ch.bwd, with_future);
+                if (sc < best_cost && !dominated(c)) queue.emplace(sc, -ch.k, counter++, c);
+            }
+        }
+        if (best < 0) return Result{1, INF, -1, py::list()};
+        py::list path;
+        std::vector<int> chain;
+        for (int i = best; i > 0; i = states_[i].parent) chain.push_back(i);
+        std::reverse(chain.begin(), chain.end());
+        for (int i : chain) {
+            const State& s = states_[i];
+            py::list combo;
+            for (const Choice& c : s.combo) combo.append(py::make_tuple(c.t, c.code, c.index));
+            py::list pre;
+            if (s.pre)
+                for (Prop p : states_[s.parent].props)
+                    if (p % CODE_BITS >= 3) pre.append(p);
+            path.append(py::make_tuple(s.k - 1, s.option, combo, pre));
+        }
+        return Result{0, best_cost, -1, path};
+    }
+
+    long expanded = 0, generated = 0;
+    bool exhaustive = true;
+
+   private:
+    long rebalance_key(int t, int code, int k) const { return (static_cast<long>(t) * CODE_BITS + code) * (n_ + 1) + k; }
+
+    const Price& price(int k, int option) const { return prices_[fr_->alike[k]][option]; }
+
+    double grad_sync(double nbytes) {
+        auto it = grad_sync_cache_.find(nbytes);
+        if (it != grad_sync_cache_.end()) return it->second;
+        double v = fr_->grad_sync(nbytes).cast<double>();
+        grad_sync_cache_.emplace(nbytes, v);
+        return v;
+    }
+
+    // A lower bound of the exposed sync of any completion (astar.py's score).
+    double exposed_bound(const State& s) {
+        if (!s.has_sync) return 0.0;
+        double bound = s.sync.excess;
+        if (s.sync.bucket != 0.0) bound = std::max(bound, s.sync.synced + grad_sync(s.sync.bucket) + s.sync.anchor);
+        return bound > 0 ? bound : 0.0;
+    }
+
+    // Closes the open stage: its slowest forward and backward, plus the collectives that open the next.
+    void close(double& closed, std::vector<double>& fwd, std::vector<double>& bwd, double& done, double& opening,
+               double comm_f, double comm_b) const {
+        double slowest = vmax(bwd);
+        closed += vmax(fwd) + slowest + comm_f + comm_b;
+        done = done + slowest + opening;
+        opening = comm_b;
+        fwd = zero_;
+        bwd = zero_;
+    }
+
+    // Every child of a state: a strategy for node k with the moves its inputs need; stages and
+    // gradient buckets assembled exactly as program.walk does.
+    void expand(int idx, std::vector<int>& out) {
+        expanded += 1;
+        // copies: states_ may reallocate while children are appended
+        const int k = states_[idx].k;
+        const int seg = fr_->segment_of[k];
+        const std::vector<Prop> props = states_[idx].props;
+        const std::vector<int> comm0 = states_[idx].comm;
+        const std::vector<Shared> shared0 = states_[idx].shared;
+        double closed = states_[idx].closed;
+        std::vector<double> fwd = states_[idx].fwd, bwd = states_[idx].bwd;
+        const bool has_sync = states_[idx].has_sync;
+        const Sync sync = states_[idx].sync;
+        double done = has_sync ? sync.done : 0.0, opening = has_sync ? sync.opening : 0.0;
+        bool pre = false;
+        if (fr_->seg_start[k]) {  // re-split every sharded live tensor to the new segment's ratios
+            for (Prop p : props) {
+                if (p % CODE_BITS >= 3) {
+                    auto it = rebalance_.find(rebalance_key(p / CODE_BITS, p % CODE_BITS, k));
+                    if (it == rebalance_.end()) throw std::runtime_error("search core: a rebalance was not priced");
+                    close(closed, fwd, bwd, done, opening, it->second.first, it->second.second);
+                    pre = true;
+                }
+            }
+        }
+        const auto& dead = fr_->dead_at[k];
+        const bool cut = fr_->cut_after[k];
+        const bool bucket_end = fr_->bucket_end[k];
+        std::vector<int> classes;
+        std::vector<std::vector<int>> cands;  // per missing requirement: the usable moves
+        std::vector<std::pair<int, int>> missing;
+        for (int oi : allowed_[k]) {
+            const Option& opt = fr_->opts[k][oi];
+            const Price& pr = price(k, oi);
+            std::vector<Shared> shared = shared0;
+            if (has_sync && (!opt.uses.empty() || !opt.keeps.empty())) {
+                if (!shared_ok(shared, opt.uses)) continue;
+                if (!opt.keeps.empty()) {
+                    shared.insert(shared.end(), opt.keeps.begin(), opt.keeps.end());
+                    sort_unique(shared);
+                }
+                const auto& done_ids = fr_->shared_done[k];
+                if (!done_ids.empty())
+                    shared.erase(std::remove_if(shared.begin(), shared.end(),
+                                                [&](const Shared& e) {
+                                                    return std::find(done_ids.begin(), done_ids.end(), e[0]) != done_ids.end();
+                                                }),
+                                 shared.end());
+            }
+            missing.clear();
+            cands.clear();
+            classes.clear();
+            bool feasible = true;
+            for (const auto& [t, code] : opt.reqs) {
+                if (contains(props, t * CODE_BITS + code)) continue;
+                auto it = fr_->move_class.find(move_key(t, code, seg));
+                if (it == fr_->move_class.end()) throw std::runtime_error("search core: a move list is missing");
+                const auto& kinds = fr_->move_kinds[it->second];
+                const auto& mp = move_prices_[it->second];
+                std::vector<int> usable;
+                bool communicated = contains(comm0, t);
+                for (int i = 0; i < static_cast<int>(kinds.size()); ++i) {
+                    if (std::get<2>(mp[i]) && contains(props, t * CODE_BITS + kinds[i].src) && !(kinds[i].has_fwd && communicated))
+                        usable.push_back(i);
+                }
+                if (usable.empty()) {
+                    feasible = false;
+                    break;
+                }
+                missing.emplace_back(t, code);
+                cands.push_back(std::move(usable));
+                classes.push_back(it->second);
+            }
+            if (!feasible) continue;
+            // every combination of one move per missing requirement (itertools.product order)
+            std::vector<size_t> pick(cands.size(), 0);
+            while (true) {
+                State child;
+                child.k = k + 1;
+                child.parent = idx;
+                child.option = oi;
+                child.pre = pre;
+                child.shared = shared;
+                double c_closed = closed, c_done = done, c_opening = opening;
+                std::vector<double> c_fwd = fwd, c_bwd = bwd;
+                child.comm = comm0;
+                child.props = props;
+                for (size_t r = 0; r < cands.size(); ++r) {
+                    int i = cands[r][pick[r]];
+                    const MoveKind& mv = fr_->move_kinds[classes[r]][i];
+                    const auto& mp = move_prices_[classes[r]][i];
+                    int t = missing[r].first;
+                    if (mv.communicates) close(c_closed, c_fwd, c_bwd, c_done, c_opening, std::get<0>(mp), std::get<1>(mp));
+                    if (mv.has_fwd) child.comm.push_back(t);
+                    child.props.push_back(t * CODE_BITS + missing[r].second);
+                    child.combo.push_back(Choice{t, missing[r].second, i});
+                }
+                child.props.insert(child.props.end(), opt.outs.begin(), opt.outs.end());
+                sort_unique(child.props);
+                sort_unique(child.comm);
+                if (opt.inner != 0.0) close(c_closed, c_fwd, c_bwd, c_done, c_opening, 0.0, opt.inner);  // the node syncs devices itself
+                for (int j = 0; j < m_; ++j) {
+                    c_fwd[j] += pr.fwd[j];
+                    c_bwd[j] += pr.bwd[j];
+                }
+                if (!dead.empty()) {
+                    auto is_dead = [&](int t) { return std::find(dead.begin(), dead.end(), t) != dead.end(); };
+                    child.props.erase(std::remove_if(child.props.begin(), child.props.end(),
+                                                     [&](Prop p) { return is_dead(p / CODE_BITS); }),
+                                      child.props.end());
+                    child.comm.erase(std::remove_if(child.comm.begin(), child.comm.end(), is_dead), child.comm.end());
+                }
+                if (cut) close(c_closed, c_fwd, c_bwd, c_done, c_opening, 0.0, 0.0);  // the stage ends at the layer boundary
+                child.has_sync = has_sync;
+                child.sync = sync;
+                if (has_sync) {
+                    child.sync.done = c_done;
+                    child.sync.opening = c_opening;
+                    child.sync.bucket = sync.bucket + opt.sync_bytes;
+                    if (bucket_end) {  // the bucket is complete; the next one begins
+                        if (child.sync.bucket != 0.0) {
+                            child.sync.synced += grad_sync(child.sync.bucket);
+                            child.sync.excess = std::max(child.sync.excess, child.sync.synced + child.sync.anchor);
+                            child.sync.bucket = 0.0;
+                        }
+                        child.sync.anchor = -(c_done + c_opening);
+                    }
+                }
+                child.closed = c_closed;
+                child.fwd = std::move(c_fwd);
+                child.bwd = std::move(c_bwd);
+                generated += 1;
+                states_.push_back(std::move(child));
+                out.push_back(static_cast<int>(states_.size()) - 1);
+                int r = static_cast<int>(cands.size()) - 1;  // the next combination
+                while (r >= 0 && ++pick[r] == cands[r].size()) pick[r--] = 0;
+                if (r < 0) break;
+            }
+        }
+    }
+
+    // Later uses of a shared parameter load it as first loaded (unless that was whole).
+    static bool shared_ok(const std::vector<Shared>& shared, const std::vector<Shared>& uses) {
+        for (const Shared& u : uses)
+            for (const Shared& e : shared)
+                if (e[0] == u[0] && (u[1] != e[1] || u[2] != e[2])) return false;
+        return true;
+    }
+
+    // The properties plus those one free move away (R slices, duplicates and zero-pads for free).
+    const std::vector<Prop>& reach(int idx) {
+        State& s = states_[idx];
+        if (!s.has_reach) {
+            s.reach = s.props;
+            bool extra = false;
+            for (Prop p : s.props)
+                if (p % CODE_BITS == R_CODE) {
+                    for (int c = 0; c < MAX_CODES; ++c) s.reach.push_back(p - R_CODE + c);
+                    extra = true;
+                }
+            if (extra) sort_unique(s.reach);
+            s.has_reach = true;
+        }
+        return s.reach;
+    }
+
+    // The communicated tensors a state may not communicate again and cannot do without.
+    const std::vector<int>& bound(int idx) {
+        State& s = states_[idx];
+        if (!s.has_bound) {
+            for (int t : s.comm)
+                if (!contains(s.props, t * CODE_BITS + R_CODE)) s.bound.push_back(t);
+            s.has_bound = true;
+        }
+        return s.bound;
+    }
+
+    // Only programs holding the same live tensors (any placements) are compared.
+    const std::vector<int>& key(int idx) {
+        State& s = states_[idx];
+        if (!s.has_key) {
+            s.key.push_back(s.k);
+            s.key.push_back(static_cast<int>(s.shared.size()));
+            for (const Shared& e : s.shared) s.key.insert(s.key.end(), e.begin(), e.end());
+            int last = -1;
+            for (Prop p : s.props)
+                if (p / CODE_BITS != last) s.key.push_back(last = p / CODE_BITS);
+            s.has_key = true;
+        }
+        return s.key;
+    }
+
+    bool dominated(int idx) {
+        auto it = table_.find(key(idx));
+        if (it == table_.end()) return false;
+        const auto& r = reach(idx);
+        for (int e : it->second)
+            if (subset(bound(e), states_[idx].comm) && subset(r, reach(e)) && no_dearer(e, idx)) return true;
+        return false;
+    }
+
+    // Adds an expanded state, dropping the entries it dominates.
+    void insert(int idx) {
+        auto& entries = table_[key(idx)];
+        const auto& r = reach(idx);
+        const auto& b = bound(idx);
+        std::vector<int> kept;
+        for (int e : entries)
+            if (!(subset(b, states_[e].comm) && subset(reach(e), r) && no_dearer(idx, e))) kept.push_back(e);
+        kept.push_back(idx);
+        entries = std::move(kept);
+    }
+
+    // a costs no more than b after any common continuation (the proof: astar.py's docstring).
+    bool no_dearer(int ai, int bi) const {
+        const State& a = states_[ai];
+        const State& b = states_[bi];
+        double extra = a.closed - b.closed;
+        double df = -INF, db = -INF, db_min = INF;
+        for (int j = 0; j < m_; ++j) {
+            df = std::max(df, a.fwd[j] - b.fwd[j]);
+            double d = a.bwd[j] - b.bwd[j];
+            db = std::max(db, d);
+            db_min = std::min(db_min, d);
+        }
+        if (df > 0) extra += df;
+        if (db > 0) extra += db;
+        if (!a.has_sync) return extra <= 0;
+        const Sync& sa = a.sync;
+        const Sync& sb = b.sync;
+        if (sa.bucket != 0.0 && sb.bucket == 0.0) return false;
+        double gap = a.exposed() - b.exposed();
+        double queued_a = sa.synced + fr_->sync_slope * sa.bucket;
+        if (queued_a + fr_->sync_alpha + fr_->sync_rest[a.k] + sa.anchor > 0) {
+            double queued_b = sb.synced + fr_->sync_slope * sb.bucket;
+            double open_bucket = queued_a + sa.anchor - queued_b - sb.anchor;
+            double later = queued_a - sa.done - sa.opening - queued_b + sb.done + sb.opening + std::max(0.0, -db_min);
+            gap = std::max(gap, std::max(open_bucket, later));
+        }
+        return extra + gap <= 0;
+    }
+
+    std::shared_ptr<Frame> fr_;
+    std::vector<std::vector<Price>> prices_;
+    std::vector<std::vector<int>> allowed_;
+    std::vector<std::vector<std::tuple<double, double, bool>>> move_prices_;
+    int m_, n_;
+    std::unordered_map<double, double> grad_sync_cache_;
+    std::unordered_map<long, std::pair<double, double>> rebalance_;
+    std::vector<double> zero_;
+    std::vector<std::vector<double>> suffix_f_, suffix_b_;
+    std::vector<double> future_;
+    std::vector<State> states_;
+    std::unordered_map<std::vector<int>, std::vector<int>, KeyHash> table_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, mod) {
+    mod.doc() = "The A* search's state walk (see hap/search/astar.py).";
+    py::class_<Option>(mod, "Option")
+        .def(py::init([](std::vector<std::pair<int, int>> reqs, std::vector<Prop> outs, double sync_bytes, double inner,
+                         std::vector<Shared> keeps, std::vector<Shared> uses) {
+            Option o;
+            o.reqs = std::move(reqs);
+            o.outs = std::move(outs);
+            sort_unique(o.outs);
+            o.sync_bytes = sync_bytes;
+            o.inner = inner;
+            o.keeps = std::move(keeps);
+            o.uses = std::move(uses);
+            return o;
+        }));
+    py::class_<Price>(mod, "Price").def(py::init([](std::vector<double> fwd, std::vector<double> bwd) {
+        return Price{std::move(fwd), std::move(bwd)};
+    }));
+    py::class_<Frame, std::shared_ptr<Frame>>(mod, "Frame")
+        .def(py::init([](int m, std::vector<std::vector<Option>> opts, std::vector<int> alike, std::vector<int> segment_of,
+                         std::vector<bool> seg_start, std::vector<bool> cut_after, std::vector<bool> bucket_end,
+                         std::vector<std::vector<int>> dead_at, std::vector<std::vector<int>> shared_done,
+                         std::vector<std::tuple<int, int, int, int>> move_class,
+                         std::vector<std::vector<std::tuple<int, bool, bool>>> move_kinds, double sync_slope,
+                         double sync_alpha, std::vector<double> sync_rest, py::function grad_sync) {
+            auto f = std::make_shared<Frame>();
+            f->m = m;
+            f->n = static_cast<int>(opts.size());
+            f->opts = std::move(opts);
+            f->alike = std::move(alike);
+            f->segment_of = std::move(segment_of);
+            f->seg_start = std::move(seg_start);
+            f->cut_after = std::move(cut_after);
+            f->bucket_end = std::move(bucket_end);
+            f->dead_at = std::move(dead_at);
+            f->shared_done = std::move(shared_done);
+            for (const auto& [t, code, seg, c] : move_class) f->move_class[move_key(t, code, seg)] = c;
+            for (const auto& kinds : move_kinds) {
+                std::vector<MoveKind> out;
+                for (const auto& [src, communicates, has_fwd] : kinds) out.push_back(MoveKind{src, communicates, has_fwd});
+                f->move_kinds.push_back(std::move(out));
+            }
+            f->sync_slope = sync_slope;
+            f->sync_alpha = sync_alpha;
+            f->sync_rest = std::move(sync_rest);
+            f->grad_sync = std::move(grad_sync);
+            return f;
+        }));
+    py::class_<Result>(mod, "Result")
+        .def_readonly("status", &Result::status)
+        .def_readonly("cost", &Result::cost)
+        .def_readonly("at_node", &Result::at_node)
+        .def_readonly("path", &Result::path);
+    py::class_<Space>(mod, "Space")
+        .def(py::init<std::shared_ptr<Frame>, std::vector<std::vector<Price>>, std::vector<std::vector<int>>,
+                      std::vector<std::vector<std::tuple<double, double, bool>>>>())
+        .def("set_rebalance", &Space::set_rebalance)
+        .def("compute_suffix", &Space::compute_suffix)
+        .def("suffix_max", &Space::suffix_max)
+        .def("clear_suffix", &Space::clear_suffix)
+        .def("set_future", &Space::set_future)
+        .def("search", &Space::search)
+        .def_readonly("expanded", &Space::expanded)
+        .def_readonly("generated", &Space::generated)
+        .def_readonly("exhaustive", &Space::exhaustive);
+}
