@@ -119,6 +119,7 @@ class LPShares:
                     lp.fixed_zero.add(self.B[s][j])
         self._shares = [[Lin({b: 1.0}) for b in row] for row in self.B]
         self._pairs: dict[tuple[int, int], Lin] = {}
+        self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes (expressions are never changed in place)
 
     def of(self, tensor: str, dim: int, seg: int) -> list[Lin]:
         return self._shares[seg]

@@ -94,6 +94,21 @@ class CostModel:
         self.bucket_of = sync_groups(graph, self)  # the gradient bucket of every node's first-used parameters
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
+        self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
+
+    def _node_classes(self) -> list[int]:
+        """A class id per node: nodes alike in op, work (measured times included) and the
+        bytes, gradients and split granules of their tensors, as every layer's are. Pricing
+        walks and searches price one node per class."""
+        graph, timing, ids, out = self.graph, self.graph.timing, {}, []
+        for k, node in enumerate(graph.nodes):
+            key = (node.op, node.flops, node.bwd_flops, node.bytes_moved,
+                   tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
+                          self.granules(x)) for x in node.inputs),
+                   tuple(self.granules(x) for x in node.outputs),
+                   None if timing is None else (timing.fwd[k], timing.bwd[k], timing.fwd_fixed[k], timing.bwd_fixed[k]))
+            out.append(ids.setdefault(key, len(ids)))
+        return out
 
     # -- shares --------------------------------------------------------------------------------
 

@@ -162,14 +162,11 @@ class Frame:
         self.seg_start = {k for k in range(1, n) if segment_of[k] != segment_of[k - 1]}
         chunk = cost.chunk_of
         self.cut_set = frozenset(k for k in range(1, n) if chunk[k] != chunk[k - 1])
-        # Nodes alike in op, work and tensors (every layer's) are priced once per ratios: a price class each.
+        # Nodes alike (CostModel.node_class) with one strategy list and segment: priced once per ratios.
         classes: dict[tuple, int] = {}
         self.alike, self.alike_node, self.choices = [], [], []
         for k, node in enumerate(graph.nodes):
-            key = (id(strategies[k]), node.flops, node.bwd_flops, node.bytes_moved, segment_of[k],
-                   tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
-                          cost.granules(x)) for x in node.inputs),
-                   tuple(cost.granules(x) for x in node.outputs))
+            key = (cost.node_class[k], id(strategies[k]), segment_of[k])
             if key not in classes:
                 classes[key] = len(self.alike_node)
                 self.alike_node.append(k)

@@ -119,6 +119,7 @@ class NumericShares:
 
     def __init__(self, cost: CostModel, ratios: Ratios, continuous: bool = False):
         self.cost, self.ratios, self.continuous = cost, ratios, continuous
+        self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes
 
     def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
         if self.continuous:
@@ -167,6 +168,14 @@ def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
     """Forward and backward seconds per device of node k under strategy st: its work at each
     device's share, its fixed cost (a device with no share only keeps books), and a machine's
     internal all-reduce of the parameter gradients it computes."""
+    key = (cost.node_class[k], st, tuple(ld.placement for ld in loads), seg)
+    found = alg.priced.get(key)
+    if found is None:
+        found = alg.priced[key] = _node_times(cost, alg, k, st, loads, seg)
+    return found
+
+
+def _node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
     graph = cost.graph
     node = graph.nodes[k]
     fwd, bwd = cost.base_times(node)
