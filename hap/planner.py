@@ -59,8 +59,8 @@ class PlannerConfig:
     a plan outgrows it, the plan's later searches apply the cap from the start."""
     layer_cuts: bool = True
     """Bound the cost of every layer ahead by a search of that layer alone (the A* heuristic,
-    see search.astar.synthesize); False bounds it by its computation, which is slower on deep
-    models. The plan is the same either way."""
+    see search.astar.synthesize) in the unrestricted searches; False bounds it by its
+    computation, which is slower on deep models. The plan is the same either way."""
 
 
 def _dp() -> Restriction:
@@ -180,9 +180,12 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
     def search(ratios, restriction=None):
         # Once a search of this graph outgrew its exhaustive budget, the next ones would too:
         # they apply the width cap from the start.
+        # A restricted family (a baseline's) leaves so few programs that bounding its layers by
+        # searches of their own costs more than it saves.
         budget = config.width_after if stats["exhaustive"] else 0.0
         res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic,
-                         layer_bounds=config.layer_cuts, width=config.width, width_after=budget, frame=frame)
+                         layer_bounds=config.layer_cuts and restriction is None, width=config.width, width_after=budget,
+                         frame=frame)
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated

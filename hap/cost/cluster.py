@@ -130,6 +130,14 @@ class Cluster:
             return topology_fit(self.topology, name, range(self.size), nbytes)
         return self.collectives[name]
 
+    def all_reduce_fits(self) -> list[Fit]:
+        """Every fit `fit_at("all_reduce", n)` may return, whatever n."""
+        if self.topology is not None and self.topology.algorithm == "auto" and not self.measured_fits:
+            group = range(self.size)
+            return [Fit(alpha=a, beta=1 / b if b > 0 else math.inf)
+                    for a, b in (self.topology.coefficients("all_reduce", group, alg) for alg in ALGORITHMS)]
+        return [self.collectives["all_reduce"]]
+
     def compute_proportional(self) -> list[float]:
         total = sum(d.total_flops for d in self.devices)
         return [d.total_flops / total for d in self.devices]

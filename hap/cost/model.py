@@ -214,6 +214,14 @@ class CostModel:
         return self.comm("all_reduce", nbytes).const if nbytes > 0 else 0.0
 
     @property
+    def grad_sync_least_slope(self) -> float:
+        """The least seconds per byte a bucket's all-reduce ever adds: grad_sync(a + b) >=
+        grad_sync(a) + this * b (all-reduce is the fastest of linear algorithms at each size)."""
+        if self.m == 1:
+            return 0.0
+        return min(1 / f.beta for f in self.cluster.all_reduce_fits()) + self.intra_coll
+
+    @property
     def step_overhead(self) -> float:
         """The collectives every step makes besides the program's and the gradients': the loss's
         all-reduce, and the random generator's broadcast for a model with random ops."""

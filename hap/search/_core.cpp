@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <tuple>
 #include <queue>
@@ -142,7 +143,7 @@ class Space {
         zero_.assign(m_, 0.0);
         suffix_f_.assign(n_ + 1, zero_);
         suffix_b_.assign(n_ + 1, zero_);
-        future_.assign(n_ + 1, 0.0);
+        expanded_at.assign(n_ + 1, 0);
     }
 
     void set_rebalance(int t, int code, int k, double f, double b) { rebalance_[rebalance_key(t, code, k)] = {f, b}; }
@@ -171,28 +172,67 @@ class Space {
         suffix_f_[k] = zero_;
         suffix_b_[k] = zero_;
     }
-    void set_future(std::vector<double> future) { future_ = std::move(future); }
+    // The bound of the chunks ahead of each node, for programs whose shared parameters were
+    // first loaded as `constraints` say (none: any way, or whole); and what the chunks ahead
+    // in the node's gradient bucket add at least to the bucket's sync (astar.py's score).
+    // beyond[k]: the most, over gradient buckets after node k's, of the forward cost ahead up to
+    // that bucket with its sync, plus the whole cost from it on, sync priced at the least slope
+    // up to and in that bucket (-inf: no later bucket).
+    void set_future(std::vector<Shared> constraints, std::vector<double> future, std::vector<double> bucket_ahead,
+                    std::vector<double> beyond) {
+        sort_unique(constraints);
+        futures_[constraints] = Future{std::move(future), std::move(bucket_ahead), std::move(beyond)};
+    }
 
-    double h(int k, const std::vector<double>& fwd, const std::vector<double>& bwd, bool with_future) const {
-        const auto& sf = suffix_f_[k];
-        const auto& sb = suffix_b_[k];
-        double a = -INF, b = -INF;
-        for (int j = 0; j < m_; ++j) {
-            a = std::max(a, fwd[j] + sf[j]);
-            b = std::max(b, bwd[j] + sb[j]);
+    // The score: cost so far plus a lower bound of what any completion adds (astar.py).
+    double score(State& s, bool with_future, int goal) {
+        double a, b;
+        if (s.k == goal) {  // complete: its open stage is all that is left
+            a = vmax(s.fwd);
+            b = vmax(s.bwd);
+        } else {
+            const auto& sf = suffix_f_[s.k];
+            const auto& sb = suffix_b_[s.k];
+            a = b = -INF;
+            for (int j = 0; j < m_; ++j) {
+                a = std::max(a, s.fwd[j] + sf[j]);
+                b = std::max(b, s.bwd[j] + sb[j]);
+            }
         }
-        return a + b + (with_future ? future_[k] : 0.0);
+        if (forward_only_) b = 0.0;
+        const Future* f = with_future ? future(s) : nullptr;
+        double stages = s.closed + a + b + (f ? f->chunks[s.k] : 0.0);
+        if (!s.has_sync) return stages;
+        double result = stages + exposed_bound(s, f);
+        if (f && f->beyond[s.k] > -INF) {
+            // A later bucket's sync ends after all the backward before that bucket's start, so
+            // the iteration costs at least the forward so far and ahead up to that bucket, all
+            // sync so far and up to it, and everything from it on (astar.py).
+            double forward = s.closed - s.sync.done - s.sync.opening + a;
+            double synced = s.sync.synced + (s.sync.bucket != 0.0 ? grad_sync(s.sync.bucket) : 0.0);
+            result = std::max(result, forward + synced + f->beyond[s.k]);
+        }
+        return result;
     }
 
     // See astar.py: best-first on cost + heuristic, dominance pruning, width cap.
-    Result search(int start_k, std::vector<Prop> start_props, bool with_sync, int goal, bool with_future,
-                  long max_expansions, int width, long width_after) {
+    // shared: constraints on the shared parameters' later loads to start with (a chunk's bound).
+    // sync_price: without sync, seconds per byte of gradient a node makes the runtime sync,
+    // added to the stages (a chunk's bound with its sync priced at the least slope).
+    // forward_only: without sync, stages cost their forward part only (a chunk's forward bound).
+    Result search(int start_k, std::vector<Prop> start_props, std::vector<Shared> shared, bool with_sync, int goal,
+                  bool with_future, long max_expansions, int width, long width_after, double sync_price,
+                  bool forward_only) {
+        sync_price_ = with_sync ? 0.0 : sync_price;
+        forward_only_ = !with_sync && forward_only;
         states_.clear();
         table_.clear();
         sort_unique(start_props);
         State start;
         start.k = start_k;
         start.props = std::move(start_props);
+        sort_unique(shared);
+        start.shared = std::move(shared);
         start.fwd = zero_;
         start.bwd = zero_;
         start.has_sync = with_sync;
@@ -208,17 +248,16 @@ class Space {
         long width_from = expanded + width_after;
 
         {
-            const State& s = states_[0];
-            queue.emplace(s.closed + exposed_bound(s) + h(s.k, s.fwd, s.bwd, with_future), -s.k, counter++, 0);
+            queue.emplace(score(states_[0], with_future, goal), -states_[0].k, counter++, 0);
         }
         std::vector<int> children;
         while (!queue.empty()) {
-            auto [score, negk, order, idx] = queue.top();
+            auto [popped, negk, order, idx] = queue.top();
             queue.pop();
-            if (score >= best_cost) break;
+            if (popped >= best_cost) break;
             if (states_[idx].k == goal) {
                 const State& s = states_[idx];
-                double final_cost = s.closed + vmax(s.fwd) + vmax(s.bwd) + s.exposed();
+                double final_cost = s.closed + vmax(s.fwd) + (forward_only_ ? 0.0 : vmax(s.bwd)) + s.exposed();
                 if (final_cost < best_cost) {
                     best = idx;
                     best_cost = final_cost;
@@ -239,9 +278,8 @@ class Space {
             children.clear();
             expand(idx, children);
             for (int c : children) {
-                const State& ch = states_[c];
-                double sc = ch.closed + exposed_bound(ch) + h(ch.k, ch.fwd, ch.bwd, with_future);
-                if (sc < best_cost && !dominated(c)) queue.emplace(sc, -ch.k, counter++, c);
+                double sc = score(states_[c], with_future, goal);
+                if (sc < best_cost && !dominated(c)) queue.emplace(sc, -states_[c].k, counter++, c);
             }
         }
         if (best < 0) return Result{1, INF, -1, py::list()};
@@ -264,6 +302,7 @@ class Space {
 
     long expanded = 0, generated = 0;
     bool exhaustive = true;
+    std::vector<long> expanded_at;  // expansions per node index, over all searches of this space
 
    private:
     long rebalance_key(int t, int code, int k) const { return (static_cast<long>(t) * CODE_BITS + code) * (n_ + 1) + k; }
@@ -278,11 +317,25 @@ class Space {
         return v;
     }
 
-    // A lower bound of the exposed sync of any completion (astar.py's score).
-    double exposed_bound(const State& s) {
-        if (!s.has_sync) return 0.0;
+    struct Future {
+        std::vector<double> chunks, bucket_ahead, beyond;
+    };
+
+    const Future* future(const State& s) const {
+        auto it = futures_.find(s.shared);
+        if (it == futures_.end()) it = futures_.find({});
+        return it == futures_.end() ? nullptr : &it->second;
+    }
+
+    // A lower bound of the exposed sync of any completion (astar.py's score): the excess so
+    // far, and the open bucket's as if it gained no more than the chunks ahead in it must add.
+    double exposed_bound(const State& s, const Future* f) {
         double bound = s.sync.excess;
-        if (s.sync.bucket != 0.0) bound = std::max(bound, s.sync.synced + grad_sync(s.sync.bucket) + s.sync.anchor);
+        double ahead = f ? f->bucket_ahead[s.k] : 0.0;
+        if (s.sync.bucket != 0.0)
+            bound = std::max(bound, s.sync.synced + grad_sync(s.sync.bucket) + s.sync.anchor + ahead);
+        else if (ahead > 0.0)
+            bound = std::max(bound, s.sync.synced + s.sync.anchor + ahead);
         return bound > 0 ? bound : 0.0;
     }
 
@@ -290,7 +343,7 @@ class Space {
     void close(double& closed, std::vector<double>& fwd, std::vector<double>& bwd, double& done, double& opening,
                double comm_f, double comm_b) const {
         double slowest = vmax(bwd);
-        closed += vmax(fwd) + slowest + comm_f + comm_b;
+        closed += forward_only_ ? vmax(fwd) + comm_f : vmax(fwd) + slowest + comm_f + comm_b;
         done = done + slowest + opening;
         opening = comm_b;
         fwd = zero_;
@@ -301,6 +354,7 @@ class Space {
     // gradient buckets assembled exactly as program.walk does.
     void expand(int idx, std::vector<int>& out) {
         expanded += 1;
+        expanded_at[states_[idx].k] += 1;
         // copies: states_ may reallocate while children are appended
         const int k = states_[idx].k;
         const int seg = fr_->segment_of[k];
@@ -333,9 +387,9 @@ class Space {
             const Option& opt = fr_->opts[k][oi];
             const Price& pr = price(k, oi);
             std::vector<Shared> shared = shared0;
-            if (has_sync && (!opt.uses.empty() || !opt.keeps.empty())) {
+            if ((has_sync || !shared0.empty()) && (!opt.uses.empty() || !opt.keeps.empty())) {
                 if (!shared_ok(shared, opt.uses)) continue;
-                if (!opt.keeps.empty()) {
+                if (has_sync && !opt.keeps.empty()) {
                     shared.insert(shared.end(), opt.keeps.begin(), opt.keeps.end());
                     sort_unique(shared);
                 }
@@ -426,7 +480,7 @@ class Space {
                         child.sync.anchor = -(c_done + c_opening);
                     }
                 }
-                child.closed = c_closed;
+                child.closed = c_closed + sync_price_ * opt.sync_bytes;
                 child.fwd = std::move(c_fwd);
                 child.bwd = std::move(c_bwd);
                 generated += 1;
@@ -524,7 +578,7 @@ class Space {
             db_min = std::min(db_min, d);
         }
         if (df > 0) extra += df;
-        if (db > 0) extra += db;
+        if (db > 0 && !forward_only_) extra += db;
         if (!a.has_sync) return extra <= 0;
         const Sync& sa = a.sync;
         const Sync& sb = b.sync;
@@ -549,7 +603,9 @@ class Space {
     std::unordered_map<long, std::pair<double, double>> rebalance_;
     std::vector<double> zero_;
     std::vector<std::vector<double>> suffix_f_, suffix_b_;
-    std::vector<double> future_;
+    std::map<std::vector<Shared>, Future> futures_;
+    double sync_price_ = 0.0;
+    bool forward_only_ = false;
     std::vector<State> states_;
     std::unordered_map<std::vector<int>, std::vector<int>, KeyHash> table_;
 };
@@ -620,5 +676,6 @@ PYBIND11_MODULE(_core, mod) {
         .def("search", &Space::search)
         .def_readonly("expanded", &Space::expanded)
         .def_readonly("generated", &Space::generated)
-        .def_readonly("exhaustive", &Space::exhaustive);
+        .def_readonly("exhaustive", &Space::exhaustive)
+        .def_readonly("expanded_at", &Space::expanded_at);
 }

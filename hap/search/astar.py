@@ -63,6 +63,8 @@ heuristic, the gradient-sync constants.
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -219,7 +221,13 @@ class Frame:
             cost.sync_slope, cost.sync_alpha, self.sync_rest, cost.grad_sync)
         self.bounds = [0] + sorted(self.cut_set) + [n]
         self.live = _live_lists(self, self.bounds + sorted(self.seg_start))
-        self.chunk_key = {lo: self._chunk_key(lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])}
+        keys: dict[tuple, int] = {}  # chunks alike (every layer's) share a class and so their bounds
+        self.chunk_class = {lo: keys.setdefault(self._chunk_key(lo, hi), len(keys)) for lo, hi in zip(self.bounds, self.bounds[1:])}
+        # shared parameters each chunk uses again, and every way their first uses may load them
+        self.chunk_shared = {lo: {u[0] for k in range(lo, hi) for c in self.choices[k] for u in c.uses}
+                             for lo, hi in zip(self.bounds, self.bounds[1:])}
+        self.shared_configs = _shared_configs(self.choices)
+        self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
 
     def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
@@ -330,12 +338,16 @@ class _Space:
         self._heuristic(heuristic, layer_bounds, restriction is not None)
 
     def run(self, k: int, props, with_sync: bool, goal: int, with_future: bool, max_expansions: int,
-            width: int | None = None, width_after: int = 0) -> tuple[list[Step], float] | None:
+            width: int | None = None, width_after: int = 0, shared=(), sync_price: float = 0.0,
+            forward_only: bool = False) -> tuple[list[Step], float] | None:
         """The cheapest program from node k holding `props` to node `goal` (the module docstring's search):
         its steps and cost, or None when there is none. with_sync: price gradient sync from an
-        empty bucket (the whole program's search) or leave it unpriced (a chunk's bound)."""
-        res = self.core.search(k, list(props), with_sync, goal, with_future, max_expansions,
-                               -1 if width is None else width, width_after)
+        empty bucket (the whole program's search) or leave it unpriced but for `sync_price`
+        seconds per byte, and with forward_only only the stages' forward parts (a chunk's
+        bound); shared: how shared parameters were first loaded, (parameter id, placement code,
+        segment) each."""
+        res = self.core.search(k, list(props), list(shared), with_sync, goal, with_future, max_expansions,
+                               -1 if width is None else width, width_after, sync_price, forward_only)
         if res.status == 2:
             raise SearchError(f"search exceeded {max_expansions} expansions at node {res.at_node} of {self.n}")
         if res.status == 1:
@@ -356,44 +368,72 @@ class _Space:
         chunk (max over devices, forward and backward apart), plus the lower bound of every
         later chunk (its cheapest computation, or with layer_bounds its searched bound). At a
         chunk's start the open stage is empty and the chunk's own searched bound is used
-        instead of its computation alone."""
+        instead of its computation alone. A chunk that uses a shared parameter again is
+        bounded once per way its first use may have loaded it (Frame.shared_configs): a tied
+        embedding first loaded sharded fixes how the output layer loads it, and the bound of
+        a program says so."""
         if not enabled:
             return
         core, frame = self.core, self.frame
         core.compute_suffix()
         if not frame.cut_set:
             return
-        future = [0.0] * (self.n + 1)
-        lower: dict[tuple, float] = {}
-        after = 0.0
-        bounds = frame.bounds
-        for lo, hi in reversed(list(zip(bounds, bounds[1:]))):
-            for k in range(lo + 1, hi):
-                future[k] = after
-            if lo in frame.seg_start or not layer_bounds:
-                # Entering a segment re-splits every sharded live placement: with all of them at
-                # hand the bound would pay for rebalances no real entry makes. Computation only.
-                future[lo] = after
-                after += core.suffix_max(lo)
-                continue
-            key = (frame.chunk_key[lo], tuple(tuple(self.allowed[k]) for k in range(lo, hi)) if restricted else None)
-            if key not in lower:
-                lower[key] = self._chunk_bound(lo, hi, frame.live[lo])
-            after += lower[key]
-            future[lo] = after
+        chunks = list(zip(frame.bounds, frame.bounds[1:]))
+        searched = [lo for lo, _ in chunks if layer_bounds and lo not in frame.seg_start]
+        computation = {lo: core.suffix_max(lo) for lo, _ in chunks}
+        for lo in searched:
             core.clear_suffix(lo)  # a chunk start's state has no open stage
-        core.set_future(future)
+        lower: dict[tuple, float] = {}
+        slope = self.cost.grad_sync_least_slope
+        bucket = self.cost.bucket_of
 
-    def _chunk_bound(self, lo: int, hi: int, live_in: list[int]) -> float:
-        """Cost of chunk [lo, hi) from the best conceivable entry: every placement of every live
-        input at hand, none communicated yet, gradient sync already started. More properties
-        never hurt (a move or strategy possible with fewer stays possible), so no real entry
-        state does better."""
-        props = [t * CODE_BITS + c for t in live_in for c in _codes_for(self.graph.tensors[self.frame.names[t]])]
+        def bound(lo, hi, used, price, forward_only=False):
+            key = (frame.chunk_class[lo], tuple(tuple(self.allowed[k]) for k in range(lo, hi)) if restricted else None, used,
+                   price, forward_only)
+            if key not in lower:
+                lower[key] = self._chunk_bound(lo, hi, used, 0.0 if forward_only else computation[lo], price, forward_only)
+            return lower[key]
+
+        for constraints in frame.shared_configs:
+            future, ahead, beyond = [0.0] * (self.n + 1), [0.0] * (self.n + 1), [-math.inf] * (self.n + 1)
+            after, extra = 0.0, {}  # extra[b]: what the chunks from here on add at least to bucket b's sync
+            later = _Beyond()
+            for lo, hi in reversed(chunks):
+                for k in range(lo + 1, hi):
+                    future[k], ahead[k], beyond[k] = after, extra.get(bucket[k], 0.0), later.after(bucket[k])
+                if lo not in searched:
+                    # Entering a segment re-splits every sharded live placement: with all of them at
+                    # hand the bound would pay for rebalances no real entry makes. Computation only.
+                    future[lo], ahead[lo], beyond[lo] = after, extra.get(bucket[lo], 0.0), later.after(bucket[lo])
+                    after += computation[lo]
+                    later.prepend(bucket[lo], computation[lo], computation[lo], 0.0)
+                    continue
+                used = tuple(c for c in constraints if c[0] in frame.chunk_shared[lo])
+                stages = bound(lo, hi, used, 0.0)
+                with_sync, forward = stages, 0.0
+                if frame.chunk_syncs[lo] and slope > 0:
+                    with_sync = max(stages, bound(lo, hi, used, slope))
+                    forward = bound(lo, hi, used, slope, forward_only=True)
+                after += stages
+                extra[bucket[lo]] = extra.get(bucket[lo], 0.0) + with_sync - stages
+                later.prepend(bucket[lo], stages, with_sync, forward)
+                future[lo], ahead[lo], beyond[lo] = after, extra[bucket[lo]], later.after(bucket[lo])
+            core.set_future(list(constraints), future, ahead, beyond)
+
+    def _chunk_bound(self, lo: int, hi: int, constraints: tuple, computation: float, sync_price: float,
+                     forward_only: bool = False) -> float:
+        """Cost of chunk [lo, hi) (with forward_only, its stages' forward parts) from the best
+        conceivable entry: every placement of every live input at hand, none communicated yet,
+        shared parameters loaded as `constraints` say, and each byte of gradient it makes the
+        runtime sync priced `sync_price`. More properties never hurt (a move or strategy
+        possible with fewer stays possible), so no real entry state does better. A chunk too
+        wide to bound cheaply is bounded by `computation`."""
+        props = [t * CODE_BITS + c for t in self.frame.live[lo] for c in _codes_for(self.graph.tensors[self.frame.names[t]])]
         try:
-            found = self.run(lo, props, False, hi, False, BOUND_EXPANSIONS_PER_NODE * (hi - lo))
-        except SearchError:  # too wide to bound cheaply: fall back to its computation alone
-            return self.core.suffix_max(lo)
+            found = self.run(lo, props, False, hi, False, BOUND_EXPANSIONS_PER_NODE * (hi - lo), shared=constraints,
+                             sync_price=sync_price, forward_only=forward_only)
+        except SearchError:
+            return computation
         return found[1] if found else float("inf")
 
 
@@ -411,6 +451,49 @@ def _live_lists(frame: Frame, bounds: Sequence[int]) -> dict[int, list[int]]:
         for b in bounds[bisect.bisect_right(bounds, t.producer):bisect.bisect_right(bounds, last)]:
             out[b].append(i)
     return out
+
+
+class _Beyond:
+    """Over the chunks ahead, added nearest last, the most over gradient buckets b of: the
+    forward parts with sync (F1) of the chunks ahead before b, the stages with sync (L1) of b's
+    chunks, and the stages (L0) of the chunks after b (the bound `beyond` of _core.cpp)."""
+
+    def __init__(self):
+        self.bucket = math.inf  # the nearest bucket ahead
+        self.nearest = -math.inf  # that bucket's value
+        self.farther = -math.inf  # the most of the farther buckets' values
+        self.stages = 0.0  # L0 of every chunk ahead
+
+    def prepend(self, bucket: int, stages: float, with_sync: float, forward: float) -> None:
+        if bucket < self.bucket:  # a new nearest bucket
+            self.farther = max(self.farther, self.nearest)
+            self.bucket, self.nearest = bucket, with_sync + self.stages
+        else:
+            self.nearest += with_sync
+        self.farther += forward
+        self.stages += stages
+
+    def after(self, bucket: int) -> float:
+        """The most over the buckets ahead after `bucket` (-inf: none)."""
+        return max(self.farther, self.nearest) if self.bucket > bucket else self.farther
+
+
+MAX_SHARED_CONFIGS = 64  # beyond, the heuristic bounds chunks with shared parameters loaded any way
+
+
+def _shared_configs(choices) -> list[tuple]:
+    """Every combination of how the shared parameters' first uses may load them sharded (one
+    (parameter id, placement code, segment) per parameter so loaded; the empty one first:
+    loaded whole or not yet, any later load is possible)."""
+    firsts: dict[int, set] = {}
+    for node_choices in choices:
+        for c in node_choices:
+            for keep in c.keeps:
+                firsts.setdefault(keep[0], set()).add(keep)
+    if math.prod(len(ways) + 1 for ways in firsts.values()) > MAX_SHARED_CONFIGS:
+        return [()]
+    combos = itertools.product(*([None, *sorted(ways)] for ways in firsts.values()))
+    return sorted({tuple(c for c in combo if c is not None) for combo in combos}, key=len)
 
 
 def _sync_rest(cost: CostModel) -> list[float]:
