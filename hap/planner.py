@@ -32,7 +32,7 @@ from .placement import Placement
 from .plan import Plan, PlanStage, SyncEntry, instructions, shard_sizes
 from .rules import has_rule, strategy_table
 from .rules.units import ShardClasses
-from .search.astar import Frame, Restriction, SearchError, synthesize
+from .search.astar import Frame, Restriction, SearchError, paused_gc, synthesize
 from .search.program import Estimate, Step, replay, sync_buckets
 
 
@@ -53,10 +53,11 @@ class PlannerConfig:
     (`width_after`); None: no limit. Searches that never drop a program for it are exhaustive,
     i.e. proven optimal in their space (the plan's `search.exhaustive` says whether all were);
     wide routing code such as MoE gating reaches it and stays fast."""
-    width_after: float = 8.0
-    """Programs per graph node a search may expand before the width cap applies. Deep models
-    of identical layers need about 2-6, so their plans are proven optimal. After one search of
-    a plan outgrows it, the plan's later searches apply the cap from the start."""
+    width_after: float = 30.0
+    """Programs per graph node a search may expand before the width cap applies. ViT, BERT and
+    VGG19 need at most about 25 (small models more per node than deep ones), so their plans are
+    proven optimal. After one search of a plan outgrows it, the plan's later searches apply
+    the cap from the start."""
     layer_cuts: bool = True
     """Bound the cost of every layer ahead by a search of that layer alone (the A* heuristic,
     see search.astar.synthesize) in the unrestricted searches; False bounds it by its
@@ -157,7 +158,11 @@ def _live_bytes(graph: Graph) -> list[float]:
 def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
          progress: Callable[[str], None] | None = None) -> Plan:
     """Synthesize the fastest program and ratios for `graph` on `cluster`."""
-    config = config or PlannerConfig()
+    with paused_gc():
+        return _plan(graph, cluster, config or PlannerConfig(), progress)
+
+
+def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Callable[[str], None] | None) -> Plan:
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     strategies = strategy_table(graph)

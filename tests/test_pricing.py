@@ -161,6 +161,24 @@ def test_search_cost_is_replay_of_its_program(graphs, name, spec, segments, shar
     assert replay(found.program, cost, segment_of, ratios).seconds == pytest.approx(found.cost, rel=1e-9)
 
 
+@settings(max_examples=40, deadline=None)
+@given(name=hs.sampled_from(["mlp", "tied", "residual"]), spec=clusters,
+       shares=hs.lists(hs.sampled_from([0.0, 0.1, 0.25, 0.4, 0.6, 1.0]), min_size=3, max_size=3))
+def test_layer_bounds_are_admissible(graphs, name, spec, shares):
+    """The heuristic with every layer's searched bound (per way a tied parameter was first
+    loaded, with the layer's gradient sync at the all-reduce's least slope, and the later
+    buckets' sync bound) never overestimates: the search finds the optimum that the search
+    without any heuristic (uniform cost, exhaustive) finds."""
+    graph = graphs[name]
+    strategies, cost, segment_of = setting(graph, cluster(*spec), 1)
+    row = shares[:cost.m] if sum(shares[:cost.m]) > 0 else [1.0] * cost.m
+    ratios = [[x / sum(row) for x in row]]
+    bounded = synthesize(graph, strategies, cost, segment_of, ratios, layer_bounds=True)
+    plain = synthesize(graph, strategies, cost, segment_of, ratios, heuristic=False)
+    assert bounded.exhaustive and plain.exhaustive
+    assert bounded.cost == pytest.approx(plain.cost, rel=1e-9)
+
+
 def simulated_iteration(est) -> float:
     """The runtime's iteration, event by event: the forward; then the backward runs the stages
     in reverse (computation, then the backward of the stage's opening collectives), and each

@@ -27,7 +27,7 @@ namespace {
 
 constexpr int CODE_BITS = 64;
 constexpr int R_CODE = 0;
-constexpr int MAX_CODES = 11;  // R, D, P and S(0..7): a superset is harmless in reach()
+constexpr uint64_t ALL_CODES = ~0ULL;  // what R reaches: every placement (a superset is harmless in reach())
 constexpr double INF = std::numeric_limits<double>::infinity();
 
 using Prop = int32_t;
@@ -87,7 +87,7 @@ struct State {
     bool pre = false;  // rebalanced the sharded properties first (a segment start)
     // caches
     bool has_reach = false, has_bound = false, has_key = false;
-    std::vector<Prop> reach;
+    std::vector<uint64_t> reach;  // per live tensor (in id order, as in the key): the codes held or a free move away
     std::vector<int> bound;
     size_t key_hash = 0;
     std::vector<int> key;
@@ -501,21 +501,29 @@ class Space {
         return true;
     }
 
-    // The properties plus those one free move away (R slices, duplicates and zero-pads for free).
-    const std::vector<Prop>& reach(int idx) {
+    // The properties plus those one free move away (R slices, duplicates and zero-pads for free),
+    // as a code mask per live tensor: states compared share their live tensors (the key).
+    const std::vector<uint64_t>& reach(int idx) {
         State& s = states_[idx];
         if (!s.has_reach) {
-            s.reach = s.props;
-            bool extra = false;
-            for (Prop p : s.props)
-                if (p % CODE_BITS == R_CODE) {
-                    for (int c = 0; c < MAX_CODES; ++c) s.reach.push_back(p - R_CODE + c);
-                    extra = true;
+            int last = -1;
+            for (Prop p : s.props) {
+                int t = p / CODE_BITS, code = p % CODE_BITS;
+                if (t != last) {
+                    s.reach.push_back(0);
+                    last = t;
                 }
-            if (extra) sort_unique(s.reach);
+                s.reach.back() |= code == R_CODE ? ALL_CODES : (1ULL << code);
+            }
             s.has_reach = true;
         }
         return s.reach;
+    }
+
+    static bool within(const std::vector<uint64_t>& a, const std::vector<uint64_t>& b) {  // a <= b, tensor by tensor
+        for (size_t i = 0; i < a.size(); ++i)
+            if (a[i] & ~b[i]) return false;
+        return true;
     }
 
     // The communicated tensors a state may not communicate again and cannot do without.
@@ -549,7 +557,7 @@ class Space {
         if (it == table_.end()) return false;
         const auto& r = reach(idx);
         for (int e : it->second)
-            if (subset(bound(e), states_[idx].comm) && subset(r, reach(e)) && no_dearer(e, idx)) return true;
+            if (within(r, reach(e)) && subset(bound(e), states_[idx].comm) && no_dearer(e, idx)) return true;
         return false;
     }
 
@@ -560,7 +568,7 @@ class Space {
         const auto& b = bound(idx);
         std::vector<int> kept;
         for (int e : entries)
-            if (!(subset(b, states_[e].comm) && subset(reach(e), r) && no_dearer(idx, e))) kept.push_back(e);
+            if (!(within(reach(e), r) && subset(b, states_[e].comm) && no_dearer(idx, e))) kept.push_back(e);
         kept.push_back(idx);
         entries = std::move(kept);
     }

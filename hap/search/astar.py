@@ -63,6 +63,8 @@ heuristic, the gradient-sync constants.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import math
 import time
@@ -83,6 +85,19 @@ BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
 
 class SearchError(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Planning allocates many small acyclic objects; with a large captured graph alive, the
+    cyclic collector's full passes would cost more than the planning itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,8 +143,9 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     per node of the graph, and the result says whether the cap dropped any.
     """
     t0 = time.perf_counter()
-    space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
-    found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n))
+    with paused_gc():
+        space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
+        found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n))
     if found is None:
         raise SearchError("no complete program found")
     program, best_cost = found
