@@ -7,8 +7,9 @@ there; the runtime needs nothing else from the planner:
 - stages: each a device group (ranks), the program it runs (one Instruction per node), its
   segments with their ratios, and the integer shard size of every sharded (tensor, dim,
   segment). One stage spans all devices today; several form a pipeline with a `schedule`.
-- sync: per parameter the runtime keeps whole, how its gradient is synchronized (bucketed
-  all-reduce), in which bucket (launch order) and over which device group.
+- sync: per parameter the runtime keeps whole (or per part of it along dim 0), how its gradient
+  is synchronized (all-reduce, possibly compressed, or a parameter server; hierarchically
+  inside machines or not), in which bucket (launch order) and over which device group.
 - the estimate (iteration seconds, breakdown, timeline, memory), the baselines priced by
   the same cost model, and how the search went.
 
@@ -86,16 +87,40 @@ class PlanStage:
     """Every sharded (tensor, dim, segment) with its integer sizes per device."""
 
 
+Synchronizer = Literal["all_reduce", "ps"]
+Compressor = Literal["none", "fp16", "powersgd"]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncEntry:
-    """How the runtime synchronizes one parameter's gradient (one it keeps whole)."""
+    """How the runtime synchronizes the gradient of one parameter it keeps whole, or of one
+    part of it (rows along dim 0): the parts of a parameter cover it exactly."""
     param: str
-    strategy: Literal["all_reduce"] = "all_reduce"
-    """all_reduce: summed in a bucket, overlapped with the backward (runtime/gradsync.py)."""
+    strategy: Synchronizer = "all_reduce"
+    """all_reduce: summed by one collective per bucket; ps: reduced to the `server` device,
+    which sends the sum back (runtime/gradsync.py). Both overlap the backward."""
     bucket: int
-    """Buckets are launched in this order (their gradients' arrival), each as one collective."""
+    """Buckets launch in this order, each once all its gradients have arrived; the entries of
+    a bucket are fused into one message and must agree on how they are synchronized."""
     devices: tuple[int, ...]
     """The device group that sums it."""
+    rows: tuple[int, int] | None = None
+    """(start, length) along dim 0: this part of the parameter; None: all of it."""
+    compressor: Compressor = "none"
+    """all_reduce only: fp16 sends half precision; powersgd sends a rank-`low_rank`
+    factorization with error feedback (both approximate: runtime/gradsync.py)."""
+    low_rank: int = 1
+    """PowerSGD's rank."""
+    server: int | None = None
+    """ps: the device that reduces and sends back."""
+    hierarchical: bool = False
+    """Reduce inside each machine first (to one device per machine), then across machines, then
+    send back inside each machine: only one device per machine uses the network."""
+
+    @property
+    def how(self) -> tuple:
+        """What the entries of one bucket share."""
+        return self.strategy, self.compressor, self.low_rank, self.server, self.hierarchical, self.devices
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,6 +162,7 @@ class Plan:
             raise ValueError("a plan needs at least one stage")
         if len(self.stages) > 1 and self.schedule is None:
             raise ValueError(f"a plan of {len(self.stages)} stages needs a pipeline schedule")
+        check_sync(self.sync, len(self.devices))
 
     # -- the one stage of a plan without pipeline ----------------------------------------------
 
@@ -192,7 +218,8 @@ class Plan:
         d = dict(d)
         try:
             d["stages"] = [_stage_from_dict(st) for st in d["stages"]]
-            d["sync"] = [SyncEntry(**{**e, "devices": tuple(e["devices"])}) for e in d["sync"]]
+            d["sync"] = [SyncEntry(**{**e, "devices": tuple(e["devices"]),
+                                      "rows": tuple(e["rows"]) if e.get("rows") is not None else None}) for e in d["sync"]]
             d["schedule"] = Schedule(**d["schedule"]) if d.get("schedule") else None
             return cls(**d)
         except (KeyError, TypeError) as e:
@@ -273,6 +300,38 @@ class Plan:
             outs_text = ", ".join(f"{t}:{p}" for t, p in ins.outputs)
             out.append(f"{outs_text} = {ins.op.removeprefix('aten.')}({ins_text})   # {ins.strategy}")
         return "\n".join(out)
+
+
+def check_sync(sync: list[SyncEntry], devices: int) -> None:
+    """ValueError, in one line, for sync entries the runtime cannot run: a device out of range, a
+    server outside its group, a compressor on a parameter server, a bucket whose entries
+    disagree on how they are synchronized, a parameter whose parts overlap or leave gaps."""
+    how: dict[int, tuple] = {}
+    parts: dict[str, list[tuple[int, int] | None]] = {}
+    for e in sync:
+        if not e.devices or min(e.devices) < 0 or max(e.devices) >= devices or len(set(e.devices)) != len(e.devices):
+            raise ValueError(f"sync of {e.param}: devices {list(e.devices)} are not distinct devices of the plan's {devices}")
+        if e.strategy == "ps" and e.server not in e.devices:
+            raise ValueError(f"sync of {e.param}: parameter server {e.server} is not one of its devices {list(e.devices)}")
+        if e.strategy != "ps" and e.server is not None:
+            raise ValueError(f"sync of {e.param}: a server is named but the strategy is {e.strategy}")
+        if e.compressor != "none" and e.strategy != "all_reduce":
+            raise ValueError(f"sync of {e.param}: compressor {e.compressor} runs with all_reduce only, not {e.strategy}")
+        if e.low_rank < 1:
+            raise ValueError(f"sync of {e.param}: PowerSGD rank must be at least 1, got {e.low_rank}")
+        if how.setdefault(e.bucket, e.how) != e.how:
+            raise ValueError(f"sync bucket {e.bucket}: its entries are synchronized differently ({e.param})")
+        parts.setdefault(e.param, []).append(e.rows)
+    for param, rows in parts.items():
+        if None in rows:
+            if len(rows) > 1:
+                raise ValueError(f"sync of {param}: the whole parameter and parts of it are both listed")
+            continue
+        end = 0
+        for start, length in sorted(rows):
+            if start != end or length <= 0:
+                raise ValueError(f"sync of {param}: its parts {sorted(rows)} do not cover dim 0 once, in order")
+            end = start + length
 
 
 def size_text(nbytes: float) -> str:

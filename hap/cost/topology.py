@@ -15,7 +15,7 @@ the whole tensor, g the group's size, and (bw, lat) the slowest link the algorit
                            all-reduce among one device per machine over the NICs, broadcast inside
                            (the same as the reduce): k the most devices of the group on a machine
     ring all-gather, reduce-scatter, all-to-all   (g-1) lat + (g-1)/g V / bw, V = g * shard bytes
-    broadcast              ceil(log2 g) lat + n / bw        (pipelined)
+    broadcast, reduce      ceil(log2 g) lat + n / bw        (pipelined, to or from one device)
     send/recv              lat + n / bw                     over the one link
 
 All are latency + bytes / bandwidth, so the cost model keeps its linear form (cluster.Fit);
@@ -118,7 +118,7 @@ class Topology:
             link = self.ring_link(group) if kind != "all_to_all" else _slowest(
                 [self.link(a, b) for a in group for b in group if a < b])
             return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / link.bandwidth
-        if kind == "broadcast":
+        if kind in ("broadcast", "reduce"):
             link = self.ring_link(group)
             return LAUNCH_OVERHEAD + math.ceil(math.log2(g)) * link.latency, 1 / link.bandwidth
         raise ValueError(f"unknown collective {kind!r}")

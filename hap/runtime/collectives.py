@@ -82,6 +82,19 @@ class Comm:
         if self.emulation is not None:
             self.emulation.settle()
 
+    def on_wire(self, kind: str, volume: float, devices=None) -> float:
+        """An asynchronous collective over `devices` (None: all) starts: when its emulated link
+        time will be over (0: links not emulated)."""
+        return self.emulation.on_wire(kind, volume, devices) if self.emulation is not None else 0.0
+
+    def off_wire(self, ready_at: float) -> None:
+        """That collective is done here; wait out its emulated link time, and count the wait."""
+        if self.emulation is not None:
+            self.emulation.off_wire(ready_at)
+        if self.clock is not None and self.clock.entered is not None:
+            self.clock.seconds += time.perf_counter() - self.clock.entered
+            self.clock.entered = None
+
     def after(self, kind: str, volume: float) -> None:
         """Called after every collective with its cost-model volume in bytes (emulated links)."""
         if self.emulation is not None:

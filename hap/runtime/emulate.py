@@ -9,37 +9,43 @@ long enough for the OS timer to honour them (a sleep of a few microseconds takes
 
 A cluster that says `emulate: true` (at the top, with `machines`, or in its `network`) also
 makes each collective take its modelled link time (latency + volume / bandwidth, priced on the
-cluster's topology by its slowest link, hap/cost/topology.py) on top of its real time here.
+cluster's topology over the collective's device group by its slowest link,
+hap/cost/topology.py) on top of its real time here. A rank's link carries one collective at a
+time: one started while another is still on the wire waits for it, and an asynchronous one
+(gradient sync) runs its link time while the rank computes, ending no earlier than it would.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..cost.cluster import Cluster, Fit, fits_from_network, fits_from_topology
+from ..cost.cluster import Cluster
+from ..cost.topology import Topology, uniform
 
 
 @dataclass(slots=True, kw_only=True)
 class Emulation:
     slowdown: float = 1.0
     """This rank's device is this many times slower than the machine (1: not emulated)."""
-    link: dict[str, Fit] = field(default_factory=dict)
-    """Extra seconds per collective kind (alpha + volume / beta); empty: links not emulated."""
+    links: Topology | None = None
+    """The links whose times collectives take on top of their own; None: not emulated."""
+    devices: int = 1
     debt: float = 0.0
     """Seconds of emulated compute not yet slept (negative: overslept, credited)."""
+    wire_free: float = 0.0
+    """When (time.perf_counter) this rank's link is done with the collectives started so far."""
 
     @classmethod
     def for_rank(cls, cluster: Cluster, rank: int) -> "Emulation":
-        link = {}
+        links = None
         if cluster.emulated_network is not None:
-            bandwidth, latency = cluster.emulated_network
-            link = fits_from_network(cluster.size, bandwidth, latency)
+            links = uniform(cluster.size, *cluster.emulated_network)
         elif cluster.emulate_links:
-            link = fits_from_topology(cluster.topology)
-        return cls(slowdown=cluster.devices[rank].slowdown, link=link)
+            links = cluster.topology
+        return cls(slowdown=cluster.devices[rank].slowdown, links=links, devices=cluster.size)
 
     def computed(self, seconds: float, passes: float = 1.0) -> None:
         """This rank just spent `seconds` computing `passes` forward-equivalents at full speed."""
@@ -53,8 +59,22 @@ class Emulation:
                 time.sleep(self.debt)
             self.debt -= time.perf_counter() - t0
 
-    def communicated(self, kind: str, volume: float) -> None:
-        """A collective of `volume` bytes (as the cost model defines it) just finished."""
-        if self.link:
+    def on_wire(self, kind: str, volume: float, devices=None) -> float:
+        """A collective of `volume` bytes (as the cost model defines it) over `devices` (None:
+        all) starts on this rank's link: when its link time is over."""
+        if self.links is None:
+            return 0.0
+        seconds = self.links.seconds(kind, volume, range(self.devices) if devices is None else devices)
+        self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
+        return self.wire_free
+
+    def off_wire(self, ready_at: float) -> None:
+        """The collective is done here: wait out what is left of its link time."""
+        left = ready_at - time.perf_counter()
+        if left > 0:
             with torch.profiler.record_function("emulated link"):
-                time.sleep(self.link[kind].time(volume))
+                time.sleep(left)
+
+    def communicated(self, kind: str, volume: float) -> None:
+        """A blocking collective of `volume` bytes over all devices just finished."""
+        self.off_wire(self.on_wire(kind, volume))

@@ -108,9 +108,20 @@ def _failure(procs: list, gone: set[int], reports: str) -> RankFailed:
     return RankFailed(f"rank {rank} died {'with' if code > 0 else 'from'} {how}", rank)
 
 
+_TIMEOUT: timedelta | None = None
+
+
+def collective_timeout() -> timedelta | None:
+    """How long this rank's collectives may wait (spawn's timeout_s), for the process groups
+    made after start-up; None outside spawn (torch's default)."""
+    return _TIMEOUT
+
+
 def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_s: float, reports: str,
            backend: str = "gloo") -> None:
+    global _TIMEOUT
     torch.set_num_threads(1)  # one core's worth per rank: ranks share this machine
+    _TIMEOUT = timedelta(seconds=timeout_s)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -38,7 +38,8 @@ from ..search.astar import SearchError
 from .collectives import Comm, all_reduce
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
-from .gradsync import GradSync
+from .gradsync import GradSync, Groups
+from .launch import collective_timeout
 
 log = logging.getLogger("hap")
 
@@ -82,8 +83,10 @@ class HAP(nn.Module):
             self.shards = nn.ParameterDict(ex.params)
         else:
             self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
-        self.groups = _device_groups(self.plan, comm)
-        self.grad_sync = GradSync(_buckets(self.plan, self.shards, ex), comm)
+        machines = _machines(cluster)
+        self.groups = _device_groups(self.plan, comm, Groups(comm, machines, {}).needed(self.plan.sync))
+        _check_sync(self.plan, self.shards, ex)
+        self.grad_sync = GradSync(self.plan.sync, dict(self.shards), Groups(comm, machines, self.groups))
         self._random = any(is_random(node) for node in graph.nodes)
         self._meta = meta
         self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}
@@ -370,33 +373,39 @@ def _check_splits(plan: Plan, ex: Executor) -> None:
                              f"{list(sh.sizes)} in the plan, {list(mine)} here")
 
 
-def _device_groups(plan: Plan, comm: Comm) -> dict[tuple[int, ...], object]:
-    """A process group for every device group the plan names, made once at start-up (every rank
-    takes part in making each, as torch.distributed requires). The whole world is comm's."""
+def _machines(cluster: Cluster) -> tuple[tuple[int, ...], ...]:
+    """The cluster's machines as ranks (each device its own where the cluster names none)."""
+    if cluster.topology is None:
+        return tuple((d,) for d in range(cluster.size))
+    return tuple(tuple(m.devices) for m in cluster.topology.machines)
+
+
+def _device_groups(plan: Plan, comm: Comm, more=()) -> dict[tuple[int, ...], object]:
+    """A process group for every device group the plan names (and `more`: the machines and
+    leaders of hierarchical sync), made once at start-up (every rank takes part in making
+    each, in one order, as torch.distributed requires). The whole world is comm's."""
     world = tuple(range(comm.world))
     groups: dict[tuple[int, ...], object] = {world: comm.group}
-    for devices in plan.device_groups():
+    for devices in sorted(set(plan.device_groups()) | set(more)):
         if any(d < 0 or d >= comm.world for d in devices):
             raise ValueError(f"the plan names devices {list(devices)}, but ranks are 0..{comm.world - 1}")
         if devices not in groups:
-            groups[devices] = dist.new_group(list(devices))
+            groups[devices] = dist.new_group(list(devices), timeout=collective_timeout())
     return groups
 
 
-def _buckets(plan: Plan, shards, ex: Executor) -> list[list[nn.Parameter]]:
-    """The plan's gradient buckets in launch order, as this rank's parameters. The plan must
-    sync exactly the parameters the program keeps whole."""
+def _check_sync(plan: Plan, shards, ex: Executor) -> None:
+    """The plan must sync exactly the parameters the program keeps whole, each part within it."""
     whole = {name for name, p in shards.items() if ex.stored[name][0] == R and p.requires_grad}
     planned = {e.param for e in plan.sync}
     if planned != whole:
         raise ValueError(f"the plan's sync does not match its program: {sorted(planned ^ whole)[:3]} "
                          "are synced but not kept whole, or kept whole but not synced")
-    world = tuple(range(ex.comm.world))
+    ends: dict[str, int] = {}
     for e in plan.sync:
-        if e.strategy != "all_reduce" or e.devices != world:
-            raise ValueError(f"{e.param}: sync {e.strategy} over devices {list(e.devices)} is not run by this runtime "
-                             "(bucketed all-reduce over all devices)")
-    buckets: dict[int, list[nn.Parameter]] = {}
-    for e in plan.sync:
-        buckets.setdefault(e.bucket, []).append(shards[e.param])
-    return [buckets[b] for b in sorted(buckets)]
+        if e.rows is not None:
+            ends[e.param] = max(ends.get(e.param, 0), e.rows[0] + e.rows[1])
+    for name, end in ends.items():
+        rows = shards[name].shape[0] if shards[name].dim() else 1
+        if end != rows:
+            raise ValueError(f"the plan syncs rows 0..{end} of {name}, which has {rows}")

@@ -1,0 +1,182 @@
+"""Synchronization strategies (AutoSync's strategy space) and how a plan carries them.
+
+A strategy says, for every parameter whose gradient is synchronized (kept whole by the plan's
+program), how many parts it is split into along dim 0 and how each part is synchronized:
+
+    AR(g)            all-reduce in fusion group g: the parts of one group travel as one message,
+                     the groups launch in order during the backward
+    AR(g, fp16)      the same in half precision (approximate)
+    AR(g, powersgd r)  rank-r PowerSGD with error feedback (approximate)
+    PS(s)            to parameter server s (a device), which sums and sends back
+    +h               hierarchical: inside each machine first, one device per machine across
+
+Short text forms, as in `str(strategy)`: `fc1.weight: PS(0) | PS(2)` (two parts), `bias: AR(1,h)`.
+A strategy becomes the plan's `sync` entries (plan.SyncEntry), which is all the runtime reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+from ..ir import Graph
+from ..plan import Compressor, Plan, SyncEntry, check_sync
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartSync:
+    """How one part of a parameter's gradient is synchronized."""
+    kind: Literal["all_reduce", "ps"]
+    group: int = 0
+    """all_reduce: the fusion group (groups launch in increasing order)."""
+    compressor: Compressor = "none"
+    low_rank: int = 1
+    server: int = 0
+    """ps: the device that reduces and sends back."""
+    hierarchical: bool = False
+
+    def __str__(self) -> str:
+        h = ",h" if self.hierarchical else ""
+        if self.kind == "ps":
+            return f"PS({self.server}{h})"
+        c = {"none": "", "fp16": ",fp16", "powersgd": f",powersgd {self.low_rank}"}[self.compressor]
+        return f"AR({self.group}{c}{h})"
+
+    @property
+    def exact(self) -> bool:
+        return self.compressor == "none"
+
+
+@dataclass(frozen=True, slots=True)
+class VarSync:
+    """A parameter split into len(parts) parts along dim 0 (as even as rows allow), each with
+    its synchronizer."""
+    param: str
+    parts: tuple[PartSync, ...]
+
+    def __str__(self) -> str:
+        return f"{self.param}: " + " | ".join(map(str, self.parts))
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStrategy:
+    """One synchronizer per part of every synchronized parameter (in the order `Variables` lists them)."""
+    vars: tuple[VarSync, ...]
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self.vars))
+
+    @property
+    def exact(self) -> bool:
+        return all(p.exact for v in self.vars for p in v.parts)
+
+    def to_json(self) -> list:
+        return [{"param": v.param, "parts": [_part_dict(p) for p in v.parts]} for v in self.vars]
+
+    @classmethod
+    def from_json(cls, data: list) -> "SyncStrategy":
+        try:
+            return cls(tuple(VarSync(v["param"], tuple(PartSync(**p) for p in v["parts"])) for v in data))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed sync strategy: {e}") from None
+
+
+def _part_dict(p: PartSync) -> dict:
+    return {k: getattr(p, k) for k in PartSync.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """A synchronized parameter as the strategy search sees it."""
+    param: str
+    """The graph's tensor name."""
+    target: str
+    """The model's name for it (state_dict key)."""
+    shape: tuple[int, ...]
+    nbytes: int
+    first_use: int
+    """Index of the first node that uses it: its gradient is complete when the backward passes there."""
+    sparse: bool = False
+    """Its gradient touches few rows per step (an embedding's)."""
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+@dataclass(frozen=True, slots=True)
+class Variables:
+    """The parameters a plan synchronizes, in backprop order (gradients arriving first, first),
+    and the devices and machines of the cluster."""
+    vars: tuple[Variable, ...]
+    devices: int
+    machines: tuple[tuple[int, ...], ...] = field(default=())
+
+    @classmethod
+    def of(cls, plan: Plan, graph: Graph, machines: Sequence[Sequence[int]] | None = None) -> "Variables":
+        synced = {e.param for e in plan.sync}
+        out = []
+        for name in synced:
+            t = graph.tensors[name]
+            sparse = any(graph.nodes[k].op == "aten.embedding.default" and _sparse_flag(graph.nodes[k]) for k in t.consumers)
+            out.append(Variable(param=name, target=t.target or name, shape=tuple(t.shape), nbytes=t.nbytes,
+                                first_use=min(t.consumers), sparse=sparse))
+        out.sort(key=lambda v: (-v.first_use, v.param))
+        n = len(plan.devices)
+        return cls(tuple(out), n, tuple(tuple(m) for m in machines) if machines else tuple((d,) for d in range(n)))
+
+    def split(self, var: Variable, parts: int) -> list[tuple[int, int]]:
+        """`parts` row ranges, as even as the rows allow (the first ones one longer)."""
+        base, extra = divmod(var.rows, parts)
+        out, start = [], 0
+        for i in range(parts):
+            length = base + (i < extra)
+            out.append((start, length))
+            start += length
+        return out
+
+    def entries(self, strategy: SyncStrategy) -> list[SyncEntry]:
+        """The plan's sync entries of a strategy, buckets numbered in launch order.
+
+        Every all-reduce group, and every parameter-server part, is one bucket. A bucket can
+        start once all its gradients have arrived, so buckets launch in the order in which they
+        complete: by the first use of their earliest-used parameter, latest first (ties: groups
+        in their order, then servers' parts in backprop order)."""
+        by_name = {v.param: v for v in self.vars}
+        if {v.param for v in strategy.vars} != set(by_name):
+            missing = sorted(set(by_name) ^ {v.param for v in strategy.vars})[:3]
+            raise ValueError(f"the strategy does not cover exactly the synchronized parameters: {missing}")
+        world = tuple(range(self.devices))
+        units: dict[tuple, list[tuple[str, tuple[int, int] | None, PartSync]]] = {}
+        for order, vs in enumerate(strategy.vars):
+            var = by_name[vs.param]
+            if not 1 <= len(vs.parts) <= var.rows:
+                raise ValueError(f"{vs.param}: {len(vs.parts)} parts of a parameter with {var.rows} rows")
+            ranges = [None] if len(vs.parts) == 1 else self.split(var, len(vs.parts))
+            for i, (rows, part) in enumerate(zip(ranges, vs.parts)):
+                key = ("ar", part.group, part.compressor, part.low_rank, part.hierarchical) if part.kind == "all_reduce" \
+                    else ("ps", order, i)
+                units.setdefault(key, []).append((vs.param, rows, part))
+        ready = {key: min(by_name[p].first_use for p, _, _ in members) for key, members in units.items()}
+        order = sorted(units, key=lambda key: (-ready[key], key[0], key[1:]))
+        entries = []
+        for bucket, key in enumerate(order):
+            for param, rows, part in units[key]:
+                entries.append(SyncEntry(param=param, strategy=part.kind, bucket=bucket, devices=world, rows=rows,
+                                         compressor=part.compressor, low_rank=part.low_rank,
+                                         server=part.server if part.kind == "ps" else None,
+                                         hierarchical=part.hierarchical))
+        check_sync(entries, self.devices)
+        return entries
+
+
+def _sparse_flag(node) -> bool:
+    """aten.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)."""
+    return bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("sparse", False))
+
+
+def with_strategy(plan: Plan, variables: Variables, strategy: SyncStrategy) -> Plan:
+    """The plan synchronizing its gradients by `strategy` (the estimate is the caller's)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, sync=variables.entries(strategy))

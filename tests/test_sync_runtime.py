@@ -1,0 +1,168 @@
+"""Every synchronizer runs on real gloo ranks: uncompressed strategies (all-reduce groups,
+parameter servers, hierarchical reduction, parameters split in uneven parts) train exactly like
+one device; fp16 and PowerSGD do what their definitions say."""
+
+import pytest
+import torch
+import torch.nn as nn
+from gloo import run_ranks
+
+import hap
+from hap.capture import capture
+from hap.cost.cluster import cluster_from_dict
+from hap.planner import baseline_plan
+from hap.runtime.collectives import Comm
+from hap.runtime.gradsync import GradSync, Groups
+from hap.sync.strategy import PartSync, SyncStrategy, Variables, VarSync, with_strategy
+
+STEPS = 3
+RATIOS = (0.6, 0.25, 0.15)  # uneven data-parallel shares
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 20)
+        self.fc2 = nn.Linear(20, 16)
+        self.fc3 = nn.Linear(16, 12, bias=False)
+
+    def forward(self, x):
+        return (self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x))))) ** 2).mean()
+
+
+def cluster():
+    """Three local ranks on two machines: rank 0 alone, ranks 1 and 2 together."""
+    link = {"bandwidth": "10GB/s", "latency": "10us"}
+    return cluster_from_dict({
+        "name": "two-machines", "local": True,
+        "devices": [{"name": "cpu", "count": 3, "flops": 9e10, "memory": "4GiB"}],
+        "machines": [{"name": "a", "devices": 1, "intra": link, "nic": link},
+                     {"name": "b", "devices": 2, "intra": link, "nic": link}]})
+
+
+def data():
+    torch.manual_seed(0)
+    model = MLP()
+    gen = torch.Generator().manual_seed(1)
+    return model, [torch.randn(20, 12, generator=gen) for _ in range(STEPS)]
+
+
+AR, PS = "all_reduce", "ps"
+
+
+def strategies(variables: Variables) -> dict[str, SyncStrategy]:
+    """Exact strategies over the MLP's five synchronized parameters, by name."""
+    names = [v.param for v in variables.vars]  # backprop order: fc3.weight first
+    big = next(v.param for v in variables.vars if v.target == "fc1.weight")  # [20, 12]: 20 rows
+
+    def each(fn):
+        return SyncStrategy(tuple(VarSync(n, fn(i, n)) for i, n in enumerate(names)))
+
+    return {
+        # two fusion groups against backprop order, fc1.weight in 3 parts in different groups
+        "ar-groups": each(lambda i, n: (PartSync(kind=AR, group=0), PartSync(kind=AR, group=1), PartSync(kind=AR, group=0))
+                          if n == big else (PartSync(kind=AR, group=(i + 1) % 2),)),
+        # a server per parameter, fc1.weight in two parts on servers 1 and 2
+        "servers": each(lambda i, n: (PartSync(kind=PS, server=1), PartSync(kind=PS, server=2)) if n == big
+                        else (PartSync(kind=PS, server=i % 3),)),
+        # hierarchical all-reduce and servers (2: not its machine's first device), mixed with flat ones
+        "hierarchical": each(lambda i, n: (PartSync(kind=PS, server=0, hierarchical=True), PartSync(kind=AR, group=0))
+                             if n == big else (PartSync(kind=AR, group=1, hierarchical=True),) if i % 2
+                             else (PartSync(kind=PS, server=2, hierarchical=True),)),
+    }
+
+
+def train(model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x in batches:
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_with(rank, world, name):
+    model, batches = data()
+    cl = cluster()
+    graph = capture(model, (batches[0],))
+    plan = baseline_plan(graph, cl, "dp-ev", ratios=RATIOS)
+    variables = Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
+    plan = with_strategy(plan, variables, strategies(variables)[name])
+    dmodel = hap.HAP(model, cl, (batches[0],), plan=plan)
+    losses = train(dmodel, batches)
+    return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
+            "buckets": len({e.bucket for e in dmodel.plan.sync}), "parts": len(dmodel.plan.sync)}
+
+
+@pytest.mark.parametrize("name", ["ar-groups", "servers", "hierarchical"])
+def test_exact_strategies_train_like_one_device(name, tmp_path):
+    reports = run_ranks(train_with, 3, tmp_path, name)
+    model, batches = data()
+    losses = train(model, batches)
+    assert reports[0]["parts"] > 5  # a parameter really was split
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for pname, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][pname]), p.detach(), rtol=1e-4, atol=1e-6), (name, pname)
+
+
+def rank_gradient(rank: int, shape, step: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def compressed(rank, world, compressor, low_rank):
+    """GradSync on one [6, 5] parameter whose gradient on each rank is a known draw: the
+    synchronized gradient of each of 3 steps."""
+    from hap.plan import SyncEntry
+
+    comm = Comm.default()
+    p = nn.Parameter(torch.zeros(6, 5))
+    entry = SyncEntry(param="w", bucket=0, devices=tuple(range(world)), compressor=compressor, low_rank=low_rank)
+    GradSync([entry], {"w": p}, Groups(comm, tuple((r,) for r in range(world)), {tuple(range(world)): None}))
+    out = []
+    for step in range(3):
+        g = rank_gradient(rank, (6, 5), step)
+        (p * g).sum().backward()  # p.grad = g, then synchronized
+        out.append(p.grad.tolist())
+        p.grad = None
+    return {"synced": out}
+
+
+def test_fp16_sums_half_precision_gradients(tmp_path):
+    reports = run_ranks(compressed, 2, tmp_path, "fp16", 1)
+    for step in range(3):
+        exact = sum(rank_gradient(r, (6, 5), step) for r in range(2))
+        halves = sum(rank_gradient(r, (6, 5), step).half().float() for r in range(2))
+        for got in reports:
+            got = torch.tensor(got["synced"][step])
+            assert not torch.equal(got, exact)  # it is an approximation
+            assert torch.allclose(got, halves, rtol=1e-3, atol=1e-3)  # of the half-precision sum
+
+
+def powersgd_reference(world: int, r: int, steps: int) -> list[torch.Tensor]:
+    """PowerSGD with error feedback, by its definition (gradsync.py), on the ranks' draws."""
+    q = torch.randn(5, r, generator=torch.Generator().manual_seed(0))  # bucket 0's seed
+    errors = [torch.zeros(6, 5) for _ in range(world)]
+    out = []
+    for step in range(steps):
+        ms = [rank_gradient(k, (6, 5), step) + errors[k] for k in range(world)]
+        p_hat = torch.linalg.qr(sum(m @ q for m in ms)).Q
+        q_local = [m.T @ p_hat for m in ms]
+        q = sum(q_local)
+        out.append(p_hat @ q.T)
+        errors = [m - p_hat @ ql.T for m, ql in zip(ms, q_local)]
+    return out
+
+
+def test_powersgd_is_its_definition(tmp_path):
+    reports = run_ranks(compressed, 2, tmp_path, "powersgd", 2)
+    expected = powersgd_reference(2, 2, 3)
+    for step in range(3):
+        exact = sum(rank_gradient(r, (6, 5), step) for r in range(2))
+        for got in reports:
+            got = torch.tensor(got["synced"][step])
+            assert torch.allclose(got, expected[step], rtol=1e-4, atol=1e-5)
+            assert torch.linalg.matrix_rank(got) <= 2 and not torch.allclose(got, exact, atol=1e-2)
