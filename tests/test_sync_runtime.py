@@ -121,7 +121,9 @@ def compressed(rank, world, compressor, low_rank):
     comm = Comm.default()
     p = nn.Parameter(torch.zeros(6, 5))
     entry = SyncEntry(param="w", bucket=0, devices=tuple(range(world)), compressor=compressor, low_rank=low_rank)
-    GradSync([entry], {"w": p}, Groups(comm, tuple((r,) for r in range(world)), {tuple(range(world)): None}))
+    world_group = tuple(range(world))
+    GradSync([entry], {"w": p}, Groups(comm, tuple((r,) for r in range(world)),
+                                       {(world_group, 0): None, (world_group, 1): torch.distributed.new_group(list(world_group))}))
     out = []
     for step in range(3):
         g = rank_gradient(rank, (6, 5), step)

@@ -213,6 +213,20 @@ class CostModel:
         """One bucket's all-reduce of gradients (nbytes of them)."""
         return self.comm("all_reduce", nbytes).const if nbytes > 0 else 0.0
 
+    def group_collective(self, kind: str, nbytes: float, devices) -> float:
+        """Seconds of collective `kind` (all_reduce, reduce, broadcast: nbytes the whole message)
+        over a device group, priced on the cluster's topology by the group's slowest link; a
+        cluster of measured fits only prices every group as all its devices."""
+        devices = list(devices)
+        if len(devices) <= 1:
+            return 0.0
+        topo = self.cluster.topology
+        if topo is None or self.cluster.measured_fits:
+            if kind == "all_reduce":
+                return self.grad_sync(nbytes)
+            return self.cluster.fit("broadcast").time(nbytes)
+        return topo.run_seconds(kind, nbytes, devices)
+
     @property
     def grad_sync_least_slope(self) -> float:
         """The least seconds per byte a bucket's all-reduce ever adds: grad_sync(a + b) >=

@@ -141,6 +141,12 @@ class Topology:
             per_byte += b
         return alpha, per_byte
 
+    def run_seconds(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
+        """Seconds of collective `kind` as the cluster runs it: all-reduce by the topology's
+        algorithm (the fastest for the size where "auto"), the others as `seconds` prices them.
+        The emulated links and the cost of a sync strategy both take this."""
+        return self.best(kind, nbytes, group)[1] if kind == "all_reduce" else self.seconds(kind, nbytes, group)
+
     def best(self, kind: str, nbytes: float, group: Sequence[int]) -> tuple[Algorithm, float]:
         """The algorithm that runs the collective fastest (the topology's own, unless "auto"),
         and its seconds."""

@@ -64,7 +64,7 @@ class Emulation:
         all) starts on this rank's link: when its link time is over."""
         if self.links is None:
             return 0.0
-        seconds = self.links.seconds(kind, volume, range(self.devices) if devices is None else devices)
+        seconds = self.links.run_seconds(kind, volume, range(self.devices) if devices is None else devices)
         self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
         return self.wire_free
 

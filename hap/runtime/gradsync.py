@@ -2,35 +2,40 @@
 
 Parameters kept whole (R) on every rank receive partial gradients that must be summed over
 ranks. The plan lists, per parameter or per part of one (rows along dim 0), how (plan.SyncEntry)
-and in which bucket. Buckets launch in the plan's order (every rank starts them in the same
-order), each as soon as its gradients and every bucket before it are complete, so
-communication runs while the backward computes the earlier layers' gradients; the last gradient
-to arrive finishes them all and writes the sums back. A bucket's parts are flattened into one
-message and synchronized by one of:
+and in which bucket. A bucket's parts are flattened into one message and synchronized by a
+short sequence of collectives:
 
-    all_reduce               one all-reduce                                          exact
-    all_reduce, fp16         one all-reduce in half precision                        rounds each part
-    all_reduce, powersgd     rank-r PowerSGD with error feedback (below)             low-rank
-    ps                       reduce to the server device, which broadcasts the sum   exact
-    hierarchical (either)    reduce inside each machine to one of its devices, then
-                             across machines only those devices, then broadcast
-                             inside each machine                                     exact
+    all_reduce               all-reduce                                              exact
+    all_reduce, fp16         all-reduce in half precision                            rounds each part
+    all_reduce, powersgd     all-reduce P, then (after local math) Q (below)         low-rank
+    ps                       reduce to the server; the server broadcasts the sum     exact
+    hierarchical all_reduce  reduce inside each machine to its first device; all-reduce
+                             among those devices; broadcast inside each machine      exact
+    hierarchical ps          reduce inside each machine to its leader (the server on its
+                             machine); reduce among the leaders to the server; the server
+                             broadcasts to the leaders; they broadcast inside           exact
 
-The first collective of a bucket overlaps the backward; what depends on its result (the
-broadcast back, PowerSGD's second all-reduce) runs when the backward is done.
+Buckets start in the plan's order (every rank in the same order), each once its gradients and
+every bucket before it are complete, while the backward computes earlier layers' gradients;
+each next collective of a bucket starts as soon as the one before it is done here, also during
+the backward. Every process group carries its collectives in bucket order on every rank: the
+second and later collectives of the sequences run on twin groups of the same devices (lane 1),
+so a broadcast never overtakes a later bucket's reduce. When the last gradient has arrived the
+rank waits for everything and writes the sums back.
 
 PowerSGD (Vogels et al., NeurIPS'19), per part viewed as a matrix M [rows, rest] of this rank's
 gradient plus its error-feedback buffer e: P = M Q; all-reduce P; orthonormalize its columns
 (P^); Q_r = M^T P^; all-reduce Q_r into Q; the synchronized gradient is P^ Q^T, this rank keeps
 e = M - P^ Q_r^T for the next step, and Q starts the next step's power iteration. Q starts from
-a normal draw seeded by the part's position, the same on every rank. A part whose matrix has a
-side no longer than r is sent uncompressed (its factors would be no smaller).
+a normal draw seeded by the bucket, the same on every rank. A part whose matrix has a side no
+longer than r is sent uncompressed (its factors would be no smaller).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,8 @@ import torch.nn as nn
 
 from ..plan import SyncEntry
 from .collectives import Comm
+
+Lane = tuple[tuple[int, ...], int]  # (devices, lane): a process group
 
 
 @dataclass(slots=True)
@@ -54,34 +61,58 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class Groups:
-    """The process groups a strategy runs over, made once at start-up (runtime/module.py)."""
+    """The process groups strategies run over, made at start-up (runtime/module.py)."""
     comm: Comm
     machines: tuple[tuple[int, ...], ...]
     """The cluster's machines, as ranks."""
-    made: dict[tuple[int, ...], object]
-    """Process group per device group (the world's is comm.group)."""
+    made: dict[Lane, object]
+    """Process group per (device group, lane); the world's lane 0 is comm.group."""
 
-    def group(self, devices: Sequence[int]):
-        return self.made[tuple(devices)]
+    def group(self, lane: Lane):
+        return self.made[lane]
 
     def machine_of(self, rank: int) -> tuple[int, ...]:
         return next(m for m in self.machines if rank in m)
 
     def leaders(self, root: int | None) -> tuple[int, ...]:
-        """One device per machine: the root where a machine has it, else the machine's first."""
-        return tuple(root if root in m else m[0] for m in self.machines)
+        """One device per machine, in rank order: the root where a machine has it, else its first."""
+        return tuple(sorted(root if root in m else m[0] for m in self.machines))
 
-    def needed(self, sync: Sequence[SyncEntry]) -> list[tuple[int, ...]]:
-        """The device groups `sync` runs over, besides the world: machines and leaders for the
-        hierarchical entries."""
-        out = []
+    def needed(self, sync: Sequence[SyncEntry]) -> list[Lane]:
+        """The process groups `sync` runs over: the world's second lane, and machines and
+        leaders (both lanes) for hierarchical entries."""
+        world = tuple(range(self.comm.world))
+        out: list[Lane] = [(world, 1)] if any(e.strategy == "ps" or e.compressor == "powersgd" for e in sync) else []
         for e in sync:
             if e.hierarchical:
-                out += [m for m in self.machines if len(m) > 1]
+                out += [(m, lane) for m in self.machines if len(m) > 1 for lane in (0, 1)]
                 leaders = self.leaders(e.server)
                 if len(leaders) > 1:
-                    out.append(tuple(sorted(leaders)))
+                    out += [(leaders, 0), (leaders, 1)]
         return out
+
+
+@dataclass
+class Step:
+    """One collective of a bucket's sequence: `run(flat)` starts it on `lane` and returns its
+    work; `kind` and the lane's devices price its emulated link time."""
+    lane: Lane
+    kind: str
+    run: Callable[[torch.Tensor], dist.Work]
+    bytes: Callable[[torch.Tensor], float] = field(default=lambda t: t.numel() * t.element_size())
+    before: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Local work on the message before the collective (PowerSGD's second factor)."""
+
+
+@dataclass
+class _Flight:
+    """A bucket in synchronization: its message, its steps, the next one, the one in flight."""
+    message: torch.Tensor
+    steps: list[Step]
+    state: object
+    next: int = 0
+    work: dist.Work | None = None
+    ready_at: float = 0.0
 
 
 class GradSync:
@@ -98,49 +129,98 @@ class GradSync:
             entries = by_bucket[b]
             self.buckets.append([Part(params[e.param], e.rows) for e in entries])
             self.synchronizers.append(_synchronizer(entries[0], groups, b))
+        # per process group, the buckets whose collectives it carries, in the order it carries them
+        self.lane_queue: dict[Lane, list[int]] = {}
+        for i, (sync, parts) in enumerate(zip(self.synchronizers, self.buckets)):
+            for lane in sync.lanes(parts):
+                self.lane_queue.setdefault(lane, []).append(i)
         self.waiting_on = [{id(part.param) for part in bucket} for bucket in self.buckets]
-        buckets_of: dict[int, list[int]] = {}
-        for i, bucket in enumerate(self.buckets):
-            for pid in self.waiting_on[i]:
-                buckets_of.setdefault(pid, []).append(i)
-        self.buckets_of = buckets_of
+        self.buckets_of: dict[int, list[int]] = {}
+        for i, pids in enumerate(self.waiting_on):
+            for pid in pids:
+                self.buckets_of.setdefault(pid, []).append(i)
         self._reset()
+        self.hooks = []
         if self.comm.world > 1:
             for p in {id(part.param): part.param for bucket in self.buckets for part in bucket}.values():
-                p.register_post_accumulate_grad_hook(self._arrived)
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._arrived))
+
+    def close(self) -> None:
+        """Stop synchronizing (another GradSync takes over)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
     def _reset(self) -> None:
         self.missing = [len(w) for w in self.waiting_on]
-        self.launched = 0
-        self.pending: list[tuple[int, object]] = []
+        self.flights: list[_Flight] = []
+        self.carried = {lane: 0 for lane in self.lane_queue}  # per process group: collectives started
 
     def _arrived(self, p: nn.Parameter) -> None:
         for i in self.buckets_of[id(p)]:
             self.missing[i] -= 1
-        while self.launched < len(self.buckets) and self.missing[self.launched] == 0:
-            i = self.launched
+        while len(self.flights) < len(self.buckets) and self.missing[len(self.flights)] == 0:
+            i = len(self.flights)
             flat = torch.cat([part.grad().reshape(-1) for part in self.buckets[i]])
-            self.pending.append((i, self.synchronizers[i].launch(flat, self.buckets[i])))
-            self.launched += 1
-        if self.launched == len(self.buckets):
-            self._finish()
+            message, steps, state = self.synchronizers[i].plan(flat, self.buckets[i])
+            self.flights.append(_Flight(message, steps, state))
+            self.comm.launching()  # an emulated slow rank arrives late
+        self._progress(block=False)
+        if len(self.flights) == len(self.buckets):
+            self._progress(block=True)
+            for i, flight in enumerate(self.flights):
+                flat = self.synchronizers[i].result(flight.message, flight.state)
+                parts = self.buckets[i]
+                for part, piece in zip(parts, flat.split([part.grad().numel() for part in parts])):
+                    part.grad().copy_(piece.view_as(part.grad()))
+            self._reset()
 
-    def _finish(self) -> None:
-        for i, state in self.pending:
-            flat = self.synchronizers[i].finish(state)
-            parts = self.buckets[i]
-            for part, piece in zip(parts, flat.split([part.grad().numel() for part in parts])):
-                part.grad().copy_(piece.view_as(part.grad()))
-        self._reset()
+    def _progress(self, block: bool) -> None:
+        """Start every collective that may start: its bucket's previous one is done here, and
+        its process group has carried the earlier buckets' collectives. With block, until all
+        are done."""
+        while True:
+            moved = False
+            for i, f in enumerate(self.flights):
+                if f.work is not None:
+                    if not (block or (f.work.is_completed() and time.perf_counter() >= f.ready_at)):
+                        continue
+                    self.comm.before()
+                    f.work.wait()
+                    self.comm.off_wire(f.ready_at)
+                    f.work, f.next, moved = None, f.next + 1, True
+                if f.next < len(f.steps) and self._turn(f.steps[f.next].lane) == i:
+                    step = f.steps[f.next]
+                    if step.before is not None:
+                        f.message = step.before(f.message)
+                    devices = step.lane[0]
+                    f.ready_at = self.comm.on_wire(step.kind, step.bytes(f.message), devices)
+                    f.work = step.run(f.message)
+                    self.carried[step.lane] += 1
+                    moved = True
+            if not moved:
+                if not block or all(f.next == len(f.steps) and f.work is None for f in self.flights):
+                    return
+
+    def _turn(self, lane: Lane) -> int:
+        """The bucket whose collective the process group carries next."""
+        queue, done = self.lane_queue[lane], self.carried[lane]
+        return queue[done] if done < len(queue) else -1
 
 
-# -- synchronizers: launch (during the backward) and finish (after it) ---------------------------
+# -- synchronizers: the collectives of a bucket ---------------------------------------------------
 
 class _Synchronizer:
-    def launch(self, flat: torch.Tensor, parts: list[Part]):
+    def lanes(self, parts: list[Part]) -> list[Lane]:
+        """The process groups of its steps, in order (known before any gradient)."""
         raise NotImplementedError
 
-    def finish(self, state) -> torch.Tensor:
+    def plan(self, flat: torch.Tensor, parts: list[Part]) -> tuple[torch.Tensor, list[Step], object]:
+        """The message to send, the steps that synchronize it, and state for `result`."""
+        raise NotImplementedError
+
+    def result(self, message: torch.Tensor, state) -> torch.Tensor:
+        """The synchronized flat gradient."""
         raise NotImplementedError
 
 
@@ -149,151 +229,133 @@ def _synchronizer(e: SyncEntry, groups: Groups, bucket: int) -> _Synchronizer:
     if e.devices != world:
         raise ValueError(f"sync of {e.param} over devices {list(e.devices)}: a parameter every rank keeps whole is "
                          f"synchronized over all {len(world)} ranks")
-    if e.strategy == "ps":
-        return _Rooted(groups, e.server, e.hierarchical)
-    if e.hierarchical:
-        return _Rooted(groups, None, True)
+    if e.strategy == "ps" or e.hierarchical:
+        return _Rooted(groups, e.server if e.strategy == "ps" else None, e.hierarchical)
     if e.compressor == "powersgd":
-        return _PowerSGD(groups.comm, e.low_rank, bucket)
-    return _AllReduce(groups.comm, half=e.compressor == "fp16")
-
-
-@dataclass
-class _Async:
-    """A collective in flight, and when its emulated link time is over."""
-    work: dist.Work
-    tensor: torch.Tensor
-    kind: str
-    ready_at: float
-
-
-def _start(comm: Comm, kind: str, tensor: torch.Tensor, work: dist.Work, devices=None) -> _Async:
-    return _Async(work, tensor, kind, comm.on_wire(kind, tensor.numel() * tensor.element_size(), devices))
-
-
-def _wait(comm: Comm, op: _Async) -> torch.Tensor:
-    comm.before()
-    op.work.wait()
-    comm.off_wire(op.ready_at)
-    return op.tensor
+        return _PowerSGD(groups, e.low_rank, bucket)
+    return _AllReduce(groups, half=e.compressor == "fp16")
 
 
 class _AllReduce(_Synchronizer):
-    def __init__(self, comm: Comm, half: bool):
-        self.comm, self.half = comm, half
+    def __init__(self, groups: Groups, half: bool):
+        self.groups, self.half = groups, half
+        self.lane = (tuple(range(groups.comm.world)), 0)
 
-    def launch(self, flat, parts):
-        msg = flat.half() if self.half else flat
-        self.comm.launching()  # an emulated slow rank arrives late
-        return flat.dtype, _start(self.comm, "all_reduce", msg, dist.all_reduce(msg, group=self.comm.group, async_op=True))
+    def lanes(self, parts):
+        return [self.lane]
 
-    def finish(self, state):
-        dtype, op = state
-        return _wait(self.comm, op).to(dtype)
+    def plan(self, flat, parts):
+        g = self.groups.group(self.lane)
+        message = flat.half() if self.half else flat
+        return message, [Step(self.lane, "all_reduce", lambda t: dist.all_reduce(t, group=g, async_op=True))], flat.dtype
+
+    def result(self, message, dtype):
+        return message.to(dtype)
 
 
 class _Rooted(_Synchronizer):
     """Reduce to a root, then broadcast from it: a parameter server (root: the server), or a
     hierarchical all-reduce (root None: an all-reduce among one device per machine). With
-    `hierarchical`, each machine first reduces to its leader (the root where it has it).
-
-    Only the first reduce overlaps the backward; everything after it runs when the backward is
-    done, bucket after bucket, so that every rank issues each group's collectives in one order."""
+    `hierarchical`, each machine first reduces to its leader (the root where it has it)."""
 
     def __init__(self, groups: Groups, root: int | None, hierarchical: bool):
-        self.groups, self.root, self.hierarchical = groups, root, hierarchical
-        self.comm = comm = groups.comm
-        self.machine = groups.machine_of(comm.rank) if hierarchical else (comm.rank,)
-        self.leaders = tuple(sorted(groups.leaders(root))) if hierarchical else tuple(range(comm.world))
-        self.leader = next(r for r in self.leaders if r in self.machine)
-        self.across = groups.group(self.leaders) if hierarchical and len(self.leaders) > 1 else comm.group
-
-    def launch(self, flat, parts):
-        self.comm.launching()
-        if len(self.machine) > 1:  # first inside the machine, to its leader
-            work = dist.reduce(flat, dst=self.leader, group=self.groups.group(self.machine), async_op=True)
-            return _start(self.comm, "reduce", flat, work, self.machine)
-        if not self.hierarchical:  # to the server, all at once
-            return _start(self.comm, "reduce", flat, dist.reduce(flat, dst=self.root, group=self.across, async_op=True))
-        return _Done(flat)
-
-    def finish(self, state):
-        flat = state.tensor if isinstance(state, _Done) else _wait(self.comm, state)
-        is_leader = self.comm.rank == self.leader and len(self.leaders) > 1
-        if self.hierarchical and is_leader:  # across machines, one device each
-            if self.root is None:
-                self._blocking("all_reduce", flat, lambda: dist.all_reduce(flat, group=self.across))
+        comm = groups.comm
+        world = tuple(range(comm.world))
+        machine = groups.machine_of(comm.rank) if hierarchical else (comm.rank,)
+        leaders = groups.leaders(root) if hierarchical else world
+        leader = next(r for r in leaders if r in machine)
+        steps: list[Step] = []
+        g = {lane: groups.group(lane) for lane in ((machine, 0), (machine, 1), (leaders, 0), (leaders, 1))
+             if lane in groups.made}
+        if len(machine) > 1:  # inside the machine, to its leader
+            steps.append(Step((machine, 0), "reduce",
+                              lambda t, g=g[(machine, 0)]: dist.reduce(t, dst=leader, group=g, async_op=True)))
+        if comm.rank == leader and len(leaders) > 1:  # across machines, one device each
+            if root is None:
+                steps.append(Step((leaders, 0), "all_reduce",
+                                  lambda t, g=g[(leaders, 0)]: dist.all_reduce(t, group=g, async_op=True)))
             else:
-                self._blocking("reduce", flat, lambda: dist.reduce(flat, dst=self.root, group=self.across))
-        if self.root is not None and is_leader:  # the server sends the sum back
-            self._blocking("broadcast", flat, lambda: dist.broadcast(flat, src=self.root, group=self.across))
-        if len(self.machine) > 1:
-            g = self.groups.group(self.machine)
-            self._blocking("broadcast", flat, lambda: dist.broadcast(flat, src=self.leader, group=g), self.machine)
-        return flat
+                steps.append(Step((leaders, 0), "reduce",
+                                  lambda t, g=g[(leaders, 0)]: dist.reduce(t, dst=root, group=g, async_op=True)))
+                steps.append(Step((leaders, 1), "broadcast",
+                                  lambda t, g=g[(leaders, 1)]: dist.broadcast(t, src=root, group=g, async_op=True)))
+        if len(machine) > 1:  # back inside the machine
+            steps.append(Step((machine, 1), "broadcast",
+                              lambda t, g=g[(machine, 1)]: dist.broadcast(t, src=leader, group=g, async_op=True)))
+        self.steps = steps
 
-    def _blocking(self, kind, flat, run, devices=None):
-        self.comm.before()
-        ready_at = self.comm.on_wire(kind, flat.numel() * flat.element_size(), self.leaders if devices is None else devices)
-        run()
-        self.comm.off_wire(ready_at)
+    def lanes(self, parts):
+        return [step.lane for step in self.steps]
 
+    def plan(self, flat, parts):
+        return flat, self.steps, None
 
-@dataclass
-class _Done:
-    tensor: torch.Tensor
+    def result(self, message, state):
+        return message
 
 
 class _PowerSGD(_Synchronizer):
-    def __init__(self, comm: Comm, rank: int, bucket: int):
-        self.comm, self.r, self.bucket = comm, rank, bucket
+    def __init__(self, groups: Groups, rank: int, bucket: int):
+        self.r, self.bucket = rank, bucket
+        world = tuple(range(groups.comm.world))
+        self.lanes_all = [(world, 0), (world, 1)]
+        self.g = [groups.group(lane) for lane in self.lanes_all]
         self.error: list[torch.Tensor] | None = None
         self.q: list[torch.Tensor | None] = []
 
-    def _matrices(self, parts):
-        return [part.grad().reshape(part.grad().shape[0], -1) if part.grad().dim() else part.grad().reshape(1, 1)
-                for part in parts]
+    def _compressible(self, part: Part) -> bool:
+        shape = part.param.shape
+        rows = part.rows[1] if part.rows is not None else (shape[0] if shape else 1)
+        return min(rows, part.param.numel() // max(1, shape[0] if shape else 1)) > self.r
 
-    def launch(self, flat, parts):
-        grads = self._matrices(parts)
+    def lanes(self, parts):
+        return self.lanes_all if any(self._compressible(p) for p in parts) else self.lanes_all[:1]
+
+    def plan(self, flat, parts):
+        grads = [part.grad().reshape(part.grad().shape[0], -1) if part.grad().dim() else part.grad().reshape(1, 1)
+                 for part in parts]
         if self.error is None:
             self.error = [torch.zeros_like(g) for g in grads]
             gen = torch.Generator().manual_seed(1_000_003 * self.bucket)
             self.q = [torch.randn(g.shape[1], self.r, generator=gen, dtype=g.dtype) if min(g.shape) > self.r else None
                       for g in grads]
         ms = [g + e for g, e in zip(grads, self.error)]
-        ps = [m @ q for m, q in zip(ms, self.q) if q is not None]
-        plain = [m.reshape(-1) for m, q in zip(ms, self.q) if q is None]
-        msg = torch.cat([p.reshape(-1) for p in ps] + plain) if ps or plain else flat.new_zeros(0)
-        self.comm.launching()
-        return ms, _start(self.comm, "all_reduce", msg, dist.all_reduce(msg, group=self.comm.group, async_op=True))
-
-    def finish(self, state):
-        ms, op = state
-        msg = _wait(self.comm, op)
         compressed = [(m, q) for m, q in zip(ms, self.q) if q is not None]
-        sizes = [m.shape[0] * self.r for m, _ in compressed]
-        p_parts, plain_flat = msg[:sum(sizes)], msg[sum(sizes):]
-        p_hat = [torch.linalg.qr(p.view(m.shape[0], self.r)).Q for p, (m, _) in zip(p_parts.split(sizes), compressed)]
-        q_local = [m.T @ p for (m, _), p in zip(compressed, p_hat)]
-        if q_local:
-            q_msg = torch.cat([q.reshape(-1) for q in q_local])
-            self.comm.before()
-            ready_at = self.comm.on_wire("all_reduce", q_msg.numel() * q_msg.element_size())
-            dist.all_reduce(q_msg, group=self.comm.group)
-            self.comm.off_wire(ready_at)
-            q_sum = [q.view(ql.shape) for q, ql in zip(q_msg.split([q.numel() for q in q_local]), q_local)]
-        out, plain_at, k = [], 0, 0
-        new_q = []
-        for i, (m, q) in enumerate(zip(ms, self.q)):
+        plain = [m.reshape(-1) for m, q in zip(ms, self.q) if q is None]
+        message = torch.cat([(m @ q).reshape(-1) for m, q in compressed] + plain) if ms else flat.new_zeros(0)
+        state = {"ms": ms, "compressed": compressed, "plain": sum(p.numel() for p in plain)}
+
+        def factor_q(msg):  # P summed: orthonormalize, then this rank's Q = M^T P^
+            sizes = [m.shape[0] * self.r for m, _ in compressed]
+            p_hat = [torch.linalg.qr(p.view(m.shape[0], self.r)).Q for p, (m, _) in zip(msg[:sum(sizes)].split(sizes), compressed)]
+            q_local = [m.T @ p for (m, _), p in zip(compressed, p_hat)]
+            state.update(p_hat=p_hat, q_local=q_local, plain_sum=msg[sum(sizes):].clone())
+            return torch.cat([q.reshape(-1) for q in q_local]) if q_local else msg.new_zeros(0)
+
+        steps = [Step(self.lanes_all[0], "all_reduce", lambda t: dist.all_reduce(t, group=self.g[0], async_op=True))]
+        if compressed:
+            steps.append(Step(self.lanes_all[1], "all_reduce", lambda t: dist.all_reduce(t, group=self.g[1], async_op=True),
+                              before=factor_q))
+        else:
+            state.update(p_hat=[], q_local=[])
+        return message, steps, state
+
+    def result(self, message, state):
+        if not state["compressed"]:
+            state["plain_sum"] = message
+            q_sum = []
+        else:
+            q_sum = [q.view(ql.shape) for q, ql in zip(message.split([q.numel() for q in state["q_local"]]), state["q_local"])]
+        out, plain_at, k, new_q = [], 0, 0, []
+        for i, (m, q) in enumerate(zip(state["ms"], self.q)):
             if q is None:
-                synced = plain_flat[plain_at:plain_at + m.numel()].view_as(m)
+                synced = state["plain_sum"][plain_at:plain_at + m.numel()].view_as(m)
                 plain_at += m.numel()
                 self.error[i] = torch.zeros_like(m)
                 new_q.append(None)
             else:
-                synced = p_hat[k] @ q_sum[k].T
-                self.error[i] = m - p_hat[k] @ q_local[k].T
+                synced = state["p_hat"][k] @ q_sum[k].T
+                self.error[i] = m - state["p_hat"][k] @ state["q_local"][k].T
                 new_q.append(q_sum[k])
                 k += 1
             out.append(synced.reshape(-1))

@@ -83,10 +83,9 @@ class HAP(nn.Module):
             self.shards = nn.ParameterDict(ex.params)
         else:
             self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
-        machines = _machines(cluster)
-        self.groups = _device_groups(self.plan, comm, Groups(comm, machines, {}).needed(self.plan.sync))
-        _check_sync(self.plan, self.shards, ex)
-        self.grad_sync = GradSync(self.plan.sync, dict(self.shards), Groups(comm, machines, self.groups))
+        self.groups: dict = {}  # process groups by (devices, lane), made at start-up and by resync
+        self.grad_sync: GradSync | None = None
+        self.resync(self.plan.sync)
         self._random = any(is_random(node) for node in graph.nodes)
         self._meta = meta
         self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}
@@ -256,6 +255,20 @@ class HAP(nn.Module):
         log.info("hap: resharded to %s (%d bytes moved on rank %d)", ex.ratios, nbytes, self.comm.rank)
         return nbytes
 
+    def resync(self, sync) -> None:
+        """Synchronize gradients by other sync entries (plan.SyncEntry: a strategy of
+        hap.sync) from the next backward on; the plan says so from then on. A collective: every
+        rank calls it with the same entries, between steps (it may make process groups)."""
+        sync = list(sync)
+        plan = dataclasses.replace(self.plan, sync=sync)
+        machines = _machines(self.cluster)
+        self.groups = _device_groups(plan, self.comm, Groups(self.comm, machines, {}).needed(sync), self.groups)
+        _check_sync(plan, self.shards, self.executor)
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+        self.grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
+        self.plan = plan
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
         return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
@@ -380,17 +393,18 @@ def _machines(cluster: Cluster) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(m.devices) for m in cluster.topology.machines)
 
 
-def _device_groups(plan: Plan, comm: Comm, more=()) -> dict[tuple[int, ...], object]:
-    """A process group for every device group the plan names (and `more`: the machines and
-    leaders of hierarchical sync), made once at start-up (every rank takes part in making
-    each, in one order, as torch.distributed requires). The whole world is comm's."""
+def _device_groups(plan: Plan, comm: Comm, more=(), made=None) -> dict[tuple[tuple[int, ...], int], object]:
+    """A process group for every device group the plan names (lane 0) and `more` (the lanes
+    its sync runs on: runtime/gradsync.Groups.needed), besides those already `made`, each
+    made once (every rank takes part in making each, in one order, as torch.distributed
+    requires). The whole world's lane 0 is comm's."""
     world = tuple(range(comm.world))
-    groups: dict[tuple[int, ...], object] = {world: comm.group}
-    for devices in sorted(set(plan.device_groups()) | set(more)):
+    groups: dict[tuple[tuple[int, ...], int], object] = {(world, 0): comm.group, **(made or {})}
+    for devices, lane in sorted({(g, 0) for g in plan.device_groups()} | set(more)):
         if any(d < 0 or d >= comm.world for d in devices):
             raise ValueError(f"the plan names devices {list(devices)}, but ranks are 0..{comm.world - 1}")
-        if devices not in groups:
-            groups[devices] = dist.new_group(list(devices), timeout=collective_timeout())
+        if (devices, lane) not in groups:
+            groups[(devices, lane)] = dist.new_group(list(devices), timeout=collective_timeout())
     return groups
 
 

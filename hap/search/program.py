@@ -93,6 +93,8 @@ class Estimate:
     buckets: list[Bucket] = field(default_factory=list)
     """The gradient all-reduces, in forward order of their layer chunks (the runtime launches
     them in the reverse order, as their gradients arrive)."""
+    stage_of: dict[int, int] = field(default_factory=dict)
+    """The stage each node runs in (by node index)."""
 
     def breakdown(self) -> dict[str, float]:
         return {
@@ -207,6 +209,7 @@ class Walked:
     stages: list[Stage]
     exposed_sync: Any
     buckets: list[Bucket]
+    stage_of: dict[int, int]
 
 
 def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], alg) -> Walked:
@@ -238,6 +241,7 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     anchor, anchor_stage = 0.0, 0  # -(P + C) where the current bucket began, and the stage open there
     bucket_bytes, synced, excess = 0.0, 0.0, []
     buckets: list[Bucket] = []
+    stage_of: dict[int, int] = {}
 
     def close(comm_fwd, comm_bwd, label: str | None) -> None:
         nonlocal total, backward_done, opening_bwd
@@ -278,6 +282,7 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
         if inner:  # the node synchronizes the devices itself (synchronized batch norm)
             close(0.0, inner, f"{step.strategy.local}({node.name})")
         fwd, bwd = node_times(cost, alg, k, step.strategy, step.loads, seg)
+        stage_of[k] = len(stages) - 1
         cur = stages[-1]
         cur.fwd = [a + b for a, b in zip(cur.fwd, fwd)]
         cur.bwd = [a + b for a, b in zip(cur.bwd, bwd)]
@@ -287,7 +292,7 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     cur = stages[-1]
     total = total + alg.vmax(cur.fwd) + alg.vmax(cur.bwd)
     exposed = alg.positive_part(excess) if excess else 0.0
-    return Walked(total=total + exposed, stages=stages, exposed_sync=exposed, buckets=buckets)
+    return Walked(total=total + exposed, stages=stages, exposed_sync=exposed, buckets=buckets, stage_of=stage_of)
 
 
 def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
@@ -296,7 +301,7 @@ def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
     shard sizes; continuous=True: the ratios themselves, as the LP sees them)."""
     w = walk(program, cost, segment_of, NumericShares(cost, ratios, continuous))
     return Estimate(seconds=w.total + cost.step_overhead, stages=w.stages, grad_sync=w.exposed_sync,
-                    memory=memory(program, cost, segment_of, ratios), buckets=w.buckets)
+                    memory=memory(program, cost, segment_of, ratios), buckets=w.buckets, stage_of=w.stage_of)
 
 
 def synced_params(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, int]:

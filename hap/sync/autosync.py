@@ -1,0 +1,314 @@
+"""AutoSync: search the synchronization strategy of a plan by simulators and trial runs.
+
+    .venv/bin/hap sync --model vgg19 --scale small --cluster b9.yaml --trials 50 --out sync/
+
+The loop (AutoSync, main paper Fig. 1): sample candidates under the knowledge constraints
+(sampler.py) -> predict their times with the current simulator -> select K by Eq. 11
+(select.py) -> run them on the cluster (trials.py) -> retrain the learned simulators -> again,
+until the trial budget is spent. Before enough trials to learn from, hap's own overlap-aware
+price of a strategy (price.overlapped) is the simulator. Every trial is one JSON line in
+DIR/trials.jsonl (model, cluster, strategy, measured seconds), so a search resumes where it
+stopped and the data set grows across runs (trials of other models and clusters in the file
+train the simulators too). The baselines (baselines.py) are measured in the same runs.
+
+DIR/result.json holds the best strategy measured and its seconds, each baseline's seconds, the
+simulators' pairwise ranking accuracy on held-out trials, and how the search went; DIR/plan.json
+is the plan with the best strategy (`hap train --plan DIR/plan.json` trains with it); plots of
+predicted against measured times and of the best time so far against trials are beside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+from ..capture import capture
+from ..cost.cluster import Cluster
+from ..cost.model import CostModel
+from ..models import build
+from ..plan import Plan
+from ..planner import baseline_plan
+from ..rules import strategy_table
+from ..rules.units import ShardClasses
+from ..search.program import replay
+from . import baselines, price
+from .sampler import SpaceConfig, bandwidths, sample, similarity
+from .select import select
+from .simulators import KINDS, Domain, Sample, Simulator, features, ranking_accuracy
+from .strategy import SyncStrategy, Variables, with_strategy
+from .trials import TrialCluster, Workload
+
+
+@dataclass(kw_only=True, slots=True)
+class AutoSyncConfig:
+    trials: int = 50
+    """Trial runs of the search (the baselines' runs not counted)."""
+    per_round: int = 5
+    """K: candidates run per round."""
+    candidates: int = 200
+    """M: candidates sampled and predicted per round."""
+    alpha: float = 0.1
+    """Eq. 11's weight of similarity against the predicted time (normalized to the best)."""
+    simulator: Literal["rnn", "gat", "linear"] = "rnn"
+    """The learned simulator that ranks candidates once trained."""
+    similarity: Literal["choices", "embedding"] = "choices"
+    """Eq. 11's similarity: shared choices, or the cosine of the simulator's hidden states."""
+    learn_after: int = 10
+    """Trials of this model and cluster before the learned simulator replaces hap's pricing."""
+    epochs: int = 60
+    space: SpaceConfig = field(default_factory=SpaceConfig)
+    steps: int = 5
+    """Timed training steps per trial (after 2 warm-up steps)."""
+    horovod_samples: int = 20
+    baselines: bool = True
+    seed: int = 0
+
+
+def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: AutoSyncConfig | None = None,
+        plan: Plan | None = None, say: Callable[[str], None] = print) -> dict:
+    """Search the synchronization strategy for `model` (hap.models) on `cluster` (local ranks),
+    of `plan`'s gradients (default: data parallelism at compute-proportional batch shares)."""
+    config = config or AutoSyncConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(config.seed)
+    meta_model, inputs = build(model, devices=cluster.size, device="meta", **knobs)
+    graph = capture(meta_model, inputs, name=model)
+    if plan is None:  # AutoSync's setting: data parallel, each device's batch share by its speed
+        plan = baseline_plan(graph, cluster, "dp-cp")
+    machines = [m.devices for m in cluster.topology.machines] if cluster.topology is not None else None
+    variables = Variables.of(plan, graph, machines)
+    if not variables.vars:
+        raise ValueError(f"the plan of {model} keeps no parameter whole: there is no gradient to synchronize")
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
+    est = replay(plan.steps(graph), cost, [s for s, (a, b) in enumerate(plan.segments) for _ in range(a, b + 1)], plan.ratios)
+    domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
+    key = _domain_key(model, knobs, cluster, plan)
+    log = out / "trials.jsonl"
+    history = _load(log)
+    mine = [t for t in history if t["domain"] == key]
+    say(f"[autosync] {domain.name}: {len(variables.vars)} synchronized parameters, "
+        f"{sum(v.nbytes for v in variables.vars) / 2**20:.1f} MiB; {len(mine)} trials already in {log}")
+
+    bw = bandwidths(variables, cost)
+    workload = Workload(model=model, knobs=knobs, cluster=cluster.to_dict(), plan=plan.to_dict(), steps=config.steps)
+    t_start = time.perf_counter()
+    with TrialCluster(workload) as trials:
+        def measure(named: list[tuple[str, SyncStrategy]], tried: list[dict] | None = None) -> list[float]:
+            seconds = trials.measure([variables.entries(s) for _, s in named])
+            with log.open("a") as f:
+                for (kind, s), t, how in zip(named, seconds, tried or [{}] * len(named)):
+                    row = {"domain": key, "model": model, "knobs": knobs, "cluster": cluster.name, "kind": kind,
+                           "strategy": s.to_json(), "seconds": t, "knobs_tried": how,
+                           "hap_estimate": price.overlapped(variables.entries(s), variables, cost, est)}
+                    f.write(json.dumps(row) + "\n")
+                    history.append(row)
+            return seconds
+
+        base = _baselines(variables, plan, est, bw, measure, history, key, config, say) if config.baselines else {}
+        simulator: Simulator | None = None
+        while sum(1 for t in history if t["domain"] == key and t["kind"] == "trial") < config.trials:
+            done = sum(1 for t in history if t["domain"] == key and t["kind"] == "trial")
+            simulator = _trained(history, key, domain, variables, config, simulator, done)
+            pool = [sample(variables, bw, rng, config.space) for _ in range(config.candidates)]
+            samples = [_sample(domain, s) for s in pool]
+            if simulator is None:
+                predicted = [price.overlapped(variables.entries(s), variables, cost, est) for s in pool]
+            else:
+                predicted = simulator.scores(samples)
+                low = min(predicted)
+                predicted = [p - low + 1.0 for p in predicted]  # scores to positive, best 1
+            sim = _similarity(pool, samples, simulator, config)
+            k = min(config.per_round, config.trials - done)
+            picked = select(pool, predicted, k, config.alpha, sim)
+            seconds = measure([("trial", pool[i]) for i in picked])
+            best = min(t["seconds"] for t in history if t["domain"] == key)
+            say(f"[autosync] trials {done + k}/{config.trials}: {', '.join(f'{s * 1e3:.1f}' for s in seconds)} ms; "
+                f"best so far {best * 1e3:.1f} ms")
+    result = _result(history, key, domain, variables, plan, base, config, time.perf_counter() - t_start, out)
+    best = SyncStrategy.from_json(result["best"]["strategy"])
+    best_plan = with_strategy(plan, variables, best)
+    best_plan = _with_estimate(best_plan, graph, cluster, variables, cost, est)
+    best_plan.to_json(out / "plan.json")
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    _plots(history, key, out)
+    say(f"[autosync] best {result['best']['measured_seconds'] * 1e3:.1f} ms ({result['best']['kind']}); "
+        + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in result["baselines"].items())
+        + f"; wrote {out / 'result.json'}, {out / 'plan.json'}")
+    return result
+
+
+def _domain_key(model: str, knobs: dict, cluster: Cluster, plan: Plan) -> str:
+    text = json.dumps({"model": model, "knobs": knobs, "cluster": cluster.to_dict(), "plan": plan.digest}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _load(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    rows = []
+    for n, line in enumerate(log.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{log}:{n}: not a JSON line (a trial log holds one trial per line)") from None
+    return rows
+
+
+def _sample(domain: Domain, strategy: SyncStrategy, seconds: float = 0.0) -> Sample:
+    x, edges = features(domain, strategy)
+    return Sample(domain.name, x, edges, seconds)
+
+
+def _samples(history: list[dict], key: str, domain: Domain) -> list[Sample]:
+    """This domain's measured trials as simulator samples (other domains' need their own
+    variables: the caller trains on them only where it has them)."""
+    return [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in history if t["domain"] == key]
+
+
+def _trained(history, key, domain, variables, config: AutoSyncConfig, current, done) -> Simulator | None:
+    if done < config.learn_after:
+        return None
+    if current is not None and done % config.per_round:
+        return current
+    sim = Simulator(config.simulator, seed=config.seed)
+    sim.train(_samples(history, key, domain), epochs=config.epochs)
+    return sim
+
+
+def _similarity(pool, samples, simulator, config: AutoSyncConfig):
+    if config.similarity == "embedding" and simulator is not None:
+        emb = simulator.embeddings(samples)
+        cos = torch.nn.functional.cosine_similarity
+        return lambda i, j: (cos(emb[i], emb[j], dim=0).item() + 1) / 2
+    return lambda i, j: similarity(pool[i], pool[j])
+
+
+def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSyncConfig, say) -> dict[str, dict]:
+    """Each baseline's best measured run: from the log where this search measured them before."""
+    done: dict[str, dict] = {}
+    for t in history:
+        if t["domain"] == key and t["kind"].startswith("baseline:"):
+            name = t["kind"].split(":", 1)[1]
+            if name not in done or t["seconds"] < done[name]["measured_seconds"]:
+                done[name] = {"measured_seconds": t["seconds"], "strategy": t["strategy"], **t.get("knobs_tried", {})}
+    if {"hap", "ddp", "tuned-ps", "horovod"} <= set(done):
+        say("[autosync] baselines from the log: " + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in done.items()))
+        return done
+    out = {}
+    largest = max(v.nbytes for v in variables.vars)
+    sizes = sorted({max(2**16, largest // d) for d in (1, 2, 4, 8)}, reverse=True)  # partition sizes tried
+    named = [("hap", baselines.hap_default(variables, plan.sync)), ("ddp", baselines.ddp(variables))]
+    named += [("tuned-ps", baselines.tuned_ps(variables, bw, s)) for s in sizes]
+    seconds = measure([(f"baseline:{n}", s) for n, s in named], [{"partition_bytes": None}] * 2 +
+                      [{"partition_bytes": s} for s in sizes])
+    for (n, s), t, size in zip(named, seconds, [None, None] + sizes):
+        if n not in out or t < out[n]["measured_seconds"]:
+            out[n] = {"measured_seconds": t, "strategy": s.to_json(), **({"partition_bytes": size} if size else {})}
+    total = sum(v.nbytes for v in variables.vars)
+
+    def horovod(x):  # log2 threshold bytes, cycle ms
+        s = baselines.horovod_fusion(variables, est, 2 ** x[0], x[1] * 1e-3)
+        return measure([("baseline:horovod", s)], [{"fusion_threshold_bytes": int(2 ** x[0]), "cycle_ms": x[1]}])[0]
+
+    lo = max(10.0, float(int(max(1, min(v.nbytes for v in variables.vars))).bit_length()))
+    hi = max(lo + 1, float(int(total).bit_length()) + 1)
+    x, t, _ = baselines.bayesian_optimization(horovod, [(lo, hi), (0.1, 20.0)], samples=config.horovod_samples,
+                                              seed=config.seed)
+    out["horovod"] = {"measured_seconds": t, "fusion_threshold_bytes": int(2 ** x[0]), "cycle_ms": x[1],
+                      "strategy": baselines.horovod_fusion(variables, est, 2 ** x[0], x[1] * 1e-3).to_json()}
+    say("[autosync] baselines: " + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in out.items()))
+    return out
+
+
+def _result(history, key, domain: Domain, variables, plan, base, config: AutoSyncConfig, seconds: float, out) -> dict:
+    mine = [t for t in history if t["domain"] == key]
+    trials = [t for t in mine if t["kind"] == "trial"]
+    best = min(mine, key=lambda t: t["seconds"])
+    best_trial = min(trials, key=lambda t: t["seconds"]) if trials else None
+    return {
+        "model": mine[0]["model"], "knobs": mine[0]["knobs"], "cluster": mine[0]["cluster"],
+        "trials": len(trials),
+        "best": {"measured_seconds": best["seconds"], "kind": best["kind"], "strategy": best["strategy"],
+                 "text": str(SyncStrategy.from_json(best["strategy"]))},
+        "best_trial": None if best_trial is None else {"measured_seconds": best_trial["seconds"],
+                                                       "strategy": best_trial["strategy"]},
+        "baselines": {n: {k: v for k, v in b.items() if k != "strategy"} for n, b in base.items()},
+        "ranking_accuracy": _held_out(mine, domain, config),
+        "best_so_far": _best_so_far(trials),
+        "search_seconds": seconds,
+    }
+
+
+def _held_out(rows: list[dict], domain: Domain, config: AutoSyncConfig) -> dict[str, float]:
+    """Pairwise ranking accuracy on the last 30% of this domain's measured strategies of every
+    simulator, trained on the first 70% (hap's price and the analytic model need no training)."""
+    samples = [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in rows]
+    cut = int(0.7 * len(samples))
+    train, test = samples[:cut], samples[cut:]
+    vs, cost, est = domain.variables, domain.cost, domain.estimate
+    out = {}
+    test_rows = rows[cut:]
+    out["hap"] = ranking_accuracy([t["hap_estimate"] for t in test_rows], test)
+    out["analytic"] = ranking_accuracy([price.analytic(vs.entries(SyncStrategy.from_json(t["strategy"])), vs, cost,
+                                                       domain.compute) for t in test_rows], test)
+    for kind in KINDS:
+        sim = Simulator(kind, seed=config.seed)
+        sim.train(train, epochs=config.epochs)
+        out[kind] = ranking_accuracy(sim.scores(test), test)
+    out["held_out"] = len(test)
+    return out
+
+
+def _best_so_far(trials: list[dict]) -> list[float]:
+    best, out = float("inf"), []
+    for t in trials:
+        best = min(best, t["seconds"])
+        out.append(best)
+    return out
+
+
+def _with_estimate(plan: Plan, graph, cluster, variables, cost, est) -> Plan:
+    import dataclasses
+
+    seconds = price.overlapped(plan.sync, variables, cost, est)
+    return dataclasses.replace(plan, estimated_iteration_seconds=seconds,
+                               search={**plan.search, "sync": "autosync"})
+
+
+def _plots(history: list[dict], key: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [t for t in history if t["domain"] == key]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.scatter([t["hap_estimate"] * 1e3 for t in mine], [t["seconds"] * 1e3 for t in mine], s=10)
+    a.set_xlabel("hap's estimate (ms)")
+    a.set_ylabel("measured (ms)")
+    a.set_title("strategies: predicted vs measured")
+    trials = [t for t in mine if t["kind"] == "trial"]
+    b.plot(range(1, len(trials) + 1), [s * 1e3 for s in _best_so_far(trials)], label="AutoSync best so far")
+    names = {}
+    for t in mine:
+        if t["kind"].startswith("baseline:"):
+            n = t["kind"].split(":", 1)[1]
+            names[n] = min(names.get(n, float("inf")), t["seconds"])
+    for n, s in names.items():
+        b.axhline(s * 1e3, linestyle="--", linewidth=0.8, label=n)
+    b.set_xlabel("trials")
+    b.set_ylabel("ms per step")
+    b.legend(fontsize=7)
+    b.set_title("best strategy found")
+    fig.tight_layout()
+    fig.savefig(out / "autosync.png", dpi=120)
+    plt.close(fig)

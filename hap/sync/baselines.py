@@ -1,0 +1,126 @@
+"""Hand-designed synchronization strategies AutoSync is measured against (supplement, section 8),
+all expressed in the strategy space and run by the same runtime.
+
+- ddp: PyTorch DDP's buckets: all-reduce, gradients in reverse order of first use (the order they
+  arrive), a bucket closed once it holds 25 MB (the first one at 1 MB, as DDP does).
+- horovod: Horovod's tensor fusion autotuned: gradients that become ready within one cycle of the
+  background thread, up to a fusion threshold, travel as one all-reduce; Bayesian optimization
+  (a Gaussian process with expected improvement, 20 measured samples) over the threshold and the
+  cycle time. Readiness comes from the plan's estimated backward.
+- tuned-ps: the supplement's tuned parameter server: variables larger than a partition size are
+  split into parts, every part goes to the server with the least load for its bandwidth, and
+  machines of several devices reduce inside first; the partition size is tuned by measuring a
+  few (ByteScheduler's knob).
+- hap: the plan's own sync (bucketed all-reduce, one bucket per group of layers).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..cost.model import CostModel
+from ..search.program import Estimate
+from .strategy import PartSync, SyncStrategy, Variables, VarSync
+
+DDP_BUCKET = 25 * 2**20
+DDP_FIRST_BUCKET = 1 * 2**20
+
+
+def ddp(variables: Variables) -> SyncStrategy:
+    group, size, limit = 0, 0, DDP_FIRST_BUCKET
+    out = []
+    for v in variables.vars:  # backprop order: the order gradients arrive
+        if size and size + v.nbytes > limit:
+            group, size, limit = group + 1, 0, DDP_BUCKET
+        out.append(VarSync(v.param, (PartSync(kind="all_reduce", group=group),)))
+        size += v.nbytes
+    return SyncStrategy(tuple(out))
+
+
+def ready_times(variables: Variables, est: Estimate) -> list[float]:
+    """When each variable's gradient is complete, in seconds into the backward (plan estimate)."""
+    stages = est.stages
+    clock, done_at = 0.0, {}
+    for i in reversed(range(len(stages))):
+        clock += max(stages[i].bwd)
+        done_at[i] = clock
+        clock += stages[i].comm_bwd
+    return [done_at[est.stage_of[v.first_use]] for v in variables.vars]
+
+
+def horovod_fusion(variables: Variables, est: Estimate, threshold: float, cycle: float) -> SyncStrategy:
+    """Gradients fused per cycle of `cycle` seconds, each message at most `threshold` bytes."""
+    ready = ready_times(variables, est)
+    group, size, window = 0, 0.0, None
+    out = []
+    for v, t in zip(variables.vars, ready):
+        tick = math.floor(t / cycle) if cycle > 0 else 0
+        if window is not None and (tick != window or size + v.nbytes > threshold):
+            group, size = group + 1, 0.0
+        window = tick
+        out.append(VarSync(v.param, (PartSync(kind="all_reduce", group=group),)))
+        size += v.nbytes
+    return SyncStrategy(tuple(out))
+
+
+def bayesian_optimization(measure: Callable[[Sequence[float]], float], bounds: Sequence[tuple[float, float]],
+                          samples: int = 20, initial: int = 5, seed: int = 0) -> tuple[list[float], float, list]:
+    """Minimize measure(x) over the box `bounds`: `initial` random points, then each next point
+    the candidate (of 500 random ones) with the most expected improvement under a Gaussian
+    process (Matern kernel, noise fitted) of the measurements so far. Returns the best point,
+    its value, and every (point, value) measured."""
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import Matern, WhiteKernel
+    from scipy.stats import norm
+
+    rng = random.Random(seed)
+    lo = np.array([b[0] for b in bounds])
+    hi = np.array([b[1] for b in bounds])
+    draw = lambda: lo + (hi - lo) * np.array([rng.random() for _ in bounds])  # noqa: E731
+    xs, ys = [], []
+    for i in range(samples):
+        if i < initial:
+            x = draw()
+        else:
+            gp = GaussianProcessRegressor(kernel=Matern(nu=2.5) + WhiteKernel(1e-3), normalize_y=True, random_state=seed)
+            gp.fit((np.array(xs) - lo) / (hi - lo), np.array(ys))
+            cands = np.array([draw() for _ in range(500)])
+            mu, sd = gp.predict((cands - lo) / (hi - lo), return_std=True)
+            best = min(ys)
+            z = (best - mu) / np.maximum(sd, 1e-12)
+            ei = (best - mu) * norm.cdf(z) + sd * norm.pdf(z)
+            x = cands[int(np.argmax(ei))]
+        xs.append(x)
+        ys.append(measure(list(x)))
+    k = int(np.argmin(ys))
+    return list(xs[k]), ys[k], list(zip([list(x) for x in xs], ys))
+
+
+def tuned_ps(variables: Variables, bandwidth: Sequence[float], partition_bytes: float) -> SyncStrategy:
+    """Parameter servers balanced by bandwidth and load; parts of at most `partition_bytes`."""
+    hierarchical = any(len(m) > 1 for m in variables.machines)
+    parts: list[tuple[float, int, int]] = []  # (bytes, variable index, part index)
+    counts = []
+    for i, v in enumerate(variables.vars):
+        k = max(1, min(v.rows, math.ceil(v.nbytes / partition_bytes)))
+        counts.append(k)
+        parts += [(v.nbytes / k, i, j) for j in range(k)]
+    load = [0.0] * len(bandwidth)
+    server: dict[tuple[int, int], int] = {}
+    for size, i, j in sorted(parts, key=lambda p: (-p[0], p[1], p[2])):  # largest first, to the least loaded
+        s = min(range(len(bandwidth)), key=lambda d: ((load[d] + size) / bandwidth[d], d))
+        server[(i, j)] = s
+        load[s] += size
+    return SyncStrategy(tuple(VarSync(v.param, tuple(PartSync(kind="ps", server=server[(i, j)], hierarchical=hierarchical)
+                                                     for j in range(counts[i])))
+                              for i, v in enumerate(variables.vars)))
+
+
+def hap_default(variables: Variables, plan_sync) -> SyncStrategy:
+    """The plan's own buckets as a strategy (one all-reduce group per bucket)."""
+    group = {e.param: e.bucket for e in plan_sync}
+    return SyncStrategy(tuple(VarSync(v.param, (PartSync(kind="all_reduce", group=group[v.param]),)) for v in variables.vars))

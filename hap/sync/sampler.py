@@ -1,0 +1,119 @@
+"""Random strategies under AutoSync's two knowledge constraints (supplement, section 6).
+
+The sampler draws, per synchronized parameter, a number of parts (parameters at least
+`SpaceConfig.part_bytes` large may be split, into at most `max_parts`, never more than their
+rows), and per part the synchronizer: all-reduce or parameter server, hierarchical or not where
+the cluster has machines of several devices, and (only with `compress`) fp16 or PowerSGD for an
+all-reduce. Two fields are then filled by the constraints:
+
+- load balance (c_lb, Algorithm 1): the parameter-server parts, largest first, each go to a device
+  drawn from softmax(total load * bandwidth share - current load), so that servers carry load in
+  proportion to their network bandwidth. Loads are in units of the mean part size (the logits of
+  raw bytes would make the draw an argmax);
+- adjacent merge (c_am, Algorithm 2): the all-reduce parts, in backprop order, fill N groups of
+  about equal bytes one after the other (N drawn per strategy), so that each group's gradients
+  arrive together.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from .strategy import PartSync, SyncStrategy, Variables, VarSync
+
+
+@dataclass(kw_only=True, slots=True)
+class SpaceConfig:
+    compress: bool = False
+    """Also try fp16 and PowerSGD all-reduces (approximate: they change the training)."""
+    max_parts: int = 4
+    """Most parts a parameter is split into."""
+    part_bytes: int = 1 << 20
+    """A parameter may be split only into parts at least this large."""
+    max_groups: int = 8
+    """Most all-reduce fusion groups (N of c_am is drawn from 1..max_groups)."""
+    low_rank: int = 4
+    """PowerSGD's rank, where it is tried."""
+
+
+def bandwidths(variables: Variables, cost) -> list[float]:
+    """Each device's network bandwidth (its machine's card): what c_lb balances by."""
+    topo = cost.cluster.topology
+    if topo is None:
+        return [1.0] * variables.devices
+    return [topo.machines[topo.machine_of(d)].nic.bandwidth for d in range(variables.devices)]
+
+
+def sample(variables: Variables, bandwidth: list[float], rng: random.Random, config: SpaceConfig | None = None) -> SyncStrategy:
+    config = config or SpaceConfig()
+    hierarchical_possible = any(len(m) > 1 for m in variables.machines)
+    drafts: list[tuple[int, list[dict]]] = []  # per variable: its index, one dict per part
+    for i, var in enumerate(variables.vars):
+        most = min(config.max_parts, var.rows, max(1, var.nbytes // config.part_bytes))
+        parts = rng.choice([k for k in (1, 2, 4, 8, 16) if k <= most] or [1])
+        draft = []
+        for _ in range(parts):
+            kind = rng.choice(("all_reduce", "ps"))
+            d = {"kind": kind, "hierarchical": hierarchical_possible and rng.random() < 0.5}
+            if kind == "all_reduce" and config.compress:
+                d["compressor"] = rng.choice(("none", "fp16", "powersgd"))
+                if d["compressor"] != "none":
+                    d["hierarchical"] = False
+                    d["low_rank"] = config.low_rank
+            draft.append(d)
+        drafts.append((i, draft))
+    _balance_servers(variables, drafts, bandwidth, rng)
+    _merge_adjacent(variables, drafts, rng.randint(1, config.max_groups))
+    return SyncStrategy(tuple(VarSync(variables.vars[i].param, tuple(PartSync(**d) for d in draft)) for i, draft in drafts))
+
+
+def _part_size(variables: Variables, i: int, parts: int) -> float:
+    return variables.vars[i].nbytes / parts
+
+
+def _balance_servers(variables: Variables, drafts, bandwidth: list[float], rng: random.Random) -> None:
+    """c_lb: servers for the parameter-server parts, largest first, by bandwidth share."""
+    ps = [(_part_size(variables, i, len(draft)), d) for i, draft in drafts for d in draft if d["kind"] == "ps"]
+    if not ps:
+        return
+    unit = sum(size for size, _ in ps) / len(ps)
+    share = [b / sum(bandwidth) for b in bandwidth]
+    load = [0.0] * len(bandwidth)
+    for size, d in sorted(ps, key=lambda x: -x[0]):
+        total = sum(load)
+        logits = [(total * s - cur) / unit for s, cur in zip(share, load)]
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        j = rng.choices(range(len(bandwidth)), weights=weights)[0]
+        d["server"] = j
+        load[j] += size
+
+
+def _merge_adjacent(variables: Variables, drafts, groups: int) -> None:
+    """c_am: all-reduce parts in backprop order fill `groups` groups of about equal bytes."""
+    ar = [(_part_size(variables, i, len(draft)), d) for i, draft in drafts for d in draft if d["kind"] == "all_reduce"]
+    if not ar:
+        return
+    average = sum(size for size, _ in ar) / groups
+    g, load = 0, 0.0
+    for size, d in ar:  # variables are in backprop order already
+        if load >= average and g < groups - 1:
+            g, load = g + 1, 0.0
+        d["group"] = g
+        load += size
+
+
+def similarity(a: SyncStrategy, b: SyncStrategy) -> float:
+    """How many synchronization choices two strategies share, over all choices (0..1): per
+    parameter its number of parts, and per part its kind, server, group, hierarchy, compressor."""
+    same = total = 0
+    for va, vb in zip(a.vars, b.vars):
+        total += 1
+        same += len(va.parts) == len(vb.parts)
+        for pa, pb in zip(va.parts, vb.parts):
+            for field in ("kind", "server", "group", "hierarchical", "compressor"):
+                total += 1
+                same += getattr(pa, field) == getattr(pb, field)
+    return same / total if total else 1.0
