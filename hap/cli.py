@@ -3,6 +3,8 @@
     hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
     hap train --model vit --scale small --cluster local --steps 20 [--planner dp-ev]
     hap train --model vit --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]
+    hap sync --model vgg19 --scale small --cluster C.yaml --trials 50 --out sync/  # AutoSync
+    hap train --model vgg19 --scale small --cluster C.yaml --plan sync/plan.json   # train with it
     hap profile --cluster local -o local-profiled.yaml   # measure devices and collectives
     hap clusters                      # list the built-in clusters
     hap cluster paper-hetero-8        # show one (or a YAML file) as the planner reads it
@@ -54,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="which planner: astar (hap's synthesis, the default), or a baseline: dp-ev, dp-cp, tp, ep")
     t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"],
                    help="the same as --planner (hap: astar), kept for old command lines")
+    t.add_argument("--plan", metavar="FILE", help="train with this plan (hap plan --json, hap sync's DIR/plan.json) "
+                   "instead of planning")
     t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     t.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
     t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank: DIR/rank<r>.json")
@@ -67,6 +71,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint DIR (any plan, ratios or cluster size) "
                         "up to --steps in all")
+
+    y = sub.add_parser("sync", help="search the gradient synchronization strategy by simulators and trial runs (AutoSync)")
+    _add_model_args(y)
+    y.add_argument("--cluster", required=True, help="built-in cluster name or YAML file (local processes)")
+    y.add_argument("--trials", type=int, default=50, help="trial runs of the search (the baselines' not counted)")
+    y.add_argument("--out", required=True, metavar="DIR", help="writes DIR/trials.jsonl (appended: a search "
+                   "resumes), DIR/result.json, DIR/plan.json and DIR/autosync.png")
+    y.add_argument("--per-round", type=int, default=5, metavar="K", help="strategies run per round")
+    y.add_argument("--candidates", type=int, default=200, metavar="M", help="strategies sampled and predicted per round")
+    y.add_argument("--simulator", choices=["rnn", "gat", "linear"], default="rnn", help="the learned simulator that ranks")
+    y.add_argument("--compress", action="store_true", help="also try fp16 and PowerSGD (approximate: they change training)")
+    y.add_argument("--plan", metavar="FILE", help="the plan whose gradients to synchronize (default: data parallel, "
+                   "compute-proportional shares)")
+    y.add_argument("--seed", type=int, default=0)
 
     f = sub.add_parser("profile", help="measure a cluster's devices and collectives; write a cluster file")
     f.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
@@ -155,10 +173,14 @@ def cmd_train(args) -> int:
     say(cluster.describe())
     if args.calibrate:
         graph.timing = _calibrated(args, graph, cluster, say)
-    try:
-        result = make_plan(planner, graph, cluster)
-    except ValueError as e:  # a baseline this graph has not (ep without experts)
-        raise UserError(f"--planner {planner}: {e}") from None
+    if args.plan is not None:
+        result = _plan_file(args.plan, cluster)
+        planner = f"{args.plan}'s"
+    else:
+        try:
+            result = make_plan(planner, graph, cluster)
+        except ValueError as e:  # a baseline this graph has not (ep without experts)
+            raise UserError(f"--planner {planner}: {e}") from None
     print(result.summary())
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")
@@ -175,6 +197,49 @@ def cmd_train(args) -> int:
         result.to_json(os.path.join(args.trace, "plan.json"))
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
               f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
+    return 0
+
+
+def _plan_file(path: str, cluster):
+    from .plan import Plan
+
+    try:
+        plan = Plan.from_json(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--plan {path}: {e}") from None
+    if len(plan.devices) != cluster.size:
+        raise UserError(f"--plan {path} is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
+    return plan
+
+
+def cmd_sync(args) -> int:
+    from .cost.cluster import load_cluster
+    from .sync import AutoSyncConfig, SpaceConfig, run
+
+    cluster = load_cluster(args.cluster)
+    if not cluster.local:
+        raise UserError(f"cluster {cluster.name!r} is not local: hap sync measures strategies on local processes "
+                        "(a cluster file with local: true, emulating its devices and links)")
+    for name in ("trials", "per_round", "candidates"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    knobs = {k: getattr(args, k) for k in ("layers", "hidden", "batch", "seq", "experts", "scale") if getattr(args, k) is not None}
+    plan = _plan_file(args.plan, cluster) if args.plan else None
+    config = AutoSyncConfig(trials=args.trials, per_round=args.per_round, candidates=args.candidates,
+                            simulator=args.simulator, space=SpaceConfig(compress=args.compress), seed=args.seed)
+    try:
+        result = run(args.model, knobs, cluster, args.out, config, plan=plan,
+                     say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    best = result["best"]
+    print(f"best: {best['measured_seconds'] * 1e3:.1f} ms per step ({best['kind']}, {result['trials']} trials)")
+    for name, b in result["baselines"].items():
+        print(f"  {name:9s} {b['measured_seconds'] * 1e3:8.1f} ms   best is {b['measured_seconds'] / best['measured_seconds']:.2f}x faster")
+    acc = result["ranking_accuracy"]
+    print("ranking accuracy on held-out trials: " + ", ".join(f"{k} {v:.2f}" for k, v in acc.items() if k != "held_out")
+          + f" ({acc['held_out']} strategies)")
+    print(f"wrote {args.out}/result.json, {args.out}/plan.json (hap train --plan {args.out}/plan.json)")
     return 0
 
 
@@ -414,16 +479,17 @@ def main(argv: list[str] | None = None) -> int:
     from .capture import CaptureError
     from .cost.cluster import ClusterError
     from .runtime.launch import RankFailed
+    from .sync.trials import TrialsFailed
 
     args = _parser().parse_args(argv)
     handlers = {"plan": cmd_plan, "train": cmd_train, "profile": cmd_profile, "clusters": cmd_clusters,
-                "cluster": cmd_cluster, "explain": cmd_explain}
+                "cluster": cmd_cluster, "explain": cmd_explain, "sync": cmd_sync}
     try:
         return handlers[args.command](args)
     except (UserError, ClusterError, CaptureError, BalanceError) as e:
         print(f"hap: error: {e}", file=sys.stderr)
         return 2
-    except RankFailed as e:  # a training or profiling rank failed: its line, then its traceback
+    except (RankFailed, TrialsFailed) as e:  # a training or profiling rank failed: its line, then its traceback
         print(f"hap: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

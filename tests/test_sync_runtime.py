@@ -109,6 +109,45 @@ def test_exact_strategies_train_like_one_device(name, tmp_path):
             assert torch.allclose(torch.tensor(got["params"][pname]), p.detach(), rtol=1e-4, atol=1e-6), (name, pname)
 
 
+def sampled(rank, world, seeds):
+    """Strategies drawn by the sampler (parts, servers, groups, hierarchy mixed at random),
+    switched between on one model (HAP.resync), each training from the same start."""
+    import random
+
+    from hap.sync.sampler import SpaceConfig, sample
+
+    model, batches = data()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    cl = cluster()
+    graph = capture(model, (batches[0],))
+    plan = baseline_plan(graph, cl, "dp-ev", ratios=RATIOS)
+    variables = Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
+    dmodel = hap.HAP(model, cl, (batches[0],), plan=plan)
+    out = {}
+    for seed in seeds:
+        strategy = sample(variables, [1.0, 2.0, 2.0], random.Random(seed), SpaceConfig(part_bytes=64, max_parts=3))
+        dmodel.resync(variables.entries(strategy))
+        dmodel.load_state_dict(start)
+        out[seed] = {"losses": train(dmodel, batches), "strategy": str(strategy),
+                     "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
+    return out
+
+
+def test_sampled_strategies_train_like_one_device(tmp_path):
+    seeds = list(range(6))
+    reports = run_ranks(sampled, 3, tmp_path, seeds)
+    model, batches = data()
+    losses = train(model, batches)
+    kinds = set()
+    for got in reports:
+        for seed in map(str, seeds):
+            kinds |= {k for k in ("PS(", "AR(", ",h", " | ") if k in got[seed]["strategy"]}
+            assert got[seed]["losses"] == pytest.approx(losses, rel=1e-5), got[seed]["strategy"]
+            for pname, p in model.named_parameters():
+                assert torch.allclose(torch.tensor(got[seed]["params"][pname]), p.detach(), rtol=1e-4, atol=1e-6)
+    assert kinds == {"PS(", "AR(", ",h", " | "}  # servers, all-reduces, hierarchy and split parameters all ran
+
+
 def rank_gradient(rank: int, shape, step: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(100 * rank + step))
 

@@ -178,29 +178,42 @@ class GradSync:
     def _progress(self, block: bool) -> None:
         """Start every collective that may start: its bucket's previous one is done here, and
         its process group has carried the earlier buckets' collectives. With block, until all
-        are done."""
+        are done, waiting always on the earliest bucket's collective after starting all that
+        may start: that one depends on no later bucket's, so no two ranks wait on each other."""
         while True:
+            self._sweep()
+            if not block:
+                return
+            waiting = [f for f in self.flights if f.work is not None]
+            if not waiting:
+                assert all(f.next == len(f.steps) for f in self.flights), "a collective that can never start"
+                return
+            self._done(waiting[0])
+
+    def _sweep(self) -> None:
+        """Harvest the collectives done here and start those that may start, until none does."""
+        moved = True
+        while moved:
             moved = False
             for i, f in enumerate(self.flights):
-                if f.work is not None:
-                    if not (block or (f.work.is_completed() and time.perf_counter() >= f.ready_at)):
-                        continue
-                    self.comm.before()
-                    f.work.wait()
-                    self.comm.off_wire(f.ready_at)
-                    f.work, f.next, moved = None, f.next + 1, True
-                if f.next < len(f.steps) and self._turn(f.steps[f.next].lane) == i:
+                if f.work is not None and f.work.is_completed() and time.perf_counter() >= f.ready_at:
+                    self._done(f)
+                    moved = True
+                if f.work is None and f.next < len(f.steps) and self._turn(f.steps[f.next].lane) == i:
                     step = f.steps[f.next]
                     if step.before is not None:
                         f.message = step.before(f.message)
-                    devices = step.lane[0]
-                    f.ready_at = self.comm.on_wire(step.kind, step.bytes(f.message), devices)
+                    f.ready_at = self.comm.on_wire(step.kind, step.bytes(f.message), step.lane[0])
                     f.work = step.run(f.message)
                     self.carried[step.lane] += 1
                     moved = True
-            if not moved:
-                if not block or all(f.next == len(f.steps) and f.work is None for f in self.flights):
-                    return
+
+    def _done(self, f: _Flight) -> None:
+        """Wait for a bucket's collective in flight (and its emulated link time); its next may start."""
+        self.comm.before()
+        f.work.wait()
+        self.comm.off_wire(f.ready_at)
+        f.work, f.next = None, f.next + 1
 
     def _turn(self, lane: Lane) -> int:
         """The bucket whose collective the process group carries next."""
