@@ -11,6 +11,7 @@ forward(*inputs) returns the scalar training loss, with example inputs built in 
 | vit      | 8 pre-norm blocks, 768 wide, 12 heads, MLP 3072, 4x4 patches | 56.8M   | 64 per GPU   |
 | bert     | BERT-base, post-LN, vocab 33280, seq 128, MLM over all tokens| 111.6M  | 64 per GPU   |
 | bert-moe | bert with every second FFN a top-2 MoE of 2 experts per GPU  | 536.4M* | 32 per GPU   |
+| ncf      | NeuMF (MLPerf recommendation): 2.2M users, 855K items, 64 wide | 589.8M  | 256 per GPU  |
 
 (* at 8 GPUs: 16 experts.) Knobs left as None take the paper's value (or the small one with
 scale="small"). `hidden` scales the heads (64 wide at paper size) and the FFN (4x) with it;
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from . import bert, vgg, vit
+from . import bert, ncf, vgg, vit
 
 KNOBS = ("layers", "hidden", "seq", "experts")
 
@@ -64,6 +65,8 @@ MODELS: dict[str, ModelInfo] = {
                       _paper_or_small(bert.BertConfig), bert.Bert, bert.example_inputs),
     "bert-moe": ModelInfo("bert-moe", "BERT-MoE (top-2, every second layer)", ("layers", "hidden", "seq", "experts"),
                           32, 536.4, _paper_or_small(bert.BertConfig), bert.Bert, bert.example_inputs),
+    "ncf": ModelInfo("ncf", "NCF (NeuMF, MLPerf recommendation)", ("layers", "hidden"), 256, 589.8,
+                     _paper_or_small(ncf.NCFConfig), ncf.NCF, ncf.example_inputs),
 }
 
 

@@ -4,7 +4,10 @@ The sampler draws, per synchronized parameter, a number of parts (parameters at 
 `SpaceConfig.part_bytes` large may be split, into at most `max_parts`, never more than their
 rows), and per part the synchronizer: all-reduce or parameter server, hierarchical or not where
 the cluster has machines of several devices, and (only with `compress`) fp16 or PowerSGD for an
-all-reduce. Two fields are then filled by the constraints:
+all-reduce. The odds of each choice are drawn per strategy first (a parameter server with
+probability 0, 1/4, ..., 1; hierarchy 0, 1/2 or 1; splitting 0, 1/2 or 1), so that uniform
+strategies (every part hierarchical all-reduce, say) are drawn as often as mixed ones. Two
+fields are then filled by the constraints:
 
 - load balance (c_lb, Algorithm 1): the parameter-server parts, largest first, each go to a device
   drawn from softmax(total load * bandwidth share - current load), so that servers carry load in
@@ -49,14 +52,18 @@ def bandwidths(variables: Variables, cost) -> list[float]:
 def sample(variables: Variables, bandwidth: list[float], rng: random.Random, config: SpaceConfig | None = None) -> SyncStrategy:
     config = config or SpaceConfig()
     hierarchical_possible = any(len(m) > 1 for m in variables.machines)
+    p_ps = rng.choice((0.0, 0.25, 0.5, 0.75, 1.0))
+    p_hier = rng.choice((0.0, 0.5, 1.0)) if hierarchical_possible else 0.0
+    p_split = rng.choice((0.0, 0.5, 1.0))
     drafts: list[tuple[int, list[dict]]] = []  # per variable: its index, one dict per part
     for i, var in enumerate(variables.vars):
         most = min(config.max_parts, var.rows, max(1, var.nbytes // config.part_bytes))
-        parts = rng.choice([k for k in (1, 2, 4, 8, 16) if k <= most] or [1])
+        splits = [k for k in (2, 4, 8, 16) if k <= most]
+        parts = rng.choice(splits) if splits and rng.random() < p_split else 1
         draft = []
         for _ in range(parts):
-            kind = rng.choice(("all_reduce", "ps"))
-            d = {"kind": kind, "hierarchical": hierarchical_possible and rng.random() < 0.5}
+            kind = "ps" if rng.random() < p_ps else "all_reduce"
+            d = {"kind": kind, "hierarchical": rng.random() < p_hier}
             if kind == "all_reduce" and config.compress:
                 d["compressor"] = rng.choice(("none", "fp16", "powersgd"))
                 if d["compressor"] != "none":
