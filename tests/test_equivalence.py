@@ -120,7 +120,7 @@ class CrossAttention(nn.Module):
 
 
 LIBRARY = {"nn-transformer": EncoderClassifier, "nn-cnn": SmallCNN, "nn-cross-attention": CrossAttention}
-BUILT_IN = ["vit", "vgg19", "bert", "bert-moe"]
+BUILT_IN = ["vit", "vgg19", "bert", "bert-moe", "ncf"]
 # SGD with momentum, or Adam where no gradient is zero in theory: Adam turns the rounding noise
 # of such a gradient (attention's key bias) into full-size steps (see test_module.py).
 ADAM = {"vgg19", "nn-cnn"}
@@ -134,7 +134,8 @@ def build(name: str, world: int):
         cls = LIBRARY[name]
         return cls().train(), [cls.inputs(BATCH, gen) for _ in range(STEPS)]
     info, cfg, _ = resolve(name, scale="small", devices=world)
-    cfg = dataclasses.replace(cfg, dropout=0.0)
+    if hasattr(cfg, "dropout"):
+        cfg = dataclasses.replace(cfg, dropout=0.0)
     return info.model(cfg).train(), [info.example_inputs(cfg, BATCH, gen) for _ in range(STEPS)]
 
 

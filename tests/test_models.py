@@ -14,7 +14,7 @@ from hap.models.moe import MoEFFN, capacity
 
 torch.set_num_threads(1)
 
-NAMES = ["vgg19", "vit", "bert", "bert-moe"]
+NAMES = ["vgg19", "vit", "bert", "bert-moe", "ncf"]
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -143,7 +143,7 @@ def test_knobs():
 def test_unknown_and_bad_knobs():
     with pytest.raises(ValueError) as e:
         build("resnet")
-    assert str(e.value) == "unknown model 'resnet'; choose from vgg19, vit, bert, bert-moe"
+    assert str(e.value) == "unknown model 'resnet'; choose from vgg19, vit, bert, bert-moe, ncf"
     with pytest.raises(ValueError, match="no 'seq' knob"):
         build("vit", seq=64)
     with pytest.raises(ValueError, match="no 'experts' knob"):

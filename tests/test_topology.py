@@ -111,8 +111,14 @@ def test_malformed_topologies_are_one_line_errors(change, message):
 def test_emulation_sleeps_the_topologys_time():
     cl = cluster_from_dict({**MIXED, "emulate": True, "local": True})
     emu = Emulation.for_rank(cl, 0)
-    assert emu.link["all_reduce"].time(1e6) == pytest.approx(cl.fit("all_reduce").time(1e6))
-    assert not Emulation.for_rank(cluster_from_dict(MIXED), 0).link
+    one = emu.links.run_seconds("all_reduce", 1e6, range(cl.size))
+    assert one == pytest.approx(cl.fit("all_reduce").time(1e6))
+    # the rank's link carries one collective at a time: a second one started at once ends one
+    # link time after the first
+    first = emu.on_wire("all_reduce", 1e6)
+    second = emu.on_wire("all_reduce", 1e6)
+    assert second - first == pytest.approx(one)
+    assert Emulation.for_rank(cluster_from_dict(MIXED), 0).links is None
     with pytest.raises(ClusterError, match="emulate: true needs 'machines' or 'network'"):
         cluster_from_dict({"devices": MIXED["devices"], "collectives": load_cluster("local-4").to_dict()["collectives"],
                            "emulate": True})

@@ -249,8 +249,8 @@ def _vocab_parallel(node, st, args, kwargs, ctx, graph):
     inside = (local >= 0) & (local < rows)
     pad = arg(node, 2, "padding_idx", -1)
     pad = pad - lo if pad >= 0 and 0 <= pad - lo < rows else -1  # the padding row lives on one device
-    if rows == 0:
-        return weight.new_zeros((*ids.shape, weight.shape[1]))
+    if rows == 0:  # an idle device: zeros, tied to W so that the backward reaches this node here too
+        return weight.new_zeros((*ids.shape, weight.shape[1])) + weight.sum() * 0
     out = torch.ops.aten.embedding.default(weight, torch.where(inside, local, 0), pad)
     # A multiply, not indexing: out-of-range positions then send exactly zero gradient to row 0.
     return out * inside.unsqueeze(-1).to(out.dtype)

@@ -397,8 +397,14 @@ class Executor:
 
     def sync_gradients(self) -> None:
         """All-reduce, in one bucket, the partial gradients of parameters kept whole (R)."""
-        grads = [p.grad for name, p in self.params.items() if self.stored[name][0] == R and p.grad is not None]
-        if not grads or self.comm.world == 1:
+        if self.comm.world == 1:
+            return
+        whole = [p for name, p in self.params.items() if self.stored[name][0] == R and p.requires_grad]
+        for p in whole:  # a rank whose share reached no use of p (an idle rank) adds zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in whole]
+        if not grads:
             return
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.comm)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):

@@ -1,0 +1,303 @@
+"""AutoSync's parts without a process group: strategies as plan entries, the knowledge
+constraints, candidate selection, the two prices, the learned simulators and the baselines."""
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hap.capture import capture
+from hap.cost.cluster import cluster_from_dict
+from hap.cost.model import CostModel
+from hap.plan import SyncEntry, check_sync
+from hap.planner import baseline_plan
+from hap.rules import strategy_table
+from hap.rules.units import ShardClasses
+from hap.search.program import replay
+from hap.sync import baselines, price
+from hap.sync.sampler import SpaceConfig, _balance_servers, sample, similarity
+from hap.sync.select import select
+from hap.sync.simulators import MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
+from hap.sync.strategy import PartSync, SyncStrategy, Variable, Variables, VarSync
+
+torch.set_num_threads(1)
+AR, PS = "all_reduce", "ps"
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 48)
+        self.fc3 = nn.Linear(48, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))).pow(2).mean()
+
+
+def two_machines(nic_a="1Gbps", nic_b="4Gbps"):
+    """Machine a: device 0; machine b: devices 1 and 2."""
+    fast = {"bandwidth": "10GB/s", "latency": "5us"}
+    return cluster_from_dict({
+        "name": "t", "algorithm": "ring",
+        "devices": [{"name": "gpu", "count": 3, "flops": 1e12, "memory": "16GiB"}],
+        "machines": [{"name": "a", "devices": 1, "intra": fast, "nic": {"bandwidth": nic_a, "latency": "20us"}},
+                     {"name": "b", "devices": 2, "intra": fast, "nic": {"bandwidth": nic_b, "latency": "20us"}}]})
+
+
+@pytest.fixture(scope="module")
+def setting():
+    cl = two_machines()
+    graph = capture(MLP(), (torch.randn(64, 32),))
+    plan = baseline_plan(graph, cl, "dp-ev")
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+    est = replay(plan.steps(graph), cost, [0] * len(graph.nodes), plan.ratios)
+    variables = Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
+    return cl, graph, plan, cost, est, variables
+
+
+def uniform(variables, part: PartSync, parts: int = 1) -> SyncStrategy:
+    return SyncStrategy(tuple(VarSync(v.param, (part,) * min(parts, v.rows)) for v in variables.vars))
+
+
+# -- strategies and their plan entries --------------------------------------------------------------
+
+def test_variables_in_backprop_order(setting):
+    *_, variables = setting
+    assert [v.target for v in variables.vars] == ["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"] \
+        or [v.first_use for v in variables.vars] == sorted((v.first_use for v in variables.vars), reverse=True)
+    assert variables.machines == ((0,), (1, 2))
+
+
+def test_entries_split_parts_and_order_buckets_by_readiness(setting):
+    *_, variables = setting
+    fc1 = next(v for v in variables.vars if v.target == "fc1.weight")  # 64 rows
+    strategy = SyncStrategy(tuple(
+        VarSync(v.param, (PartSync(kind=PS, server=1), PartSync(kind=PS, server=2), PartSync(kind=AR, group=1)))
+        if v is fc1 else VarSync(v.param, (PartSync(kind=AR, group=0),)) for v in variables.vars))
+    entries = variables.entries(strategy)
+    parts = [e for e in entries if e.param == fc1.param]
+    assert sorted(e.rows for e in parts) == [(0, 22), (22, 21), (43, 21)]  # as even as 64 rows allow
+    # group 0 holds the last layers' gradients (first to arrive): it launches first; fc1's parts last
+    assert entries[0].bucket == 0 and all(e.bucket == 0 for e in entries if e.param != fc1.param)
+    assert len({e.bucket for e in parts}) == 3
+
+
+def test_strategy_round_trips_and_prints(setting):
+    *_, variables = setting
+    s = uniform(variables, PartSync(kind=PS, server=2, hierarchical=True), parts=2)
+    assert SyncStrategy.from_json(s.to_json()) == s
+    assert "PS(2,h) | PS(2,h)" in str(s)
+    with pytest.raises(ValueError, match="malformed sync strategy"):
+        SyncStrategy.from_json([{"param": "x"}])
+
+
+@pytest.mark.parametrize("entry,message", [
+    (dict(strategy=PS, server=5), "parameter server 5 is not one of its devices"),
+    (dict(strategy=PS, server=0, compressor="fp16"), "compressor fp16 runs with all_reduce only"),
+    (dict(devices=(0, 0, 1)), "are not distinct devices"),
+    (dict(low_rank=0, compressor="powersgd"), "PowerSGD rank must be at least 1"),
+    (dict(server=1), "a server is named but the strategy is all_reduce"),
+])
+def test_bad_sync_entries_get_one_line(entry, message):
+    e = SyncEntry(**{"param": "w", "bucket": 0, "devices": (0, 1, 2), **entry})
+    with pytest.raises(ValueError, match=message) as err:
+        check_sync([e], 3)
+    assert "\n" not in str(err.value)
+
+
+def test_parts_must_cover_once_and_buckets_agree():
+    base = dict(param="w", devices=(0, 1))
+    with pytest.raises(ValueError, match="do not cover dim 0 once"):
+        check_sync([SyncEntry(bucket=0, rows=(0, 4), **base), SyncEntry(bucket=1, rows=(3, 4), **base)], 2)
+    with pytest.raises(ValueError, match="synchronized differently"):
+        check_sync([SyncEntry(bucket=0, **base), SyncEntry(bucket=0, param="v", devices=(0, 1), strategy=PS, server=0)], 2)
+
+
+# -- the knowledge constraints ----------------------------------------------------------------------
+
+def test_load_balance_gives_servers_load_by_bandwidth():
+    # 42 equal parameter-server parts over cards of bandwidth 1 : 3 : 3. Algorithm 1's target is
+    # the load so far split by bandwidth share, so the draws track 1/7, 3/7, 3/7 of the bytes
+    # (an even draw would give each 1/3).
+    variables = Variables(tuple(Variable(param=f"p{i}", target=f"p{i}", shape=(8, 128), nbytes=4096, first_use=i, sparse=False)
+                                for i in range(42)), devices=3)
+    rng = random.Random(0)
+    load = [0.0, 0.0, 0.0]
+    for _ in range(50):
+        drafts = [(i, [{"kind": PS, "hierarchical": False}]) for i in range(42)]
+        _balance_servers(variables, drafts, [1.0, 3.0, 3.0], rng)
+        for i, draft in drafts:
+            load[draft[0]["server"]] += variables.vars[i].nbytes
+    share = [x / sum(load) for x in load]
+    assert share[0] == pytest.approx(1 / 7, abs=0.03) and share[1] == pytest.approx(3 / 7, abs=0.04)
+
+
+def test_sampled_strategies_mix_servers_and_all_reduces(setting):
+    *_, variables = setting
+    rng = random.Random(0)
+    kinds = set()
+    for _ in range(60):
+        s = sample(variables, [1.0, 3.0, 3.0], rng, SpaceConfig(part_bytes=256, max_parts=4))
+        for vs in s.vars:
+            for p in vs.parts:
+                kinds.add(p.kind)
+                assert p.server in range(3)
+    assert kinds == {PS, AR}
+
+
+def test_adjacent_merge_fills_groups_in_backprop_order(setting):
+    *_, variables = setting
+    rng = random.Random(1)
+    seen_groups = set()
+    for _ in range(100):
+        s = sample(variables, [1.0, 1.0, 1.0], rng, SpaceConfig(max_groups=3))
+        groups = [p.group for vs in s.vars for p in vs.parts if p.kind == AR]
+        assert groups == sorted(groups) and (not groups or groups[0] == 0)  # filled one after another
+        seen_groups.add(max(groups, default=0))
+    assert seen_groups >= {0, 1}
+
+
+def test_sampler_draws_uniform_and_compressed_strategies_only_when_asked(setting):
+    *_, variables = setting
+    rng = random.Random(2)
+    strategies = [sample(variables, [1.0, 1.0, 1.0], rng) for _ in range(200)]
+    assert all(s.exact for s in strategies)
+    kinds = [{(p.kind, p.hierarchical) for vs in s.vars for p in vs.parts} for s in strategies]
+    assert {(AR, True)} in kinds and {(PS, False)} in kinds  # all-hierarchical all-reduce, all plain servers
+    assert any(not s.exact for s in (sample(variables, [1.0] * 3, rng, SpaceConfig(compress=True)) for _ in range(50)))
+
+
+def test_similarity_counts_shared_choices(setting):
+    *_, variables = setting
+    a = uniform(variables, PartSync(kind=AR))
+    assert similarity(a, a) == 1.0
+    b = uniform(variables, PartSync(kind=PS, server=1))
+    assert 0 < similarity(a, b) < 1  # same parts count, group; other kind, server
+
+
+# -- Eq. 11 ----------------------------------------------------------------------------------------
+
+def test_selection_trades_predicted_time_for_diversity():
+    """Candidates 0 and 1 are alike (similarity 1) and fast, 2 is unlike both and 20% slower.
+    Without the similarity term the two fastest win; with alpha = 1 the second alike one costs
+    1.01 + 2 * 1 against 1.2 + 2 * 0: candidate 2 is taken."""
+    sims = {(0, 1): 1.0, (1, 0): 1.0}
+    sim = lambda i, j: sims.get((i, j), 0.0)  # noqa: E731
+    cands = [None] * 3
+    assert select(cands, [1.0, 1.01, 1.2], 2, 0.0, sim) == [0, 1]
+    assert select(cands, [1.0, 1.01, 1.2], 2, 1.0, sim) == [0, 2]
+    with pytest.raises(ValueError, match="3 candidates but 2 predictions"):
+        select(cands, [1.0, 2.0], 1, 0.1, sim)
+
+
+# -- prices ----------------------------------------------------------------------------------------
+
+def test_hap_price_of_the_plans_own_sync_is_its_estimate(setting):
+    cl, graph, plan, cost, est, variables = setting
+    assert price.overlapped(plan.sync, variables, cost, est) == pytest.approx(est.seconds, rel=1e-9)
+
+
+def test_hierarchy_halves_what_crosses_the_slow_card(setting):
+    """Ring over 3 devices through device 0's 1 Gbps card: 2 * 2/3 of the bytes cross it; the
+    hierarchical all-reduce sends 2 * 1/2 of them between the two machines' leaders."""
+    cl, graph, plan, cost, est, variables = setting
+    flat = variables.entries(uniform(variables, PartSync(kind=AR)))
+    hier = variables.entries(uniform(variables, PartSync(kind=AR, hierarchical=True)))
+    n = sum(v.nbytes for v in variables.vars)
+    bw = 1e9 / 8
+    (first_flat, _), = [price.phases(b, variables, cost) for b in price.buckets(flat, variables)]
+    b_hier, = price.buckets(hier, variables)
+    inside, rest = price.phases(b_hier, variables, cost)
+    assert first_flat == pytest.approx(4 / 3 * n / bw + 20e-6 + 4 * 20e-6, rel=1e-6)
+    assert rest - inside < first_flat  # the leaders' all-reduce and the broadcast back beat the flat ring
+    compute = 1.0  # compute-bound: Eq. 1 says the sync does not matter
+    assert price.analytic(flat, variables, cost, compute) == compute
+
+
+def test_analytic_parameter_server_is_eq2(setting):
+    """One server (device 1) for everything: machine a (1 device) sends and receives every byte
+    over the slower card (1 Gbps), plus phi; machine b holds the server; plus delta."""
+    cl, graph, plan, cost, est, variables = setting
+    entries = variables.entries(uniform(variables, PartSync(kind=PS, server=1)))
+    t = price.analytic(entries, variables, cost, 0.0)
+    nbytes = [v.nbytes for v in variables.vars]
+    expected = sum(2 * n / (1e9 / 8) + 20e-6 + 20e-6 for n in nbytes)
+    assert t == pytest.approx(expected, rel=1e-6)
+
+
+# -- learned simulators ----------------------------------------------------------------------------
+
+def synthetic(setting, count, seed):
+    """Strategies whose 'measured' time is hap's overlap price: a known, learnable function."""
+    cl, graph, plan, cost, est, variables = setting
+    domain = Domain("mlp", variables, cost, est)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        s = sample(variables, [1.0, 4.0, 4.0], rng, SpaceConfig(part_bytes=512))
+        x, edges = features(domain, s)
+        out.append(Sample("mlp", x, edges, price.overlapped(variables.entries(s), variables, cost, est)))
+    return out
+
+
+def test_pairs_skip_near_ties():
+    s = [Sample("a", None, [], 1.0), Sample("a", None, [], 1.0 + MARGIN / 2), Sample("a", None, [], 2.0),
+         Sample("b", None, [], 0.5)]
+    assert sorted(pairs(s)) == [(0, 2), (1, 2)]  # not across domains, not within the margin
+    assert ranking_accuracy([0.0, 1.0, 2.0, 9.0], s) == 1.0
+    assert ranking_accuracy([3.0, 1.0, 2.0, 9.0], s) == 0.5
+
+
+@pytest.mark.parametrize("kind", ["linear", "rnn", "gat"])
+def test_simulators_learn_to_rank(setting, kind):
+    train, test = synthetic(setting, 60, 0), synthetic(setting, 25, 1)
+    sim = Simulator(kind, seed=0)
+    before = ranking_accuracy(sim.scores(test), test)
+    sim.train(train, epochs=40)
+    after = ranking_accuracy(sim.scores(test), test)
+    assert after >= 0.75 and after > before - 0.05, (kind, before, after)
+
+
+# -- baselines -------------------------------------------------------------------------------------
+
+def test_ddp_buckets_in_arrival_order(setting):
+    *_, variables = setting
+    s = baselines.ddp(variables)
+    assert all(p.kind == AR for vs in s.vars for p in vs.parts)
+    total = sum(v.nbytes for v in variables.vars)
+    assert max(p.group for vs in s.vars for p in vs.parts) == (0 if total <= baselines.DDP_FIRST_BUCKET else 1)
+
+
+def test_horovod_fusion_by_threshold_and_cycle(setting):
+    cl, graph, plan, cost, est, variables = setting
+    one = baselines.horovod_fusion(variables, est, threshold=1e12, cycle=1e3)
+    assert {p.group for vs in one.vars for p in vs.parts} == {0}  # everything within one cycle and threshold
+    each = baselines.horovod_fusion(variables, est, threshold=1.0, cycle=1e3)
+    assert len({p.group for vs in each.vars for p in vs.parts}) == len(variables.vars)
+
+
+def test_bayesian_optimization_finds_a_quadratics_minimum():
+    calls = []
+
+    def f(x):
+        calls.append(x)
+        return (x[0] - 0.3) ** 2 + (x[1] - 7.0) ** 2 / 100
+
+    x, y, tried = baselines.bayesian_optimization(f, [(0.0, 1.0), (0.0, 10.0)], samples=15, seed=0)
+    assert len(calls) == 15 and len(tried) == 15
+    assert abs(x[0] - 0.3) < 0.15 and y == min(v for _, v in tried) and y < 0.03
+
+
+def test_tuned_ps_partitions_and_balances(setting):
+    *_, variables = setting
+    s = baselines.tuned_ps(variables, [1.0, 2.0, 2.0], partition_bytes=2048)
+    for v, vs in zip(variables.vars, s.vars):
+        assert v.nbytes / len(vs.parts) <= 2048 or len(vs.parts) == v.rows
+    load = [0.0] * 3
+    for v, vs in zip(variables.vars, s.vars):
+        for p in vs.parts:
+            load[p.server] += v.nbytes / len(vs.parts)
+    assert load[0] < load[1] and load[0] < load[2]  # the slow card serves least
+    assert all(p.hierarchical for vs in s.vars for p in vs.parts)  # machine b has two devices
