@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/autosync.py [--quick] --out out/bench-autosync
 
 Models: a CNN (VGG19, small, classifier 128 wide), a transformer encoder (BERT, 2 layers, 128
-wide) and a recommendation model whose embedding tables dominate (NCF, small: 2.4M parameters).
+wide) and a recommendation model whose embedding tables dominate (NCF, small: 2.4M parameters),
+with sparse embedding gradients (ncf-sparse) and, not in --quick, dense ones (ncf).
 Clusters: after AutoSync's mixed clusters B9 and B12 (a 1-GPU machine with a slower network card
 beside a multi-GPU machine), scaled to 3 local ranks with emulated links
 (benchmarks/clusters/autosync-*.yaml). Each case runs `hap sync`'s loop (hap.sync.run) with the
@@ -12,7 +13,7 @@ trial budget below; the baselines are measured in the same runs.
 Writes DIR/autosync.json ({cases: [{model, cluster, trials, best_measured_seconds, best_kind,
 baselines: {name: seconds}, speedup_over_best_baseline, ranking_accuracy}]}), each case's
 trials, result, plan and plot under DIR/<model>-<cluster>/, and DIR/report.md. --quick: one
-cluster, 15 trials per case, 8 Horovod samples (under 10 minutes on 2 cores).
+cluster, three models, 15 trials per case, 8 Horovod samples (under 10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODELS = [("vgg19", {"scale": "small", "hidden": 128, "batch": 24}),
           ("bert", {"scale": "small", "layers": 2, "hidden": 128, "seq": 32, "batch": 16}),
-          ("ncf", {"scale": "small", "batch": 256})]
+          ("ncf-sparse", {"scale": "small", "batch": 256}),
+          ("ncf", {"scale": "small", "batch": 256})]  # not in --quick
 
 
 def main() -> int:
@@ -47,7 +49,7 @@ def main() -> int:
     t0 = time.perf_counter()
     for cluster_name in clusters:
         cluster = load_cluster(HERE / "clusters" / f"{cluster_name}.yaml")
-        for model, knobs in MODELS:
+        for model, knobs in (MODELS[:3] if args.quick else MODELS):
             case_dir = out / f"{model}-{cluster_name}"
             if case_dir.exists():
                 shutil.rmtree(case_dir)  # a benchmark measures afresh (hap sync itself resumes)

@@ -24,7 +24,7 @@ class UserError(Exception):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="vgg19, vit, bert or bert-moe")
+    p.add_argument("--model", required=True, help="vgg19, vit, bert, bert-moe, ncf or ncf-sparse")
     p.add_argument("--layers", type=int, help="transformer layers (default: the paper's)")
     p.add_argument("--hidden", type=int, help="hidden width (default: the paper's)")
     p.add_argument("--batch", type=int, help="global batch (default: 64 per GPU, 32 for bert-moe)")

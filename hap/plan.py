@@ -116,11 +116,15 @@ class SyncEntry:
     hierarchical: bool = False
     """Reduce inside each machine first (to one device per machine), then across machines, then
     send back inside each machine: only one device per machine uses the network."""
+    sparse: bool = False
+    """The gradient is sparse (an embedding with sparse=True): all_reduce all-gathers every
+    rank's (row indices, rows), ps gathers them to the server, which sends back their sum. Such
+    an entry is its parameter's only one and alone in its bucket, uncompressed, not hierarchical."""
 
     @property
     def how(self) -> tuple:
         """What the entries of one bucket share."""
-        return self.strategy, self.compressor, self.low_rank, self.server, self.hierarchical, self.devices
+        return self.strategy, self.compressor, self.low_rank, self.server, self.hierarchical, self.devices, self.sparse
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,7 +309,8 @@ class Plan:
 def check_sync(sync: list[SyncEntry], devices: int) -> None:
     """ValueError, in one line, for sync entries the runtime cannot run: a device out of range, a
     server outside its group, a compressor on a parameter server, a bucket whose entries
-    disagree on how they are synchronized, a parameter whose parts overlap or leave gaps."""
+    disagree on how they are synchronized, a sparse gradient split, compressed or sharing its
+    bucket, a parameter whose parts overlap or leave gaps."""
     how: dict[int, tuple] = {}
     parts: dict[str, list[tuple[int, int] | None]] = {}
     for e in sync:
@@ -319,6 +324,11 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
             raise ValueError(f"sync of {e.param}: compressor {e.compressor} runs with all_reduce only, not {e.strategy}")
         if e.low_rank < 1:
             raise ValueError(f"sync of {e.param}: PowerSGD rank must be at least 1, got {e.low_rank}")
+        if e.sparse and (e.rows is not None or e.compressor != "none" or e.hierarchical):
+            raise ValueError(f"sync of {e.param}: a sparse gradient is synchronized whole, uncompressed and not "
+                             "hierarchically")
+        if e.bucket in how and (e.sparse or how[e.bucket][-1]):
+            raise ValueError(f"sync bucket {e.bucket}: a sparse gradient must be alone in its bucket ({e.param})")
         if how.setdefault(e.bucket, e.how) != e.how:
             raise ValueError(f"sync bucket {e.bucket}: its entries are synchronized differently ({e.param})")
         parts.setdefault(e.param, []).append(e.rows)

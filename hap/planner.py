@@ -347,8 +347,13 @@ def _assemble(cost: CostModel, segment_of, program, ratios, est, baselines, seco
     """The Plan of a program priced by `cost` (whose graph, cluster and shard classes it is)."""
     graph, cluster, classes = cost.graph, cost.cluster, cost.classes
     devices = list(range(cluster.size))
-    sync = [SyncEntry(param=name, bucket=i, devices=tuple(devices))
-            for i, bucket in enumerate(sync_buckets(program, graph, segment_of, cost.bucket_of)) for name in bucket]
+    sync: list[SyncEntry] = []
+    for bucket in sync_buckets(program, graph, segment_of, cost.bucket_of):
+        dense = [name for name in bucket if name not in cost.sparse_rows]
+        for group in ([dense] if dense else []) + [[name] for name in bucket if name in cost.sparse_rows]:
+            b = len({e.bucket for e in sync})  # a sparse gradient goes alone, after its bucket's dense ones
+            sync += [SyncEntry(param=name, bucket=b, devices=tuple(devices), sparse=name in cost.sparse_rows)
+                     for name in group]
     stage = PlanStage(devices=devices, nodes=[0, len(graph.nodes) - 1], segments=_segment_ranges(segment_of), ratios=ratios,
                       program=instructions(program, graph), shards=shard_sizes(program, graph, classes, segment_of, ratios))
     return Plan(

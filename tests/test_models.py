@@ -14,7 +14,7 @@ from hap.models.moe import MoEFFN, capacity
 
 torch.set_num_threads(1)
 
-NAMES = ["vgg19", "vit", "bert", "bert-moe", "ncf"]
+NAMES = ["vgg19", "vit", "bert", "bert-moe", "ncf", "ncf-sparse"]
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -33,9 +33,12 @@ def test_small_forward_backward(small):
     loss = model(*inputs)
     assert loss.shape == () and loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
-    for pname, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
-    assert any(p.grad.abs().sum() > 0 for p in model.parameters())
+    grads = {pname: p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
+             for pname, p in model.named_parameters()}  # ncf-sparse's tables: sparse
+    for pname, g in grads.items():
+        assert g is not None and torch.isfinite(g).all(), pname
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    assert any(p.grad.is_sparse for p in model.parameters()) == name.endswith("-sparse")
 
 
 def test_small_is_fast(small):
@@ -52,7 +55,9 @@ def test_small_trains(small):
     name, model, inputs = small
     model.eval()  # no dropout: the loss on one batch must fall
     try:
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        # Adam refuses sparse gradients; Adagrad takes them
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05) if name.endswith("-sparse") \
+            else torch.optim.Adam(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(8):
             opt.zero_grad()
@@ -143,7 +148,7 @@ def test_knobs():
 def test_unknown_and_bad_knobs():
     with pytest.raises(ValueError) as e:
         build("resnet")
-    assert str(e.value) == "unknown model 'resnet'; choose from vgg19, vit, bert, bert-moe, ncf"
+    assert str(e.value) == "unknown model 'resnet'; choose from vgg19, vit, bert, bert-moe, ncf, ncf-sparse"
     with pytest.raises(ValueError, match="no 'seq' knob"):
         build("vit", seq=64)
     with pytest.raises(ValueError, match="no 'experts' knob"):

@@ -301,3 +301,67 @@ def test_tuned_ps_partitions_and_balances(setting):
             load[p.server] += v.nbytes / len(vs.parts)
     assert load[0] < load[1] and load[0] < load[2]  # the slow card serves least
     assert all(p.hierarchical for vs in s.vars for p in vs.parts)  # machine b has two devices
+
+
+# -- sparse gradients ------------------------------------------------------------------------------
+
+class Rec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.users = nn.Embedding(1000, 16, sparse=True)
+        self.score = nn.Linear(16, 1)
+
+    def forward(self, users):
+        return self.score(self.users(users)).mean()
+
+
+@pytest.fixture(scope="module")
+def sparse_setting():
+    cl = two_machines()
+    graph = capture(Rec(), (torch.randint(0, 1000, (24,)),))
+    plan = baseline_plan(graph, cl, "dp-ev")
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+    return graph, plan, cost, Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
+
+
+def test_sparse_gradients_are_priced_by_the_rows_a_step_touches(sparse_setting):
+    graph, plan, cost, variables = sparse_setting
+    table = next(n for n in graph.params if graph.tensors[n].shape == (1000, 16))
+    assert cost.sparse_rows == {table: 24}  # 24 ids looked up: at most 24 rows
+    # 24 rows of 64 bytes with their 8-byte indices, all-gathered: an all-reduce of half that
+    assert cost.sync_bytes(table) == 24 * (64 + 8) / 2
+    var = next(v for v in variables.vars if v.param == table)
+    assert var.sparse and var.wire_bytes == 24 * 72 and var.wire_bytes < var.nbytes
+    # hap's own plan syncs the table alone in its bucket, marked sparse
+    (entry,) = [e for e in plan.sync if e.param == table]
+    assert entry.sparse and sum(1 for e in plan.sync if e.bucket == entry.bucket) == 1
+
+
+def test_sparse_gradients_are_never_split_or_compressed(sparse_setting):
+    *_, variables = sparse_setting
+    rng = random.Random(3)
+    for _ in range(50):
+        s = sample(variables, [1.0, 1.0, 1.0], rng, SpaceConfig(compress=True, part_bytes=64, max_parts=4))
+        for v, vs in zip(variables.vars, s.vars):
+            if v.sparse:
+                assert len(vs.parts) == 1 and vs.parts[0].compressor == "none" and not vs.parts[0].hierarchical
+        entries = variables.entries(s)
+        sparse = [e for e in entries if e.sparse]
+        assert len(sparse) == 1 and sum(1 for e in entries if e.bucket == sparse[0].bucket) == 1
+    table = next(v for v in variables.vars if v.sparse)
+    with pytest.raises(ValueError, match="a sparse gradient is synchronized whole"):
+        variables.entries(SyncStrategy(tuple(VarSync(v.param, (PartSync(kind=AR, hierarchical=v is table),))
+                                             for v in variables.vars)))
+
+
+@pytest.mark.parametrize("entries,message", [
+    ([dict(param="w", bucket=0, sparse=True, rows=(0, 4)), dict(param="w", bucket=1, sparse=True, rows=(4, 4))],
+     "a sparse gradient is synchronized whole"),
+    ([dict(param="w", bucket=0, sparse=True, compressor="fp16")], "a sparse gradient is synchronized whole"),
+    ([dict(param="v", bucket=0), dict(param="w", bucket=0, sparse=True)], "a sparse gradient must be alone"),
+    ([dict(param="w", bucket=0, sparse=True), dict(param="v", bucket=0)], "a sparse gradient must be alone"),
+])
+def test_bad_sparse_entries_get_one_line(entries, message):
+    with pytest.raises(ValueError, match=message) as err:
+        check_sync([SyncEntry(devices=(0, 1), **e) for e in entries], 2)
+    assert "\n" not in str(err.value)

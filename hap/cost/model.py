@@ -32,6 +32,7 @@ from typing import Literal, Sequence
 from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
+from ..rules.nn import sparse_gradient_rows
 from ..rules.units import ShardClasses
 from .cluster import Cluster
 
@@ -87,10 +88,11 @@ class CostModel:
         # gradient sync: a bucket of b bytes all-reduces in sync_alpha + sync_slope * b seconds
         self.sync_slope = self.grad_sync(2.0) - self.grad_sync(1.0)
         self.sync_alpha = self.grad_sync(1.0) - self.sync_slope
+        self.sparse_rows = sparse_gradient_rows(graph)  # parameters with sparse gradients: rows per step
         self.first_use_bytes = [0.0] * len(graph.nodes)  # bytes of trainable parameters each node uses first
-        for t in graph.tensors.values():
+        for name, t in graph.tensors.items():
             if t.kind == "param" and t.requires_grad and t.consumers:
-                self.first_use_bytes[t.consumers[0]] += t.nbytes
+                self.first_use_bytes[t.consumers[0]] += self.sync_bytes(name)
         self.bucket_of = sync_groups(graph, self)  # the gradient bucket of every node's first-used parameters
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
@@ -208,6 +210,17 @@ class CostModel:
         if st.local is None:
             return 0.0
         return sum(self.comm(kind, nbytes).const for kind, nbytes in variant_collectives(node, st, self.graph))
+
+    def sync_bytes(self, param: str) -> float:
+        """The bytes a bucket's all-reduce carries for a parameter kept whole: its size; for a
+        sparse gradient (rules.nn.sparse_gradient_rows), what all-gathering every rank's rows
+        with their int64 indices costs as an all-reduce: an all-gather of V bytes moves what
+        an all-reduce of V / 2 does."""
+        t = self.graph.tensors[param]
+        rows = self.sparse_rows.get(param)
+        if rows is None:
+            return float(t.nbytes)
+        return rows * (t.nbytes / t.shape[0] + 8) / 2
 
     def grad_sync(self, nbytes: float) -> float:
         """One bucket's all-reduce of gradients (nbytes of them)."""

@@ -12,6 +12,7 @@ forward(*inputs) returns the scalar training loss, with example inputs built in 
 | bert     | BERT-base, post-LN, vocab 33280, seq 128, MLM over all tokens| 111.6M  | 64 per GPU   |
 | bert-moe | bert with every second FFN a top-2 MoE of 2 experts per GPU  | 536.4M* | 32 per GPU   |
 | ncf      | NeuMF (MLPerf recommendation): 2.2M users, 855K items, 64 wide | 589.8M  | 256 per GPU  |
+| ncf-sparse | ncf with sparse embedding gradients (nn.Embedding(sparse=True)) | 589.8M  | 256 per GPU  |
 
 (* at 8 GPUs: 16 experts.) Knobs left as None take the paper's value (or the small one with
 scale="small"). `hidden` scales the heads (64 wide at paper size) and the FFN (4x) with it;
@@ -67,6 +68,9 @@ MODELS: dict[str, ModelInfo] = {
                           32, 536.4, _paper_or_small(bert.BertConfig), bert.Bert, bert.example_inputs),
     "ncf": ModelInfo("ncf", "NCF (NeuMF, MLPerf recommendation)", ("layers", "hidden"), 256, 589.8,
                      _paper_or_small(ncf.NCFConfig), ncf.NCF, ncf.example_inputs),
+    "ncf-sparse": ModelInfo("ncf-sparse", "NCF, sparse embedding gradients", ("layers", "hidden"), 256, 589.8,
+                            lambda scale: dataclasses.replace(_paper_or_small(ncf.NCFConfig)(scale), sparse=True),
+                            ncf.NCF, ncf.example_inputs),
 }
 
 

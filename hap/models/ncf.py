@@ -1,5 +1,6 @@
 """Neural collaborative filtering (NeuMF, He et al. 2017; MLPerf's recommendation benchmark), the
-recommendation model of AutoSync's experiments (NCF-dense: embedding gradients as dense tensors).
+recommendation model of AutoSync's experiments: `ncf` with dense embedding gradients (NCF-dense),
+`ncf-sparse` with sparse ones (only the rows a step looked up).
 
 A user and an item each have two embeddings, one for generalized matrix factorization (their
 elementwise product) and one for an MLP tower over their concatenation; a linear layer scores
@@ -27,6 +28,9 @@ class NCFConfig:
     """The GMF embedding width; the MLP's embeddings are twice as wide, its tower halves down to hidden."""
     layers: int = 3
     """MLP layers (256-128-64 at hidden 64)."""
+    sparse: bool = False
+    """Embeddings with sparse gradients (nn.Embedding(sparse=True)): a step's gradient holds only
+    the rows it looked up, synchronized as (index, row) pairs (model `ncf-sparse`)."""
 
     @classmethod
     def small(cls) -> NCFConfig:
@@ -37,10 +41,10 @@ class NCF(nn.Module):
     def __init__(self, cfg: NCFConfig):
         super().__init__()
         h = cfg.hidden
-        self.user_gmf = nn.Embedding(cfg.users, h)
-        self.item_gmf = nn.Embedding(cfg.items, h)
-        self.user_mlp = nn.Embedding(cfg.users, 2 * h)
-        self.item_mlp = nn.Embedding(cfg.items, 2 * h)
+        self.user_gmf = nn.Embedding(cfg.users, h, sparse=cfg.sparse)
+        self.item_gmf = nn.Embedding(cfg.items, h, sparse=cfg.sparse)
+        self.user_mlp = nn.Embedding(cfg.users, 2 * h, sparse=cfg.sparse)
+        self.item_mlp = nn.Embedding(cfg.items, 2 * h, sparse=cfg.sparse)
         widths = [4 * h] + [max(1, 4 * h // 2 ** (i + 1)) for i in range(cfg.layers)]  # 256, 128, 64, 32 at h = 64
         self.tower = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
         self.score = nn.Linear(h + widths[-1], 1)

@@ -241,6 +241,21 @@ def embedding(node: Node, graph: Graph) -> list[Strategy]:
     return found
 
 
+def sparse_gradient_rows(graph: Graph) -> dict[str, int]:
+    """Parameters whose gradient is sparse (looked up by aten.embedding with sparse=True, used
+    nowhere else), with the most rows their gradient holds in a step: one per id looked up,
+    at most the table's rows. Any other use makes the gradient dense."""
+    out: dict[str, int] = {}
+    for name in graph.params:
+        t = graph.tensors[name]
+        uses = [graph.nodes[k] for k in t.consumers]
+        if not t.requires_grad or not uses or len(t.shape) != 2:
+            continue
+        if all(n.op == "aten.embedding.default" and n.inputs[0] == name and arg(n, 4, "sparse", False) for n in uses):
+            out[name] = min(t.shape[0], sum(graph.tensors[n.inputs[1]].numel for n in uses))
+    return out
+
+
 @variant("vocab_parallel")
 def _vocab_parallel(node, st, args, kwargs, ctx, graph):
     weight, ids = args[0], args[1]

@@ -14,6 +14,10 @@ short sequence of collectives:
     hierarchical ps          reduce inside each machine to its leader (the server on its
                              machine); reduce among the leaders to the server; the server
                              broadcasts to the leaders; they broadcast inside           exact
+    sparse all_reduce        all-gather the row counts, then every rank's (index, row)
+                             pairs padded to the most; each rank sums them              exact
+    sparse ps                all-gather the row counts; gather the pairs to the server;
+                             it broadcasts their coalesced sum                          exact
 
 Buckets start in the plan's order (every rank in the same order), each once its gradients and
 every bucket before it are complete, while the backward computes earlier layers' gradients;
@@ -82,7 +86,8 @@ class Groups:
         """The process groups `sync` runs over: the world's second lane, and machines and
         leaders (both lanes) for hierarchical entries."""
         world = tuple(range(self.comm.world))
-        out: list[Lane] = [(world, 1)] if any(e.strategy == "ps" or e.compressor == "powersgd" for e in sync) else []
+        out: list[Lane] = [(world, 1)] if any(e.strategy == "ps" or e.compressor == "powersgd" or e.sparse
+                                              for e in sync) else []
         for e in sync:
             if e.hierarchical:
                 out += [(m, lane) for m in self.machines if len(m) > 1 for lane in (0, 1)]
@@ -161,18 +166,15 @@ class GradSync:
             self.missing[i] -= 1
         while len(self.flights) < len(self.buckets) and self.missing[len(self.flights)] == 0:
             i = len(self.flights)
-            flat = torch.cat([part.grad().reshape(-1) for part in self.buckets[i]])
-            message, steps, state = self.synchronizers[i].plan(flat, self.buckets[i])
+            message, steps, state = self.synchronizers[i].plan(self.synchronizers[i].flatten(self.buckets[i]),
+                                                                self.buckets[i])
             self.flights.append(_Flight(message, steps, state))
             self.comm.launching()  # an emulated slow rank arrives late
         self._progress(block=False)
         if len(self.flights) == len(self.buckets):
             self._progress(block=True)
             for i, flight in enumerate(self.flights):
-                flat = self.synchronizers[i].result(flight.message, flight.state)
-                parts = self.buckets[i]
-                for part, piece in zip(parts, flat.split([part.grad().numel() for part in parts])):
-                    part.grad().copy_(piece.view_as(part.grad()))
+                self.synchronizers[i].write_back(self.buckets[i], flight.message, flight.state)
             self._reset()
 
     def _progress(self, block: bool) -> None:
@@ -228,6 +230,14 @@ class _Synchronizer:
         """The process groups of its steps, in order (known before any gradient)."""
         raise NotImplementedError
 
+    def flatten(self, parts: list[Part]) -> torch.Tensor:
+        """The bucket's gradients as one flat tensor."""
+        sparse = [part for part in parts if part.param.grad.is_sparse]
+        if sparse:
+            raise ValueError(f"a parameter's gradient is sparse ({tuple(sparse[0].param.shape)}) but the plan "
+                             "synchronizes it as dense: plan again (its sync entry says sparse)")
+        return torch.cat([part.grad().reshape(-1) for part in parts])
+
     def plan(self, flat: torch.Tensor, parts: list[Part]) -> tuple[torch.Tensor, list[Step], object]:
         """The message to send, the steps that synchronize it, and state for `result`."""
         raise NotImplementedError
@@ -236,12 +246,20 @@ class _Synchronizer:
         """The synchronized flat gradient."""
         raise NotImplementedError
 
+    def write_back(self, parts: list[Part], message: torch.Tensor, state) -> None:
+        """Put the synchronized gradients in place of this rank's."""
+        flat = self.result(message, state)
+        for part, piece in zip(parts, flat.split([part.grad().numel() for part in parts])):
+            part.grad().copy_(piece.view_as(part.grad()))
+
 
 def _synchronizer(e: SyncEntry, groups: Groups, bucket: int) -> _Synchronizer:
     world = tuple(range(groups.comm.world))
     if e.devices != world:
         raise ValueError(f"sync of {e.param} over devices {list(e.devices)}: a parameter every rank keeps whole is "
                          f"synchronized over all {len(world)} ranks")
+    if e.sparse:
+        return _Sparse(groups, e.server if e.strategy == "ps" else None)
     if e.strategy == "ps" or e.hierarchical:
         return _Rooted(groups, e.server if e.strategy == "ps" else None, e.hierarchical)
     if e.compressor == "powersgd":
@@ -374,3 +392,94 @@ class _PowerSGD(_Synchronizer):
             out.append(synced.reshape(-1))
         self.q = new_q
         return torch.cat(out)
+
+
+class _Sparse(_Synchronizer):
+    """A sparse gradient (an embedding's rows, coalesced): every rank's (index, row) pairs are
+    all-gathered, or gathered to a server, which sends back their sum. gloo and NCCL gather only
+    equal sizes, so the ranks first all-gather their row counts and pad to the most. A message
+    row holds the index's bits, then the gradient row; padding rows have index -1."""
+
+    def __init__(self, groups: Groups, server: int | None):
+        self.rank, self.server = groups.comm.rank, server
+        self.world = groups.comm.world
+        self.lanes_all = [(tuple(range(self.world)), 0), (tuple(range(self.world)), 1)]
+        self.g = [groups.group(lane) for lane in self.lanes_all]
+
+    def lanes(self, parts):
+        return self.lanes_all if self.server is None else self.lanes_all + self.lanes_all[:1]
+
+    def flatten(self, parts):
+        grad = parts[0].param.grad
+        if not grad.is_sparse:
+            raise ValueError(f"the plan synchronizes a sparse gradient but this one ({tuple(grad.shape)}) is dense: "
+                             "plan again (was the embedding made with sparse=False?)")
+        return grad
+
+    def plan(self, grad, parts):
+        rows = _pack(grad.coalesce())  # [k, h + width]
+        state = {"rows": rows, "shape": grad.shape, "counts": [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]}
+        g0, g1 = self.g
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64)
+        steps = [Step(self.lanes_all[0], "all_gather", lambda t: dist.all_gather(state["counts"], t, group=g0, async_op=True),
+                      bytes=lambda t: 8.0 * self.world)]
+
+        def padded(_):  # to the most rows any rank has (at least one)
+            most = max(1, max(int(c) for c in state["counts"]))
+            out = _padding(most, rows)
+            out[:rows.shape[0]] = rows
+            state["gathered"] = [torch.empty_like(out) for _ in range(self.world)]
+            return out
+
+        gathered = lambda t: t.numel() * t.element_size() * self.world  # noqa: E731  all_gather's volume V
+        if self.server is None:
+            steps.append(Step(self.lanes_all[1], "all_gather", before=padded, bytes=gathered,
+                              run=lambda t: dist.all_gather(state["gathered"], t, group=g1, async_op=True)))
+        else:
+            mine = self.rank == self.server
+            steps.append(Step(self.lanes_all[1], "all_gather", before=padded, bytes=gathered,  # a gather: V to one
+                              run=lambda t: dist.gather(t, state["gathered"] if mine else None, dst=self.server,
+                                                        group=g1, async_op=True)))
+
+            def summed(_):  # on the server the coalesced sum, elsewhere room for it: at most every row sent
+                total = max(1, sum(int(c) for c in state["counts"]))
+                out = _padding(total, rows)
+                if mine:
+                    s = _unpack(torch.cat(state["gathered"]), state["shape"]).coalesce()
+                    s = _pack(s)
+                    out[:s.shape[0]] = s
+                return out
+
+            steps.append(Step(self.lanes_all[0], "broadcast", before=summed,
+                              run=lambda t: dist.broadcast(t, src=self.server, group=g0, async_op=True)))
+        return count, steps, state
+
+    def write_back(self, parts, message, state):
+        if self.server is None:
+            message = torch.cat([g[:int(c)] for g, c in zip(state["gathered"], state["counts"])])
+        parts[0].param.grad = _unpack(message, state["shape"]).coalesce()
+
+
+def _pack(grad: torch.Tensor) -> torch.Tensor:
+    """A coalesced sparse [rows, ...] gradient as [k, h + width] rows: the int64 index's bits
+    (h elements of the gradient's dtype), then the row."""
+    idx = grad.indices()[0].contiguous()  # [k]
+    values = grad.values().reshape(idx.numel(), -1)  # [k, width]
+    return torch.cat([idx.view(values.dtype).reshape(idx.numel(), -1), values], dim=1)
+
+
+def _padding(k: int, like: torch.Tensor) -> torch.Tensor:
+    """k message rows of index -1."""
+    h = 8 // like.element_size()
+    out = like.new_zeros(k, like.shape[1])
+    out[:, :h] = torch.full((k,), -1, dtype=torch.int64).view(like.dtype).reshape(k, h)
+    return out
+
+
+def _unpack(rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Message rows (padding dropped) as an uncoalesced sparse gradient of `shape`."""
+    h = 8 // rows.element_size()
+    idx = rows[:, :h].contiguous().view(torch.int64).reshape(-1)  # [k]
+    keep = idx >= 0
+    values = rows[keep, h:].reshape(-1, *shape[1:])
+    return torch.sparse_coo_tensor(idx[keep].unsqueeze(0), values, shape)

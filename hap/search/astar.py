@@ -276,7 +276,7 @@ class Frame:
             t = graph.tensors[name]
             if t.consumers[0] == k:
                 if len(ps) > 1 or ps[0].kind in ("R", "P"):
-                    sync += t.nbytes
+                    sync += self.cost.sync_bytes(name)
                 elif name in self.shared:
                     keeps.append((self.shared[name], ps[0].code, seg))
             else:

@@ -233,7 +233,7 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     graph, m, chunk_of, bucket_of = cost.graph, cost.m, cost.chunk_of, cost.bucket_of
     sync_at: dict[int, float] = {}
     for name, node in synced_params(program, graph, segment_of).items():
-        sync_at[node] = sync_at.get(node, 0.0) + graph.tensors[name].nbytes
+        sync_at[node] = sync_at.get(node, 0.0) + cost.sync_bytes(name)
     stages = [Stage(fwd=[0.0] * m, bwd=[0.0] * m)]
     total = 0.0
     backward_done = 0.0  # P: backward seconds of the closed stages, their collectives included

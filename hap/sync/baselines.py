@@ -2,15 +2,16 @@
 all expressed in the strategy space and run by the same runtime.
 
 - ddp: PyTorch DDP's buckets: all-reduce, gradients in reverse order of first use (the order they
-  arrive), a bucket closed once it holds 25 MB (the first one at 1 MB, as DDP does).
+  arrive), a bucket closed once it holds 25 MB (the first one at 1 MB, as DDP does); a sparse
+  gradient all-gathered alone (as DDP's sparse all-reduce on gloo, and Horovod, do).
 - horovod: Horovod's tensor fusion autotuned: gradients that become ready within one cycle of the
   background thread, up to a fusion threshold, travel as one all-reduce; Bayesian optimization
   (a Gaussian process with expected improvement, 20 measured samples) over the threshold and the
   cycle time. Readiness comes from the plan's estimated backward.
 - tuned-ps: the supplement's tuned parameter server: variables larger than a partition size are
   split into parts, every part goes to the server with the least load for its bandwidth, and
-  machines of several devices reduce inside first; the partition size is tuned by measuring a
-  few (ByteScheduler's knob).
+  machines of several devices reduce inside first (sparse gradients: whole, gathered to their
+  server); the partition size is tuned by measuring a few (ByteScheduler's knob).
 - hap: the plan's own sync (bucketed all-reduce, one bucket per group of layers).
 """
 
@@ -35,10 +36,10 @@ def ddp(variables: Variables) -> SyncStrategy:
     group, size, limit = 0, 0, DDP_FIRST_BUCKET
     out = []
     for v in variables.vars:  # backprop order: the order gradients arrive
-        if size and size + v.nbytes > limit:
+        if size and size + v.wire_bytes > limit:
             group, size, limit = group + 1, 0, DDP_BUCKET
-        out.append(VarSync(v.param, (PartSync(kind="all_reduce", group=group),)))
-        size += v.nbytes
+        out.append(VarSync(v.param, (PartSync(kind="all_reduce", group=group),)))  # sparse: all-gathered, alone
+        size += v.wire_bytes
     return SyncStrategy(tuple(out))
 
 
@@ -60,11 +61,11 @@ def horovod_fusion(variables: Variables, est: Estimate, threshold: float, cycle:
     out = []
     for v, t in zip(variables.vars, ready):
         tick = math.floor(t / cycle) if cycle > 0 else 0
-        if window is not None and (tick != window or size + v.nbytes > threshold):
+        if window is not None and (tick != window or size + v.wire_bytes > threshold):
             group, size = group + 1, 0.0
         window = tick
-        out.append(VarSync(v.param, (PartSync(kind="all_reduce", group=group),)))
-        size += v.nbytes
+        out.append(VarSync(v.param, (PartSync(kind="all_reduce", group=group),)))  # sparse: all-gathered, alone
+        size += v.wire_bytes
     return SyncStrategy(tuple(out))
 
 
@@ -112,16 +113,17 @@ def tuned_ps(variables: Variables, bandwidth: Sequence[float], partition_bytes: 
     parts: list[tuple[float, int, int]] = []  # (bytes, variable index, part index)
     counts = []
     for i, v in enumerate(variables.vars):
-        k = max(1, min(v.rows, math.ceil(v.nbytes / partition_bytes)))
+        k = 1 if v.sparse else max(1, min(v.rows, math.ceil(v.nbytes / partition_bytes)))
         counts.append(k)
-        parts += [(v.nbytes / k, i, j) for j in range(k)]
+        parts += [(v.wire_bytes / k, i, j) for j in range(k)]
     load = [0.0] * len(bandwidth)
     server: dict[tuple[int, int], int] = {}
     for size, i, j in sorted(parts, key=lambda p: (-p[0], p[1], p[2])):  # largest first, to the least loaded
         s = min(range(len(bandwidth)), key=lambda d: ((load[d] + size) / bandwidth[d], d))
         server[(i, j)] = s
         load[s] += size
-    return SyncStrategy(tuple(VarSync(v.param, tuple(PartSync(kind="ps", server=server[(i, j)], hierarchical=hierarchical)
+    return SyncStrategy(tuple(VarSync(v.param, tuple(PartSync(kind="ps", server=server[(i, j)],
+                                                              hierarchical=hierarchical and not v.sparse)
                                                      for j in range(counts[i])))
                               for i, v in enumerate(variables.vars)))
 

@@ -56,7 +56,8 @@ def buckets(entries: list[SyncEntry], variables: Variables) -> list[Bucket]:
 
 
 def _part_bytes(var, e: SyncEntry) -> float:
-    return var.nbytes * (e.rows[1] / var.rows if e.rows is not None else 1.0)
+    """A part's gradient bytes; a sparse gradient's: every rank's rows with their indices."""
+    return var.wire_bytes * (e.rows[1] / var.rows if e.rows is not None else 1.0)
 
 
 def message_bytes(bucket: Bucket, variables: Variables) -> tuple[float, float]:
@@ -94,6 +95,14 @@ def analytic(entries: list[SyncEntry], variables: Variables, cost: CostModel, co
     for b in buckets(entries, variables):
         e = b.entries[0]
         first, second = message_bytes(b, variables)
+        if e.sparse:  # every rank's rows: all-gathered (each receives the others'), or in to a server and the sum out
+            w = variables.devices
+            if e.strategy == "ps":
+                servers[e.server] = servers.get(e.server, 0.0) + (w - 1) / w * 2 * first / _ring_bandwidth(
+                    topo, range(w), cost) + w * phi + LAUNCH_OVERHEAD
+            else:
+                collective += (w - 1) / w * first / _ring_bandwidth(topo, range(w), cost) + w * phi + LAUNCH_OVERHEAD
+            continue
         if e.strategy == "ps":
             j = e.server
             home = next(m for m in machines if j in m)
@@ -148,6 +157,9 @@ def phases(bucket: Bucket, variables: Variables, cost: CostModel) -> tuple[float
     first, second = message_bytes(bucket, variables)
     world = range(variables.devices)
     price = cost.group_collective
+    if e.sparse:  # the row counts, then the rows: all-gathered, or gathered to the server, which sends the sum
+        gather = price("all_gather", 8.0 * variables.devices, world) + price("all_gather", first, world)
+        return gather, price("broadcast", first, world) if e.strategy == "ps" else 0.0
     if not e.hierarchical:
         if e.strategy == "ps":
             return price("reduce", first, world), price("broadcast", first, world)

@@ -4,7 +4,8 @@ The sampler draws, per synchronized parameter, a number of parts (parameters at 
 `SpaceConfig.part_bytes` large may be split, into at most `max_parts`, never more than their
 rows), and per part the synchronizer: all-reduce or parameter server, hierarchical or not where
 the cluster has machines of several devices, and (only with `compress`) fp16 or PowerSGD for an
-all-reduce. The odds of each choice are drawn per strategy first (a parameter server with
+all-reduce (a sparse gradient: whole, all-gathered or to a server, neither hierarchical nor
+compressed). The odds of each choice are drawn per strategy first (a parameter server with
 probability 0, 1/4, ..., 1; hierarchy 0, 1/2 or 1; splitting 0, 1/2 or 1), so that uniform
 strategies (every part hierarchical all-reduce, say) are drawn as often as mixed ones. Two
 fields are then filled by the constraints:
@@ -58,13 +59,13 @@ def sample(variables: Variables, bandwidth: list[float], rng: random.Random, con
     drafts: list[tuple[int, list[dict]]] = []  # per variable: its index, one dict per part
     for i, var in enumerate(variables.vars):
         most = min(config.max_parts, var.rows, max(1, var.nbytes // config.part_bytes))
-        splits = [k for k in (2, 4, 8, 16) if k <= most]
+        splits = [k for k in (2, 4, 8, 16) if k <= most and not var.sparse]
         parts = rng.choice(splits) if splits and rng.random() < p_split else 1
         draft = []
         for _ in range(parts):
             kind = "ps" if rng.random() < p_ps else "all_reduce"
-            d = {"kind": kind, "hierarchical": rng.random() < p_hier}
-            if kind == "all_reduce" and config.compress:
+            d = {"kind": kind, "hierarchical": rng.random() < p_hier and not var.sparse}
+            if kind == "all_reduce" and config.compress and not var.sparse:
                 d["compressor"] = rng.choice(("none", "fp16", "powersgd"))
                 if d["compressor"] != "none":
                     d["hierarchical"] = False
@@ -77,7 +78,7 @@ def sample(variables: Variables, bandwidth: list[float], rng: random.Random, con
 
 
 def _part_size(variables: Variables, i: int, parts: int) -> float:
-    return variables.vars[i].nbytes / parts
+    return variables.vars[i].wire_bytes / parts
 
 
 def _balance_servers(variables: Variables, drafts, bandwidth: list[float], rng: random.Random) -> None:

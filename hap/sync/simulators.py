@@ -70,7 +70,7 @@ def features(domain: Domain, strategy: SyncStrategy) -> tuple[torch.Tensor, list
     for e in entries:
         var = vs.vars[index[e.param]]
         part_rows = e.rows[1] if e.rows is not None else var.rows
-        nbytes = var.nbytes * part_rows / var.rows
+        nbytes = var.wire_bytes * part_rows / var.rows
         first, then = bucket_phases[e.bucket]
         parts_of_var = sum(1 for x in entries if x.param == e.param)
         server_bw = (topo.machines[topo.machine_of(e.server)].nic.bandwidth / fastest) if topo and e.server is not None else 0.0

@@ -21,6 +21,7 @@ from typing import Literal, Sequence
 
 from ..ir import Graph
 from ..plan import Compressor, Plan, SyncEntry, check_sync
+from ..rules.nn import sparse_gradient_rows
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,11 +98,18 @@ class Variable:
     first_use: int
     """Index of the first node that uses it: its gradient is complete when the backward passes there."""
     sparse: bool = False
-    """Its gradient touches few rows per step (an embedding's)."""
+    """Its gradient is sparse: an embedding's rows looked up in a step (rules.nn.sparse_gradient_rows)."""
+    sparse_rows: int = 0
+    """For a sparse gradient, the most rows it holds in a step."""
 
     @property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
+
+    @property
+    def wire_bytes(self) -> float:
+        """The bytes its gradient sends: all of it, or a sparse one's rows with their int64 indices."""
+        return self.sparse_rows * (self.nbytes / self.rows + 8) if self.sparse else float(self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +123,12 @@ class Variables:
     @classmethod
     def of(cls, plan: Plan, graph: Graph, machines: Sequence[Sequence[int]] | None = None) -> "Variables":
         synced = {e.param for e in plan.sync}
+        sparse = sparse_gradient_rows(graph)
         out = []
         for name in synced:
             t = graph.tensors[name]
-            sparse = any(graph.nodes[k].op == "aten.embedding.default" and _sparse_flag(graph.nodes[k]) for k in t.consumers)
             out.append(Variable(param=name, target=t.target or name, shape=tuple(t.shape), nbytes=t.nbytes,
-                                first_use=min(t.consumers), sparse=sparse))
+                                first_use=min(t.consumers), sparse=name in sparse, sparse_rows=sparse.get(name, 0)))
         out.sort(key=lambda v: (-v.first_use, v.param))
         n = len(plan.devices)
         return cls(tuple(out), n, tuple(tuple(m) for m in machines) if machines else tuple((d,) for d in range(n)))
@@ -152,10 +160,16 @@ class Variables:
             var = by_name[vs.param]
             if not 1 <= len(vs.parts) <= var.rows:
                 raise ValueError(f"{vs.param}: {len(vs.parts)} parts of a parameter with {var.rows} rows")
+            if var.sparse and (len(vs.parts) > 1 or vs.parts[0].compressor != "none" or vs.parts[0].hierarchical):
+                raise ValueError(f"{vs.param}: a sparse gradient is synchronized whole, uncompressed, not hierarchically")
             ranges = [None] if len(vs.parts) == 1 else self.split(var, len(vs.parts))
             for i, (rows, part) in enumerate(zip(ranges, vs.parts)):
-                key = ("ar", part.group, part.compressor, part.low_rank, part.hierarchical) if part.kind == "all_reduce" \
-                    else ("ps", order, i)
+                if var.sparse:  # alone in its bucket
+                    key = ("sparse", order, 0)
+                elif part.kind == "all_reduce":
+                    key = ("ar", part.group, part.compressor, part.low_rank, part.hierarchical)
+                else:
+                    key = ("ps", order, i)
                 units.setdefault(key, []).append((vs.param, rows, part))
         ready = {key: min(by_name[p].first_use for p, _, _ in members) for key, members in units.items()}
         order = sorted(units, key=lambda key: (-ready[key], key[0], key[1:]))
@@ -165,14 +179,9 @@ class Variables:
                 entries.append(SyncEntry(param=param, strategy=part.kind, bucket=bucket, devices=world, rows=rows,
                                          compressor=part.compressor, low_rank=part.low_rank,
                                          server=part.server if part.kind == "ps" else None,
-                                         hierarchical=part.hierarchical))
+                                         hierarchical=part.hierarchical, sparse=by_name[param].sparse))
         check_sync(entries, self.devices)
         return entries
-
-
-def _sparse_flag(node) -> bool:
-    """aten.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)."""
-    return bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("sparse", False))
 
 
 def with_strategy(plan: Plan, variables: Variables, strategy: SyncStrategy) -> Plan:
