@@ -58,3 +58,40 @@ def test_planners_by_name(capsys):
         assert len(err) == 1 and err[0].startswith(f"hap: error: {error}"), err
     assert main(["plan", "--model", "vgg19", "--scale", "small", "--quiet", "--planner", "dp-cp"]) == 0
     assert "winner: dp-cp" in capsys.readouterr().out
+
+
+def test_sync_searches_resumes_and_its_plan_trains(tmp_path, capfd):
+    """hap sync on a recommendation model with sparse tables, on an emulated two-machine cluster:
+    its result and log, a second run that resumes (only the trials beyond the log's run), and
+    hap train with the plan it wrote."""
+    import json
+
+    from hap.plan import Plan
+
+    cluster = tmp_path / "b9.yaml"
+    cluster.write_text(
+        "name: tiny-b9\nlocal: true\nemulate: true\nalgorithm: ring\n"
+        "devices: [{name: m60, count: 3, flops: 9e10, memory: 4GiB}]\n"
+        "machines:\n"
+        "  - {name: a, devices: 1, intra: {bandwidth: 200MB/s, latency: 10us}, nic: {bandwidth: 200Mbps, latency: 50us}}\n"
+        "  - {name: b, devices: 2, intra: {bandwidth: 200MB/s, latency: 10us}, nic: {bandwidth: 500Mbps, latency: 50us}}\n")
+    out = tmp_path / "sync"
+    args = ["sync", "--model", "ncf-sparse", "--scale", "small", "--batch", "48", "--cluster", str(cluster),
+            "--candidates", "20", "--out", str(out)]
+    assert main([*args, "--trials", "5"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["trials"] == 5 and set(result["baselines"]) == {"hap", "ddp", "tuned-ps", "horovod"}
+    assert result["best"]["measured_seconds"] == min(
+        [b["measured_seconds"] for b in result["baselines"].values()] + [result["best_trial"]["measured_seconds"]])
+    rows = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert sum(r["kind"] == "trial" for r in rows) == 5 and all(r["seconds"] > 0 for r in rows)
+    assert main([*args, "--trials", "7"]) == 0  # resumes: the baselines from the log, 2 more trials
+    rows2 = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert rows2[:len(rows)] == rows and [r["kind"] for r in rows2[len(rows):]] == ["trial", "trial"]
+    plan = Plan.from_json(out / "plan.json")
+    assert sum(e.sparse for e in plan.sync) == 4  # the four embedding tables
+    assert "best:" in capfd.readouterr().out
+    assert main(["train", "--model", "ncf-sparse", "--scale", "small", "--batch", "48", "--cluster", str(cluster),
+                 "--plan", str(out / "plan.json"), "--steps", "2"]) == 0
+    out = capfd.readouterr().out
+    assert "with" in out and "plan.json" in out and "per-iteration time: measured" in out  # trained with that plan

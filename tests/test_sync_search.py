@@ -365,3 +365,16 @@ def test_bad_sparse_entries_get_one_line(entries, message):
     with pytest.raises(ValueError, match=message) as err:
         check_sync([SyncEntry(devices=(0, 1), **e) for e in entries], 2)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_sparse_rows_pack_and_unpack_exactly(dtype, rows):
+    from hap.runtime.gradsync import _pack, _padding, _unpack
+
+    gen = torch.Generator().manual_seed(rows)
+    idx = torch.randperm(40, generator=gen)[:rows].sort().values * 1000  # [rows], large ids too
+    grad = torch.sparse_coo_tensor(idx.unsqueeze(0), torch.randn(rows, 3, 2, generator=gen).to(dtype), (40_000, 3, 2)).coalesce()
+    message = torch.cat([_pack(grad), _padding(2, _pack(grad))])  # padded by two rows of index -1
+    back = _unpack(message, grad.shape).coalesce()
+    assert torch.equal(back.indices(), grad.indices()) and torch.equal(back.values(), grad.values())

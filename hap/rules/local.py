@@ -152,6 +152,8 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
         return None
     if is_random(node):  # an idle device still draws what one device draws: the generators stay as one
         return None
+    if node.op == "aten.embedding.default" and len(node.args) > 4 and node.args[4]:
+        return None  # torch looks up no ids; the gradient stays sparse (empty), as its sync expects
     if all(x.numel() for x in values.values() if isinstance(x, torch.Tensor)):  # the common case
         return None
     starved = [name for name, x in values.items() if isinstance(x, torch.Tensor) and x.numel() == 0]

@@ -229,10 +229,13 @@ def embedding(node: Node, graph: Graph) -> list[Strategy]:
     #   hidden: W sharded on h gives the output sharded on its last dim;
     #   vocab:  W sharded on rows; each device looks up the ids it holds and writes zeros for
     #           the others, so the outputs add up:  W[i] = sum_j [i in rows_j] W_j[i - lo_j].
-    if arg(node, 4, "sparse", False):
-        return []  # sparse gradients: replicated only
+    #   sparse gradients: W whole and only the ids split (each device's gradient holds the rows
+    #           of its ids; the runtime sums them over devices as (index, row) pairs). A sharded W
+    #           would have a sharded sparse gradient, which nothing here synchronizes.
     ids_rank = ndim(graph, node.inputs[1])
     freq = arg(node, 3, "scale_grad_by_freq", False)  # gradient scaled by each id's count in the whole batch
+    if arg(node, 4, "sparse", False):
+        return [] if freq else [Strategy((R, S(d)), (S(d),), _dim_name(d)) for d in range(ids_rank)]
     found = [Strategy((S(1), R), (S(ids_rank),), "hidden")]
     if not freq:
         found += [Strategy((R, S(d)), (S(d),), _dim_name(d)) for d in range(ids_rank)]
@@ -243,8 +246,8 @@ def embedding(node: Node, graph: Graph) -> list[Strategy]:
 
 def sparse_gradient_rows(graph: Graph) -> dict[str, int]:
     """Parameters whose gradient is sparse (looked up by aten.embedding with sparse=True, used
-    nowhere else), with the most rows their gradient holds in a step: one per id looked up,
-    at most the table's rows. Any other use makes the gradient dense."""
+    nowhere else), with the most rows their gradients hold in a step on all devices together:
+    one per id looked up, at most the table's rows. Any other use makes the gradient dense."""
     out: dict[str, int] = {}
     for name in graph.params:
         t = graph.tensors[name]

@@ -17,7 +17,7 @@ short sequence of collectives:
     sparse all_reduce        all-gather the row counts, then every rank's (index, row)
                              pairs padded to the most; each rank sums them              exact
     sparse ps                all-gather the row counts; gather the pairs to the server;
-                             it broadcasts their coalesced sum                          exact
+                             it broadcasts their coalesced sum (second lane)           exact
 
 Buckets start in the plan's order (every rank in the same order), each once its gradients and
 every bucket before it are complete, while the backward computes earlier layers' gradients;
@@ -37,6 +37,7 @@ longer than r is sent uncompressed (its factors would be no smaller).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -407,7 +408,7 @@ class _Sparse(_Synchronizer):
         self.g = [groups.group(lane) for lane in self.lanes_all]
 
     def lanes(self, parts):
-        return self.lanes_all if self.server is None else self.lanes_all + self.lanes_all[:1]
+        return self.lanes_all if self.server is None else self.lanes_all + self.lanes_all[1:]
 
     def flatten(self, parts):
         grad = parts[0].param.grad
@@ -441,8 +442,8 @@ class _Sparse(_Synchronizer):
                               run=lambda t: dist.gather(t, state["gathered"] if mine else None, dst=self.server,
                                                         group=g1, async_op=True)))
 
-            def summed(_):  # on the server the coalesced sum, elsewhere room for it: at most every row sent
-                total = max(1, sum(int(c) for c in state["counts"]))
+            def summed(_):  # on the server the coalesced sum, elsewhere room for it: every row sent, at most the table
+                total = max(1, min(sum(int(c) for c in state["counts"]), state["shape"][0]))
                 out = _padding(total, rows)
                 if mine:
                     s = _unpack(torch.cat(state["gathered"]), state["shape"]).coalesce()
@@ -450,8 +451,8 @@ class _Sparse(_Synchronizer):
                     out[:s.shape[0]] = s
                 return out
 
-            steps.append(Step(self.lanes_all[0], "broadcast", before=summed,
-                              run=lambda t: dist.broadcast(t, src=self.server, group=g0, async_op=True)))
+            steps.append(Step(self.lanes_all[1], "broadcast", before=summed,
+                              run=lambda t: dist.broadcast(t, src=self.server, group=g1, async_op=True)))
         return count, steps, state
 
     def write_back(self, parts, message, state):
@@ -463,9 +464,12 @@ class _Sparse(_Synchronizer):
 def _pack(grad: torch.Tensor) -> torch.Tensor:
     """A coalesced sparse [rows, ...] gradient as [k, h + width] rows: the int64 index's bits
     (h elements of the gradient's dtype), then the row."""
+    k, size = grad.indices().shape[1], grad.element_size()
+    if 8 % size:
+        raise ValueError(f"sparse gradients of {grad.dtype} are not supported (the index packs into whole elements)")
     idx = grad.indices()[0].contiguous()  # [k]
-    values = grad.values().reshape(idx.numel(), -1)  # [k, width]
-    return torch.cat([idx.view(values.dtype).reshape(idx.numel(), -1), values], dim=1)
+    values = grad.values().reshape(k, math.prod(grad.shape[1:]))  # [k, width]
+    return torch.cat([idx.view(values.dtype).reshape(k, 8 // size), values], dim=1)
 
 
 def _padding(k: int, like: torch.Tensor) -> torch.Tensor:

@@ -209,17 +209,19 @@ class Simulator:
         with torch.no_grad():
             return [self.net(s.x, s.edges)[1] for s in samples]
 
-    def train(self, samples: Sequence[Sample], epochs: int = 60, batch: int = 64) -> float:
-        """Fit on the samples' ranking pairs; the last epoch's mean loss (nan: no pairs)."""
-        ranked = pairs(samples)
-        if not ranked:
+    def train(self, samples: Sequence[Sample], epochs: int = 60, batch: int = 64, pairs_per_epoch: int = 256) -> float:
+        """Fit on the samples' ranking pairs, each epoch on at most `pairs_per_epoch` of them
+        drawn afresh (the pairs grow as the square of the trials; the steps should not); the
+        last epoch's mean loss (nan: no pairs)."""
+        every = pairs(samples)
+        if not every:
             return float("nan")
         opt = torch.optim.Adam(self.net.parameters(), lr=1e-3)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[int(0.4 * epochs), int(0.8 * epochs)], gamma=0.3)
         rng = random.Random(self.seed)
         last = float("nan")
         for _ in range(epochs):
-            rng.shuffle(ranked)
+            ranked = rng.sample(every, min(len(every), pairs_per_epoch))
             losses = []
             for start in range(0, len(ranked), batch):
                 chunk = ranked[start:start + batch]
