@@ -40,13 +40,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="out/bench-autosync")
     ap.add_argument("--trials", type=int, help="trial budget per case (default 50, quick 15)")
+    ap.add_argument("--clusters", nargs="+", metavar="NAME", help="cluster files under benchmarks/clusters "
+                    "(default autosync-b9 autosync-b12; quick autosync-b9)")
     args = ap.parse_args()
     from hap.cost.cluster import load_cluster
     from hap.sync import AutoSyncConfig, SpaceConfig, run
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    clusters = ["autosync-b9"] if args.quick else ["autosync-b9", "autosync-b12"]
+    clusters = args.clusters or (["autosync-b9"] if args.quick else ["autosync-b9", "autosync-b12"])
     trials = args.trials or (15 if args.quick else 50)
     cases = []
     t0 = time.perf_counter()
