@@ -175,7 +175,7 @@ def cmd_train(args) -> int:
         graph.timing = _calibrated(args, graph, cluster, say)
     if args.plan is not None:
         result = _plan_file(args.plan, cluster)
-        planner = f"{args.plan}'s"
+        planner = f"the plan in {args.plan}"
     else:
         try:
             result = make_plan(planner, graph, cluster)
@@ -185,7 +185,8 @@ def cmd_train(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")
         result.to_json(path)
-        say(f"training {args.steps} steps with {planner}'s plan on {cluster.size} local processes")
+        whose = planner if args.plan is not None else f"{planner}'s plan"
+        say(f"training {args.steps} steps with {whose} on {cluster.size} local processes")
         spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json")))
         times = json.loads(open(os.path.join(tmp, "times.json")).read())
     steady = times[2:] if len(times) > 3 else times  # the first iterations warm up allocators and caches
