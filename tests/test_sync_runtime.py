@@ -257,10 +257,9 @@ def sparse_train(rank, world, ratios, kinds):
                                   for v in variables.vars))
     plan = with_strategy(plan, variables, strategy)
     dmodel = hap.HAP(model, cl, batches[0], plan=plan)
-    sparse_seen = []
-    dmodel.shards["users.weight" if "users.weight" in dict(dmodel.shards.items()) else next(
-        n for n, _ in dmodel.shards.items() if "users" in n)].register_post_accumulate_grad_hook(
-        lambda p: sparse_seen.append(p.grad.is_sparse))
+    sparse_seen = []  # the users table's gradient as each backward leaves it
+    users = next(p for name, p in dmodel.shards.items() if "users" in name)
+    users.register_post_accumulate_grad_hook(lambda p: sparse_seen.append(p.grad.is_sparse))
     losses = rec_train(dmodel, batches)
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
             "default": default, "sparse_entries": [e.param for e in dmodel.plan.sync if e.sparse],
