@@ -72,11 +72,12 @@ def strategies(variables: Variables) -> dict[str, SyncStrategy]:
     }
 
 
-def train(model, batches):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def train(model, batches, lr=0.1):
+    """SGD with momentum (it takes sparse gradients too); a batch is a tensor or a tuple of them."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for x in batches:
-        loss = model(x)
+        loss = model(*x) if isinstance(x, tuple) else model(x)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -233,18 +234,6 @@ def rec_data():
                     torch.randint(0, 2, (20,), generator=gen).float()) for _ in range(STEPS)]
 
 
-def rec_train(model, batches):
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD takes sparse gradients
-    losses = []
-    for b in batches:
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def sparse_train(rank, world, ratios, kinds):
     model, batches = rec_data()
     cl = cluster()
@@ -260,7 +249,7 @@ def sparse_train(rank, world, ratios, kinds):
     sparse_seen = []  # the users table's gradient as each backward leaves it
     users = next(p for name, p in dmodel.shards.items() if "users" in name)
     users.register_post_accumulate_grad_hook(lambda p: sparse_seen.append(p.grad.is_sparse))
-    losses = rec_train(dmodel, batches)
+    losses = train(dmodel, batches, lr=0.5)
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
             "default": default, "sparse_entries": [e.param for e in dmodel.plan.sync if e.sparse],
             "sparse_seen": sparse_seen}
@@ -271,7 +260,7 @@ def sparse_train(rank, world, ratios, kinds):
 def test_sparse_gradients_train_like_one_device(ratios, kinds, tmp_path):
     reports = run_ranks(sparse_train, 3, tmp_path, ratios, kinds)
     model, batches = rec_data()
-    losses = rec_train(model, batches)
+    losses = train(model, batches, lr=0.5)
     for got in reports:
         # hap's own plan gives each table its own bucket, marked sparse; the runtime saw sparse gradients
         assert sorted((p, b) for p, sparse, b in got["default"] if sparse) and all(

@@ -316,7 +316,8 @@ def synced_params(program: Sequence[Step], graph: Graph, segment_of: Sequence[in
 
 
 def synced_bytes(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> float:
-    """Bytes of gradient the runtime all-reduces per step."""
+    """Bytes of the gradients the runtime synchronizes per step, whole (a sparse one sends only
+    its rows: CostModel.sync_bytes prices that)."""
     return float(sum(graph.tensors[name].nbytes for name in synced_params(program, graph, segment_of)))
 
 

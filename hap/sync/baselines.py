@@ -26,6 +26,7 @@ import numpy as np
 
 from ..cost.model import CostModel
 from ..search.program import Estimate
+from .price import backward_clock
 from .strategy import PartSync, SyncStrategy, Variables, VarSync
 
 DDP_BUCKET = 25 * 2**20
@@ -45,12 +46,7 @@ def ddp(variables: Variables) -> SyncStrategy:
 
 def ready_times(variables: Variables, est: Estimate) -> list[float]:
     """When each variable's gradient is complete, in seconds into the backward (plan estimate)."""
-    stages = est.stages
-    clock, done_at = 0.0, {}
-    for i in reversed(range(len(stages))):
-        clock += max(stages[i].bwd)
-        done_at[i] = clock
-        clock += stages[i].comm_bwd
+    done_at, _ = backward_clock(est)
     return [done_at[est.stage_of[v.first_use]] for v in variables.vars]
 
 

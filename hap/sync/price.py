@@ -175,15 +175,20 @@ def phases(bucket: Bucket, variables: Variables, cost: CostModel) -> tuple[float
     return inside, across + back
 
 
+def backward_clock(est: Estimate) -> tuple[dict[int, float], float]:
+    """Seconds into the backward (last stage first) at which each stage's backward computation
+    is done, and the backward's length (its collectives included)."""
+    clock, done_at = 0.0, {}
+    for i in reversed(range(len(est.stages))):
+        clock += max(est.stages[i].bwd)
+        done_at[i] = clock
+        clock += est.stages[i].comm_bwd
+    return done_at, clock
+
+
 def overlapped(entries: list[SyncEntry], variables: Variables, cost: CostModel, est: Estimate) -> float:
     """The plan's iteration seconds with its gradients synchronized by `entries`."""
-    stages = est.stages
-    clock, done_at = 0.0, {}
-    for i in reversed(range(len(stages))):  # the backward, last stage first
-        clock += max(stages[i].bwd)
-        done_at[i] = clock
-        clock += stages[i].comm_bwd
-    backward = clock
+    done_at, backward = backward_clock(est)
     launched = wire = 0.0
     seconds = []
     for b in buckets(entries, variables):
