@@ -220,7 +220,7 @@ class CostModel:
         rows = self.sparse_rows.get(param)
         if rows is None:
             return float(t.nbytes)
-        return rows * (t.nbytes / t.shape[0] + 8) / 2
+        return sparse_gradient_bytes(t.nbytes, t.shape[0], rows) / 2
 
     def grad_sync(self, nbytes: float) -> float:
         """One bucket's all-reduce of gradients (nbytes of them)."""
@@ -291,6 +291,12 @@ def _all_to_all(cost: CostModel, n: float) -> CommCost:  # V = m * max(s before,
 COLLECTIVE_PRICES = {"all_reduce": _all_reduce, "all_gather_padded": _all_gather_padded,
                      "all_gather_grouped": _all_gather_grouped, "reduce_scatter": _reduce_scatter,
                      "all_to_all": _all_to_all}
+
+
+def sparse_gradient_bytes(nbytes: float, table_rows: int, rows: int) -> float:
+    """What a sparse gradient of `rows` rows (of a table of `nbytes` in `table_rows` rows)
+    sends: the rows, each with its int64 index."""
+    return rows * (nbytes / table_rows + 8)
 
 
 def max_share(shares: Sequence[float]) -> float:

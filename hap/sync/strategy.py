@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
+from ..cost.model import sparse_gradient_bytes
 from ..ir import Graph
 from ..plan import Compressor, Plan, SyncEntry, check_sync
 from ..rules.nn import sparse_gradient_rows
@@ -109,7 +110,7 @@ class Variable:
     @property
     def wire_bytes(self) -> float:
         """The bytes its gradient sends: all of it, or a sparse one's rows with their int64 indices."""
-        return self.sparse_rows * (self.nbytes / self.rows + 8) if self.sparse else float(self.nbytes)
+        return sparse_gradient_bytes(self.nbytes, self.rows, self.sparse_rows) if self.sparse else float(self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
