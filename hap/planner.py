@@ -19,6 +19,8 @@ experts by all-to-all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 from dataclasses import dataclass
@@ -113,6 +115,20 @@ def _params_only(r: Restriction):
 
 def _tp() -> Restriction:
     return Restriction(name="tensor parallelism", allow_load=lambda kind, name, p: kind == "param" or p.kind in ("R", "D"))
+
+
+def _megatron(graph: Graph) -> Restriction:
+    """Megatron-style tensor parallelism: every linear layer's weight split (on its output or
+    its input features, the search pairs them), data whole on every device. The plan that
+    straggler mitigation (hap.straggler) works on."""
+    weights = frozenset(n.inputs[1] for n in graph.nodes if n.op == "aten.linear.default")
+
+    def allow_load(kind, name, p):
+        if kind == "param":
+            return p.is_shard if name in weights else True
+        return p.kind in ("R", "D")
+
+    return Restriction(name="Megatron tensor parallelism", allow_load=allow_load)
 
 
 def segment_graph(graph: Graph, segments: int) -> list[int]:
@@ -270,13 +286,15 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                      {**stats, "winner": winner, "candidates": len(candidates)})
 
 
-def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp", "tp", "ep"],
+def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp", "tp", "ep", "megatron"],
                   config: PlannerConfig | None = None, ratios: Sequence[float] | None = None) -> Plan:
     """One baseline as a Plan the runtime runs like any other (for measured comparisons): data
     parallelism with even (DP-EV) or compute-proportional (DP-CP) batch shares, tensor
-    parallelism (TP) or, for graphs with expert weights, expert parallelism (EP). `ratios`
+    parallelism (TP; "megatron": with every linear weight split) or, for graphs with expert
+    weights, expert parallelism (EP). `ratios`
     replaces the family's shares per device (data parallelism at any shares, say)."""
     families = {key.replace("_", "-"): (restriction, ratios) for key, restriction, ratios in _baselines(graph, cluster)}
+    families["megatron"] = (_megatron(graph), cluster.even())
     if name not in families:
         raise ValueError(f"unknown baseline {name!r} for this graph; choose {', '.join(families)}")
     restriction, start = families[name]
@@ -331,6 +349,24 @@ def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig |
     cost = CostModel(graph, cluster, classes, (config or PlannerConfig()).optimizer)
     segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]
     return replay(plan.steps(graph), cost, segment_of, plan.ratios)
+
+
+def rebalanced_ratios(graph: Graph, cluster: Cluster, plan: Plan, speeds: Sequence[float],
+                      config: PlannerConfig | None = None) -> list[list[float]]:
+    """The load balancer (balance.lp) re-solved for the plan's own program on devices whose
+    speeds are now `speeds` (relative, one per device: 0.125 for one running at an eighth of
+    the others): each device's compute and memory throughput scaled by its speed over the
+    fastest. What runtime straggler mitigation reshards to when a slowdown persists."""
+    if len(speeds) != cluster.size or min(speeds) <= 0:
+        raise ValueError(f"speeds must be {cluster.size} positive numbers, got {list(speeds)}")
+    top = max(speeds)
+    devices = tuple(dataclasses.replace(d, flops=d.flops * s / top, mem_bandwidth=d.mem_bandwidth * s / top)
+                    for d, s in zip(cluster.devices, speeds))
+    slowed = dataclasses.replace(cluster, devices=devices)
+    classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+    cost = CostModel(graph, slowed, classes, (config or PlannerConfig()).optimizer)
+    segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]
+    return balance(plan.steps(graph), cost, segment_of, len(plan.segments), [d.memory for d in devices]).ratios
 
 
 def _baseline_program(search, ratios, restriction: Restriction) -> list[Step]:

@@ -121,6 +121,9 @@ class Topology:
         if kind in ("broadcast", "reduce"):
             link = self.ring_link(group)
             return LAUNCH_OVERHEAD + math.ceil(math.log2(g)) * link.latency, 1 / link.bandwidth
+        if kind in ("scatter", "gather"):  # nbytes: all the parts; the root's link carries all but its own, one by one
+            link = self.ring_link(group)
+            return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / link.bandwidth
         raise ValueError(f"unknown collective {kind!r}")
 
     def _hierarchical(self, group: Sequence[int]) -> tuple[float, float]:

@@ -26,6 +26,7 @@ class ViTConfig:
     patch: int = 4
     classes: int = 10
     dropout: float = 0.1
+    channels: int = 3
 
     @classmethod
     def small(cls) -> ViTConfig:
@@ -91,7 +92,7 @@ class ViT(nn.Module):
         if cfg.image % cfg.patch:
             raise ValueError(f"image size {cfg.image} is not a multiple of the patch size {cfg.patch}")
         self.cfg = cfg
-        self.patch_emb = nn.Conv2d(3, cfg.hidden, kernel_size=cfg.patch, stride=cfg.patch)
+        self.patch_emb = nn.Conv2d(cfg.channels, cfg.hidden, kernel_size=cfg.patch, stride=cfg.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.hidden))
         self.pos_emb = nn.Parameter(torch.zeros(1, cfg.patches + 1, cfg.hidden))
         self.drop = nn.Dropout(cfg.dropout)
@@ -120,6 +121,6 @@ class ViT(nn.Module):
 
 
 def example_inputs(cfg: ViTConfig, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    images = torch.randn(batch, 3, cfg.image, cfg.image, generator=gen)  # [B, 3, H, W]
+    images = torch.randn(batch, cfg.channels, cfg.image, cfg.image, generator=gen)  # [B, C, H, W]
     labels = torch.randint(0, cfg.classes, (batch,), generator=gen)  # [B]
     return images, labels

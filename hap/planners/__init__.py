@@ -5,8 +5,9 @@ and the one cost model prices:
     plan = make_plan("astar", graph, cluster)        # hap plan --planner astar (the default)
 
 "astar" is hap's synthesis (A* over the rule library, ratios by the LP); "dp-ev", "dp-cp",
-"tp" and "ep" are the baselines as plans (data parallelism with even or compute-proportional
-shares, tensor parallelism, expert parallelism). Further systems register their own entries
+"tp", "ep" and "megatron" are the baselines as plans (data parallelism with even or
+compute-proportional shares, tensor parallelism, expert parallelism, tensor parallelism with
+every linear weight split). Further systems register their own entries
 with `@register("name")`.
 """
 
@@ -67,5 +68,5 @@ def _baseline(name: str) -> Planner:
     return planner
 
 
-for _name in ("dp-ev", "dp-cp", "tp", "ep"):
+for _name in ("dp-ev", "dp-cp", "tp", "ep", "megatron"):
     register(_name)(_baseline(_name))

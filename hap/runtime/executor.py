@@ -89,6 +89,10 @@ class Executor:
         self.stored: dict[str, tuple[Placement, int]] = {}
         """Per parameter and buffer: the placement (and segment, for its sizes) this rank keeps it in."""
         self._held_seg: dict[tuple[str, Placement], int] = {}  # segment whose sizes a held value has
+        self.overrides: dict[int, Callable[[list[torch.Tensor]], tuple]] = {}
+        """Node index -> what runs it instead of its op: takes the node's local inputs (in
+        node.inputs order), returns its local outputs, and does its own emulated slowdown
+        (hap.straggler's tensor-parallel linear layers)."""
 
     def sizes(self, tensor: str, p: Placement, seg: int) -> list[int] | None:
         return self.classes.split_sizes(tensor, p.dim, self.ratios[seg]) if p.is_shard else None
@@ -184,8 +188,12 @@ class Executor:
                 held[(ms.tensor, ms.move.dst)] = x
             for ld in self.program_loads[node.index]:
                 held[(ld.tensor, ld.placement)] = self._load(ld.tensor, ld.placement, seg, values)
+            override = self.overrides.get(node.index)
             direct = self._direct.get(node.index) if self.emulation is None and not self.tracing else None
-            if direct is not None:
+            if override is not None:
+                with self._span(f"hap node {node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
+                    outs = override([held[(name, p)] for name, p in zip(node.inputs, st.inputs)])
+            elif direct is not None:
                 outs = direct(held)
             elif self.emulation is None and not self.tracing:
                 outs = run_node(node, st, {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)},

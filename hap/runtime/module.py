@@ -35,7 +35,7 @@ from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from .collectives import Comm, all_reduce
+from .collectives import Comm, WaitClock, all_reduce
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
 from .gradsync import GradSync, Groups
@@ -64,9 +64,15 @@ class HAP(nn.Module):
             raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster)
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
+        if comm.clock is None:  # time inside collectives: a step less it is this rank's busy time
+            comm = dataclasses.replace(comm, clock=WaitClock())
         self.comm, self.cluster = comm, cluster
         object.__setattr__(self, "model", model)  # not a submodule: parameters() are this rank's shards only
         self.global_loss = global_loss
+        self.piggyback: torch.Tensor | None = None
+        """Numbers to sum over ranks with the next forward's loss (global_loss): a flag every
+        rank needs, at no extra collective. The sums land in `piggybacked`."""
+        self.piggybacked: torch.Tensor | None = None
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
@@ -112,7 +118,11 @@ class HAP(nn.Module):
         part = ex.forward(values, presliced)  # this rank's part of the loss
         if not self.global_loss:
             return part
-        total = all_reduce(part.detach(), self.comm)
+        if self.piggyback is not None:
+            sums = all_reduce(torch.cat([part.detach().reshape(1).to(self.piggyback.dtype), self.piggyback]), self.comm)
+            total, self.piggybacked, self.piggyback = sums[0].to(part.dtype), sums[1:], None
+        else:
+            total = all_reduce(part.detach(), self.comm)
         return part + (total - part).detach()  # the global loss's value, the part's gradient
 
     def input_slices(self) -> list[tuple[int, int, int] | None]:

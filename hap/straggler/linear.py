@@ -1,0 +1,259 @@
+"""One tensor-parallel linear layer as the straggler runtime runs it: pruned, migrated, both, or
+as planned. Every rank calls `TPLinear.apply` at the same point of the program and runs the same
+collectives in the same order, forward and backward, whatever its role.
+
+    column-parallel   x [..., K] whole (R),  W_r [N_r, K],  y_r [..., N_r]   (output split)
+    row-parallel      x_r [..., K_r] split,  W_r [N, K_r],  y_r [..., N] a partial sum (P)
+
+A rank computes its own columns `keep` (all of them, unless it prunes or hands some over); a
+pruned column's gradient is imputed as zero (prune.py); a handed-over column's gradient is
+computed by its receiver and sent back (migrate.py), so migration alone is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.collectives import Comm
+from . import migrate
+from .migrate import Handover, Method
+from .prune import Lineage
+
+Kind = Literal["column", "row"]
+
+
+@dataclass(slots=True)
+class Meter:
+    """This rank's matmul clock for one iteration, with the schedule's emulated slowdown: time
+    in the layers' own multiplications is charged `slowdown` times (the excess is slept off
+    before the next collective, runtime/emulate.py), as on the paper's testbed."""
+
+    comm: Comm
+    slowdown: float = 1.0
+    seconds: float = 0.0
+    """Matmul seconds this iteration, emulated slowdown included (M_i of Eq. 1)."""
+    flops: float = 0.0
+    """Multiply-add FLOPs this rank computed in them (its own columns and received ones)."""
+
+    def charge(self, seconds: float, flops: float) -> None:
+        self.seconds += seconds * self.slowdown
+        self.flops += flops
+        emu = self.comm.emulation
+        if emu is not None and self.slowdown > 1:
+            emu.debt += (self.slowdown - 1) * seconds
+
+    def reset(self) -> None:
+        self.seconds, self.flops = 0.0, 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """A tensor-parallel linear node of the program."""
+
+    node: int
+    layer: str
+    """The node's name (the lineage's layer)."""
+    weight: str
+    """The weight's graph tensor name."""
+    kind: Kind
+    out_sizes: tuple[int, ...]
+    """N_r per rank (row-parallel: N on every rank)."""
+    columns: tuple[int, ...]
+    """K_r per rank: the contraction length each rank holds (column-parallel: K on every rank)."""
+
+
+@dataclass(slots=True)
+class Work:
+    """What this rank does at one site this iteration."""
+
+    keep: torch.Tensor | None = None
+    """Own contraction columns it computes (ascending); None: all of [0, K_r)."""
+    lineage: Lineage | None = None
+    """Set with `keep`: the columns it does not compute itself."""
+    handovers: tuple[Handover, ...] = ()
+    """Every straggler's handover at this site (the same on every rank)."""
+    method: Method = "broadcast-reduce"
+
+    @property
+    def plain(self) -> bool:
+        return self.keep is None and not self.handovers
+
+
+@dataclass(slots=True)
+class _Received:
+    """A receiver's part of one handover, kept for the backward."""
+
+    h: Handover
+    lo: int
+    hi: int
+    w: torch.Tensor  # [N_k, hi - lo]
+    x: torch.Tensor  # [..., hi - lo]
+
+
+@dataclass(slots=True)
+class _Ctx:
+    site: Site
+    work: Work
+    meter: Meter
+    received: list[_Received] = field(default_factory=list)
+
+
+def _timed_linear(meter: Meter, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    t0 = time.perf_counter()
+    y = F.linear(x, w, b)
+    meter.charge(time.perf_counter() - t0, 2.0 * x[..., 0].numel() * w.numel())
+    return y
+
+
+class TPLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, c: _Ctx):
+        work, comm, site = c.work, c.meter.comm, c.site
+        if work.keep is None:
+            y = _timed_linear(c.meter, x, w, b)  # [..., N_r]
+        else:  # the columns are picked before the clock starts: the matmul alone is timed
+            xk, wk = x.index_select(-1, work.keep), w.index_select(1, work.keep)
+            y = _timed_linear(c.meter, xk, wk, b)
+        for h in work.handovers:
+            y = _forward_handover(c, h, x, w, y, site, comm, work.method)
+        ctx.save_for_backward(x, w)
+        ctx.c, ctx.has_bias = c, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        c = ctx.c
+        work, comm, site, meter = c.work, c.meter.comm, c.site, c.meter
+        g2 = gy.reshape(-1, gy.shape[-1])  # [T, N_r]
+        wk, xk = (w, x) if work.keep is None else (w.index_select(1, work.keep), x.index_select(-1, work.keep))
+        t0 = time.perf_counter()  # only the multiplications are the layer's matmul time
+        gxk = gy @ wk  # [..., |keep|]
+        gwk = g2.t() @ xk.reshape(-1, xk.shape[-1])  # [N_r, |keep|]
+        meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * wk.shape[0] * wk.shape[1])
+        gx, gw = (gxk, gwk) if work.keep is None else (work.lineage.restore(gxk, -1), work.lineage.restore(gwk, 1))
+        gb = g2.sum(0) if ctx.has_bias else None
+        received = {id(r.h): r for r in c.received}
+        for h in work.handovers:
+            _backward_handover(c, h, received.get(id(h)), x, gy, gx, gw, site, comm, work.method)
+        return gx, gw, gb, None
+
+
+def _forward_handover(c: _Ctx, h: Handover, x, w, y, site: Site, comm: Comm, method: Method) -> torch.Tensor:
+    """Straggler h.straggler's columns computed by the receivers and summed into its output."""
+    me, k = comm.rank, h.straggler
+    n_k, lead = site.out_sizes[k], x.shape[:-1]
+    column = site.kind == "column"
+    part = h.part(me)
+    if method == "broadcast-reduce":
+        numel = n_k * h.count + (0 if column else math.prod(lead) * h.count)
+        if me == k:
+            hand = slice(h.start, h.start + h.count)
+            pieces = [w[:, hand].reshape(-1)] + ([] if column else [x[..., hand].reshape(-1)])
+            buf = torch.cat(pieces)
+        else:
+            buf = x.new_empty(numel)
+        migrate.broadcast(buf, k, comm)
+        z = None
+        if part is not None:
+            lo, hi = part
+            wh = buf[: n_k * h.count].view(n_k, h.count)[:, lo:hi]  # [N_k, hi - lo]
+            xh = x[..., h.start + lo: h.start + hi] if column else buf[n_k * h.count:].view(*lead, h.count)[..., lo:hi]
+            c.received.append(_Received(h, lo, hi, wh, xh))
+            z = _timed_linear(c.meter, xh, wh)  # [..., N_k]: part of y_k
+        if column:  # y_k is k's alone: reduce the parts to it
+            t = y if me == k else (z if z is not None else y.new_zeros(*lead, n_k))
+            migrate.reduce(t.contiguous() if me != k else t, k, comm)
+            return t if me == k else y
+        return y + z if z is not None else y  # row: partial sums, the layer's all-reduce adds them
+    # scatter-gather: each receiver gets only its part, padded to the largest
+    widest = max(hi - lo for lo, hi in map(h.part, h.receivers))
+    x_cols = 0 if column else math.prod(lead)
+    like = x.new_empty((n_k + x_cols) * widest)
+    chunks = None
+    if me == k:
+        chunks = []
+        for r in range(comm.world):
+            p = h.part(r)
+            chunk = x.new_zeros(n_k + x_cols, widest)
+            if p is not None:
+                cols = slice(h.start + p[0], h.start + p[1])
+                chunk[:n_k, : p[1] - p[0]] = w[:, cols]
+                if not column:
+                    chunk[n_k:, : p[1] - p[0]] = x[..., cols].reshape(x_cols, -1)
+            chunks.append(chunk.reshape(-1))
+    mine = migrate.scatter(chunks, like, k, comm).view(n_k + x_cols, widest)
+    z = y.new_zeros(*lead, n_k)
+    if part is not None:
+        lo, hi = part
+        wh = mine[:n_k, : hi - lo]
+        xh = x[..., h.start + lo: h.start + hi] if column else mine[n_k:, : hi - lo].reshape(*lead, hi - lo)
+        c.received.append(_Received(h, lo, hi, wh, xh))
+        z = _timed_linear(c.meter, xh, wh)
+    parts = migrate.gather(z, k, comm)
+    if me == k:
+        return y + sum(parts[r] for r in h.receivers)
+    return y
+
+
+def _backward_handover(c: _Ctx, h: Handover, got: _Received | None, x, gy, gx, gw, site: Site, comm: Comm,
+                       method: Method) -> None:
+    """The gradients of the handed-over columns, computed by the receivers, into k's gx and gw."""
+    me, k = comm.rank, h.straggler
+    n_k, lead = site.out_sizes[k], x.shape[:-1]
+    column = site.kind == "column"
+    g_k = gy
+    if column:  # receivers need k's output gradient (row-parallel: every rank holds it already)
+        if method == "broadcast-reduce":
+            g_k = gy.contiguous() if me == k else gy.new_empty(*lead, n_k)
+            migrate.broadcast(g_k, k, comm)
+        else:
+            copies = [gy.contiguous()] * comm.world if me == k else None
+            g_k = migrate.scatter(copies, gy.new_empty(*lead, n_k), k, comm)
+    gw_part = gx_part = None
+    if got is not None:
+        t0 = time.perf_counter()
+        g2 = g_k.reshape(-1, n_k)
+        gw_part = g2.t() @ got.x.reshape(-1, got.hi - got.lo)  # [N_k, hi - lo]
+        gx_part = g_k @ got.w  # [..., hi - lo]
+        c.meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * n_k * (got.hi - got.lo))
+    hand = slice(h.start, h.start + h.count)
+    t_rows = math.prod(lead)
+    if method == "broadcast-reduce":
+        if column:
+            if got is not None:  # x's gradient is a partial sum: add, the all-reduce does the rest
+                gx[..., h.start + got.lo: h.start + got.hi] += gx_part
+            buf = gw.new_zeros(n_k, h.count)
+            if got is not None:
+                buf[:, got.lo:got.hi] = gw_part
+            migrate.reduce(buf, k, comm)
+            if me == k:
+                gw[:, hand] = buf
+            return
+        buf = gw.new_zeros(n_k * h.count + t_rows * h.count)
+        if got is not None:
+            buf[: n_k * h.count].view(n_k, h.count)[:, got.lo:got.hi] = gw_part
+            buf[n_k * h.count:].view(t_rows, h.count)[:, got.lo:got.hi] = gx_part.reshape(t_rows, -1)
+        migrate.reduce(buf, k, comm)
+        if me == k:
+            gw[:, hand] = buf[: n_k * h.count].view(n_k, h.count)
+            gx[..., hand] = buf[n_k * h.count:].view(*lead, h.count)
+        return
+    widest = max(hi - lo for lo, hi in map(h.part, h.receivers))
+    chunk = gw.new_zeros(n_k + t_rows, widest)
+    if got is not None:
+        chunk[:n_k, : got.hi - got.lo] = gw_part
+        chunk[n_k:, : got.hi - got.lo] = gx_part.reshape(t_rows, -1)
+    parts = migrate.gather(chunk, k, comm)
+    if me == k:
+        for r in h.receivers:
+            lo, hi = h.part(r)
+            cols = slice(h.start + lo, h.start + hi)
+            gw[:, cols] = parts[r][:n_k, : hi - lo]
+            gx[..., cols] += parts[r][n_k:, : hi - lo].reshape(*lead, hi - lo)

@@ -1,0 +1,378 @@
+"""Per-iteration straggler mitigation for the tensor-parallel linear layers of a running plan.
+
+    mit = Mitigator(dmodel, StragglerConfig(policy="zero-pri", schedule=parse_schedule("round-robin:chi=8,every=20", 4)), opt)
+    for it, batch in enumerate(batches):
+        mit.begin_step(it)                       # the schedule's slowdown, this iteration's work per layer
+        loss = dmodel(*batch); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        mit.end_step()                           # measure; refresh and decide when a rank's time moved
+
+Detection (seed 002, section III-A): every rank measures its busy time T_i (the step less its
+time inside collectives) and matmul time M_i. When its T_i differs by more than `threshold`
+from the value at the last refresh, it raises a flag that rides on the next forward's loss
+all-reduce (no collective of its own); at the end of that step every rank all-gathers
+(T, M, FLOPs, share computed) once and all take the same decision from the same numbers.
+
+Policies (`POLICIES`):
+    none              measure only
+    zero-rd/-pri      ZERO-resizing against T_avg, random or priority columns (Eq. 1)
+    zero-pridiff-e/-r per-layer ratios from weight variation, gamma = 1/2 (E) or by Eq. 1 (R)
+    migrate           broadcast-reduce migration to the normal ranks, against T_min (exact)
+    semi              Algorithm 2: one straggler splits its excess by Eq. 2, several by Eq. 3
+    rebalance         migration as the exact bridge, then, once the lost time has paid for it
+                      (ski rental), re-solve the load balance for the measured speeds and
+                      reshard parameters and optimizer state (exact)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Sequence, get_args
+
+import torch
+import torch.distributed as dist
+
+from ..placement import P, R
+from ..runtime.collectives import all_reduce
+from .linear import Meter, Site, TPLinear, Work, _Ctx
+from .migrate import Handover, Method, handover, receivers_of
+from .policy import (Stats, balanced_migration, balanced_speeds, keep_after_resizing, migration_bound, rebalance_pays,
+                     semi_beta, stragglers, unmitigated)
+from .prune import Lineage, PrioritySelector, RandomSelector, pruned_count
+from .schedule import Schedule
+
+log = logging.getLogger("hap")
+
+Policy = Literal["none", "zero-rd", "zero-pri", "zero-pridiff-e", "zero-pridiff-r", "migrate", "semi", "rebalance"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+EXACT = ("none", "migrate", "rebalance")
+"""Policies that train exactly as one device (pruning ones do not)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StragglerConfig:
+    policy: Policy = "none"
+    """How to react (module docstring)."""
+    schedule: Schedule = field(default_factory=Schedule)
+    """Emulated slowdowns (local cluster); Schedule() on real devices."""
+    method: Method = "broadcast-reduce"
+    """How migrated columns travel (migrate.py)."""
+    threshold: float = 0.10
+    """A rank asks for a refresh when its busy time moved by more than this fraction."""
+    tolerance: float = 0.10
+    """A rank is a straggler when slower than the target (T_avg or T_min) by more than this."""
+    epoch: int = 20
+    """Iterations per epoch: ZERO-Pri refreshes its weight-variation statistics once per epoch."""
+    theta_iter: float = 1e-3
+    """PriDiff: a column is a pruning candidate when it varied less than epoch * theta_iter."""
+    alpha: float = 0.8
+    """PriDiff: every layer prunes at least alpha * gamma."""
+    gamma_e: float = 0.5
+    """PriDiff-E: the empirical uniform ratio."""
+    cap: float = 0.95
+    """The most of a rank's columns pruned or handed over."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown straggler policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.method not in ("broadcast-reduce", "scatter-gather"):
+            raise ValueError(f"unknown migration method {self.method!r}; choose broadcast-reduce or scatter-gather")
+        if not 0 < self.cap < 1 or self.threshold <= 0 or self.tolerance < 0 or self.epoch < 1:
+            raise ValueError("straggler config: need 0 < cap < 1, threshold > 0, tolerance >= 0, epoch >= 1")
+
+
+class Mitigator:
+    def __init__(self, dmodel, config: StragglerConfig, optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = ()):
+        self.dmodel, self.config = dmodel, config
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.comm = dmodel.comm
+        self.rank, self.world = self.comm.rank, self.comm.world
+        self.meter = Meter(self.comm)
+        self.selector = (RandomSelector(config.seed * 1009 + self.rank) if config.policy == "zero-rd"
+                         else PrioritySelector(config.seed * 1009 + self.rank))
+        self.keep = [1.0] * self.world  # per rank: share of its columns it does not prune
+        self.moved = [0.0] * self.world  # per rank: share of its columns it hands over
+        self.reference: float | None = None  # own busy time at the last refresh
+        self.flag = 1.0  # ask for a refresh at the first step
+        self.iteration = 0
+        self.history: list[dict] = []
+        self.lost = 0.0  # rebalance: seconds lost to a slowdown since it began
+        self.pretest: dict | None = None
+        self._last_refresh = 0
+        self._install()
+
+    # -- the layers ---------------------------------------------------------------------------
+    def _install(self) -> None:
+        """Find the program's tensor-parallel linear layers and run them through TPLinear."""
+        ex = self.dmodel.executor
+        self.sites: list[Site] = []
+        for step in ex.program:
+            node = ex.graph.nodes[step.node]
+            if node.op != "aten.linear.default":
+                continue
+            x_p, w_p = step.strategy.inputs[0], step.strategy.inputs[1]
+            seg = ex.segment_of[step.node]
+            weight = node.inputs[1]
+            n, k = ex.graph.tensors[weight].shape
+            if w_p.is_shard and w_p.dim == 0 and x_p == R:
+                sizes = ex.sizes(weight, w_p, seg)
+                site = Site(step.node, node.name, weight, "column", tuple(sizes), (k,) * self.world)
+            elif w_p.is_shard and w_p.dim == 1 and x_p.is_shard and step.strategy.outputs[0] == P:
+                site = Site(step.node, node.name, weight, "row", (n,) * self.world, tuple(ex.sizes(weight, w_p, seg)))
+            else:
+                continue
+            self.sites.append(site)
+        self.work: dict[int, Work] = {s.node: Work() for s in self.sites}
+        ex.overrides = {s.node: self._runner(s) for s in self.sites}
+        if not self.sites and self.config.policy != "none":
+            raise ValueError(f"straggler policy {self.config.policy!r}: the plan has no tensor-parallel linear layer "
+                             "(plan with --planner megatron, or a plan that splits linear weights)")
+
+    def _runner(self, site: Site):
+        def run(inputs: list[torch.Tensor]) -> tuple:
+            x, w = inputs[0], inputs[1]
+            b = inputs[2] if len(inputs) > 2 else None
+            return (TPLinear.apply(x, w, b, _Ctx(site, self.work[site.node], self.meter)),)
+
+        return run
+
+    # -- the iteration ------------------------------------------------------------------------
+    def begin_step(self, iteration: int) -> None:
+        self.iteration = iteration
+        static = self.comm.emulation.slowdown if self.comm.emulation is not None else 1.0
+        self.meter.slowdown = static * self.config.schedule.slowdown(self.rank, iteration, self.world)
+        self.meter.reset()
+        self._plan_work()
+        if self.dmodel.global_loss:
+            self.dmodel.piggyback = torch.tensor([self.flag], dtype=torch.float64)
+        self._t0 = time.perf_counter()
+        self._waited0 = self.comm.clock.seconds
+
+    def end_step(self) -> dict:
+        wall = time.perf_counter() - self._t0
+        busy = wall - (self.comm.clock.seconds - self._waited0)
+        if self.dmodel.global_loss:
+            wanted = self.dmodel.piggybacked is not None and float(self.dmodel.piggybacked[0]) > 0
+        else:
+            wanted = float(all_reduce(torch.tensor([self.flag], dtype=torch.float64), self.comm)[0]) > 0
+        own = self._own_share()
+        mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=self._site_flops(self.rank))
+        record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
+                  "busy": busy, "matmul": mine.matmul, "pruned": 1.0 - self.keep[self.rank] if self._prunes() else 0.0,
+                  "migrated": self.moved[self.rank], "refreshed": wanted, "resharded": 0}
+        if wanted:
+            stats = self._all_stats(mine)
+            self.reference = busy
+            record["resharded"] = self._decide(stats)
+            self._last_refresh = self.iteration
+        if (self.iteration + 1) % self.config.epoch == 0:
+            ex = self.dmodel.executor
+            for s in self.sites:
+                self.selector.observe(s.layer, ex.params[s.weight])
+        moved_ref = self.reference is None or abs(busy - self.reference) > self.config.threshold * self.reference
+        bridging = self.config.policy == "rebalance" and any(self.moved)  # ski rental counts every step
+        self.flag = 1.0 if moved_ref or bridging else 0.0
+        if record["pruned"] > 0:
+            log.info("hap straggler: step %d rank %d pruned %.1f%% of its linear-layer columns", self.iteration, self.rank,
+                     100 * record["pruned"])
+        self.history.append(record)
+        return record
+
+    def _prunes(self) -> bool:
+        return self.config.policy.startswith("zero") or self.config.policy == "semi"
+
+    def _own_share(self) -> float:
+        return max(1e-9, self.keep[self.rank] - self.moved[self.rank]) if self._prunes() else 1.0 - self.moved[self.rank]
+
+    def _all_stats(self, mine: Stats) -> list[Stats]:
+        local = torch.tensor([mine.busy, mine.matmul, mine.flops, mine.own, mine.full_flops], dtype=torch.float64)
+        every = [torch.empty_like(local) for _ in range(self.world)]
+        self.comm.before()
+        dist.all_gather(every, local, group=self.comm.group)
+        self.comm.after("all_gather", local.numel() * 8 * self.world)
+        return [Stats(*map(float, t)) for t in every]
+
+    # -- decisions (the same on every rank) ---------------------------------------------------
+    def _decide(self, stats: list[Stats]) -> int:
+        policy, cfg = self.config.policy, self.config
+        t_avg = sum(s.busy for s in stats) / self.world
+        t_min = min(unmitigated(s) for s in stats)  # T_min, the strict criterion (migration, SEMI)
+        if policy == "none":
+            return 0
+        if policy.startswith("zero"):
+            for r, s in enumerate(stats):
+                if policy == "zero-pridiff-e":  # the empirical ratio while it would straggle unpruned
+                    unpruned = s.busy + s.matmul * (1 / self.keep[r] - 1)
+                    self.keep[r] = 1 - cfg.gamma_e if unpruned > t_avg * (1 + cfg.tolerance) else 1.0
+                else:
+                    self.keep[r] = keep_after_resizing(self.keep[r], s.busy, t_avg, s.matmul, cfg.cap)
+            return 0
+        if policy in ("migrate", "rebalance"):
+            slow = stragglers(stats, t_min, cfg.tolerance)
+            self._migrate(stats, slow, [r for r in range(self.world) if r not in slow])
+            return self._maybe_reshard(stats) if policy == "rebalance" else 0
+        # semi: Algorithm 2
+        slow = stragglers(stats, t_min, cfg.tolerance)
+        for r in range(self.world):
+            if r not in slow:
+                self.moved[r], self.keep[r] = 0.0, 1.0
+        if not slow:
+            return 0
+        receivers = [r for r in range(self.world) if r not in slow]
+        full = {r: stats[r].full_flops * stats[r].matmul / stats[r].flops if stats[r].flops > 0 else 0.0 for r in slow}
+        excess = {r: min(cfg.cap, max(0.0, (unmitigated(stats[r]) - t_min) / full[r])) if full[r] > 0 else 0.0
+                  for r in slow}  # Eq. 1 against T_min, as a share of all its columns
+        if len(slow) == 1:
+            (k,) = slow
+            beta = self._beta(excess[k], stats, k)
+            self.moved[k], self.keep[k] = beta * excess[k], 1.0 - (1 - beta) * excess[k]
+            return 0
+        unit = sum(self._site_flops(r) for r in range(self.world)) / self.world  # a rank's FLOPs: Phi1's fraction 1
+        x = migration_bound(stats, lambda flops: self._phi1(flops / unit))
+        migrating, resizing = slow[:x], slow[x:]
+        mu = balanced_migration(stats, migrating, receivers)
+        for k in migrating:
+            self.moved[k], self.keep[k] = min(cfg.cap, mu.get(k, 0.0)), 1.0
+        for r in resizing:
+            self.moved[r], self.keep[r] = 0.0, 1.0 - excess[r]
+        return 0
+
+    def _migrate(self, stats: list[Stats], slow: list[int], receivers: list[int]) -> None:
+        """Stragglers `slow` hand over the shares that balance them with `receivers`."""
+        mu = balanced_migration(stats, slow, receivers)
+        for r in range(self.world):
+            self.moved[r] = min(self.config.cap, mu.get(r, 0.0))
+
+    # -- SEMI's pre-test (Eq. 2 and 3) --------------------------------------------------------
+    def _beta(self, excess: float, stats: list[Stats], k: int) -> float:
+        pre = self._pretest()
+        per_flop = [s.matmul / s.flops if s.flops > 0 else 0.0 for s in stats]
+        receiver_cost = max(per_flop[r] for r in range(self.world) if r != k)
+        full_flops = stats[k].flops / max(stats[k].own, 1e-9)
+        return semi_beta(excess, 1.0, self.world, pre["omega1"], lambda f: pre["omega2"] * f, self._phi1,
+                         lambda f: f * full_flops * receiver_cost)
+
+    def _phi1(self, fraction_or_flops: float) -> float:
+        pre = self._pretest()
+        return pre["phi1_alpha"] + pre["phi1_per_fraction"] * min(fraction_or_flops, 1.0)
+
+    def _pretest(self) -> dict:
+        """Omega1 (allocating pruned submatrices), Omega2 (extracting columns, per fraction) and
+        Phi1 (broadcasting columns, per fraction of a rank's), measured once on this run's layers.
+        Phi1 is a collective: every rank runs it at the same decision."""
+        if self.pretest is not None:
+            return self.pretest
+        ex = self.dmodel.executor
+        weights = [ex.params[s.weight].detach() for s in self.sites]
+        t0 = time.perf_counter()
+        for w in weights:
+            torch.empty(w.shape[0], w.shape[1] // 2)
+        omega1 = time.perf_counter() - t0
+        times = []
+        for frac in (0.25, 0.75):
+            t0 = time.perf_counter()
+            for w in weights:
+                w.index_select(1, torch.arange(max(1, int(w.shape[1] * (1 - frac)))))
+            times.append(time.perf_counter() - t0)
+        omega2 = max(0.0, (times[0] - times[1]) / 0.5)  # extracting more kept columns costs more
+        phi = []
+        for frac in (0.25, 0.75):
+            bufs = [w[:, : max(1, int(w.shape[1] * frac))].contiguous() for w in weights]
+            dist.barrier(group=self.comm.group)
+            t0 = time.perf_counter()
+            for b in bufs:
+                dist.broadcast(b, src=0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0),
+                               group=self.comm.group)
+            phi.append(time.perf_counter() - t0)
+        agreed = all_reduce(torch.tensor([omega1, omega2, phi[0], phi[1]], dtype=torch.float64), self.comm) / self.world
+        omega1, omega2, p25, p75 = map(float, agreed)
+        slope = max(0.0, (p75 - p25) / 0.5)
+        self.pretest = {"omega1": omega1, "omega2": omega2, "phi1_alpha": max(0.0, p25 - 0.25 * slope), "phi1_per_fraction": slope}
+        return self.pretest
+
+    # -- rebalance ----------------------------------------------------------------------------
+    def _maybe_reshard(self, stats: list[Stats]) -> int:
+        slowest = max(s.busy for s in stats)
+        shares = self.dmodel.plan.ratios[0]
+        speeds = balanced_speeds(stats, shares)
+        balanced = sum(shares) / sum(speeds)
+        if slowest <= balanced * (1 + self.config.tolerance) and not any(self.moved):
+            self.lost = 0.0
+            return 0
+        self.lost += max(0.0, slowest - balanced) * max(1, self.iteration - self._last_refresh)
+        if not rebalance_pays(self.lost, self._reshard_seconds(speeds, shares)):
+            return 0
+        from ..planner import rebalanced_ratios
+
+        self.reshard_to(rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds))
+        return 1
+
+    def reshard_to(self, ratios) -> int:
+        """Move the layers (parameters and optimizer state) to new ratios, exactly, between
+        steps; migration and pruning start over from the new shares. A collective."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        nbytes = self.dmodel.reshard(ratios, self.optimizers)
+        log.info("hap straggler: step %d resharded to %s (rank %d moved %d bytes)", self.iteration,
+                 [round(x, 3) for x in self.dmodel.plan.ratios[0]], self.rank, nbytes)
+        self.moved, self.keep = [0.0] * self.world, [1.0] * self.world
+        self.lost = 0.0
+        self._install()
+        self.reference, self.flag = None, 1.0
+        return nbytes
+
+    def _site_flops(self, r: int) -> float:
+        """FLOPs of rank r's whole share of the layers, forward and backward."""
+        tokens = self._tokens or 1
+        return sum(6.0 * tokens * s.out_sizes[r] * s.columns[r] for s in self.sites)
+
+    @property
+    def _tokens(self) -> int:
+        ex = self.dmodel.executor
+        site = self.sites[0] if self.sites else None
+        if site is None:
+            return 0
+        x = ex.graph.nodes[site.node].inputs[0]
+        shape = ex.graph.tensors[x].shape
+        return math.prod(shape[:-1])
+
+    def _reshard_seconds(self, speeds: Sequence[float], shares: Sequence[float]) -> float:
+        """What moving the layers to ratios proportional to `speeds` would cost: the sharded
+        parameters' rows that change hands (twice: momentum too), at the cluster's broadcast fit."""
+        target = [s / sum(speeds) for s in speeds]
+        change = sum(abs(a - b) for a, b in zip(target, shares)) / 2
+        ex = self.dmodel.executor
+        nbytes = sum(math.prod(ex.graph.tensors[name].shape) * 4 for name, (p, _) in ex.stored.items() if p.is_shard)
+        nbytes *= change * (1 + len(self.optimizers))
+        fit = self.dmodel.cluster.collectives.get("broadcast")
+        return fit.time(nbytes) if fit is not None else nbytes / 1e9
+
+    # -- this iteration's work ----------------------------------------------------------------
+    def _plan_work(self) -> None:
+        cfg, me = self.config, self.rank
+        ex = self.dmodel.executor
+        handing = [r for r in range(self.world) if self.moved[r] > 0]
+        receivers = {k: receivers_of(k, self.world, handing) for k in handing}
+        pruning = self._prunes() and self.keep[me] < 1
+        theta = cfg.epoch * cfg.theta_iter
+        for s in self.sites:
+            hs = tuple(h for k in handing if (h := handover(k, s.columns[k], self.moved[k], receivers[k])) is not None)
+            mine = next((h for h in hs if h.straggler == me), None)
+            own_end = mine.start if mine is not None else s.columns[me]
+            keep = lineage = None
+            if pruning or mine is not None:
+                w = ex.params[s.weight].detach()
+                if pruning:
+                    gamma = 1.0 - self.keep[me]
+                    if cfg.policy in ("zero-pridiff-e", "zero-pridiff-r"):
+                        gamma = self.selector.layer_ratio(s.layer, gamma, theta, cfg.alpha, cfg.cap)
+                    # prune gamma of all columns, from the ones it still computes itself
+                    share = min(1.0, gamma * s.columns[me] / max(own_end, 1))
+                    keep = self.selector.kept(s.layer, w, share, limit=own_end)
+                else:
+                    keep = torch.arange(own_end)
+                lineage = Lineage.of(s.layer, s.weight, keep, s.columns[me])
+            self.work[s.node] = Work(keep=keep, lineage=lineage, handovers=hs, method=cfg.method)

@@ -1,0 +1,134 @@
+"""The decisions of straggler mitigation, as pure functions of the times every rank measured
+(the same on every rank after the refresh's all-gather, so every rank decides the same).
+
+Notation of seed 002: T_i a rank's busy time in the last iteration (waiting excluded), M_i its
+matmul time (emulated slowdown included), e the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """One rank's last iteration."""
+
+    busy: float
+    """T_i: seconds not spent waiting in collectives."""
+    matmul: float
+    """M_i: seconds in its linear layers' multiplications (as slow as the device is)."""
+    flops: float
+    """FLOPs of those multiplications."""
+    own: float
+    """Share of its contraction columns it computed itself (1 - pruned - handed over)."""
+    full_flops: float = 0.0
+    """FLOPs of its whole share of the layers (what it would multiply unmitigated)."""
+
+
+def keep_after_resizing(keep: float, busy: float, target: float, matmul: float, cap: float = 0.95) -> float:
+    """Eq. 1, applied to the work a rank does now: it removes (T_i - target) / M_i of what it
+    still multiplies, so its share of columns kept goes from `keep` to keep * (1 - that); a
+    rank faster than the target takes columns back. Between 1 - cap and 1."""
+    if matmul <= 0:
+        return keep
+    gamma = (busy - target) / matmul  # Eq. 1 with target = T_avg (ZERO) or T_min (SEMI)
+    return min(1.0, max(1.0 - cap, keep * (1.0 - gamma)))
+
+
+def unmitigated(s: Stats) -> float:
+    """U_i: a rank's busy time had it multiplied exactly its own share (nothing pruned, handed
+    over or received), at the matmul speed it showed: its other work as measured plus its
+    share's FLOPs at its seconds per FLOP. Independent of the current mitigation, so deciding
+    by it does not oscillate."""
+    per_flop = s.matmul / s.flops if s.flops > 0 else 0.0
+    return s.busy - s.matmul + s.full_flops * per_flop
+
+
+def balanced_migration(stats: Sequence[Stats], slow: Sequence[int], receivers: Sequence[int]) -> dict[int, float]:
+    """Per straggler k, the share mu_k of its columns to hand over so that every straggler and
+    the slowest receiver finish together at T*:
+
+        U_k - mu_k a_k = T*,   U_r + sum_k mu_k b_k = T*
+        a_k = k's full-share matmul seconds,  b_k = the same FLOPs at the receiver's speed / n
+
+    so T* = (U_r + sum_k U_k b_k / a_k) / (1 + sum_k b_k / a_k)."""
+    if not slow or not receivers:
+        return {}
+    r = max(receivers, key=lambda y: unmitigated(stats[y]))
+    per_flop_r = stats[r].matmul / stats[r].flops if stats[r].flops > 0 else 0.0
+    a = {k: stats[k].full_flops * stats[k].matmul / stats[k].flops if stats[k].flops > 0 else 0.0 for k in slow}
+    b = {k: stats[k].full_flops * per_flop_r / len(receivers) for k in slow}
+    ratio = {k: b[k] / a[k] if a[k] > 0 else 0.0 for k in slow}
+    t_star = (unmitigated(stats[r]) + sum(unmitigated(stats[k]) * ratio[k] for k in slow)) / (1 + sum(ratio.values()))
+    return {k: max(0.0, (unmitigated(stats[k]) - t_star) / a[k]) if a[k] > 0 else 0.0 for k in slow}
+
+
+def stragglers(stats: Sequence[Stats], target: float, tolerance: float) -> list[int]:
+    """Ranks that, unmitigated, would be slower than `target` by more than `tolerance` (a
+    fraction), slowest first."""
+    slow = [r for r, s in enumerate(stats) if unmitigated(s) > target * (1 + tolerance)]
+    return sorted(slow, key=lambda r: -unmitigated(stats[r]))
+
+
+def semi_beta(gamma: float, columns: float, e: int, omega1: float, omega2: Callable[[float], float],
+              phi1: Callable[[float], float], phi2: Callable[[float], float], iterations: int = 40) -> float:
+    """Eq. 2: the share beta of a single straggler's excess L*gamma that migrates (the rest is
+    pruned), where the straggler's extra cost of resizing equals a receiver's of migrating:
+
+        Omega1 + Omega2(L gamma (1 - beta)) = Phi1(L gamma beta) + Phi2(L gamma beta / (e - 1))
+
+    The left side falls and the right rises with beta, so bisection finds it; 0 or 1 where one
+    side wins everywhere."""
+    def gap(beta: float) -> float:
+        moved = columns * gamma * beta
+        return omega1 + omega2(columns * gamma * (1 - beta)) - phi1(moved) - phi2(moved / max(e - 1, 1))
+
+    if gap(0.0) <= 0:
+        return 0.0
+    if gap(1.0) >= 0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def migration_bound(stats: Sequence[Stats], phi1: Callable[[float], float]) -> int:
+    """Eq. 3 (Algorithm 2 lines 14-19): of the stragglers sorted slowest first, how many (x)
+    should migrate. Gamma(x) = sum over the x slowest of F_k (T_k - T_min) / T_k is the work
+    they hand over; it pays while the slowest's saving exceeds its communication Phi1 plus the
+    slowest remaining rank's time for its 1/(e - x) share:
+
+        f(x) = (T_x - T_min) - Phi1(Gamma(x)) - max_{y > x} Gamma(x) / (e - x) * T_y / F_y
+    """
+    t = [unmitigated(s) for s in stats]  # T_i as if unmitigated
+    order = sorted(range(len(stats)), key=lambda r: -t[r])
+    t_min = min(t)
+    e = len(stats)
+    x = 0
+    for k in range(1, e):
+        if t[order[k - 1]] <= t_min:
+            break
+        gamma = sum(stats[r].full_flops * (t[r] - t_min) / t[r] for r in order[:k])
+        worst = max(gamma / (e - k) * t[y] / max(stats[y].full_flops, 1e-9) for y in order[k:])
+        f = (t[order[k - 1]] - t_min) - phi1(gamma) - worst
+        if f <= 0:
+            break
+        x = k
+    return x
+
+
+def balanced_speeds(stats: Sequence[Stats], shares: Sequence[float]) -> list[float]:
+    """Each rank's speed as measured: its share of the work per second of its unmitigated
+    time (for re-solving the load balance with the speeds the ranks have now)."""
+    return [max(share, 1e-6) / max(unmitigated(s), 1e-9) for share, s in zip(shares, stats)]
+
+
+def rebalance_pays(lost_seconds: float, reshard_seconds: float) -> bool:
+    """Ski rental: reshard once the time lost to the slowdown since it began (over what the
+    rebalanced run would take) has reached what resharding costs; until then migration
+    bridges. Never more than twice the best choice in hindsight."""
+    return lost_seconds >= reshard_seconds

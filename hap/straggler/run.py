@@ -1,0 +1,107 @@
+"""A training run under a straggler policy on local ranks: the small ViT on the bundled digits,
+tensor parallel (every linear weight split, planner "megatron"), one process per rank.
+
+    from hap.straggler.run import RunSpec, run
+    result = run(RunSpec(policy="zero-pri", schedule="round-robin:chi=8,every=22", epochs=10))
+    result["test_accuracy"], result["seconds_per_iteration"]
+
+The straggler-free reference is policy "none" with schedule "none".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSpec:
+    policy: str = "none"
+    """A policy of hap.straggler.POLICIES."""
+    schedule: str = "none"
+    """A schedule's text form (hap.straggler.schedule)."""
+    method: str = "broadcast-reduce"
+    world: int = 4
+    epochs: int = 10
+    batch: int = 64
+    lr: float = 1e-3
+    hidden: int = 256
+    layers: int = 2
+    seed: int = 0
+    steps: int | None = None
+    """Stop after this many steps (None: all epochs)."""
+    timeout_s: float = 300.0
+
+
+def run(spec: RunSpec) -> dict:
+    """Train; returns {policy, schedule, seconds_per_iteration (median over steps after the
+    first), test_accuracy, final_loss, step_seconds, history (every rank's records),
+    parameters (path of the final whole state, torch.save)}."""
+    from ..runtime.launch import spawn
+
+    out = tempfile.mkdtemp(prefix="hap-straggler-")
+    spawn(_rank_main, spec.world, args=(asdict(spec), out), timeout_s=spec.timeout_s)
+    with open(os.path.join(out, "result.json")) as f:
+        result = json.load(f)
+    result["parameters"] = os.path.join(out, "state.pt")
+    return result
+
+
+def _rank_main(rank: int, spec: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    from ..cost.cluster import local_cluster
+    from ..models.digits import accuracy, digits_split, epoch_batches, vit_for_digits
+    from ..planner import baseline_plan
+    from ..runtime.module import HAP
+    from .mitigator import Mitigator, StragglerConfig
+    from .schedule import parse_schedule
+
+    torch.set_num_threads(1)
+    world = spec["world"]
+    train, test = digits_split(seed=spec["seed"])
+    torch.manual_seed(spec["seed"])
+    model = vit_for_digits(hidden=spec["hidden"], layers=spec["layers"], mlp=4 * spec["hidden"])
+    example = epoch_batches(train, spec["batch"], 0, spec["seed"])[0]
+    cluster = local_cluster((1.0,) * world, f"local-{world}")
+    from ..capture import capture
+
+    plan = baseline_plan(capture(model, example), cluster, "megatron")
+    dmodel = HAP(model, cluster, example, plan=plan)
+    opt = torch.optim.Adam(dmodel.parameters(), lr=spec["lr"])
+    schedule = parse_schedule(spec["schedule"], world)
+    steps_per_epoch = len(epoch_batches(train, spec["batch"], 0, spec["seed"]))
+    mit = Mitigator(dmodel, StragglerConfig(policy=spec["policy"], schedule=schedule, method=spec["method"],
+                                            epoch=steps_per_epoch, seed=spec["seed"]), opt)
+    times, losses, it = [], [], 0
+    for epoch in range(spec["epochs"]):
+        for images, labels in epoch_batches(train, spec["batch"], epoch, spec["seed"]):
+            if spec["steps"] is not None and it >= spec["steps"]:
+                break
+            mit.begin_step(it)
+            loss = dmodel(images, labels, part=False)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record = mit.end_step()
+            times.append(record["wall"])
+            losses.append(float(loss.detach()))
+            it += 1
+    state = dmodel.full_state_dict()
+    histories = [None] * world
+    dist.all_gather_object(histories, mit.history)
+    if rank == 0:
+        model.load_state_dict(state)
+        torch.save(state, os.path.join(out, "state.pt"))
+        result = {"policy": spec["policy"], "schedule": spec["schedule"], "method": spec["method"],
+                  "seconds_per_iteration": statistics.median(times[1:] or times), "step_seconds": times,
+                  "mean_seconds_per_iteration": sum(times[1:]) / max(1, len(times) - 1),
+                  "test_accuracy": accuracy(model, test), "final_loss": losses[-1], "losses": losses,
+                  "history": histories, "ratios": dmodel.plan.ratios}
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)

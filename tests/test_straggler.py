@@ -1,0 +1,231 @@
+"""Straggler mitigation (hap.straggler): pruning against its definition, the policy formulas on
+hand-worked numbers, and on real gloo ranks migration (both methods, column- and row-parallel
+layers, uneven shares) and rebalancing train exactly like one device."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gloo import run_ranks
+
+from hap.straggler.migrate import Handover, handover, receivers_of
+from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, migration_bound, semi_beta,
+                                  unmitigated)
+from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
+from hap.straggler.schedule import Schedule, parse_schedule
+
+
+# -- pruning (ZERO-resizing) ------------------------------------------------------------------
+
+def test_pruned_linear_forward_and_backward_match_the_masked_definition():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 6, generator=gen, requires_grad=True)
+    w = torch.randn(4, 6, generator=gen, requires_grad=True)
+    b = torch.randn(4, generator=gen, requires_grad=True)
+    lin = Lineage.of("fc", "fc.weight", torch.tensor([0, 2, 3, 5]), 6)
+    assert lin.pruned.tolist() == [1, 4]
+    y = PrunedLinear.apply(x, w, b, lin)
+    gy = torch.randn(y.shape, generator=gen)
+    y.backward(gy)
+    # definition: the pruned columns of input and weight are zero, the output keeps its shape
+    mask = torch.tensor([1.0, 0, 1, 1, 0, 1])
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y2 = F.linear(x2 * mask, w2 * mask, b2)
+    y2.backward(gy)
+    assert y.shape == (2, 3, 4)
+    assert torch.allclose(y, y2, atol=1e-6)
+    assert torch.allclose(x.grad, x2.grad, atol=1e-6) and torch.allclose(w.grad, w2.grad, atol=1e-6)
+    assert torch.allclose(b.grad, b2.grad, atol=1e-6)
+    assert (w.grad[:, [1, 4]] == 0).all() and (x.grad[..., [1, 4]] == 0).all()  # zero imputation
+
+
+def test_lineage_maps_each_pruned_gradient_column_back_to_its_weight_column():
+    lin = Lineage.of("l", "w", torch.tensor([1, 4]), 5)
+    g = torch.tensor([[10.0, 40.0], [11.0, 41.0]])
+    full = lin.restore(g, 1)
+    assert full.tolist() == [[0, 10, 0, 0, 40], [0, 11, 0, 0, 41]]
+    assert lin.pruned.tolist() == [0, 2, 3]
+
+
+def test_random_selector_prunes_round_gamma_k_and_keeps_one():
+    sel = RandomSelector(0)
+    w = torch.zeros(3, 10)
+    assert len(sel.kept("l", w, 0.3)) == 7
+    assert len(sel.kept("l", w, 1.0)) == 1  # never all of them
+    assert len(sel.kept("l", w, 0.5, limit=4)) == 2 and sel.kept("l", w, 0.5, limit=4).max() < 4
+    assert pruned_count(10, 0.26) == 3
+
+
+def test_priority_selector_prunes_least_varied_and_keeps_pruned_statistics():
+    sel = PrioritySelector(seed=0)
+    w0 = torch.zeros(2, 4)
+    sel.observe("l", w0)
+    w1 = torch.tensor([[0.5, 0.1, 0.3, 0.9], [0.5, 0.1, 0.3, 0.9]])  # column variations 0.5, 0.1, 0.3, 0.9
+    sel.observe("l", w1)
+    kept = sel.kept("l", w1, 0.5)
+    assert kept.tolist() == [0, 3]  # columns 1 and 2 varied least
+    # next epoch: the pruned columns 1 and 2 did not move (zero gradient); kept ones moved a little
+    w2 = w1 + torch.tensor([0.2, 0.0, 0.0, 0.05])
+    sel.observe("l", w2)
+    delta = sel.layers["l"].delta
+    assert delta[1].item() == pytest.approx(0.1) and delta[2].item() == pytest.approx(0.3)  # kept, not 0
+    assert delta[0].item() == pytest.approx(0.2) and delta[3].item() == pytest.approx(0.05)
+    # variations now 0.2, 0.1 (kept), 0.3 (kept), 0.05: column 2 comes back, column 3 goes
+    assert sel.kept("l", w2, 0.5).tolist() == [0, 2]
+
+
+def test_pridiff_layer_ratio():
+    sel = PrioritySelector(seed=0)
+    sel.observe("l", torch.zeros(1, 10))
+    sel.observe("l", torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]]))
+    # 4 of 10 columns varied more than theta: gamma_k = 0.6, at least alpha * gamma
+    assert sel.layer_ratio("l", 0.5, theta=0.02, alpha=0.8) == pytest.approx(0.6)
+    assert sel.layer_ratio("l", 0.9, theta=0.02, alpha=0.8) == pytest.approx(0.72)
+
+
+# -- policy formulas (hand-worked) -----------------------------------------------------------
+
+def test_eq1_keep_after_resizing():
+    # T_i = 0.9, T_avg = 0.5, M_i = 0.8: gamma = 0.5 of what it multiplies now
+    assert keep_after_resizing(1.0, 0.9, 0.5, 0.8) == pytest.approx(0.5)
+    assert keep_after_resizing(0.5, 0.7, 0.5, 0.4) == pytest.approx(0.25)
+    assert keep_after_resizing(0.5, 0.3, 0.5, 0.4) == pytest.approx(0.75)  # faster: takes columns back
+    assert keep_after_resizing(0.5, 0.1, 0.5, 0.4) == 1.0
+
+
+def test_balanced_migration_equalizes_straggler_and_receiver():
+    # straggler: 0.1 s other work, 0.8 s matmul for 8 GFLOP; receiver: 0.1 + 0.1 s for the same
+    k = Stats(busy=0.9, matmul=0.8, flops=8e9, own=1.0, full_flops=8e9)
+    r = Stats(busy=0.2, matmul=0.1, flops=8e9, own=1.0, full_flops=8e9)
+    mu = balanced_migration([k, r], [0], [1])[0]
+    # a = 0.8, b = 0.1: T* = (0.2 + 0.9 * 0.125) / 1.125 = 0.2778; mu = (0.9 - T*) / 0.8
+    assert mu == pytest.approx((0.9 - 0.3125 / 1.125) / 0.8)
+    assert 0.9 - mu * 0.8 == pytest.approx(0.2 + mu * 0.1)
+    # while migrating, U (the unmitigated time) is still measured as 0.9
+    moved = Stats(busy=0.9 - mu * 0.8, matmul=0.8 * (1 - mu), flops=8e9 * (1 - mu), own=1 - mu, full_flops=8e9)
+    assert unmitigated(moved) == pytest.approx(0.9)
+
+
+def test_eq2_semi_beta():
+    # gap(beta) = 0.01 + 0.02*0.5(1-b) - (0.005 + 0.01*0.5b) - 0.03*0.5b/2 = 0.015 - 0.0225 b
+    beta = semi_beta(0.5, 1.0, 3, 0.01, lambda f: 0.02 * f, lambda f: 0.005 + 0.01 * f, lambda f: 0.03 * f)
+    assert beta == pytest.approx(2 / 3, abs=1e-6)
+    assert semi_beta(0.5, 1.0, 3, 0.0, lambda f: 0.0, lambda f: 1.0, lambda f: 0.0) == 0.0  # migrating never pays
+
+
+def test_eq3_migration_bound():
+    stats = [Stats(busy=t, matmul=0.0, flops=0.0, own=1.0, full_flops=1e9) for t in (0.8, 0.5, 0.2, 0.2)]
+    # f(1) = 0.6 - 0.125 > 0; f(2) = 0.3 - 1.35e9/2 * 0.2/1e9 = 0.165 > 0; rank 3 is not slow
+    assert migration_bound(stats, lambda g: 0.0) == 2
+    # with 0.2 s of communication, f(2) = -0.035: only the slowest migrates
+    assert migration_bound(stats, lambda g: 0.2) == 1
+
+
+# -- schedules and handovers -------------------------------------------------------------------
+
+def test_schedules():
+    rr = parse_schedule("round-robin:chi=8,every=3", 4)
+    assert [rr.slowdown(1, i, 4) for i in range(12)] == [1, 1, 1, 8, 8, 8, 1, 1, 1, 1, 1, 1]
+    multi = parse_schedule("multi:chi=8/6", 4)
+    assert [multi.slowdown(r, 5, 4) for r in range(4)] == [8, 6, 1, 1]
+    per = parse_schedule("persistent:chi=4,rank=2,start=5", 4)
+    assert per.slowdown(2, 4, 4) == 1 and per.slowdown(2, 5, 4) == 4 and per.slowdown(1, 9, 4) == 1
+    assert Schedule().slowdown(0, 3, 2) == 1
+
+
+@pytest.mark.parametrize("text, says", [("sometimes:chi=8", "unknown straggler schedule"),
+                                        ("round-robin:chi=0.5", "at least 1"),
+                                        ("round-robin:chi=8/4", "one chi"),
+                                        ("persistent:rank=7", "rank < 4"),
+                                        ("round-robin:speed=3", "chi=, every=")])
+def test_bad_schedules_say_what_is_wrong(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_schedule(text, 4)
+
+
+def test_handover_renumbering_and_parts():
+    assert receivers_of(1, 4) == (2, 3, 0)  # r' = (r + 4 - 1) mod 4
+    assert receivers_of(1, 4, excluded=[3]) == (2, 0)
+    h = Handover(straggler=1, start=3, count=7, receivers=(2, 3, 0))
+    assert [h.part(r) for r in (2, 3, 0, 1)] == [(0, 3), (3, 5), (5, 7), None]
+    assert handover(0, 10, 0.3, (1,)) == Handover(straggler=0, start=7, count=3, receivers=(1,))
+    assert handover(0, 10, 0.01, (1,)) is None
+
+
+# -- real ranks: migration and rebalancing are exact ------------------------------------------
+
+STEPS = 4
+SHARES = (0.5, 0.3, 0.2)
+
+
+def _setup(hidden=32):
+    from hap.models.digits import digits_split, epoch_batches, vit_for_digits
+
+    train, _ = digits_split()
+    torch.manual_seed(0)
+    model = vit_for_digits(hidden=hidden, layers=1, heads=4, mlp=2 * hidden)
+    return model, epoch_batches(train, 16, 0)[:STEPS]
+
+
+def _reference() -> dict:
+    model, batches = _setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # Adam would blow up the k bias: its true gradient is 0
+    for images, labels in batches:
+        model(images, labels).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def migrating(rank, world, method, shares, moved, reshard_at):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+    from hap.straggler import Mitigator, StragglerConfig
+
+    model, batches = _setup()
+    cluster = local_cluster((1.0,) * world, "local")
+    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=shares)
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    mit = Mitigator(dmodel, StragglerConfig(policy="migrate", method=method), opt)
+    kinds = sorted({s.kind for s in mit.sites})
+    handed = 0
+    for it, (images, labels) in enumerate(batches):
+        if it == reshard_at:
+            mit.reshard_to([0.2, 0.3, 0.5][:world] if world == 3 else [0.7, 0.3])
+        mit.begin_step(it)
+        mit.moved = list(moved)  # this step's handovers, as a decision would set them
+        mit._plan_work()
+        handed += sum(len(w.handovers) for w in mit.work.values())
+        dmodel(images, labels, part=False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mit.moved = [0.0] * world
+        mit.end_step()
+    state = dmodel.full_state_dict()
+    return {"kinds": kinds, "handed": handed, "ratios": dmodel.plan.ratios[0],
+            "state": {k: v.tolist() for k, v in state.items()}}
+
+
+@pytest.mark.parametrize("method", ["broadcast-reduce", "scatter-gather"])
+def test_migration_trains_like_one_device(method, tmp_path):
+    # rank 0 hands 60% of its columns to ranks 1 and 2; rank 2 hands 30% of its own to rank 1
+    reports = run_ranks(migrating, 3, tmp_path, method, SHARES, (0.6, 0.0, 0.3), -1)
+    ref = _reference()
+    assert reports[0]["kinds"] == ["column", "row"]
+    assert reports[0]["handed"] > 0
+    for got in reports:
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), (method, k)
+
+
+def test_rebalance_reshards_mid_run_and_trains_like_one_device(tmp_path):
+    reports = run_ranks(migrating, 3, tmp_path, "broadcast-reduce", SHARES, (0.5, 0.0, 0.0), 2)
+    ref = _reference()
+    assert reports[0]["ratios"] != list(SHARES)  # the shares moved
+    for got in reports:
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
