@@ -3,6 +3,7 @@
     hap plan --model vit --layers 24 --cluster paper-hetero-8 --json out.json
     hap train --model vit --scale small --cluster local --steps 20 [--planner dp-ev]
     hap train --model vit --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]
+    hap train --model vit --scale small --cluster local --planner megatron --straggler zero-pri --straggler-schedule round-robin:chi=8,every=5 --steps 20
     hap sync --model vgg19 --scale small --cluster C.yaml --trials 50 --out sync/  # AutoSync
     hap train --model vgg19 --scale small --cluster C.yaml --plan sync/plan.json   # train with it
     hap profile --cluster local -o local-profiled.yaml   # measure devices and collectives
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
     t.add_argument("--steps", type=int, default=10, help="training iterations")
     t.add_argument("--planner", metavar="NAME",
-                   help="which planner: astar (hap's synthesis, the default), or a baseline: dp-ev, dp-cp, tp, ep")
+                   help="which planner: astar (hap's synthesis, the default), or a baseline: dp-ev, dp-cp, tp, ep, megatron")
     t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"],
                    help="the same as --planner (hap: astar), kept for old command lines")
     t.add_argument("--plan", metavar="FILE", help="train with this plan (hap plan --json, hap sync's DIR/plan.json) "
@@ -71,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint DIR (any plan, ratios or cluster size) "
                         "up to --steps in all")
+    t.add_argument("--straggler", metavar="POLICY", choices=_straggler_policies(), default="none",
+                   help="react to slow ranks in the tensor-parallel linear layers (a plan that splits linear weights: "
+                        "--planner megatron): " + ", ".join(_straggler_policies()) + " (default none: no mitigator)")
+    t.add_argument("--straggler-schedule", metavar="TEXT", default="none",
+                   help="emulated stragglers: round-robin:chi=8,every=5, multi:chi=8/6/4/2, persistent:chi=8,rank=1 "
+                        "(also start=N), or none (the default)")
+    t.add_argument("--migration", choices=["broadcast-reduce", "scatter-gather"], default="broadcast-reduce",
+                   help="how migrated columns travel (--straggler migrate, semi, rebalance)")
 
     y = sub.add_parser("sync", help="search the gradient synchronization strategy by simulators and trial runs (AutoSync)")
     _add_model_args(y)
@@ -100,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cluster", help="show a cluster as the planner reads it")
     c.add_argument("name", help="built-in cluster name or YAML file")
     return ap
+
+
+def _straggler_policies() -> tuple[str, ...]:
+    from .straggler import POLICIES
+
+    return POLICIES
 
 
 def _build_graph(args, devices: int, say):
@@ -150,7 +165,7 @@ def cmd_train(args) -> int:
 
     from .cost.cluster import load_cluster
     from .planners import make_plan
-    from .runtime.launch import spawn
+    from .runtime.launch import RankFailed, spawn
 
     cluster = load_cluster(args.cluster)
     if args.steps < 1:
@@ -159,6 +174,7 @@ def cmd_train(args) -> int:
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
     planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
+    straggling = _check_straggler(args, cluster.size)
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not cluster.local and not args.emulate:
         raise UserError(f"cluster {cluster.name!r} describes {cluster.gpus} GPUs that are not on this machine; hap train "
@@ -187,7 +203,15 @@ def cmd_train(args) -> int:
         result.to_json(path)
         whose = planner if args.plan is not None else f"{planner}'s plan"
         say(f"training {args.steps} steps with {whose} on {cluster.size} local processes")
-        spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json")))
+        if straggling is not None:
+            say(straggling)
+        try:
+            spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json")))
+        except RankFailed:
+            refused = os.path.join(tmp, _REFUSED)
+            if os.path.exists(refused):  # the mitigator refused this plan: bad input, said once
+                raise UserError(open(refused).read().strip()) from None
+            raise
         times = json.loads(open(os.path.join(tmp, "times.json")).read())
     steady = times[2:] if len(times) > 3 else times  # the first iterations warm up allocators and caches
     measured = statistics.median(steady)
@@ -274,6 +298,25 @@ def _check_planner(name: str) -> str:
     return name
 
 
+def _check_straggler(args, world: int) -> str | None:
+    """The --straggler options checked before any rank starts: what the run will do (a line),
+    or None when it runs no mitigator."""
+    from .straggler import EXACT, parse_schedule
+
+    try:
+        schedule = parse_schedule(args.straggler_schedule, world)
+    except ValueError as e:
+        raise UserError(f"--straggler-schedule: {e}") from None
+    if args.straggler == "none" and schedule.kind == "none":
+        return None
+    what = "the cluster's own speeds only" if schedule.kind == "none" else schedule.describe()
+    if args.straggler == "none":
+        how = "not mitigated (measured only)"
+    else:
+        how = f"mitigated by {args.straggler} ({'exact' if args.straggler in EXACT else 'approximate: prunes columns'})"
+    return f"stragglers: {what}; {how}"
+
+
 def _resume_from(args) -> tuple[str, int] | None:
     """The checkpoint --resume continues from and its step (None: train from the start)."""
     from .runtime.checkpoint import latest
@@ -326,6 +369,30 @@ def _calibrated(args, graph, cluster, say):
     return timing
 
 
+_REFUSED = "straggler-refused.txt"
+"""Beside times.json: why the straggler mitigator refused the plan (every rank writes it before it raises)."""
+
+
+def _mitigator(args: dict, dmodel, opt, out_dir: str):
+    """The straggler mitigator --straggler and --straggler-schedule ask for (None: neither)."""
+    import os
+
+    from .straggler import Mitigator, StragglerConfig, parse_schedule
+
+    if args["straggler"] == "none" and args["straggler_schedule"] == "none":
+        return None
+    config = StragglerConfig(policy=args["straggler"], schedule=parse_schedule(args["straggler_schedule"], dmodel.comm.world),
+                             method=args["migration"])
+    try:
+        return Mitigator(dmodel, config, opt)
+    except ValueError as e:  # the same on every rank: whichever raises first has said it for cmd_train
+        path = os.path.join(out_dir, _REFUSED)
+        with open(f"{path}.{dmodel.comm.rank}", "w") as f:
+            f.write(str(e))
+        os.replace(f"{path}.{dmodel.comm.rank}", path)
+        raise
+
+
 def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     import contextlib
     import json
@@ -345,6 +412,8 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=Plan.from_json(plan_path))
     mine = dmodel.local_batch(*batch)  # each rank keeps only its part of the (fixed, synthetic) batch
     opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"], momentum=0.9)
+    mit = _mitigator(args, dmodel, opt, os.path.dirname(times_path))
+    straggling = _Straggling(args["straggler"]) if mit is not None and rank == 0 else None
     start = checkpoint.load(dmodel, opt, args["checkpoint"])[0] if args["resume"] else 0
     every = args["checkpoint_every"] or args["steps"]
     traced = min(3, args["steps"] - start) if args["trace"] else 0
@@ -357,20 +426,29 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
             profiler.start()
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"hap step {step}") if profiler is not None else contextlib.nullcontext():
+            if mit is not None:
+                mit.begin_step(step)
+                shares = mit.shares()  # this step's, the same on every rank
             loss = dmodel(*mine, part=True)  # the loss must fall
             loss.backward()
             norm = dmodel.clip_grad_norm_(args["clip"]) if args["clip"] else None
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=True)  # the mitigator's layers need it (torch's default too)
+            record = mit.end_step() if mit is not None else None
         times.append(time.perf_counter() - t0)
+        if record is not None and record["resharded"]:  # new shares: this rank's part of the batch moved
+            mine = dmodel.local_batch(*batch)
+        note = straggling.step(record, shares) if straggling is not None else ""
         if progress is not None:
-            progress.step(loss.item(), times[-1], norm)
+            progress.step(loss.item(), times[-1], norm, note)
         if args["checkpoint"] and ((step + 1) % every == 0 or step + 1 == args["steps"]):
             path = checkpoint.save(dmodel, opt, args["checkpoint"], step + 1)
             if progress is not None:
                 progress.note(f"checkpoint at step {step + 1}: {path}")
     if progress is not None:
         progress.close()
+    if straggling is not None:
+        print(straggling.summary(), flush=True)
     if profiler is not None:
         profiler.stop()
         os.makedirs(args["trace"], exist_ok=True)
@@ -378,6 +456,40 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     if rank == 0:
         with open(times_path, "w") as f:
             json.dump(times, f)
+
+
+class _Straggling:
+    """What the straggler mitigator did, step by step, as rank 0 sees it. Its own record says
+    what rank 0 pruned and handed over; the mitigator's decisions (each rank's kept and handed-
+    over share) are the same on every rank, so rank 0 also knows the others' without asking."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.steps = self.pruning = self.migrating = self.reshards = 0
+        self.most = (0.0, 0)  # the largest share of a rank's columns pruned, and that rank
+
+    def step(self, record: dict, shares: list[tuple[float, float]]) -> str:
+        """Count the step; the note for its progress line ("" when nothing was pruned or moved).
+        shares: per rank (pruned, handed over), Mitigator.shares() at the step's start."""
+        pruned, moved = [p for p, _ in shares], [m for _, m in shares]
+        pruned[record["rank"]], moved[record["rank"]] = record["pruned"], record["migrated"]  # rank 0's own word
+        self.steps += 1
+        self.pruning += any(p > 0 for p in pruned)
+        self.migrating += any(m > 0 for m in moved)
+        self.reshards += bool(record["resharded"])
+        for r, p in enumerate(pruned):
+            if p > self.most[0]:
+                self.most = (p, r)
+        parts = [f"rank {r} pruned {p:.0%}" for r, p in enumerate(pruned) if p > 0]
+        parts += [f"rank {r} migrated {m:.0%}" for r, m in enumerate(moved) if m > 0]
+        if record["resharded"]:
+            parts.append("resharded")
+        return "  " + ", ".join(parts) if parts else ""
+
+    def summary(self) -> str:
+        most = f" (at most {self.most[0]:.0%} of rank {self.most[1]}'s columns)" if self.pruning else ""
+        return (f"straggler {self.policy}: pruning on {self.pruning} of {self.steps} steps{most}, migration on "
+                f"{self.migrating}, resharded {self.reshards} time{'s' if self.reshards != 1 else ''}")
 
 
 class _Progress:
@@ -390,14 +502,14 @@ class _Progress:
         self.steps, self.done = steps, done
         self.bar = tqdm(total=steps, initial=done, unit="step", dynamic_ncols=True) if sys.stdout.isatty() else None
 
-    def step(self, loss: float, seconds: float, norm) -> None:
+    def step(self, loss: float, seconds: float, norm, note: str = "") -> None:
         self.done += 1
-        clipped = f"  grad norm {norm:.3f}" if norm is not None else ""
+        extra = (f"  grad norm {norm:.3f}" if norm is not None else "") + note
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}  {seconds * 1e3:.1f} ms{clipped}", refresh=False)
+            self.bar.set_postfix_str(f"loss {loss:.4f}  {seconds * 1e3:.1f} ms{extra}", refresh=False)
             self.bar.update()
         elif self.done % max(1, self.steps // 10) == 0 or self.done == self.steps:
-            print(f"step {self.done:4d}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms{clipped}", flush=True)
+            print(f"step {self.done:4d}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms{extra}", flush=True)
 
     def note(self, line: str) -> None:
         """A line of its own (above the bar on a terminal)."""

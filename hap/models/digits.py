@@ -1,7 +1,7 @@
 """A real task that needs no download: scikit-learn's bundled handwritten digits (1797 8x8
 grey images, 10 classes), split 80/20 into train and test with a fixed seed, for a small ViT.
 
-    model = vit_for_digits()                        # 2 blocks, width 128, 4 heads, 2x2 patches
+    model = vit_for_digits()                        # 2 blocks, width 128, 4 heads, 2x2 patches, mean-pooled
     train, test = digits_split()                    # (images [n, 1, 8, 8], labels [n]) each
     batches = epoch_batches(train, batch=64, epoch=0, seed=0)
     accuracy(model, test)
@@ -16,7 +16,7 @@ from .vit import ViT, ViTConfig
 
 def vit_config(hidden: int = 128, layers: int = 2, heads: int = 4, mlp: int = 512) -> ViTConfig:
     return ViTConfig(layers=layers, hidden=hidden, heads=heads, mlp=mlp, image=8, patch=2, classes=10, dropout=0.0,
-                     channels=1)
+                     channels=1, pool="mean")
 
 
 def vit_for_digits(**kw) -> ViT:
@@ -50,10 +50,6 @@ def accuracy(model: ViT, data: tuple[torch.Tensor, torch.Tensor]) -> float:
     images, labels = data
     was = model.training
     model.eval()
-    x = model.patch_emb(images).flatten(2).transpose(1, 2)  # [n, P, H]
-    x = torch.cat([model.cls_token.expand(len(images), -1, -1), x], dim=1) + model.pos_emb  # [n, P+1, H]
-    for block in model.blocks:
-        x = block(x)
-    logits = model.head(model.ln_f(x[:, 0]))  # [n, 10]
+    logits = model.logits(images)  # [n, 10]
     model.train(was)
     return float((logits.argmax(-1) == labels).float().mean())

@@ -10,6 +10,7 @@ Megatron-style (q/k/v column-parallel, the output projection row-parallel).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,9 @@ class ViTConfig:
     classes: int = 10
     dropout: float = 0.1
     channels: int = 3
+    pool: Literal["cls", "mean"] = "cls"
+    """What the head reads: "cls" (the class token) or "mean" (all tokens averaged, which
+    learns faster on small data)."""
 
     @classmethod
     def small(cls) -> ViTConfig:
@@ -107,6 +111,9 @@ class ViT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.logits(images), labels)
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
         B = images.shape[0]
         x = self.patch_emb(images)  # [B, H, image/patch, image/patch]
         x = x.flatten(2).transpose(1, 2)  # [B, P, H]
@@ -115,9 +122,8 @@ class ViT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x)  # [B, P+1, H]
-        x = self.ln_f(x[:, 0])  # [B, H] the class token
-        logits = self.head(x)  # [B, classes]
-        return F.cross_entropy(logits, labels)
+        x = self.ln_f(x[:, 0] if self.cfg.pool == "cls" else x.mean(1))  # [B, H]
+        return self.head(x)  # [B, classes]
 
 
 def example_inputs(cfg: ViTConfig, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

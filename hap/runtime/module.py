@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -73,6 +74,7 @@ class HAP(nn.Module):
         """Numbers to sum over ranks with the next forward's loss (global_loss): a flag every
         rank needs, at no extra collective. The sums land in `piggybacked`."""
         self.piggybacked: torch.Tensor | None = None
+        self._last_loss: weakref.ref | None = None  # the loss forward returned last (see reshard)
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
@@ -117,13 +119,16 @@ class HAP(nn.Module):
         ex, presliced = self._executor_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
         if not self.global_loss:
+            self._last_loss = weakref.ref(part)
             return part
         if self.piggyback is not None:
             sums = all_reduce(torch.cat([part.detach().reshape(1).to(self.piggyback.dtype), self.piggyback]), self.comm)
             total, self.piggybacked, self.piggyback = sums[0].to(part.dtype), sums[1:], None
         else:
             total = all_reduce(part.detach(), self.comm)
-        return part + (total - part).detach()  # the global loss's value, the part's gradient
+        loss = part + (total - part).detach()  # the global loss's value, the part's gradient
+        self._last_loss = weakref.ref(loss)
+        return loss
 
     def input_slices(self) -> list[tuple[int, int, int] | None]:
         """Per model input, the rows this rank needs: (dim, start, length) of the global batch, or
@@ -256,6 +261,12 @@ class HAP(nn.Module):
         the same ratios, after zero_grad(set_to_none=True). Returns the bytes this rank sent
         and received."""
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        # The last step's graph, alive while the caller holds its loss, keeps each parameter's
+        # gradient accumulator with the old shape, which the next backward would meet: let it go
+        # (the loss keeps its value; a graph already backpropagated is of no further use).
+        last = self._last_loss() if self._last_loss is not None else None
+        if last is not None and last.grad_fn is not None:
+            last.detach_()
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))

@@ -107,7 +107,7 @@ class _Ctx:
 def _timed_linear(meter: Meter, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     t0 = time.perf_counter()
     y = F.linear(x, w, b)
-    meter.charge(time.perf_counter() - t0, 2.0 * x[..., 0].numel() * w.numel())
+    meter.charge(time.perf_counter() - t0, 2.0 * x.shape[:-1].numel() * w.numel())
     return y
 
 

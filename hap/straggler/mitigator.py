@@ -73,6 +73,11 @@ class StragglerConfig:
     """PriDiff-E: the empirical uniform ratio."""
     cap: float = 0.95
     """The most of a rank's columns pruned or handed over."""
+    handover: tuple[float, ...] | None = None
+    """A fixed share of its columns each rank hands over every step (policy "migrate"; the
+    Table I measurements); None: decided from the measured times."""
+    warmup: int = 2
+    """Steps measured before the first decision (the first ones pay one-time costs)."""
     seed: int = 0
 
     def __post_init__(self):
@@ -82,6 +87,8 @@ class StragglerConfig:
             raise ValueError(f"unknown migration method {self.method!r}; choose broadcast-reduce or scatter-gather")
         if not 0 < self.cap < 1 or self.threshold <= 0 or self.tolerance < 0 or self.epoch < 1:
             raise ValueError("straggler config: need 0 < cap < 1, threshold > 0, tolerance >= 0, epoch >= 1")
+        if self.handover is not None and (self.policy != "migrate" or any(not 0 <= x <= 1 for x in self.handover)):
+            raise ValueError("straggler config: a fixed handover is for policy 'migrate', one share in [0, 1] per rank")
 
 
 class Mitigator:
@@ -101,6 +108,7 @@ class Mitigator:
         self.history: list[dict] = []
         self.lost = 0.0  # rebalance: seconds lost to a slowdown since it began
         self.pretest: dict | None = None
+        self.reshard_seconds: float | None = None  # what the last reshard took (the slowest rank)
         self._last_refresh = 0
         self._install()
 
@@ -162,17 +170,19 @@ class Mitigator:
         mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=self._site_flops(self.rank))
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
                   "busy": busy, "matmul": mine.matmul, "pruned": 1.0 - self.keep[self.rank] if self._prunes() else 0.0,
-                  "migrated": self.moved[self.rank], "refreshed": wanted, "resharded": 0}
-        if wanted:
+                  "migrated": self.moved[self.rank], "refreshed": False, "resharded": 0}
+        if wanted and self.iteration >= self.config.warmup:
             stats = self._all_stats(mine)
             self.reference = busy
+            record["refreshed"] = True
             record["resharded"] = self._decide(stats)
             self._last_refresh = self.iteration
         if (self.iteration + 1) % self.config.epoch == 0:
             ex = self.dmodel.executor
             for s in self.sites:
                 self.selector.observe(s.layer, ex.params[s.weight])
-        moved_ref = self.reference is None or abs(busy - self.reference) > self.config.threshold * self.reference
+        moved_ref = (self.reference is None or abs(busy - self.reference) > self.config.threshold * self.reference
+                     or self.iteration + 1 == self.config.warmup)
         bridging = self.config.policy == "rebalance" and any(self.moved)  # ski rental counts every step
         self.flag = 1.0 if moved_ref or bridging else 0.0
         if record["pruned"] > 0:
@@ -180,6 +190,11 @@ class Mitigator:
                      100 * record["pruned"])
         self.history.append(record)
         return record
+
+    def shares(self) -> list[tuple[float, float]]:
+        """Per rank, the share of its columns it prunes and the share it hands over this step
+        (the same list on every rank: decisions are shared)."""
+        return [(1.0 - k if self._prunes() else 0.0, m) for k, m in zip(self.keep, self.moved)]
 
     def _prunes(self) -> bool:
         return self.config.policy.startswith("zero") or self.config.policy == "semi"
@@ -295,19 +310,29 @@ class Mitigator:
 
     # -- rebalance ----------------------------------------------------------------------------
     def _maybe_reshard(self, stats: list[Stats]) -> int:
-        slowest = max(s.busy for s in stats)
+        """Ski rental: while the shares do not fit the measured speeds, count the time lost to
+        that (this step against the rebalanced estimate); reshard once it reaches what a
+        reshard costs (estimated from the bytes to move, then as measured last time)."""
         shares = self.dmodel.plan.ratios[0]
         speeds = balanced_speeds(stats, shares)
-        balanced = sum(shares) / sum(speeds)
-        if slowest <= balanced * (1 + self.config.tolerance) and not any(self.moved):
+        balanced = sum(shares) / sum(speeds)  # every rank busy for this long at shares fitting the speeds
+        if max(unmitigated(s) for s in stats) <= balanced * (1 + self.config.tolerance):
             self.lost = 0.0
             return 0
+        slowest = max(s.busy for s in stats)
         self.lost += max(0.0, slowest - balanced) * max(1, self.iteration - self._last_refresh)
-        if not rebalance_pays(self.lost, self._reshard_seconds(speeds, shares)):
+        cost = self.reshard_seconds if self.reshard_seconds is not None else self._reshard_seconds(speeds, shares)
+        if not rebalance_pays(self.lost, cost):
             return 0
         from ..planner import rebalanced_ratios
 
+        t0 = time.perf_counter()
         self.reshard_to(rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds))
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        self.comm.before()
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=self.comm.group)  # one cost, the same on every rank
+        self.comm.after("all_reduce", 8)
+        self.reshard_seconds = float(took[0])
         return 1
 
     def reshard_to(self, ratios) -> int:
@@ -353,6 +378,10 @@ class Mitigator:
     # -- this iteration's work ----------------------------------------------------------------
     def _plan_work(self) -> None:
         cfg, me = self.config, self.rank
+        if cfg.handover is not None:
+            if len(cfg.handover) != self.world:
+                raise ValueError(f"a fixed handover needs one share per rank ({self.world}), got {len(cfg.handover)}")
+            self.moved = list(cfg.handover)
         ex = self.dmodel.executor
         handing = [r for r in range(self.world) if self.moved[r] > 0]
         receivers = {k: receivers_of(k, self.world, handing) for k in handing}

@@ -35,6 +35,8 @@ class RunSpec:
     seed: int = 0
     steps: int | None = None
     """Stop after this many steps (None: all epochs)."""
+    handover: tuple[float, ...] | None = None
+    """Policy "migrate" with these fixed shares handed over per rank (Table I)."""
     timeout_s: float = 300.0
 
 
@@ -77,7 +79,8 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
     schedule = parse_schedule(spec["schedule"], world)
     steps_per_epoch = len(epoch_batches(train, spec["batch"], 0, spec["seed"]))
     mit = Mitigator(dmodel, StragglerConfig(policy=spec["policy"], schedule=schedule, method=spec["method"],
-                                            epoch=steps_per_epoch, seed=spec["seed"]), opt)
+                                            epoch=steps_per_epoch, seed=spec["seed"],
+                                            handover=tuple(spec["handover"]) if spec["handover"] else None), opt)
     times, losses, it = [], [], 0
     for epoch in range(spec["epochs"]):
         for images, labels in epoch_batches(train, spec["batch"], epoch, spec["seed"]):
