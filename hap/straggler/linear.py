@@ -131,11 +131,12 @@ class TPLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         c = ctx.c
         work, comm, site, meter = c.work, c.meter.comm, c.site, c.meter
-        g2 = gy.reshape(-1, gy.shape[-1])  # [T, N_r]
+        rows = math.prod(gy.shape[:-1])  # T tokens (explicit: a shard may be empty)
+        g2 = gy.reshape(rows, gy.shape[-1])  # [T, N_r]
         wk, xk = (w, x) if work.keep is None else (w.index_select(1, work.keep), x.index_select(-1, work.keep))
         t0 = time.perf_counter()  # only the multiplications are the layer's matmul time
         gxk = gy @ wk  # [..., |keep|]
-        gwk = g2.t() @ xk.reshape(-1, xk.shape[-1])  # [N_r, |keep|]
+        gwk = g2.t() @ xk.reshape(rows, xk.shape[-1])  # [N_r, |keep|]
         meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * wk.shape[0] * wk.shape[1])
         gx, gw = (gxk, gwk) if work.keep is None else (work.lineage.restore(gxk, -1), work.lineage.restore(gwk, 1))
         gb = g2.sum(0) if ctx.has_bias else None
@@ -219,8 +220,8 @@ def _backward_handover(c: _Ctx, h: Handover, got: _Received | None, x, gy, gx, g
     gw_part = gx_part = None
     if got is not None:
         t0 = time.perf_counter()
-        g2 = g_k.reshape(-1, n_k)
-        gw_part = g2.t() @ got.x.reshape(-1, got.hi - got.lo)  # [N_k, hi - lo]
+        g2 = g_k.reshape(math.prod(lead), n_k)
+        gw_part = g2.t() @ got.x.reshape(math.prod(lead), got.hi - got.lo)  # [N_k, hi - lo]
         gx_part = g_k @ got.w  # [..., hi - lo]
         c.meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * n_k * (got.hi - got.lo))
     hand = slice(h.start, h.start + h.count)

@@ -109,6 +109,7 @@ class Mitigator:
         self.lost = 0.0  # rebalance: seconds lost to a slowdown since it began
         self.pretest: dict | None = None
         self.reshard_seconds: float | None = None  # what the last reshard took (the slowest rank)
+        self.beta: float | None = None  # SEMI's last Eq. 2 split (share of the excess migrated)
         self._last_refresh = 0
         self._install()
 
@@ -170,7 +171,7 @@ class Mitigator:
         mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=self._site_flops(self.rank))
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
                   "busy": busy, "matmul": mine.matmul, "pruned": 1.0 - self.keep[self.rank] if self._prunes() else 0.0,
-                  "migrated": self.moved[self.rank], "refreshed": False, "resharded": 0}
+                  "migrated": self.moved[self.rank], "refreshed": False, "resharded": 0, "beta": self.beta}
         if wanted and self.iteration >= self.config.warmup:
             stats = self._all_stats(mine)
             self.reference = busy
@@ -263,49 +264,62 @@ class Mitigator:
 
     # -- SEMI's pre-test (Eq. 2 and 3) --------------------------------------------------------
     def _beta(self, excess: float, stats: list[Stats], k: int) -> float:
+        """Eq. 2 for straggler k's excess (a share of its columns), with the pre-tested costs."""
         pre = self._pretest()
         per_flop = [s.matmul / s.flops if s.flops > 0 else 0.0 for s in stats]
         receiver_cost = max(per_flop[r] for r in range(self.world) if r != k)
-        full_flops = stats[k].flops / max(stats[k].own, 1e-9)
-        return semi_beta(excess, 1.0, self.world, pre["omega1"], lambda f: pre["omega2"] * f, self._phi1,
+        full_flops = stats[k].full_flops
+        beta = semi_beta(excess, 1.0, self.world, pre["omega1"], lambda f: _line(pre["omega2"], f), self._phi1,
                          lambda f: f * full_flops * receiver_cost)
+        log.info("hap straggler: step %d SEMI rank %d excess %.2f of its columns, beta %.2f", self.iteration, k, excess, beta)
+        self.beta = beta
+        return beta
 
-    def _phi1(self, fraction_or_flops: float) -> float:
-        pre = self._pretest()
-        return pre["phi1_alpha"] + pre["phi1_per_fraction"] * min(fraction_or_flops, 1.0)
+    def _phi1(self, fraction: float) -> float:
+        """Phi1: seconds per step to migrate this share of a rank's columns (pre-tested line)."""
+        return max(0.0, _line(self._pretest()["phi1"], min(fraction, 1.0)))
 
     def _pretest(self) -> dict:
-        """Omega1 (allocating pruned submatrices), Omega2 (extracting columns, per fraction) and
-        Phi1 (broadcasting columns, per fraction of a rank's), measured once on this run's layers.
-        Phi1 is a collective: every rank runs it at the same decision."""
+        """SEMI's pre-test on this run's layers, once (Algorithm 2 line 1), as per-step costs:
+        Omega1, allocating the pruned matrices; Omega2(f), extracting the kept columns of every
+        layer's input and weight and restoring the two gradients when f of the columns are
+        pruned; Phi1(f), broadcasting f of the columns (weight, and input where it is split)
+        and reducing the results, forward and backward. Each is measured at f = 1/4 and 3/4
+        and taken as the line through them; the collectives run on every rank together, and
+        the ranks agree on the mean."""
         if self.pretest is not None:
             return self.pretest
         ex = self.dmodel.executor
-        weights = [ex.params[s.weight].detach() for s in self.sites]
+        tokens = max(1, self._tokens)
+        layers = [(ex.params[s.weight].detach(), torch.zeros(tokens, s.columns[self.rank]), s) for s in self.sites]
         t0 = time.perf_counter()
-        for w in weights:
-            torch.empty(w.shape[0], w.shape[1] // 2)
+        for w, x, _ in layers:
+            torch.empty(w.shape[0], w.shape[1] // 2), torch.empty(tokens, x.shape[1] // 2)
         omega1 = time.perf_counter() - t0
-        times = []
-        for frac in (0.25, 0.75):
+        omega2, phi = [], []
+        for f in (0.25, 0.75):
             t0 = time.perf_counter()
-            for w in weights:
-                w.index_select(1, torch.arange(max(1, int(w.shape[1] * (1 - frac)))))
-            times.append(time.perf_counter() - t0)
-        omega2 = max(0.0, (times[0] - times[1]) / 0.5)  # extracting more kept columns costs more
-        phi = []
-        for frac in (0.25, 0.75):
-            bufs = [w[:, : max(1, int(w.shape[1] * frac))].contiguous() for w in weights]
+            for w, x, _ in layers:
+                kept = torch.arange(max(1, round(w.shape[1] * (1 - f))))
+                lin = Lineage.of("", "", kept, w.shape[1])
+                for _ in range(2):  # forward and backward
+                    x.index_select(-1, kept), w.index_select(1, kept)
+                lin.restore(x.index_select(-1, kept), -1), lin.restore(w.index_select(1, kept), 1)
+            omega2.append(time.perf_counter() - t0)
             dist.barrier(group=self.comm.group)
             t0 = time.perf_counter()
-            for b in bufs:
-                dist.broadcast(b, src=0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0),
-                               group=self.comm.group)
+            src = 0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0)
+            for w, x, s in layers:
+                cols = max(1, round(w.shape[1] * f))
+                moved = w.shape[0] * cols + (tokens * cols if s.kind == "row" else 0)
+                for numel in (moved, tokens * s.out_sizes[0]):  # send the columns, collect the results
+                    dist.broadcast(torch.zeros(numel), src=src, group=self.comm.group)
+                    dist.reduce(torch.zeros(numel), dst=src, group=self.comm.group)
             phi.append(time.perf_counter() - t0)
-        agreed = all_reduce(torch.tensor([omega1, omega2, phi[0], phi[1]], dtype=torch.float64), self.comm) / self.world
-        omega1, omega2, p25, p75 = map(float, agreed)
-        slope = max(0.0, (p75 - p25) / 0.5)
-        self.pretest = {"omega1": omega1, "omega2": omega2, "phi1_alpha": max(0.0, p25 - 0.25 * slope), "phi1_per_fraction": slope}
+        agreed = all_reduce(torch.tensor([omega1, *omega2, *phi], dtype=torch.float64), self.comm) / self.world
+        omega1, o25, o75, p25, p75 = map(float, agreed)
+        self.pretest = {"omega1": omega1, "omega2": _through((0.25, o25), (0.75, o75)), "phi1": _through((0.25, p25), (0.75, p75))}
+        log.info("hap straggler: SEMI pre-test %s", self.pretest)
         return self.pretest
 
     # -- rebalance ----------------------------------------------------------------------------
@@ -405,3 +419,13 @@ class Mitigator:
                     keep = torch.arange(own_end)
                 lineage = Lineage.of(s.layer, s.weight, keep, s.columns[me])
             self.work[s.node] = Work(keep=keep, lineage=lineage, handovers=hs, method=cfg.method)
+
+
+def _through(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    """(intercept, slope) of the line through two points."""
+    slope = (b[1] - a[1]) / (b[0] - a[0])
+    return a[1] - slope * a[0], slope
+
+
+def _line(coef: tuple[float, float], x: float) -> float:
+    return coef[0] + coef[1] * x

@@ -19,6 +19,7 @@ Pruning is an approximation: training is no longer one device's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -71,9 +72,9 @@ class PrunedLinear(torch.autograd.Function):
         xp, wp = ctx.saved_tensors
         lin = ctx.lineage
         gx = lin.restore(gy @ wp, -1) if ctx.needs_input_grad[0] else None  # [..., K]
-        gw = lin.restore(gy.reshape(-1, gy.shape[-1]).t() @ xp.reshape(-1, xp.shape[-1]), 1) \
-            if ctx.needs_input_grad[1] else None  # [N, K]
-        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        g2 = gy.reshape(math.prod(gy.shape[:-1]), gy.shape[-1])  # [T, N]
+        gw = lin.restore(g2.t() @ xp.reshape(g2.shape[0], xp.shape[-1]), 1) if ctx.needs_input_grad[1] else None  # [N, K]
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
 
 
