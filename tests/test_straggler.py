@@ -178,7 +178,7 @@ def _reference() -> dict:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def migrating(rank, world, method, shares, moved, reshard_at):
+def migrating(rank, world, method, shares, moved, reshard_at, receiving=None):
     import hap
     from hap.capture import capture
     from hap.cost.cluster import local_cluster
@@ -197,8 +197,9 @@ def migrating(rank, world, method, shares, moved, reshard_at):
         if it == reshard_at:
             mit.reshard_to([0.2, 0.3, 0.5][:world] if world == 3 else [0.7, 0.3])
         mit.begin_step(it)
-        mit.moved = list(moved)  # this step's handovers, as a decision would set them
+        mit.moved, mit.receiving = list(moved), receiving  # this step's handovers, as a decision would set them
         mit._plan_work()
+        takers = {r for w in mit.work.values() for h in w.handovers for r in h.receivers}
         handed += sum(len(w.handovers) for w in mit.work.values())
         dmodel(images, labels, part=False).backward()
         opt.step()
@@ -206,7 +207,7 @@ def migrating(rank, world, method, shares, moved, reshard_at):
         mit.moved = [0.0] * world
         mit.end_step()
     state = dmodel.full_state_dict()
-    return {"kinds": kinds, "handed": handed, "ratios": dmodel.plan.ratios[0],
+    return {"kinds": kinds, "handed": handed, "ratios": dmodel.plan.ratios[0], "takers": sorted(takers),
             "state": {k: v.tolist() for k, v in state.items()}}
 
 
@@ -220,6 +221,16 @@ def test_migration_trains_like_one_device(method, tmp_path):
     for got in reports:
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), (method, k)
+
+
+def test_only_the_named_receivers_take_columns(tmp_path):
+    # SEMI with several stragglers: rank 0 migrates, rank 1 prunes (so takes nothing), rank 2 takes it all
+    reports = run_ranks(migrating, 3, tmp_path, "broadcast-reduce", SHARES, (0.7, 0.0, 0.0), -1, [2])
+    ref = _reference()
+    assert reports[0]["takers"] == [2]
+    for got in reports:
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
 def test_rebalance_reshards_mid_run_and_trains_like_one_device(tmp_path):

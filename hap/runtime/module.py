@@ -122,7 +122,8 @@ class HAP(nn.Module):
             self._last_loss = weakref.ref(part)
             return part
         if self.piggyback is not None:
-            sums = all_reduce(torch.cat([part.detach().reshape(1).to(self.piggyback.dtype), self.piggyback]), self.comm)
+            extra = self.piggyback.to(part.device)
+            sums = all_reduce(torch.cat([part.detach().reshape(1).to(extra.dtype), extra]), self.comm)
             total, self.piggybacked, self.piggyback = sums[0].to(part.dtype), sums[1:], None
         else:
             total = all_reduce(part.detach(), self.comm)
@@ -265,7 +266,7 @@ class HAP(nn.Module):
         # gradient accumulator with the old shape, which the next backward would meet: let it go
         # (the loss keeps its value; a graph already backpropagated is of no further use).
         last = self._last_loss() if self._last_loss is not None else None
-        if last is not None and last.grad_fn is not None:
+        if last is not None and last.grad_fn is not None and not last._is_view():  # a view cannot detach in place
             last.detach_()
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)

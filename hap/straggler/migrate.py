@@ -15,7 +15,8 @@ a sum, y_k = x_k[..., C] W_k[:, C]^T + sum_r z_r. Two ways to move the data:
                        and NCCL need); the results are gathered to k, which adds them up.
 
 Receivers are found by the paper's renumbering r' = (r + e - k) mod e: in that order, the
-first receiver takes the first columns. Stragglers that migrate are never receivers.
+first receiver takes the first columns. Only the ranks the decision names receive (never a
+rank that hands over, nor, in SEMI, one that prunes).
 """
 
 from __future__ import annotations

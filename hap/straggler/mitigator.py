@@ -9,14 +9,17 @@
 Detection (seed 002, section III-A): every rank measures its busy time T_i (the step less its
 time inside collectives) and matmul time M_i. When its T_i differs by more than `threshold`
 from the value at the last refresh, it raises a flag that rides on the next forward's loss
-all-reduce (no collective of its own); at the end of that step every rank all-gathers
-(T, M, FLOPs, share computed) once and all take the same decision from the same numbers.
+all-reduce (no collective of its own; with global_loss=False, a one-number all-reduce per
+step); at the end of that step every rank all-gathers (T, M, FLOPs, share computed) once and
+all take the same decision from the same numbers. (While rebalance bridges a slowdown by
+migration it refreshes every step.) Only the planned batch shape is mitigated: a step of
+another shape runs its layers as planned.
 
 Policies (`POLICIES`):
     none              measure only
     zero-rd/-pri      ZERO-resizing against T_avg, random or priority columns (Eq. 1)
     zero-pridiff-e/-r per-layer ratios from weight variation, gamma = 1/2 (E) or by Eq. 1 (R)
-    migrate           broadcast-reduce migration to the normal ranks, against T_min (exact)
+    migrate           migration (config.method) to the normal ranks, against T_min (exact)
     semi              Algorithm 2: one straggler splits its excess by Eq. 2, several by Eq. 3
     rebalance         migration as the exact bridge, then, once the lost time has paid for it
                       (ski rental), re-solve the load balance for the measured speeds and
@@ -72,7 +75,7 @@ class StragglerConfig:
     gamma_e: float = 0.5
     """PriDiff-E: the empirical uniform ratio."""
     cap: float = 0.95
-    """The most of a rank's columns pruned or handed over."""
+    """The most of a rank's columns a decision prunes or hands over (before rounding to whole columns)."""
     handover: tuple[float, ...] | None = None
     """A fixed share of its columns each rank hands over every step (policy "migrate"; the
     Table I measurements); None: decided from the measured times."""
@@ -98,10 +101,12 @@ class Mitigator:
         self.comm = dmodel.comm
         self.rank, self.world = self.comm.rank, self.comm.world
         self.meter = Meter(self.comm)
+        self.device = next(iter(dmodel.executor.params.values())).device  # where collectives' tensors live (NCCL: the GPU)
         self.selector = (RandomSelector(config.seed * 1009 + self.rank) if config.policy == "zero-rd"
                          else PrioritySelector(config.seed * 1009 + self.rank))
         self.keep = [1.0] * self.world  # per rank: share of its columns it does not prune
         self.moved = [0.0] * self.world  # per rank: share of its columns it hands over
+        self.receiving: list[int] | None = None  # ranks that take handed-over columns (None: all that hand none over)
         self.reference: float | None = None  # own busy time at the last refresh
         self.flag = 1.0  # ask for a refresh at the first step
         self.iteration = 0
@@ -136,8 +141,10 @@ class Mitigator:
             self.sites.append(site)
         self.work: dict[int, Work] = {s.node: Work() for s in self.sites}
         ex.overrides = {s.node: self._runner(s) for s in self.sites}
-        if not self.sites and self.config.policy != "none":
-            raise ValueError(f"straggler policy {self.config.policy!r}: the plan has no tensor-parallel linear layer "
+        if not self.sites and (self.config.policy != "none" or self.config.schedule.kind != "none"):
+            what = (f"straggler policy {self.config.policy!r}" if self.config.policy != "none"
+                    else f"straggler schedule {self.config.schedule.kind!r} (it slows tensor-parallel linear layers)")
+            raise ValueError(f"{what}: the plan has no tensor-parallel linear layer "
                              "(plan with --planner megatron, or a plan that splits linear weights)")
 
     def _runner(self, site: Site):
@@ -166,7 +173,7 @@ class Mitigator:
         if self.dmodel.global_loss:
             wanted = self.dmodel.piggybacked is not None and float(self.dmodel.piggybacked[0]) > 0
         else:
-            wanted = float(all_reduce(torch.tensor([self.flag], dtype=torch.float64), self.comm)[0]) > 0
+            wanted = float(all_reduce(torch.tensor([self.flag], dtype=torch.float64, device=self.device), self.comm)[0]) > 0
         own = self._own_share()
         mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=self._site_flops(self.rank))
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
@@ -204,7 +211,8 @@ class Mitigator:
         return max(1e-9, self.keep[self.rank] - self.moved[self.rank]) if self._prunes() else 1.0 - self.moved[self.rank]
 
     def _all_stats(self, mine: Stats) -> list[Stats]:
-        local = torch.tensor([mine.busy, mine.matmul, mine.flops, mine.own, mine.full_flops], dtype=torch.float64)
+        local = torch.tensor([mine.busy, mine.matmul, mine.flops, mine.own, mine.full_flops], dtype=torch.float64,
+                             device=self.device)
         every = [torch.empty_like(local) for _ in range(self.world)]
         self.comm.before()
         dist.all_gather(every, local, group=self.comm.group)
@@ -243,12 +251,15 @@ class Mitigator:
                   for r in slow}  # Eq. 1 against T_min, as a share of all its columns
         if len(slow) == 1:
             (k,) = slow
+            self.receiving = receivers
             beta = self._beta(excess[k], stats, k)
             self.moved[k], self.keep[k] = beta * excess[k], 1.0 - (1 - beta) * excess[k]
             return 0
         unit = sum(self._site_flops(r) for r in range(self.world)) / self.world  # a rank's FLOPs: Phi1's fraction 1
         x = migration_bound(stats, lambda flops: self._phi1(flops / unit))
+        self.beta = None  # Eq. 3, not Eq. 2
         migrating, resizing = slow[:x], slow[x:]
+        self.receiving = receivers  # the pruning stragglers take no one's columns
         mu = balanced_migration(stats, migrating, receivers)
         for k in migrating:
             self.moved[k], self.keep[k] = min(cfg.cap, mu.get(k, 0.0)), 1.0
@@ -258,6 +269,7 @@ class Mitigator:
 
     def _migrate(self, stats: list[Stats], slow: list[int], receivers: list[int]) -> None:
         """Stragglers `slow` hand over the shares that balance them with `receivers`."""
+        self.receiving = list(receivers)
         mu = balanced_migration(stats, slow, receivers)
         for r in range(self.world):
             self.moved[r] = min(self.config.cap, mu.get(r, 0.0))
@@ -291,7 +303,8 @@ class Mitigator:
             return self.pretest
         ex = self.dmodel.executor
         tokens = max(1, self._tokens)
-        layers = [(ex.params[s.weight].detach(), torch.zeros(tokens, s.columns[self.rank]), s) for s in self.sites]
+        layers = [(ex.params[s.weight].detach(), torch.zeros(tokens, s.columns[self.rank], device=self.device), s)
+                  for s in self.sites]
         t0 = time.perf_counter()
         for w, x, _ in layers:
             torch.empty(w.shape[0], w.shape[1] // 2), torch.empty(tokens, x.shape[1] // 2)
@@ -300,7 +313,7 @@ class Mitigator:
         for f in (0.25, 0.75):
             t0 = time.perf_counter()
             for w, x, _ in layers:
-                kept = torch.arange(max(1, round(w.shape[1] * (1 - f))))
+                kept = torch.arange(max(1, round(w.shape[1] * (1 - f))), device=self.device)
                 lin = Lineage.of("", "", kept, w.shape[1])
                 for _ in range(2):  # forward and backward
                     x.index_select(-1, kept), w.index_select(1, kept)
@@ -309,14 +322,14 @@ class Mitigator:
             dist.barrier(group=self.comm.group)
             t0 = time.perf_counter()
             src = 0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0)
-            for w, x, s in layers:
-                cols = max(1, round(w.shape[1] * f))
-                moved = w.shape[0] * cols + (tokens * cols if s.kind == "row" else 0)
+            for _, _, s in layers:  # rank 0's sizes: the same numbers on every rank
+                cols = max(1, round(s.columns[0] * f))
+                moved = s.out_sizes[0] * cols + (tokens * cols if s.kind == "row" else 0)
                 for numel in (moved, tokens * s.out_sizes[0]):  # send the columns, collect the results
-                    dist.broadcast(torch.zeros(numel), src=src, group=self.comm.group)
-                    dist.reduce(torch.zeros(numel), dst=src, group=self.comm.group)
+                    dist.broadcast(torch.zeros(numel, device=self.device), src=src, group=self.comm.group)
+                    dist.reduce(torch.zeros(numel, device=self.device), dst=src, group=self.comm.group)
             phi.append(time.perf_counter() - t0)
-        agreed = all_reduce(torch.tensor([omega1, *omega2, *phi], dtype=torch.float64), self.comm) / self.world
+        agreed = all_reduce(torch.tensor([omega1, *omega2, *phi], dtype=torch.float64, device=self.device), self.comm) / self.world
         omega1, o25, o75, p25, p75 = map(float, agreed)
         self.pretest = {"omega1": omega1, "omega2": _through((0.25, o25), (0.75, o75)), "phi1": _through((0.25, p25), (0.75, p75))}
         log.info("hap straggler: SEMI pre-test %s", self.pretest)
@@ -341,8 +354,11 @@ class Mitigator:
         from ..planner import rebalanced_ratios
 
         t0 = time.perf_counter()
-        self.reshard_to(rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds))
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        ratios = [rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds) if self.rank == 0 else None]
+        dist.broadcast_object_list(ratios, src=0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0),
+                                   group=self.comm.group)  # one solve: every rank must reshard to the very same numbers
+        self.reshard_to(ratios[0])
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         self.comm.before()
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=self.comm.group)  # one cost, the same on every rank
         self.comm.after("all_reduce", 8)
@@ -357,7 +373,7 @@ class Mitigator:
         nbytes = self.dmodel.reshard(ratios, self.optimizers)
         log.info("hap straggler: step %d resharded to %s (rank %d moved %d bytes)", self.iteration,
                  [round(x, 3) for x in self.dmodel.plan.ratios[0]], self.rank, nbytes)
-        self.moved, self.keep = [0.0] * self.world, [1.0] * self.world
+        self.moved, self.keep, self.receiving = [0.0] * self.world, [1.0] * self.world, None
         self.lost = 0.0
         self._install()
         self.reference, self.flag = None, 1.0
@@ -395,10 +411,14 @@ class Mitigator:
         if cfg.handover is not None:
             if len(cfg.handover) != self.world:
                 raise ValueError(f"a fixed handover needs one share per rank ({self.world}), got {len(cfg.handover)}")
-            self.moved = list(cfg.handover)
+            if all(x > 0 for x in cfg.handover):
+                raise ValueError(f"a fixed handover {list(cfg.handover)} leaves no rank to take the columns")
+            self.moved, self.receiving = list(cfg.handover), None
         ex = self.dmodel.executor
         handing = [r for r in range(self.world) if self.moved[r] > 0]
-        receivers = {k: receivers_of(k, self.world, handing) for k in handing}
+        taking = self.receiving if self.receiving is not None else [r for r in range(self.world) if r not in handing]
+        refused = [r for r in range(self.world) if r in handing or r not in taking]
+        receivers = {k: receivers_of(k, self.world, refused) for k in handing}
         pruning = self._prunes() and self.keep[me] < 1
         theta = cfg.epoch * cfg.theta_iter
         for s in self.sites:
@@ -406,6 +426,8 @@ class Mitigator:
             mine = next((h for h in hs if h.straggler == me), None)
             own_end = mine.start if mine is not None else s.columns[me]
             keep = lineage = None
+            if not pruning:
+                self.selector.forget(s.layer)  # computed whole: no column was pruned this time
             if pruning or mine is not None:
                 w = ex.params[s.weight].detach()
                 if pruning:
@@ -416,7 +438,7 @@ class Mitigator:
                     share = min(1.0, gamma * s.columns[me] / max(own_end, 1))
                     keep = self.selector.kept(s.layer, w, share, limit=own_end)
                 else:
-                    keep = torch.arange(own_end)
+                    keep = torch.arange(own_end, device=w.device)
                 lineage = Lineage.of(s.layer, s.weight, keep, s.columns[me])
             self.work[s.node] = Work(keep=keep, lineage=lineage, handovers=hs, method=cfg.method)
 

@@ -43,7 +43,7 @@ class Lineage:
 
     @classmethod
     def of(cls, layer: str, matrix: str, kept: torch.Tensor, columns: int) -> "Lineage":
-        mask = torch.ones(columns, dtype=torch.bool)
+        mask = torch.ones(columns, dtype=torch.bool, device=kept.device)
         mask[kept] = False
         return cls(layer, matrix, mask.nonzero().flatten(), kept, columns)
 
@@ -93,9 +93,12 @@ class RandomSelector:
         """The columns kept, among the first `limit` (default all) of w's, ascending."""
         k = w.shape[1] if limit is None else limit
         keep = k - pruned_count(k, gamma)
-        return torch.randperm(k, generator=self.gen)[:keep].sort().values
+        return torch.randperm(k, generator=self.gen)[:keep].sort().values.to(w.device)
 
     def observe(self, layer: str, w: torch.Tensor) -> None:
+        pass
+
+    def forget(self, layer: str) -> None:
         pass
 
 
@@ -137,8 +140,15 @@ class PrioritySelector:
             delta = torch.where(pruned, st.delta, delta)  # lines 6-7: pruned columns keep theirs
         st.delta, st.snapshot = delta, w.clone()
 
+    def forget(self, layer: str) -> None:
+        """The layer ran unpruned: no column's statistics are to be kept back at the next refresh."""
+        st = self.layers.get(layer)
+        if st is not None:
+            st.kept = None
+
     def kept(self, layer: str, w: torch.Tensor, gamma: float, limit: int | None = None) -> torch.Tensor:
-        """The columns kept, among the first `limit` (default all) of w's, ascending."""
+        """The columns kept, among the first `limit` (default all) of w's, ascending; the ones
+        past `limit` (handed over, exact) count as kept for the statistics."""
         st = self.layers.get(layer)
         k = w.shape[1] if limit is None else limit
         if st is None or st.delta is None or st.delta.numel() != w.shape[1]:
@@ -146,7 +156,7 @@ class PrioritySelector:
         else:
             keep = st.delta[:k].topk(k - pruned_count(k, gamma)).indices.sort().values  # lines 12-14
         if st is not None:
-            st.kept = keep
+            st.kept = torch.cat([keep, torch.arange(k, w.shape[1], device=keep.device)])
         return keep
 
     def layer_ratio(self, layer: str, gamma: float, theta: float, alpha: float = 0.8, cap: float = 0.95) -> float:
