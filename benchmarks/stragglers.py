@@ -53,6 +53,13 @@ def _max_diff(a_path: str, b_path: str) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _scenario(name: str, chi: float) -> tuple[int, str]:
+    """(ranks, schedule) of a scenario by its name in the results."""
+    rr = f"round-robin:chi={chi:g},every=22"
+    return {"none": (2, "none"), "round-robin": (2, rr), "none-4": (4, "none"), "round-robin-4": (4, rr),
+            "persistent": (2, f"persistent:chi={chi:g},rank=1"), "multi": (4, "multi:chi=8/4")}[name]
+
+
 def _exactness_sgd(round_robin: str, persistent: str) -> dict:
     """Migration and rebalancing against the straggler-free run over one epoch of SGD (Adam
     magnifies rounding in gradients that are zero up to it)."""
@@ -74,10 +81,29 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 epochs, chi 8 only, fewer policies (within 10 minutes)")
     ap.add_argument("--out", default="out/bench-stragglers")
     ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--rerun", metavar="SCENARIO:CHI:POLICY",
+                    help="run one case again into DIR/stragglers.json from an earlier run (e.g. persistent:8:rebalance)")
     ap.add_argument("--exactness-only", action="store_true",
                     help="run only the SGD exactness check, into DIR/stragglers.json from an earlier run, and redo the report")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.rerun:  # one run again, in place in DIR/stragglers.json, and the report redone
+        path = os.path.join(args.out, "stragglers.json")
+        with open(path) as f:
+            result = json.load(f)
+        scenario, chi, policy = args.rerun.split(":")
+        world, schedule = _scenario(scenario, float(chi))
+        r = _run({"epochs": result["epochs"], "lr": 1e-3, "world": world, "policy": policy, "schedule": schedule})
+        r.update(scenario=scenario, chi=float(chi))
+        print(f"rerun {args.rerun}: {r['seconds_per_iteration'] * 1e3:.1f} ms/it, accuracy {r['test_accuracy']:.3f}, "
+              f"{r['reshards']} reshards", flush=True)
+        row = {k: v for k, v in r.items() if k not in ("step_seconds", "parameters", "losses")}
+        result["runs"] = [row if (x["scenario"], x["chi"], x["policy"]) == (scenario, float(chi), policy) else x
+                          for x in result["runs"]]
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        _report(result, args.out)
+        return 0
     if args.exactness_only:
         path = os.path.join(args.out, "stragglers.json")
         with open(path) as f:

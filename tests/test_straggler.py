@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from gloo import run_ranks
 
 from hap.straggler.migrate import Handover, handover, receivers_of
-from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, migration_bound, semi_beta,
-                                  unmitigated)
+from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound,
+                                  rebalanced_time, semi_beta, unmitigated)
 from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
 from hap.straggler.schedule import Schedule, parse_schedule
 
@@ -105,6 +105,19 @@ def test_balanced_migration_equalizes_straggler_and_receiver():
     # while migrating, U (the unmitigated time) is still measured as 0.9
     moved = Stats(busy=0.9 - mu * 0.8, matmul=0.8 * (1 - mu), flops=8e9 * (1 - mu), own=1 - mu, full_flops=8e9)
     assert unmitigated(moved) == pytest.approx(0.9)
+
+
+def test_rebalanced_time_uses_matmul_speeds():
+    # rank 0: 1e9 FLOPs in 0.1 s (10 GFLOP/s), 0.05 s of other work; rank 1 eight times slower
+    fast = Stats(busy=0.15, matmul=0.1, flops=1e9, own=1.0, full_flops=1e9)
+    slow = Stats(busy=0.85, matmul=0.8, flops=1e9, own=1.0, full_flops=1e9)
+    assert matmul_speeds([fast, slow]) == [1e10, 1.25e9]
+    # 2e9 FLOPs at 11.25 GFLOP/s, after the 0.05 s of other work
+    assert rebalanced_time([fast, slow]) == pytest.approx(0.05 + 2e9 / 1.125e10)
+    # after a reshard to 8:1 shares the estimate does not move: a small share does not look fast
+    after = [Stats(busy=0.05 + 0.1778, matmul=0.1778, flops=1.778e9, own=1.0, full_flops=1.778e9),
+             Stats(busy=0.05 + 0.1778, matmul=0.1778, flops=0.222e9, own=1.0, full_flops=0.222e9)]
+    assert rebalanced_time(after) == pytest.approx(rebalanced_time([fast, slow]), rel=1e-3)
 
 
 def test_eq2_semi_beta():

@@ -41,8 +41,8 @@ from ..placement import P, R
 from ..runtime.collectives import all_reduce
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Handover, Method, handover, receivers_of
-from .policy import (Stats, balanced_migration, balanced_speeds, keep_after_resizing, migration_bound, rebalance_pays,
-                     semi_beta, stragglers, unmitigated)
+from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound, rebalance_pays,
+                     rebalanced_time, semi_beta, stragglers, unmitigated)
 from .prune import Lineage, PrioritySelector, RandomSelector, pruned_count
 from .schedule import Schedule
 
@@ -341,8 +341,10 @@ class Mitigator:
         that (this step against the rebalanced estimate); reshard once it reaches what a
         reshard costs (estimated from the bytes to move, then as measured last time)."""
         shares = self.dmodel.plan.ratios[0]
-        speeds = balanced_speeds(stats, shares)
-        balanced = sum(shares) / sum(speeds)  # every rank busy for this long at shares fitting the speeds
+        speeds = matmul_speeds(stats)
+        if min(speeds) <= 0:
+            return 0
+        balanced = rebalanced_time(stats)  # every rank busy for this long at shares fitting the speeds
         if max(unmitigated(s) for s in stats) <= balanced * (1 + self.config.tolerance):
             self.lost = 0.0
             return 0

@@ -121,10 +121,20 @@ def migration_bound(stats: Sequence[Stats], phi1: Callable[[float], float]) -> i
     return x
 
 
-def balanced_speeds(stats: Sequence[Stats], shares: Sequence[float]) -> list[float]:
-    """Each rank's speed as measured: its share of the work per second of its unmitigated
-    time (for re-solving the load balance with the speeds the ranks have now)."""
-    return [max(share, 1e-6) / max(unmitigated(s), 1e-9) for share, s in zip(shares, stats)]
+def matmul_speeds(stats: Sequence[Stats]) -> list[float]:
+    """Each rank's speed as measured: FLOPs per second in its layers' multiplications. Unlike
+    share per busy second, it does not count the fixed per-node costs that do not shrink with
+    a share, so a rank that was just given a small share does not look fast and pull its
+    share back (rebalancing would oscillate)."""
+    return [s.flops / s.matmul if s.matmul > 0 else 0.0 for s in stats]
+
+
+def rebalanced_time(stats: Sequence[Stats]) -> float:
+    """The busy time every rank would have at shares fitting `matmul_speeds`: the most other
+    work a rank does, plus all the layers' FLOPs at the ranks' summed speed."""
+    speeds = matmul_speeds(stats)
+    other = max(s.busy - s.matmul for s in stats)
+    return other + sum(s.full_flops for s in stats) / max(sum(speeds), 1e-9)
 
 
 def rebalance_pays(lost_seconds: float, reshard_seconds: float) -> bool:
