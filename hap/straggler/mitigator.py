@@ -76,6 +76,9 @@ class StragglerConfig:
     """PriDiff-E: the empirical uniform ratio."""
     cap: float = 0.95
     """The most of a rank's columns a decision prunes or hands over (before rounding to whole columns)."""
+    min_handover: float = 0.1
+    """A decided handover of less than this share of a rank's columns is not made: it would pay
+    the migration's collectives in every layer to save little."""
     handover: tuple[float, ...] | None = None
     """A fixed share of its columns each rank hands over every step (policy "migrate"; the
     Table I measurements); None: decided from the measured times."""
@@ -262,7 +265,8 @@ class Mitigator:
         self.receiving = receivers  # the pruning stragglers take no one's columns
         mu = balanced_migration(stats, migrating, receivers)
         for k in migrating:
-            self.moved[k], self.keep[k] = min(cfg.cap, mu.get(k, 0.0)), 1.0
+            share = min(cfg.cap, mu.get(k, 0.0))
+            self.moved[k], self.keep[k] = (share if share >= cfg.min_handover else 0.0), 1.0
         for r in resizing:
             self.moved[r], self.keep[r] = 0.0, 1.0 - excess[r]
         return 0
@@ -272,7 +276,8 @@ class Mitigator:
         self.receiving = list(receivers)
         mu = balanced_migration(stats, slow, receivers)
         for r in range(self.world):
-            self.moved[r] = min(self.config.cap, mu.get(r, 0.0))
+            share = min(self.config.cap, mu.get(r, 0.0))
+            self.moved[r] = share if share >= self.config.min_handover else 0.0
 
     # -- SEMI's pre-test (Eq. 2 and 3) --------------------------------------------------------
     def _beta(self, excess: float, stats: list[Stats], k: int) -> float:
