@@ -38,7 +38,7 @@ def _run(spec_kw: dict) -> dict:
     r["wall_seconds"] = time.perf_counter() - t0
     hist = r.pop("history")
     steps = len(r["step_seconds"])
-    r["pruned_steps"] = sum(1 for h in hist for x in h if x["pruned"] > 0) / max(1, steps)
+    r["pruned_steps"] = sum(1 for h in hist for x in h if x["pruned"] > 0) / max(1, steps)  # rank-steps per step
     r["max_pruned"] = max((x["pruned"] for h in hist for x in h), default=0.0)
     r["migrated_steps"] = sum(1 for h in hist for x in h if x["migrated"] > 0) / max(1, steps)
     r["reshards"] = sum(x["resharded"] for x in hist[0])
@@ -81,12 +81,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 epochs, chi 8 only, fewer policies (within 10 minutes)")
     ap.add_argument("--out", default="out/bench-stragglers")
     ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--report-only", action="store_true", help="redo DIR/report.md and the figures from DIR/stragglers.json")
     ap.add_argument("--rerun", metavar="SCENARIO:CHI:POLICY",
                     help="run one case again into DIR/stragglers.json from an earlier run (e.g. persistent:8:rebalance)")
     ap.add_argument("--exactness-only", action="store_true",
                     help="run only the SGD exactness check, into DIR/stragglers.json from an earlier run, and redo the report")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.report_only:
+        with open(os.path.join(args.out, "stragglers.json")) as f:
+            _report(json.load(f), args.out)
+        return 0
     if args.rerun:  # one run again, in place in DIR/stragglers.json, and the report redone
         path = os.path.join(args.out, "stragglers.json")
         with open(path) as f:
@@ -197,8 +202,10 @@ def _report(result: dict, out: str) -> None:
              f"ViT (width 256, 2 blocks) on scikit-learn's digits, {result['epochs']} epochs, tensor parallel "
              "(planner megatron); a straggler's linear-layer matmuls run chi times slower. "
              f"Straggler-free: {free['seconds_per_iteration'] * 1e3:.1f} ms/iteration, test accuracy {free['test_accuracy']:.3f}.", "",
-             "| scenario | ranks | chi | policy | ms / iteration | speedup vs none | test accuracy | vs straggler-free (points) | steps pruning | max pruned | steps migrating | reshards |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Pruning and migrating: the share of rank-steps (a rank in a step) that pruned or handed columns over. "
+             "SEMI beta: the mean share of the excess Eq. 2 sent to migration (single straggler).", "",
+             "| scenario | ranks | chi | policy | ms / iteration | speedup vs none | test accuracy | vs straggler-free (points) | pruning | max pruned | migrating | reshards | SEMI beta |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     free4 = _find(runs, "none-4", 1.0, "none")
     for r in runs:
         none = _find(runs, r["scenario"], r["chi"], "none")
@@ -206,8 +213,9 @@ def _report(result: dict, out: str) -> None:
         ref = free if r["world"] == 2 or free4 is None else free4
         lines.append(f"| {r['scenario']} | {r['world']} | {r['chi']:g} | {r['policy']} | {r['seconds_per_iteration'] * 1e3:.1f} | {speed:.2f}x | "
                      f"{r['test_accuracy']:.3f} | {100 * (r['test_accuracy'] - ref['test_accuracy']):+.1f} | "
-                     f"{100 * r['pruned_steps']:.0f}% | {100 * r['max_pruned']:.0f}% | {100 * r['migrated_steps']:.0f}% | {r['reshards']} |"
-                     + (f" SEMI beta {r['semi_beta']:.2f}" if r.get("semi_beta") is not None else ""))
+                     f"{100 * r['pruned_steps'] / r['world']:.0f}% | {100 * r['max_pruned']:.0f}% | "
+                     f"{100 * r['migrated_steps'] / r['world']:.0f}% | {r['reshards']} | "
+                     + (f"{r['semi_beta']:.2f} |" if r.get("semi_beta") is not None else " |"))
     lines += ["", "## Exactness", "", "Against the straggler-free run, one epoch (22 steps) of SGD:", ""]
     lines += [f"- {k}: max |parameter difference| {v['max_abs_parameter_diff']:.1e}, max |loss difference| "
               f"{v['max_abs_loss_diff']:.1e} ({v['reshards']} reshards, migrating on {100 * v['migrated_steps']:.0f}% of steps)"

@@ -234,7 +234,7 @@ class Mitigator:
                 if policy == "zero-pridiff-e":  # the empirical ratio while it would straggle unpruned
                     unpruned = s.busy + s.matmul * (1 / self.keep[r] - 1)
                     self.keep[r] = 1 - cfg.gamma_e if unpruned > t_avg * (1 + cfg.tolerance) else 1.0
-                else:
+                elif self.keep[r] < 1 or s.busy > t_avg * (1 + cfg.tolerance):  # noise is no straggler
                     self.keep[r] = keep_after_resizing(self.keep[r], s.busy, t_avg, s.matmul, cfg.cap)
             return 0
         if policy in ("migrate", "rebalance"):
