@@ -251,6 +251,11 @@ class Plan:
 
     # -- rebinding to a graph ------------------------------------------------------------------
 
+    @property
+    def segment_of(self) -> list[int]:
+        """The segment of every node, by node index."""
+        return [s for s, (first, last) in enumerate(self.segments) for _ in range(first, last + 1)]
+
     def steps(self, graph: Graph) -> list[Step]:
         """The program as Steps over `graph` (which must be the graph the plan was made for)."""
         by_name = {n.name: n for n in graph.nodes}

@@ -20,7 +20,6 @@ experts by all-to-all.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import time
 from dataclasses import dataclass
@@ -347,7 +346,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig |
         raise ValueError(f"the plan is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
     classes = ShardClasses(graph, enumerate(strategy_table(graph)))
     cost = CostModel(graph, cluster, classes, (config or PlannerConfig()).optimizer)
-    segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]
+    segment_of = plan.segment_of
     return replay(plan.steps(graph), cost, segment_of, plan.ratios)
 
 
@@ -365,7 +364,7 @@ def rebalanced_ratios(graph: Graph, cluster: Cluster, plan: Plan, speeds: Sequen
     slowed = dataclasses.replace(cluster, devices=devices)
     classes = ShardClasses(graph, enumerate(strategy_table(graph)))
     cost = CostModel(graph, slowed, classes, (config or PlannerConfig()).optimizer)
-    segment_of = [s for s, (first, last) in enumerate(plan.segments) for _ in range(first, last + 1)]
+    segment_of = plan.segment_of
     return balance(plan.steps(graph), cost, segment_of, len(plan.segments), [d.memory for d in devices]).ratios
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from .collectives import _with_length
+from .collectives import _with_length, global_rank
 
 POINTER = "latest"
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
@@ -146,7 +146,7 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
                  planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     dist.barrier(group=comm.group)  # every rank's part is written
     box = [_commit(staging, directory, step, keep) if comm.rank == 0 else None]
-    dist.broadcast_object_list(box, src=_global(comm, 0), group=comm.group)  # no rank returns before it is the latest
+    dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)  # no rank returns before it is the latest
     return box[0]
 
 
@@ -159,7 +159,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     loaded."""
     comm, ex, graph = dmodel.comm, dmodel.executor, dmodel.graph
     box = [_resolve(directory) if comm.rank == 0 else None]
-    dist.broadcast_object_list(box, src=_global(comm, 0), group=comm.group)
+    dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
     path = box[0]
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
@@ -379,10 +379,6 @@ def _volume(shape) -> int:
     return n
 
 
-def _global(comm, rank: int) -> int:
-    return dist.get_global_rank(comm.group, rank) if comm.group is not None else rank
-
-
 # ---- private torch API, in this one place ----------------------------------------------------
 # DCP reshards a tensor only when it knows the tensor's global layout. A DTensor's Shard placement
 # assumes torch.chunk's even sizes, which hap's shards (sizes like [7, 3] or [10, 0]) are not; a
@@ -403,7 +399,7 @@ def _sharded(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes: list[
     def shard(r):
         offsets, part = [0] * len(shape), list(shape)
         offsets[dim], part[dim] = sum(sizes[:r]), sizes[r]
-        return ShardMetadata(offsets, part, f"rank:{_global(comm, r)}/{local.device}")
+        return ShardMetadata(offsets, part, f"rank:{global_rank(comm, r)}/{local.device}")
 
     props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)

@@ -145,7 +145,7 @@ def gather_grouped(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) 
         part = x.contiguous() if owner == comm.rank else x.new_empty(_with_length(x.shape, dim, n))
         if n:
             comm.before()
-            dist.broadcast(part, src=_global(owner, comm), group=comm.group)
+            dist.broadcast(part, src=global_rank(comm, owner), group=comm.group)
             comm.after("broadcast", _nbytes(part))
         parts.append(part)
     return torch.cat(parts, dim)
@@ -231,7 +231,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _global(rank: int, comm: Comm) -> int:
+def global_rank(comm: Comm, rank: int) -> int:
+    """Rank `rank` of the program's group as the default group numbers it (what src= and
+    dst= of torch.distributed take)."""
     return rank if comm.group is None else dist.get_global_rank(comm.group, rank)
 
 

@@ -36,7 +36,7 @@ from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from .collectives import Comm, WaitClock, all_reduce
+from .collectives import Comm, WaitClock, all_reduce, global_rank
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
 from .gradsync import GradSync, Groups
@@ -81,7 +81,7 @@ class HAP(nn.Module):
         self.graph = graph = capture(model, tuple(example_inputs))
         self._state_keys = _state_keys(model, graph)
         self.plan = _agree(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
-        segment_of = [s for s, (first, last) in enumerate(self.plan.segments) for _ in range(first, last + 1)]
+        segment_of = self.plan.segment_of
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm)
         _check_splits(self.plan, ex)
@@ -223,7 +223,7 @@ class HAP(nn.Module):
     def _sync_rng(self) -> None:
         state = torch.get_rng_state()
         self.comm.before()
-        dist.broadcast(state, src=dist.get_global_rank(self.comm.group, 0) if self.comm.group else 0,
+        dist.broadcast(state, src=global_rank(self.comm, 0),
                        group=self.comm.group)
         self.comm.after("broadcast", state.numel())
         torch.set_rng_state(state)

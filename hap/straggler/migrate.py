@@ -27,7 +27,7 @@ from typing import Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import Comm
+from ..runtime.collectives import Comm, global_rank
 
 Method = Literal["broadcast-reduce", "scatter-gather"]
 METHODS: tuple[Method, ...] = ("broadcast-reduce", "scatter-gather")
@@ -69,14 +69,9 @@ def handover(straggler: int, columns: int, fraction: float, receivers: tuple[int
     return Handover(straggler=straggler, start=columns - count, count=count, receivers=receivers)
 
 
-def _rank(comm: Comm, r: int) -> int:
-    """Rank r of the program's group as the default group numbers it."""
-    return r if comm.group is None else dist.get_global_rank(comm.group, r)
-
-
 def broadcast(t: torch.Tensor, src: int, comm: Comm) -> torch.Tensor:
     comm.before()
-    dist.broadcast(t, src=_rank(comm, src), group=comm.group)
+    dist.broadcast(t, src=global_rank(comm, src), group=comm.group)
     comm.after("broadcast", t.numel() * t.element_size())
     return t
 
@@ -84,7 +79,7 @@ def broadcast(t: torch.Tensor, src: int, comm: Comm) -> torch.Tensor:
 def reduce(t: torch.Tensor, dst: int, comm: Comm) -> torch.Tensor:
     """Sum `t` over ranks into rank dst's `t` (in place there)."""
     comm.before()
-    dist.reduce(t, dst=_rank(comm, dst), op=dist.ReduceOp.SUM, group=comm.group)
+    dist.reduce(t, dst=global_rank(comm, dst), op=dist.ReduceOp.SUM, group=comm.group)
     comm.after("reduce", t.numel() * t.element_size())
     return t
 
@@ -93,7 +88,7 @@ def scatter(chunks: list[torch.Tensor] | None, like: torch.Tensor, src: int, com
     """Rank src's chunks[r] to each rank r (all of `like`'s shape); returns this rank's."""
     out = torch.empty_like(like)
     comm.before()
-    dist.scatter(out, chunks if comm.rank == src else None, src=_rank(comm, src), group=comm.group)
+    dist.scatter(out, chunks if comm.rank == src else None, src=global_rank(comm, src), group=comm.group)
     comm.after("scatter", out.numel() * out.element_size() * comm.world)
     return out
 
@@ -102,6 +97,6 @@ def gather(t: torch.Tensor, dst: int, comm: Comm) -> list[torch.Tensor] | None:
     """Every rank's `t` (same shape) at rank dst, in rank order; None elsewhere."""
     out = [torch.empty_like(t) for _ in range(comm.world)] if comm.rank == dst else None
     comm.before()
-    dist.gather(t.contiguous(), out, dst=_rank(comm, dst), group=comm.group)
+    dist.gather(t.contiguous(), out, dst=global_rank(comm, dst), group=comm.group)
     comm.after("gather", t.numel() * t.element_size() * comm.world)
     return out

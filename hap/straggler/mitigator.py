@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import P, R
-from ..runtime.collectives import all_reduce
+from ..runtime.collectives import all_reduce, global_rank
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Handover, Method, handover, receivers_of
 from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound, rebalance_pays,
@@ -326,7 +326,7 @@ class Mitigator:
             omega2.append(time.perf_counter() - t0)
             dist.barrier(group=self.comm.group)
             t0 = time.perf_counter()
-            src = 0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0)
+            src = global_rank(self.comm, 0)
             for _, _, s in layers:  # rank 0's sizes: the same numbers on every rank
                 cols = max(1, round(s.columns[0] * f))
                 moved = s.out_sizes[0] * cols + (tokens * cols if s.kind == "row" else 0)
@@ -362,8 +362,7 @@ class Mitigator:
 
         t0 = time.perf_counter()
         ratios = [rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds) if self.rank == 0 else None]
-        dist.broadcast_object_list(ratios, src=0 if self.comm.group is None else dist.get_global_rank(self.comm.group, 0),
-                                   group=self.comm.group)  # one solve: every rank must reshard to the very same numbers
+        dist.broadcast_object_list(ratios, src=global_rank(self.comm, 0), group=self.comm.group)  # one solve: every rank must reshard to the very same numbers
         self.reshard_to(ratios[0])
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         self.comm.before()

@@ -88,7 +88,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     if not variables.vars:
         raise ValueError(f"the plan of {model} keeps no parameter whole: there is no gradient to synchronize")
     cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
-    est = replay(plan.steps(graph), cost, [s for s, (a, b) in enumerate(plan.segments) for _ in range(a, b + 1)], plan.ratios)
+    est = replay(plan.steps(graph), cost, plan.segment_of, plan.ratios)
     domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
     key = _domain_key(model, knobs, cluster, plan)
     log = out / "trials.jsonl"
