@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # Pinned: on a CPU machine any other torch spec pulls gigabytes of CUDA wheels.
 TORCH  := torch==2.13.0
 
-.PHONY: install run test bench bench-runtime bench-fidelity bench-stragglers bench-all bench-quick clean
+.PHONY: install run test bench bench-runtime bench-fidelity bench-stragglers bench-automap bench-all bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +35,9 @@ bench-runtime: install    # measured: hap vs DP-EV vs DP-CP on the local cluster
 bench-fidelity: install   # estimated vs measured iteration time over 22 variants, scatter plot
 	$(PY) -m pip install -q matplotlib
 	OMP_NUM_THREADS=1 $(PY) benchmarks/fidelity.py --out out/bench-fidelity
+
+bench-automap: install   # the pipeline DQN against the exact cut on the paper models: out/bench-automap/report.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/automap.py --out out/bench-automap
 
 bench-stragglers: install   # straggler mitigation on the digits ViT, Table I, figures: out/bench-stragglers/report.md (~50 min; --quick under 10)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/stragglers.py --out out/bench-stragglers

@@ -7,12 +7,16 @@
 
     dmodel = hap.HAP(model, cluster, example_inputs)    # on every rank, torch.distributed initialized
     loss = dmodel(*batch); loss.backward(); opt.step()
+
+    pipe = hap.Pipeline(model, cluster, example_inputs, plan)   # a plan of several stages
+    loss = pipe.train_step(*batch); opt.step()
 """
 
 from .capture import CaptureError, capture
 from .cost.cluster import Cluster, ClusterError, Device, load_cluster
 from .plan import Plan
 from .planner import PlannerConfig, plan
+from .pipeline.runtime import Pipeline
 from .runtime.module import HAP
 
-__all__ = ["HAP", "capture", "CaptureError", "plan", "PlannerConfig", "Plan", "Cluster", "Device", "ClusterError", "load_cluster"]
+__all__ = ["HAP", "Pipeline", "capture", "CaptureError", "plan", "PlannerConfig", "Plan", "Cluster", "Device", "ClusterError", "load_cluster"]

@@ -32,6 +32,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, help="sequence length (bert, bert-moe)")
     p.add_argument("--experts", type=int, help="experts per MoE layer (bert-moe; default 2 per GPU)")
     p.add_argument("--scale", choices=["paper", "small"], default="paper", help="paper size or a tiny CPU variant")
+    p.add_argument("--dropout", type=float, help="dropout probability (default: the model's; a pipeline runs 0 only)")
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline-stages", type=int, default=0, metavar="K",
+                   help="pipeline planners (pp-exact, dqn, auto): stages (default: the best of 2, 4, 8)")
+    p.add_argument("--micro-batches", type=int, default=0, metavar="M",
+                   help="pipeline planners: micro-batches per iteration (default: the best of K, 2K, 4K)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline planners: the schedule")
+
+
+def _planner_config(args):
+    from .planner import PlannerConfig
+
+    for flag in ("pipeline_stages", "micro_batches"):
+        if getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages,
+                         micro_batches=args.micro_batches, schedule=args.schedule)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--cluster", default="paper-hetero-8", help="built-in cluster name or YAML file")
     p.add_argument("--planner", default="astar", metavar="NAME",
-                   help="which planner: astar (hap's synthesis), or a baseline: dp-ev, dp-cp, tp, ep")
+                   help="which planner: astar (hap's synthesis), a pipeline (pp-exact, dqn), auto (the fastest "
+                        "estimate of astar and pp-exact), or a baseline: dp-ev, dp-cp, tp, ep, megatron")
+    _add_pipeline_args(p)
     p.add_argument("--segments", type=int, default=1, help="model segments with their own ratios")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--listing", action="store_true", help="print the program, one instruction per line")
@@ -54,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
     t.add_argument("--steps", type=int, default=10, help="training iterations")
     t.add_argument("--planner", metavar="NAME",
-                   help="which planner: astar (hap's synthesis, the default), or a baseline: dp-ev, dp-cp, tp, ep, megatron")
+                   help="which planner: astar (hap's synthesis, the default), a pipeline (pp-exact, dqn), auto, or a "
+                        "baseline: dp-ev, dp-cp, tp, ep, megatron")
+    _add_pipeline_args(t)
     t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"],
                    help="the same as --planner (hap: astar), kept for old command lines")
     t.add_argument("--plan", metavar="FILE", help="train with this plan (hap plan --json, hap sync's DIR/plan.json) "
@@ -117,13 +140,13 @@ def _straggler_policies() -> tuple[str, ...]:
     return POLICIES
 
 
-def _build_graph(args, devices: int, say):
+def _build_graph(args, devices: int, say, device: str | None = "meta"):
     from .capture import capture
     from .models import build
 
     try:
         model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
-                              experts=args.experts, devices=devices, scale=args.scale, device="meta")
+                              experts=args.experts, devices=devices, scale=args.scale, device=device, dropout=args.dropout)
     except ValueError as e:
         raise UserError(str(e)) from None
     say(f"capturing {args.model} ...")
@@ -145,7 +168,7 @@ def cmd_plan(args) -> int:
     say(f"{graph.summary()} (captured in {time.perf_counter() - t0:.1f} s)")
     say(cluster.describe())
     try:
-        result = make_plan(args.planner, graph, cluster, PlannerConfig(segments=args.segments), progress=say)
+        result = make_plan(args.planner, graph, cluster, _planner_config(args), progress=say)
     except ValueError as e:  # a baseline this graph has not (ep without experts)
         raise UserError(f"--planner {args.planner}: {e}") from None
     print(result.summary())
@@ -182,7 +205,9 @@ def cmd_train(args) -> int:
                         "`hap profile` wrote) or pass --emulate to run its devices here at this machine's speed")
     if not cluster.local:
         say(f"emulating {cluster.name}'s {cluster.size} devices as local processes at this machine's speed (--emulate)")
-    graph = _build_graph(args, cluster.gpus, say)
+    # the ranks capture the real model, whose graph can differ from the meta one's (a contiguous
+    # attention output on the CPU): a small model is captured for planning as they will
+    graph = _build_graph(args, cluster.gpus, say, device=None if args.scale == "small" else "meta")
     if resume is not None:
         _check_checkpoint(resume[0], graph)
         say(f"resuming from {resume[0]} (step {resume[1]})")
@@ -194,10 +219,12 @@ def cmd_train(args) -> int:
         planner = f"the plan in {args.plan}"
     else:
         try:
-            result = make_plan(planner, graph, cluster)
+            result = make_plan(planner, graph, cluster, _planner_config(args), progress=say)
         except ValueError as e:  # a baseline this graph has not (ep without experts)
             raise UserError(f"--planner {planner}: {e}") from None
     print(result.summary())
+    if len(result.stages) > 1:
+        _check_pipeline(args, graph, result)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")
         result.to_json(path)
@@ -223,6 +250,20 @@ def cmd_train(args) -> int:
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
               f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
     return 0
+
+
+def _check_pipeline(args, graph, plan) -> None:
+    """What hap train cannot do with a pipeline plan, said before any rank starts."""
+    from .pipeline.stages import check_pipelinable
+
+    for flag in ("straggler", "checkpoint", "resume", "trace", "clip"):
+        value = getattr(args, flag)
+        if value and value != "none":
+            raise UserError(f"--{flag} does not run with a pipeline plan ({len(plan.stages)} stages) yet")
+    try:
+        check_pipelinable(graph, [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)])
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _plan_file(path: str, cluster):
@@ -408,8 +449,12 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
 
     torch.manual_seed(0)  # the same model on every rank
     model, batch = build(args["model"], layers=args["layers"], hidden=args["hidden"], batch=args["batch"], seq=args["seq"],
-                         experts=args["experts"], devices=load_cluster(args["cluster"]).gpus, scale=args["scale"])
-    dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=Plan.from_json(plan_path))
+                         experts=args["experts"], devices=load_cluster(args["cluster"]).gpus, scale=args["scale"],
+                         dropout=args["dropout"])
+    plan = Plan.from_json(plan_path)
+    if len(plan.stages) > 1:
+        return _train_pipeline(rank, args, model, batch, plan, times_path)
+    dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=plan)
     mine = dmodel.local_batch(*batch)  # each rank keeps only its part of the (fixed, synthetic) batch
     opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"], momentum=0.9)
     mit = _mitigator(args, dmodel, opt, os.path.dirname(times_path))
@@ -453,6 +498,36 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
         profiler.stop()
         os.makedirs(args["trace"], exist_ok=True)
         profiler.export_chrome_trace(os.path.join(args["trace"], f"rank{rank}.json"))
+    if rank == 0:
+        with open(times_path, "w") as f:
+            json.dump(times, f)
+
+
+def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) -> None:
+    """hap train's loop for a plan of several stages (hap.Pipeline)."""
+    import json
+
+    import torch
+
+    from .cost.cluster import load_cluster
+    from .pipeline.runtime import Pipeline
+
+    pipe = Pipeline(model, load_cluster(args["cluster"]), batch, plan)
+    params = list(pipe.parameters())  # a stage may have none (the loss alone, say)
+    opt = torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
+    progress = _Progress(args["steps"]) if rank == 0 else None
+    times = []
+    for _ in range(args["steps"]):
+        t0 = time.perf_counter()
+        loss = pipe.train_step(*batch)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress.step(loss.item(), times[-1], None)
+    if progress is not None:
+        progress.close()
     if rank == 0:
         with open(times_path, "w") as f:
             json.dump(times, f)

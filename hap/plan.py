@@ -174,7 +174,7 @@ class Plan:
     def stage(self) -> PlanStage:
         """The plan's stage, for a plan of one (every plan the runtime runs today)."""
         if len(self.stages) != 1:
-            raise ValueError(f"this plan is a pipeline of {len(self.stages)} stages; hap's runtime runs one-stage plans")
+            raise ValueError(f"this plan is a pipeline of {len(self.stages)} stages: run it with hap.Pipeline, not hap.HAP")
         return self.stages[0]
 
     @property
@@ -256,11 +256,12 @@ class Plan:
         """The segment of every node, by node index."""
         return [s for s, (first, last) in enumerate(self.segments) for _ in range(first, last + 1)]
 
-    def steps(self, graph: Graph) -> list[Step]:
-        """The program as Steps over `graph` (which must be the graph the plan was made for)."""
+    def steps(self, graph: Graph, stage: int | None = None) -> list[Step]:
+        """The program (of stage `stage`, for a pipeline) as Steps over `graph` (which must be
+        the graph the plan was made for)."""
         by_name = {n.name: n for n in graph.nodes}
         steps = []
-        for ins in self.program:
+        for ins in (self.program if stage is None else self.stages[stage].program):
             node = by_name.get(ins.node)
             if node is None or node.op != ins.op:
                 raise ValueError(f"plan does not match the model: node {ins.node} ({ins.op}) not in the graph")
@@ -283,11 +284,17 @@ class Plan:
         for name, b in self.baselines.items():
             speedup = b["seconds"] / self.estimated_iteration_seconds if self.estimated_iteration_seconds else float("nan")
             lines.append(f"  {name:6s} {b['seconds'] * 1e3:9.1f} ms   hap is {speedup:.2f}x" + ("" if b.get("fits", True) else "  (does not fit in memory)"))
-        for s, r in enumerate(self.ratios):
-            lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
+        if self.schedule is not None:
+            lines.append(f"  pipeline: {len(self.stages)} stages, {self.schedule.micro_batches} micro-batches, {self.schedule.name}")
+            for k, st in enumerate(self.stages):
+                lines.append(f"  stage {k}: nodes {st.nodes[0]}-{st.nodes[1]} on devices {st.devices}, ratios "
+                             + " ".join(f"{x:.3f}" for x in st.ratios[0]))
+        else:
+            for s, r in enumerate(self.ratios):
+                lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
         lines.append(f"  memory per GPU: {' '.join(size_text(b) for b in self.memory_bytes)}")
         kinds: dict[str, int] = {}
-        for ins in self.program:
+        for ins in (ins for st in self.stages for ins in st.program):
             kinds[ins.strategy] = kinds.get(ins.strategy, 0) + 1
             for mv in ins.moves:
                 if mv.fwd or mv.bwd:
@@ -299,7 +306,9 @@ class Plan:
 
     def listing(self) -> str:
         out = []
-        for ins in self.program:
+        for k, ins in ((k, ins) for k, st in enumerate(self.stages) for ins in st.program):
+            if len(self.stages) > 1 and ins is self.stages[k].program[0]:
+                out.append(f"# stage {k} on devices {self.stages[k].devices}")
             for mv in ins.moves:
                 dual = f", backward {mv.bwd}" if mv.bwd else ""
                 out.append(f"  {mv.tensor} | {mv.src} -> {mv.dst}   {mv.name} [{mv.fwd or 'local'}{dual}]")

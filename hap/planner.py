@@ -59,6 +59,12 @@ class PlannerConfig:
     VGG19 need at most about 25 (small models more per node than deep ones), so their plans are
     proven optimal. After one search of a plan outgrows it, the plan's later searches apply
     the cap from the start."""
+    pipeline_stages: int = 0
+    """Pipeline planners (pp-exact, dqn): stages K (0: the best of 2, 4, 8 that divide the devices)."""
+    micro_batches: int = 0
+    """Pipeline planners: micro-batches per iteration (0: 2 K, at most the batch's rows)."""
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline planners: the schedule."""
     layer_cuts: bool = True
     """Bound the cost of every layer ahead by a search of that layer alone (the A* heuristic,
     see search.astar.synthesize) in the unrestricted searches; False bounds it by its

@@ -1,5 +1,6 @@
-"""Auto-MAP (seed 004), issue 15: a DQN planner for operator partitioning, data parallelism and
-pipeline parallelism. Built so far: the DQN itself (dqn.py: double DQN, dueling head,
-epsilon-greedy) and its prioritized replay on a sum tree (replay.py). The environments on
-hap's IR, the pipeline runtime, the exact references and the planners are not built yet.
+"""Auto-MAP (seed 004), issue 15: a DQN planner. Built: the DQN (dqn.py: double DQN, dueling
+head, epsilon-greedy), its prioritized replay on a sum tree (replay.py), and the pipeline task
+(pipeline.py: the cut environment on hap's IR and cost model, `hap plan --planner dqn`). The
+pipeline runtime, pricing and exact partition are hap.pipeline. Not built: the OPP and ADP
+environments and the offline-trained inference network.
 """

@@ -87,7 +87,7 @@ def _positive(knob: str, v: int | None) -> None:
 
 def resolve(name: str, *, layers: int | None = None, hidden: int | None = None, batch: int | None = None,
             seq: int | None = None, experts: int | None = None, devices: int = 8,
-            scale: str = "paper") -> tuple[ModelInfo, Any, int]:
+            scale: str = "paper", dropout: float | None = None) -> tuple[ModelInfo, Any, int]:
     """The model's info, its config with the knobs applied, and the global batch."""
     info = _info(name)
     if scale not in ("paper", "small"):
@@ -118,6 +118,12 @@ def resolve(name: str, *, layers: int | None = None, hidden: int | None = None, 
         changes["experts"] = experts if experts is not None else 2 * devices
         if changes["experts"] < 2:
             raise ValueError(f"bert-moe routes each token to 2 experts; experts must be at least 2, got {changes['experts']}")
+    if dropout is not None:
+        if not hasattr(cfg, "dropout"):
+            raise ValueError(f"model '{name}' has no dropout")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        changes["dropout"] = dropout
     cfg = dataclasses.replace(cfg, **changes)
     if batch is None:
         batch = 8 if scale == "small" else info.batch_per_gpu * devices
@@ -126,14 +132,14 @@ def resolve(name: str, *, layers: int | None = None, hidden: int | None = None, 
 
 def build(name: str, *, layers: int | None = None, hidden: int | None = None, batch: int | None = None,
           seq: int | None = None, experts: int | None = None, devices: int = 8, scale: str = "paper",
-          device: str | torch.device | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+          device: str | torch.device | None = None, dropout: float | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """The model (in training mode) and its example inputs, both on `device` (default CPU).
 
     device="meta" allocates nothing; hap.capture works on the result. Example inputs are random
     images / token ids and labels from a torch.Generator seeded 0 (made on the CPU, then moved).
     """
     info, cfg, batch = resolve(name, layers=layers, hidden=hidden, batch=batch, seq=seq, experts=experts,
-                               devices=devices, scale=scale)
+                               devices=devices, scale=scale, dropout=dropout)
     dev = torch.device(device if device is not None else "cpu")
     gen = torch.Generator().manual_seed(0)
     inputs = tuple(t.to(dev) for t in info.example_inputs(cfg, batch, gen))

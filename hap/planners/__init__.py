@@ -3,7 +3,10 @@ and the one cost model prices:
 
     from hap.planners import make_plan
     plan = make_plan("astar", graph, cluster)        # hap plan --planner astar (the default)
+    plan = make_plan("pp-exact", graph, cluster, PlannerConfig(pipeline_stages=4))   # a pipeline
 
+"pp-exact" and "dqn" cut the data-parallel program into a pipeline (exactly, or by
+Auto-MAP's DQN); "auto" keeps the fastest estimate of astar and pp-exact.
 "astar" is hap's synthesis (A* over the rule library, ratios by the LP); "dp-ev", "dp-cp",
 "tp", "ep" and "megatron" are the baselines as plans (data parallelism with even or
 compute-proportional shares, tensor parallelism, expert parallelism, tensor parallelism with
@@ -70,3 +73,37 @@ def _baseline(name: str) -> Planner:
 
 for _name in ("dp-ev", "dp-cp", "tp", "ep", "megatron"):
     register(_name)(_baseline(_name))
+
+
+@register("pp-exact")
+def _pp_exact(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
+    """A pipeline (hap.pipeline): the exact optimal cut for each stage count (--pipeline-stages)."""
+    from ..pipeline.plan import exact_plan
+    return exact_plan(graph, cluster, config, progress)
+
+
+@register("dqn")
+def _dqn(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
+    """A pipeline whose cuts Auto-MAP's DQN places (hap.automap.pipeline)."""
+    from ..automap.pipeline import dqn_plan
+    return dqn_plan(graph, cluster, config, progress)
+
+
+@register("auto")
+def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
+    """The fastest estimate among hap's synthesis and the exact pipeline, priced by the one
+    cost model (a pipeline that cannot run this model drops out, with the reason in progress)."""
+    candidates = []
+    for name in ("astar", "pp-exact"):
+        try:
+            candidates.append(PLANNERS[name](graph, cluster, config, progress))
+        except ValueError as e:
+            progress(f"auto: {name} has no plan: {e}")
+    if not candidates:
+        raise ValueError("no planner found a plan")
+    for p in candidates:
+        progress(f"auto: {p.search.get('planner', 'astar')} {p.estimated_iteration_seconds * 1e3:.2f} ms")
+    best = min(candidates, key=lambda p: p.estimated_iteration_seconds)
+    best.search = {**best.search, "auto": {(p.search.get("planner") or "astar"): p.estimated_iteration_seconds
+                                           for p in candidates}}
+    return best

@@ -79,8 +79,8 @@ class HAP(nn.Module):
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
         self.graph = graph = capture(model, tuple(example_inputs))
-        self._state_keys = _state_keys(model, graph)
-        self.plan = _agree(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
+        self._state_keys = state_keys(model, graph)
+        self.plan = agree_plan(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
         segment_of = self.plan.segment_of
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm)
@@ -205,7 +205,7 @@ class HAP(nn.Module):
                 if len(self.plan.ratios) > 1:
                     raise ValueError("its graph differs and the plan has several segments")
                 kept = {name: p for name, (p, _) in base.stored.items()}  # every rank plans; they must agree
-                plan = _agree(plan_for_layout(graph, self.cluster, self.plan.ratios[0], kept), self.comm)
+                plan = agree_plan(plan_for_layout(graph, self.cluster, self.plan.ratios[0], kept), self.comm)
                 how = f"a program planned for it in {plan.synthesis_seconds:.2f} s"
             ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(strategy_table(graph))), base.segment_of
                           if plan is self.plan else [0] * len(graph.nodes), plan.ratios, self.comm)
@@ -346,7 +346,7 @@ def _shapes_of(graph) -> tuple:
     return tuple(tuple(graph.tensors[name].shape) for name in graph.inputs)
 
 
-def _state_keys(model: nn.Module, graph) -> dict[str, str | None]:
+def state_keys(model: nn.Module, graph) -> dict[str, str | None]:
     """Each key of model.state_dict() -> the graph leaf holding its tensor (tied parameters:
     several keys, one leaf), or None for tensors the forward does not use."""
     state = model_state(model)
@@ -380,7 +380,7 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
             setattr(sub, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
 
 
-def _agree(plan: Plan | None, comm: Comm) -> Plan:
+def agree_plan(plan: Plan | None, comm: Comm) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error."""
     mine = plan.to_json() if plan is not None else None
     box = [mine]

@@ -1,0 +1,163 @@
+"""Where a pipeline may be cut, onto which devices its stages go, and the exact optimal cut.
+
+- Pivots: the node boundaries a stage may start at: layer boundaries (ir.chunk_cuts) where
+  only batch-split or replicated tensors cross, thinned to at most `limit` evenly by compute
+  (the paper's coarsening to 128).
+- Device groups: K groups of equal size in rank order; the cut, not the group, adapts to a
+  group's speed (a fast group takes a longer stage), and inside a group the devices split each
+  micro-batch in proportion to their speed.
+- exact_partition: the cuts minimizing PipelinePricer's L over all choices of K - 1 pivots,
+  by dynamic programming over (stages placed, pivot) with Pareto sets of (sum of stage
+  times, largest stage time, largest sync), since L = sum + (M - 1) max + max sync is not a
+  sum of per-stage terms. Stages whose memory does not fit their devices are never chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..cost.model import CostModel
+from ..ir import chunk_cuts
+from ..search.program import Step
+from .price import PipelinePricer
+from .stages import crossings, stage_of_nodes
+
+
+def pivots(cost: CostModel, program: Sequence[Step], limit: int = 128) -> list[int]:
+    """Valid stage starts (node indices > 0), at most `limit`, spread evenly by compute."""
+    graph = cost.graph
+    placed = {}
+    for step in program:
+        placed.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
+    ok = []
+    for c in chunk_cuts(graph):
+        crossing = [t for t in graph.tensors.values()
+                    if 0 <= t.producer < c and t.consumers and max(t.consumers) >= c]
+        if all(placed[t.name].is_shard or placed[t.name].kind == "R" for t in crossing):
+            ok.append(c)
+    if len(ok) <= limit:
+        return ok
+    flops = np.cumsum([n.flops + n.bwd_flops for n in graph.nodes])
+    targets = np.linspace(0, flops[-1], limit + 2)[1:-1]
+    chosen = sorted({min(ok, key=lambda c: abs(flops[c - 1] - x)) for x in targets})
+    return chosen
+
+
+def equal_groups(devices: int, stages: int) -> list[list[int]]:
+    if stages < 1 or devices % stages:
+        raise ValueError(f"{stages} pipeline stages do not divide {devices} devices into equal groups")
+    per = devices // stages
+    return [list(range(k * per, (k + 1) * per)) for k in range(stages)]
+
+
+def speed_ratios(cost: CostModel, group: Sequence[int]) -> list[float]:
+    """Shares of a micro-batch in proportion to the devices' speeds."""
+    speed = [1.0 / cost.inv_speed[i] for i in group]
+    return [s / sum(speed) for s in speed]
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    cuts: tuple[int, ...]
+    seconds: float
+    """PipelinePricer's L of these cuts."""
+    explored: int
+    """Pareto states the search kept (its work)."""
+
+
+class StageTable:
+    """t_k, sync_k and whether stage k fits, for every pair of positions (0, pivots..., n): the
+    one table the exact search and the DQN's environment read."""
+
+    def __init__(self, pricer: PipelinePricer, points: Sequence[int], groups, ratios, M: int, schedule: str):
+        from .schedule import in_flight
+        self.pricer, self.points, self.groups, self.ratios, self.M = pricer, list(points), groups, ratios, M
+        n = len(pricer.graph.nodes)
+        pos = np.asarray([0, *points, n])
+        self.positions = pos
+        K, Q = len(groups), len(pos)
+        cost = pricer.cost
+        self.t = np.full((K, Q, Q), np.inf)
+        self.sync = np.zeros((K, Q, Q))
+        capacity = [d.memory * d.gpus for d in cost.cluster.devices]
+        for k, g in enumerate(groups):
+            r = np.asarray(ratios[k]) / M
+            wf, wb = pricer.work_f[pos][:, g], pricer.work_b[pos][:, g]
+            xf, xb = pricer.fixed_f[pos][:, g], pricer.fixed_b[pos][:, g]
+            # [a, b, device]: stage from position a to position b (exclusive)
+            comp = (r * (wf[None] - wf[:, None]) + (xf[None] - xf[:, None])).max(-1) \
+                + (r * (wb[None] - wb[:, None]) + (xb[None] - xb[:, None])).max(-1)
+            send = np.asarray([pricer.transfer(int(p), g, groups[k + 1], M) if k + 1 < K and 0 < p < n else 0.0
+                               for p in pos])
+            live = in_flight(schedule, K, M, k)
+            for a in range(Q):
+                for b in range(a + 1, Q):
+                    mem = pricer.memory(int(pos[a]), int(pos[b]) - 1, g, ratios[k], M, live)
+                    if all(x <= capacity[i] for i, x in zip(g, mem)):
+                        self.t[k, a, b] = comp[a, b] + 2 * send[b]
+                        self.sync[k, a, b] = pricer.sync(int(pos[a]), int(pos[b]) - 1, g)
+
+    def objective(self, cuts_pos: Sequence[int]) -> float:
+        """L of the stages between consecutive positions (indices into `positions`)."""
+        bounds = [0, *cuts_pos, len(self.positions) - 1]
+        t = [self.t[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        s = [self.sync[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        return float(sum(t) + (self.M - 1) * max(t) + max(s) + self.pricer.cost.loss_sync)
+
+
+def exact_partition(table: StageTable) -> Partition:
+    """The K - 1 cuts (positions) with the least L, or a ValueError when no cut fits memory."""
+    K, Q = len(table.groups), len(table.positions)
+    # fronts[j]: Pareto set of (sum, max t, max sync, cut positions) over the first k stages ending at j
+    fronts: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, ())]}
+    explored = 0
+    for k in range(K):
+        last = k == K - 1
+        nxt: dict[int, list[tuple]] = {}
+        for a, front in fronts.items():
+            ends = [Q - 1] if last else range(a + 1, Q - 1 - (K - k - 1) + 1)
+            for b in ends:
+                t = table.t[k, a, b]
+                if not np.isfinite(t) or b <= a:
+                    continue
+                sy = table.sync[k, a, b]
+                cut = () if last else (b,)
+                for s, mx, ms, cuts in front:
+                    nxt.setdefault(b, []).append((s + t, max(mx, t), max(ms, sy), cuts + cut))
+        fronts = {b: _pareto(items) for b, items in nxt.items()}
+        explored += sum(len(f) for f in fronts.values())
+    final = fronts.get(Q - 1, [])
+    if not final:
+        raise ValueError(f"no cut into {K} stages fits the devices' memory")
+    best = min(final, key=lambda x: x[0] + (table.M - 1) * x[1] + x[2])
+    cuts_pos = best[3]
+    return Partition(tuple(int(table.positions[c]) for c in cuts_pos), table.objective(cuts_pos), explored)
+
+
+def _pareto(items: list[tuple]) -> list[tuple]:
+    """The items no other beats on all of (sum, max, sync)."""
+    items.sort(key=lambda x: (x[0], x[1], x[2]))
+    kept: list[tuple] = []
+    for it in items:
+        if not any(k[0] <= it[0] and k[1] <= it[1] and k[2] <= it[2] for k in kept):
+            kept.append(it)
+    return kept
+
+
+def brute_force(table: StageTable) -> tuple[tuple[int, ...], float]:
+    """Every choice of cuts (tests only: exponential)."""
+    import itertools
+    K, Q = len(table.groups), len(table.positions)
+    best = (None, float("inf"))
+    for cuts in itertools.combinations(range(1, Q - 1), K - 1):
+        val = table.objective(cuts)
+        if val < best[1]:
+            best = (tuple(int(table.positions[c]) for c in cuts), val)
+    return best
+
+
+__all__ = ["pivots", "equal_groups", "speed_ratios", "StageTable", "exact_partition", "Partition", "brute_force",
+           "stage_of_nodes", "crossings"]

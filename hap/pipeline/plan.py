@@ -1,0 +1,132 @@
+"""Pipeline plans: the data-parallel program cut into stages, as a Plan the runtime runs.
+
+    plan = pipeline_plan(graph, cluster, cuts=[120, 240, 360], micro_batches=8)   # 4 stages
+    plan = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=4))            # hap plan --planner pp-exact
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from ..cost.cluster import Cluster
+from ..cost.model import CostModel
+from ..ir import Graph
+from ..plan import Plan, PlanStage, Schedule, SyncEntry, instructions, shard_sizes
+from ..planner import PlannerConfig, baseline_plan
+from ..rules import has_rule, strategy_table
+from ..rules.units import ShardClasses
+from ..search.program import Step
+from .partition import StageTable, equal_groups, exact_partition, pivots, speed_ratios
+from .price import PipelineEstimate, PipelinePricer
+from .stages import check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes, stage_ranges
+
+
+class PipelineSpace:
+    """What every pipeline planner of one (graph, cluster) shares: the data-parallel program,
+    its pricer, the pivots and the batch's granules."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, config: PlannerConfig | None = None, pivot_limit: int = 128):
+        self.config = config = config or PlannerConfig()
+        self.graph, self.cluster = graph, cluster
+        self.program: list[Step] = baseline_plan(graph, cluster, "dp-ev", config).steps(graph)
+        check_pipelinable(graph, self.program, runtime=False)
+        self.classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+        self.cost = CostModel(graph, cluster, self.classes, config.optimizer)
+        self.pricer = PipelinePricer(self.cost, self.program)
+        self.pivots = pivots(self.cost, self.program, pivot_limit)
+        first = next(ld for st in self.program for ld in st.loads if ld.tensor in graph.inputs and ld.placement.is_shard)
+        self.granules = self.classes.granule_count(first.tensor, first.placement.dim)
+
+    def stage_counts(self) -> list[int]:
+        K = self.config.pipeline_stages
+        if K:
+            if K < 2 or self.cluster.size % K or K - 1 > len(self.pivots):
+                raise ValueError(f"{K} pipeline stages: need 2 or more that divide the {self.cluster.size} devices, "
+                                 f"with at most {len(self.pivots) + 1} (the model's cut points)")
+            return [K]
+        return [k for k in (2, 4, 8) if self.cluster.size % k == 0 and k - 1 <= len(self.pivots)]
+
+    def micro_batch_counts(self, K: int) -> list[int]:
+        M = self.config.micro_batches
+        if M:
+            micro_batch_granules(self.granules, M)  # a clear error where it cannot split
+            return [M]
+        return sorted({min(x, self.granules) for x in (K, 2 * K, 4 * K)})
+
+    def groups_and_ratios(self, K: int) -> tuple[list[list[int]], list[list[float]]]:
+        groups = equal_groups(self.cluster.size, K)
+        return groups, [speed_ratios(self.cost, g) for g in groups]
+
+    def table(self, K: int, M: int) -> StageTable:
+        groups, ratios = self.groups_and_ratios(K)
+        return StageTable(self.pricer, self.pivots, groups, ratios, M, self.config.schedule)
+
+    def plan(self, cuts: Sequence[int], K: int, M: int, seconds: float, search: dict) -> Plan:
+        groups, ratios = self.groups_and_ratios(K)
+        return assemble(self, cuts, groups, ratios, M, seconds, search)
+
+
+def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequence[int]], ratios: Sequence[Sequence[float]],
+             M: int, seconds: float, search: dict) -> Plan:
+    """The Plan of the data-parallel program cut before nodes `cuts`, stage k on groups[k]."""
+    graph, classes, config = space.graph, space.classes, space.config
+    n = len(graph.nodes)
+    stage_of = stage_of_nodes(cuts, n)
+    crossings(graph, space.program, stage_of)  # a clear error for a cut that cannot be sent
+    micro = micro_batch_granules(space.granules, M)
+    stages = []
+    for k, (a, b) in enumerate(stage_ranges(cuts, n)):
+        steps = [st for st in space.program if a <= st.node <= b]
+        pieces = piece_ratios(micro, ratios[k])
+        stages.append(PlanStage(devices=list(groups[k]), nodes=[a, b], segments=[[a, b]], ratios=[list(ratios[k])],
+                                program=instructions(steps, graph),
+                                shards=shard_sizes(steps, graph, classes, [0] * n, [pieces])))
+    users: dict[str, set[int]] = {}
+    for step in space.program:
+        for ld in step.loads:
+            t = graph.tensors[ld.tensor]
+            if t.kind == "param" and t.requires_grad:
+                users.setdefault(ld.tensor, set()).add(stage_of[step.node])
+    buckets: dict[tuple[int, ...], int] = {}
+    sync = []
+    for name in sorted(users, key=lambda x: graph.tensors[x].consumers[0]):
+        devices = tuple(sorted(d for k in users[name] for d in groups[k]))
+        sync.append(SyncEntry(param=name, bucket=buckets.setdefault(devices, len(buckets)), devices=devices))
+    est = space.pricer.estimate(cuts, groups, ratios, M, config.schedule)
+    return Plan(model=graph.model_name, cluster=space.cluster.to_dict(), devices=[d.name for d in space.cluster.devices],
+                stages=stages, sync=sync, schedule=Schedule(name=config.schedule, micro_batches=M),
+                estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M),
+                timeline={"pipeline": {"stage_seconds": list(est.stage_seconds), "fwd": list(est.fwd), "bwd": list(est.bwd),
+                                       "send": list(est.send), "sync": list(est.sync), "simulated": est.simulated}},
+                memory_bytes=list(est.memory), baselines={}, synthesis_seconds=seconds,
+                replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search)
+
+
+def breakdown(est: PipelineEstimate, M: int) -> dict[str, float]:
+    busy = sum(est.stage_seconds)
+    bubble_free = (M - 1) * max(est.stage_seconds)
+    return {"pipeline_fill_and_drain": busy, "pipeline_steady": bubble_free, "gradient_sync": max(est.sync),
+            "transfers": 2 * M * sum(est.send)}
+
+
+def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
+               progress: Callable[[str], None] | None = None) -> Plan:
+    """The pipeline of least estimated time over stage counts, micro-batch counts and cuts
+    (exact_partition for each)."""
+    t0 = time.perf_counter()
+    space = PipelineSpace(graph, cluster, config)
+    best = None
+    for K in space.stage_counts():
+        for M in space.micro_batch_counts(K):
+            part = exact_partition(space.table(K, M))
+            if progress:
+                progress(f"pp-exact: K={K} M={M}: {part.seconds * 1e3:.2f} ms")
+            if best is None or part.seconds < best[0].seconds:
+                best = (part, K, M)
+    if best is None:
+        raise ValueError(f"{graph.model_name} cannot be cut into a pipeline on {cluster.size} devices")
+    part, K, M = best
+    return space.plan(part.cuts, K, M, time.perf_counter() - t0,
+                      {"planner": "pp-exact", "winner": f"pipeline K={K} M={M}", "exhaustive": True,
+                       "pivots": len(space.pivots), "explored": part.explored})

@@ -1,0 +1,157 @@
+"""The cost model's price of a pipeline: the one formula the exact partition minimizes, the
+DQN is rewarded by and a pipeline plan's estimate states.
+
+Stage k (nodes [a, b] on device group G_k, which splits each micro-batch by ratios r) takes
+per micro-batch, forward plus backward,
+
+    t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] ) + send_k
+
+where work_i is the batch-proportional time of the nodes on device i (the cost model's node
+times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
+nodes on replicated tensors), and send_k the transfer of what crosses the cut after stage k,
+forward and back, over the slowest link between the two groups. An iteration of M
+micro-batches (GPipe or 1F1B: the same bubble) then takes
+
+    L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + loss_sync
+
+sync_k being the all-reduce of stage k's gradients over its group after the flush. The
+schedule's event simulation (schedule.makespan) agrees with the first two terms exactly where
+the stages are alike, and is reported beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..cost.model import CostModel
+from ..search.program import Step
+from .schedule import ScheduleName, in_flight, makespan
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineEstimate:
+    seconds: float
+    """L above."""
+    stage_seconds: tuple[float, ...]
+    """t_k: per micro-batch, forward + backward + the transfer after it."""
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    send: tuple[float, ...]
+    """Seconds of one micro-batch's transfer over each cut, one way."""
+    sync: tuple[float, ...]
+    memory: tuple[float, ...]
+    """Peak bytes per device."""
+    simulated: float
+    """The schedule's event simulation of the same stage times, plus sync."""
+
+
+class PipelinePricer:
+    """Prices any cut of one data-parallel program into stages; prefix sums make a stage's
+    time O(devices)."""
+
+    def __init__(self, cost: CostModel, program: Sequence[Step]):
+        graph = self.graph = cost.graph
+        self.cost = cost
+        n, m = len(graph.nodes), cost.m
+        work_f, work_b = np.zeros((n, m)), np.zeros((n, m))
+        fixed_f, fixed_b = np.zeros((n, m)), np.zeros((n, m))
+        for step in program:
+            node = graph.nodes[step.node]
+            f, b = cost.base_times(node)
+            xf, xb = cost.fixed_times(node)
+            split = cost.work_shard(node, step.strategy) is not None
+            (work_f if split else fixed_f)[node.index] += f
+            (work_b if split else fixed_b)[node.index] += b
+            fixed_f[node.index] += xf
+            fixed_b[node.index] += xb
+        cum = lambda a: np.vstack([np.zeros((1, m)), np.cumsum(a, axis=0)])  # noqa: E731
+        self.work_f, self.work_b, self.fixed_f, self.fixed_b = cum(work_f), cum(work_b), cum(fixed_f), cum(fixed_b)
+        params = np.zeros(n)
+        acts = np.zeros(n)
+        seen = set()
+        for node in graph.nodes:
+            for name in node.inputs:
+                t = graph.tensors[name]
+                if t.kind == "param" and name not in seen:
+                    seen.add(name)
+                    params[node.index] += t.nbytes
+            acts[node.index] = sum(graph.tensors[o].nbytes for o in node.outputs)
+        self.params, self.acts = np.concatenate([[0], np.cumsum(params)]), np.concatenate([[0], np.cumsum(acts)])
+        self.grad_params = np.concatenate([[0], np.cumsum([sum(graph.tensors[x].nbytes for x in node.inputs
+                                                                 if graph.tensors[x].kind == "param" and graph.tensors[x].requires_grad
+                                                                 and graph.tensors[x].consumers[0] == node.index)
+                                                             for node in graph.nodes])])
+        self.cut_bytes = _cut_bytes(graph)  # [c]: bytes crossing a cut before node c (whole batch)
+
+    # -- pieces of the formula -----------------------------------------------------------------
+
+    def stage_times(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int) -> tuple[float, float]:
+        """(forward, backward) seconds of nodes a..b (inclusive) per micro-batch on the group."""
+        g = list(group)
+        r = np.asarray(ratios, dtype=float) / M
+        f = r * (self.work_f[b + 1, g] - self.work_f[a, g]) + (self.fixed_f[b + 1, g] - self.fixed_f[a, g])
+        bw = r * (self.work_b[b + 1, g] - self.work_b[a, g]) + (self.fixed_b[b + 1, g] - self.fixed_b[a, g])
+        return float(f.max()), float(bw.max())
+
+    def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> float:
+        """Seconds to send one micro-batch's crossing bytes over the cut before node `cut`: each
+        pair of devices moves its share at once; the slowest pair decides."""
+        nbytes = self.cut_bytes[cut] / M
+        if nbytes <= 0:
+            return 0.0
+        pairs = max(len(src), len(dst))
+        topo = self.cost.cluster.topology
+        if topo is None or self.cost.cluster.measured_fits:
+            return self.cost.cluster.fit("broadcast").time(nbytes / pairs)
+        return max(topo.send(i, j, nbytes / pairs) for i, j in itertools.product(src, dst))
+
+    def sync(self, a: int, b: int, group: Sequence[int]) -> float:
+        nbytes = float(self.grad_params[b + 1] - self.grad_params[a])
+        seconds = self.cost.group_collective("all_reduce", nbytes, group) if len(group) > 1 and nbytes else 0.0
+        machines = max(self.cost.grad_intra(nbytes)[i] for i in group)  # GPUs inside a machine sum first
+        return seconds + machines
+
+    def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
+        params = float(self.params[b + 1] - self.params[a]) * self.cost.state_factor
+        acts = float(self.acts[b + 1] - self.acts[a])
+        return [(params + acts * r / M * live) / self.cost.gpus(i) for i, r in zip(group, ratios)]
+
+    # -- the whole -----------------------------------------------------------------------------
+
+    def estimate(self, cuts: Sequence[int], groups: Sequence[Sequence[int]], ratios: Sequence[Sequence[float]],
+                 M: int, schedule: ScheduleName = "1f1b") -> PipelineEstimate:
+        n = len(self.graph.nodes)
+        bounds = [0, *cuts, n]
+        K = len(groups)
+        if len(bounds) != K + 1:
+            raise ValueError(f"{len(cuts)} cuts make {len(bounds) - 1} stages, not {K}")
+        fwd, bwd, send, sync, mem = [], [], [], [], [0.0] * self.cost.m
+        for k in range(K):
+            a, b = bounds[k], bounds[k + 1] - 1
+            f, bw = self.stage_times(a, b, groups[k], ratios[k], M)
+            fwd.append(f)
+            bwd.append(bw)
+            sync.append(self.sync(a, b, groups[k]))
+            for i, x in zip(groups[k], self.memory(a, b, groups[k], ratios[k], M, in_flight(schedule, K, M, k))):
+                mem[i] = x
+            if k < K - 1:
+                send.append(self.transfer(bounds[k + 1], groups[k], groups[k + 1], M))
+        t = [f + bw + 2 * (send[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
+        tail = max(sync) + self.cost.loss_sync
+        seconds = sum(t) + (M - 1) * max(t) + tail
+        simulated = makespan(schedule, M, fwd, bwd, send) + tail
+        return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(sync), tuple(mem), simulated)
+
+
+def _cut_bytes(graph) -> np.ndarray:
+    """Bytes of the activations produced before node c and read at c or later, per c."""
+    delta = np.zeros(len(graph.nodes) + 2)
+    for t in graph.tensors.values():
+        if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer:
+            delta[t.producer + 1] += t.nbytes
+            delta[max(t.consumers) + 1] -= t.nbytes
+    return np.cumsum(delta)[: len(graph.nodes) + 1]

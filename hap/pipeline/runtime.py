@@ -1,0 +1,403 @@
+"""Pipeline training: each stage of a plan runs its range of the program on its device group,
+micro-batch by micro-batch, in the plan's schedule (GPipe or 1F1B), sending activations
+forward and their gradients back point to point. Exact: loss, gradients and parameters after
+a step are one device's (pipeline/stages.py says why).
+
+    dist.init_process_group("gloo")                    # or hap.runtime.launch.spawn(...)
+    pipe = hap.Pipeline(model, cluster, example_inputs, plan)   # a plan of K stages
+    opt = torch.optim.Adam(pipe.parameters())           # this stage's parameters, whole
+    loss = pipe.train_step(*batch)                     # forward and backward, gradients summed
+    opt.step(); opt.zero_grad()
+
+Inside a stage the devices split every micro-batch by the stage's ratios (data parallelism,
+uneven shares allowed); a parameter's gradient is summed over every device of every stage
+that uses it (a tied embedding's first and last stage) after the last backward, as the plan's
+sync entries say. Every rank is given the global batch and reads the rows of its pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..capture import capture
+from ..cost.cluster import Cluster
+from ..ir import Graph
+from ..placement import P, R, Placement
+from ..plan import Plan
+from ..rules import strategy_table
+from ..rules.local import LocalContext, run_node, substitute
+from ..rules.nn import counts_early, label_count
+from ..rules.units import ShardClasses
+from ..runtime.collectives import Comm, all_reduce, global_rank, run_move
+from ..runtime.emulate import Emulation
+from ..runtime.executor import leaf_values
+from ..runtime.module import agree_plan, state_keys
+from .schedule import stage_order
+from .stages import (Crossing, check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
+                     piece_ratios, row_ranges, stage_of_nodes)
+
+
+@dataclasses.dataclass(slots=True)
+class _Transfer:
+    """One part of a crossing that this rank sends or receives for a micro-batch: rows
+    [start, start + length) of its dim (local to this rank's piece), or the whole tensor."""
+    crossing: int
+    peer: int
+    """The other rank (global)."""
+    tag: int
+    start: int = 0
+    length: int = -1
+    """-1: the whole tensor (a replicated crossing)."""
+
+
+class Pipeline(nn.Module):
+    def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
+                 comm: Comm | None = None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("hap.Pipeline needs torch.distributed initialized first (or use hap.runtime.launch.spawn)")
+        comm = comm or Comm.default()
+        if cluster.size != comm.world:
+            raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
+        self.comm, self.cluster = comm, cluster
+        self.emulation = Emulation.for_rank(cluster, comm.rank)
+        object.__setattr__(self, "model", model)  # not a submodule: parameters() are this stage's only
+        self.plan = plan = agree_plan(plan, comm)
+        if len(plan.stages) < 2 or plan.schedule is None:
+            raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")
+        self.graph = graph = capture(model, tuple(example_inputs))
+        self._state_keys = state_keys(model, graph)
+        K, M = len(plan.stages), plan.schedule.micro_batches
+        self.K, self.M, self.schedule = K, M, plan.schedule.name
+        owner = [s for s, st in enumerate(plan.stages) for _ in st.devices]
+        if sorted(d for st in plan.stages for d in st.devices) != list(range(comm.world)):
+            raise ValueError(f"the stages' device groups {[st.devices for st in plan.stages]} must cover the "
+                             f"{comm.world} ranks once each")
+        self.s = s = next(k for k, st in enumerate(plan.stages) if comm.rank in st.devices)
+        self.devices = plan.stages[s].devices
+        self.d = self.devices.index(comm.rank)
+        cuts = [st.nodes[0] for st in plan.stages[1:]]
+        stage_of = stage_of_nodes(cuts, len(graph.nodes))
+        if [st.nodes for st in plan.stages] != [[stage_of.index(k), len(stage_of) - 1 - stage_of[::-1].index(k)]
+                                                 for k in range(K)]:
+            raise ValueError("the plan's stages do not cover the model's nodes in order")
+        programs = [plan.steps(graph, k) for k in range(K)]
+        whole_program = [step for prog in programs for step in prog]
+        check_pipelinable(graph, whole_program)
+        self.steps = programs[s]
+        self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+        self.crossings = crossings(graph, whole_program, stage_of)
+        self.micro = micro_batch_granules(_batch_granules(graph, classes, whole_program), M)
+        self.pieces = [piece_ratios(self.micro, st.ratios[0]) for st in plan.stages]
+        check_aligned(graph, classes, self.crossings, self.pieces, M)
+        for sh in plan.stages[s].shards:
+            mine = classes.split_sizes(sh.tensor, sh.dim, self.pieces[s])
+            if list(mine) != list(sh.sizes):
+                raise ValueError(f"plan does not match the model: {sh.tensor} dim {sh.dim} splits {list(sh.sizes)} "
+                                 f"in the plan, {mine} here")
+        values = leaf_values(graph, model, example_inputs)
+        loaded = {ld.tensor for step in self.steps for ld in step.loads}
+        self.params = nn.ParameterDict()
+        self._param_keys: dict[str, str] = {}  # graph tensor -> ParameterDict key
+        self._constants: dict[str, torch.Tensor] = {}
+        for name in sorted(loaded):
+            t = graph.tensors[name]
+            if t.kind == "param":
+                key = f"p{len(self._param_keys)}"
+                self._param_keys[name] = key
+                self.params[key] = nn.Parameter(values[name].clone(), requires_grad=t.requires_grad)
+            elif t.kind == "buffer":
+                self._constants[name] = values[name].clone()
+        self._groups = {g: dist.new_group(list(g)) for g in plan.device_groups() if len(g) > 1}
+        self._buckets: dict[int, tuple[tuple[int, ...], list[str]]] = {}
+        for e in plan.sync:
+            if comm.rank in e.devices and e.param in self._param_keys and len(e.devices) > 1:
+                self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
+        self._sends, self._recvs = self._routes()
+        self.last_step: dict[str, float] = {}
+        """Seconds of the last train_step: total, compute (forward and backward), waiting."""
+
+    # -- routes --------------------------------------------------------------------------------
+
+    def _tag(self, m: int, crossing: int, dst_stage: int, backward: bool) -> int:
+        return ((m * len(self.crossings) + crossing) * self.K + dst_stage) * 2 + backward
+
+    def _routes(self) -> tuple[list[list[_Transfer]], list[list[_Transfer]]]:
+        """Per micro-batch, what this rank sends and receives in the forward (the backward
+        sends the same parts the other way)."""
+        plan, rank = self.plan, self.comm.rank
+        sends: list[list[_Transfer]] = [[] for _ in range(self.M)]
+        recvs: list[list[_Transfer]] = [[] for _ in range(self.M)]
+        for ci, c in enumerate(self.crossings):
+            if self.s != c.src and self.s not in c.dsts:
+                continue
+            src_devs = plan.stages[c.src].devices
+            for dst in c.dsts:
+                if self.s not in (c.src, dst):
+                    continue
+                dst_devs = plan.stages[dst].devices
+                for m in range(self.M):
+                    tag = self._tag(m, ci, dst, False)
+                    if not c.placement.is_shard:  # replicated: the micro-batch's first device sends it whole
+                        if rank == src_devs[0]:
+                            sends[m] += [_Transfer(ci, global_rank(self.comm, d), tag) for d in dst_devs]
+                        elif self.s == dst:
+                            recvs[m].append(_Transfer(ci, global_rank(self.comm, src_devs[0]), tag))
+                        continue
+                    dim = c.placement.dim
+                    src_rows = row_ranges(self.classes.split_sizes(c.tensor, dim, self.pieces[c.src]), self.M, m)
+                    dst_rows = row_ranges(self.classes.split_sizes(c.tensor, dim, self.pieces[dst]), self.M, m)
+                    for i, j, start, length in overlaps(src_rows, dst_rows):
+                        if rank == src_devs[i]:
+                            sends[m].append(_Transfer(ci, global_rank(self.comm, dst_devs[j]), tag,
+                                                      start - src_rows[i][0], length))
+                        if rank == dst_devs[j]:
+                            recvs[m].append(_Transfer(ci, global_rank(self.comm, src_devs[i]), tag,
+                                                      start - dst_rows[j][0], length))
+        return sends, recvs
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def forward(self, *batch):
+        raise TypeError("a pipeline runs forward and backward together, micro-batch by micro-batch: "
+                        "call pipe.train_step(*batch)")
+
+    def train_step(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One iteration on the global batch (given whole on every rank): every micro-batch's
+        forward and backward in the schedule's order, then the gradients summed over the
+        devices that share each parameter. Returns the global batch's loss on every rank
+        (detached); the gradients are in this stage's parameters' .grad."""
+        if len(batch) != len(self.graph.inputs):
+            raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        for name, x in zip(self.graph.inputs, batch):
+            if tuple(x.shape) != tuple(self.graph.tensors[name].shape):
+                raise ValueError(f"input {name} has shape {tuple(x.shape)}; the pipeline was planned for "
+                                 f"{tuple(self.graph.tensors[name].shape)}")
+        t0 = time.perf_counter()
+        self._computed = 0.0
+        inputs = self._inputs_now = dict(zip(self.graph.inputs, batch))
+        saved: dict[int, tuple] = {}
+        pending: list[dist.Work] = []
+        loss = torch.zeros(())
+        for kind, m in stage_order(self.schedule, self.K, self.M, self.s):
+            if kind == "F":
+                saved[m] = self._forward(m, inputs, pending)
+                if saved[m][0] is not None:
+                    loss = loss + saved[m][0].detach()
+            else:
+                self._backward(m, saved.pop(m), pending)
+        for work in pending:
+            work.wait()
+        self._sync_gradients()
+        total = all_reduce(loss.to(torch.float64), self.comm).to(loss.dtype)
+        wall = time.perf_counter() - t0
+        self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
+        return total
+
+    def _forward(self, m: int, inputs: dict[str, torch.Tensor], pending: list) -> tuple:
+        """Micro-batch m's forward on this rank's piece: (its partial loss on the last stage,
+        the sent tensors that need gradients, the received leaves that need gradients)."""
+        received = self._receive(m)
+        t0 = time.perf_counter()
+        j, J = m * len(self.devices) + self.d, self.M * len(self.devices)
+        split = self.pieces[self.s]
+        ctx = LocalContext(device=j, world=J, split=lambda t, dim: self.classes.split_sizes(t, dim, split),
+                           all_reduce=self._piece_sum)
+        piece = Comm(rank=j, world=J)
+        held: dict[tuple[str, Placement], torch.Tensor] = {}
+        for ci, value in received.items():
+            c = self.crossings[ci]
+            held[(c.tensor, c.placement)] = value[0]
+        for step in self.steps:
+            node = self.graph.nodes[step.node]
+            for ms in step.moves:  # local moves only (check_pipelinable): slices, zero partials
+                held[(ms.tensor, ms.move.dst)] = run_move(held[(ms.tensor, ms.move.src)], ms.move, piece,
+                                                          self._sizes(ms.tensor, ms.move.src), self._sizes(ms.tensor, ms.move.dst))
+            for ld in step.loads:
+                held[(ld.tensor, ld.placement)] = self._load(ld.tensor, ld.placement, inputs, piece)
+            self._counting = node if counts_early(node, step.strategy, self.graph) else None
+            local = {name: held[(name, p)] for name, p in zip(node.inputs, step.strategy.inputs)}
+            outs = run_node(node, step.strategy, local, self.graph, ctx)
+            for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
+                held[(name, p)] = out
+        self._charge(time.perf_counter() - t0)
+        part = None
+        if self.s == self.K - 1:
+            loss_p = next(p for (name, p) in held if name == self.graph.loss)
+            part = held[(self.graph.loss, loss_p)]
+            if loss_p != P and j != 0:  # a whole loss counts once over the pieces
+                part = part * 0
+        outputs = []
+        self._settle()
+        for tr in self._sends[m]:
+            c = self.crossings[tr.crossing]
+            x = held[(c.tensor, c.placement)]
+            if tr.length >= 0:
+                x = x.narrow(c.placement.dim, tr.start, tr.length)
+            pending.append(dist.isend(x.detach().contiguous(), tr.peer, tag=tr.tag))
+            if c.requires_grad:  # its gradient comes back (zeros where this piece has no path)
+                outputs.append((tr, x))
+        leaves = [(tr, leaf) for ci, (_, parts) in received.items() for tr, leaf in parts if self.crossings[ci].requires_grad]
+        return part, outputs, leaves
+
+    def _backward(self, m: int, saved: tuple, pending: list) -> None:
+        part, outputs, leaves = saved
+        grads = []
+        works = []
+        for tr, x in outputs:
+            g = torch.empty_like(x, memory_format=torch.contiguous_format)
+            works.append(dist.irecv(g, tr.peer, tag=tr.tag + 1))
+            grads.append(g)
+        for w in works:
+            w.wait()
+        t0 = time.perf_counter()
+        if part is not None and part.requires_grad:
+            torch.autograd.backward([part])
+        elif any(x.requires_grad for _, x in outputs):
+            pairs = [(x, g) for (_, x), g in zip(outputs, grads) if x.requires_grad]
+            torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+        self._charge(time.perf_counter() - t0)
+        self._settle()
+        for tr, leaf in leaves:
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            pending.append(dist.isend(g.contiguous(), tr.peer, tag=tr.tag + 1))
+
+    def _receive(self, m: int) -> dict[int, tuple[torch.Tensor, list]]:
+        """Micro-batch m's crossings into this rank: crossing -> (its local value, [(transfer,
+        leaf)]) where the leaves are the received parts, concatenated in row order."""
+        works, parts = [], {}
+        for tr in self._recvs[m]:
+            c = self.crossings[tr.crossing]
+            t = self.graph.tensors[c.tensor]
+            shape = list(t.shape)
+            if tr.length >= 0:
+                shape[c.placement.dim] = tr.length
+            buf = torch.empty(shape, dtype=getattr(torch, t.dtype))
+            works.append(dist.irecv(buf, tr.peer, tag=tr.tag))
+            parts.setdefault(tr.crossing, []).append((tr, buf))
+        for w in works:
+            w.wait()
+        out = {}
+        for ci, got in parts.items():
+            c = self.crossings[ci]
+            got = [(tr, buf.requires_grad_(c.requires_grad)) for tr, buf in sorted(got, key=lambda x: x[0].start)]
+            value = got[0][1] if len(got) == 1 else torch.cat([b for _, b in got], c.placement.dim)
+            out[ci] = (value, got)
+        for ci in self._empty_crossings(m, out):  # this rank's rows of the micro-batch are none
+            c = self.crossings[ci]
+            t = self.graph.tensors[c.tensor]
+            shape = list(t.shape)
+            shape[c.placement.dim] = 0
+            out[ci] = (torch.empty(shape, dtype=getattr(torch, t.dtype)), [])
+        return out
+
+    def _empty_crossings(self, m: int, got: dict) -> list[int]:
+        if not hasattr(self, "_incoming"):
+            self._incoming = [ci for ci, c in enumerate(self.crossings) if self.s in c.dsts]
+        return [ci for ci in self._incoming if ci not in got]
+
+    def _sizes(self, tensor: str, p: Placement) -> list[int] | None:
+        return self.classes.split_sizes(tensor, p.dim, self.pieces[self.s]) if p.is_shard else None
+
+    def _load(self, tensor: str, p: Placement, inputs: dict[str, torch.Tensor], piece: Comm) -> torch.Tensor:
+        t = self.graph.tensors[tensor]
+        if t.kind == "param":
+            value = self.params[self._param_keys[tensor]]
+        elif t.kind == "buffer":
+            value = self._constants[tensor]
+        elif tensor in inputs:
+            value = inputs[tensor]
+        else:
+            value = self.graph.constants[tensor]
+        if p == R or p.kind == "D":
+            return value
+        if p.is_shard:
+            sizes = self._sizes(tensor, p)
+            return value.narrow(p.dim, sum(sizes[: piece.rank]), sizes[piece.rank])
+        if t.kind == "param":
+            raise ValueError(f"a pipeline stage loads parameter {tensor} as {p}; its program must keep parameters whole")
+        return value if piece.rank == 0 else torch.zeros_like(value)  # P: one piece holds it
+
+    def _piece_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A local variant's sum over every piece of the batch: only a mean's count of its
+        labels can be had (from the whole labels, which every rank computes from the whole
+        batch it holds); any other is an error."""
+        node = self._counting
+        if node is None:
+            raise ValueError("a node of this stage sums over the whole batch inside the forward (sync-batch "
+                             "statistics): micro-batches cannot run it")
+        whole = _Missing({name: self._whole(name) for name in node.inputs[1:]})
+        return label_count(substitute(node.args, whole), substitute(node.kwargs, whole)).to(x.dtype)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        """The whole-batch value of a tensor computed from the data alone (labels reshaped, say),
+        as one device computes it."""
+        t = self.graph.tensors[name]
+        if t.is_leaf:
+            return self._load(name, R, self._inputs_now, Comm(rank=0, world=1))
+        if t.requires_grad:
+            raise ValueError(f"{name}: a loss's mean denominator that depends on parameters cannot be counted per "
+                             "micro-batch")
+        node = self.graph.nodes[t.producer]
+        values = {x: self._whole(x) for x in node.inputs}
+        out = node.target(*substitute(node.args, values), **substitute(node.kwargs, values))
+        outs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        return outs[node.outputs.index(name)]
+
+    def _charge(self, seconds: float) -> None:
+        """An emulated slow device owes (slowdown - 1) times what it just computed."""
+        self._computed += seconds
+        self.emulation.computed(seconds)
+
+    def _settle(self) -> None:
+        self.emulation.settle()
+
+    def _sync_gradients(self) -> None:
+        """Sum every parameter's gradient over the devices of the stages that use it."""
+        for bucket in sorted(self._buckets):
+            devices, names = self._buckets[bucket]
+            params = [self.params[self._param_keys[n]] for n in names if self.params[self._param_keys[n]].requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if not params:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self._groups[devices])
+            for p, part in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(part.view_as(p.grad))
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's state dict, whole, under the keys of `model.state_dict()` (each
+        stage's first device contributes its parameters). A collective: every rank gets it."""
+        mine = {}
+        if self.d == 0:
+            mine = {n: self.params[k].detach().clone() for n, k in self._param_keys.items()}
+        found: list = [None] * self.comm.world
+        dist.all_gather_object(found, mine, group=self.comm.group)
+        whole = {n: v for part in found for n, v in part.items()}
+        original = self.model.state_dict()
+        return {key: whole[name] if name in whole else original[key].detach().clone()
+                for key, name in self._state_keys.items()}
+
+
+class _Missing(dict):
+    def __missing__(self, key):
+        return None
+
+
+def _batch_granules(graph: Graph, classes: ShardClasses, program) -> int:
+    """Granules of the batch: of the first data input the program loads split."""
+    for step in program:
+        for ld in step.loads:
+            if ld.tensor in graph.inputs and ld.placement.is_shard:
+                return classes.granule_count(ld.tensor, ld.placement.dim)
+    raise ValueError("no data input is split on its batch: a pipeline needs a data-parallel program to cut")

@@ -1,0 +1,152 @@
+"""Cutting a program into pipeline stages, and splitting a batch into micro-batches.
+
+A pipeline runs the data-parallel program (every activation split on its batch dim,
+parameters whole) of each stage's contiguous range of nodes. Running micro-batch m's rows on
+a device is then what one device of a data-parallel run does: the rule library's local
+variants already compute exact partial results (a mean's part of the global denominator),
+so the partial losses of all micro-batches on all devices sum to the one-device loss, and the
+gradients summed over them to its gradients. A micro-batch on one device of a stage is a
+*piece*: stage s of D_s devices runs M * D_s pieces, in the order (micro-batch, device).
+
+What crosses a cut is a *crossing*: a tensor one stage produces and a later one reads, split
+on a dim (its rows travel between the devices that hold them) or replicated (the first device
+of the micro-batch sends it whole). Some programs cannot be pipelined, and say so in one line:
+random ops (each micro-batch would draw its own numbers), buffers the forward updates
+(BatchNorm's statistics are over the whole batch), and partial sums crossing a cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..ir import Graph
+from ..placement import R, Placement
+from ..rules.local import is_random
+from ..rules.units import ShardClasses, round_sizes
+from ..search.program import Step
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """A tensor that stage `src` produces in `placement` and stages `dsts` read."""
+    tensor: str
+    placement: Placement
+    src: int
+    dsts: tuple[int, ...]
+    requires_grad: bool
+
+
+def stage_of_nodes(cuts: Sequence[int], nodes: int) -> list[int]:
+    """The stage of every node when stage k starts at node cuts[k - 1] (cuts ascending, inside)."""
+    cuts = list(cuts)
+    if cuts != sorted(set(cuts)) or (cuts and (cuts[0] <= 0 or cuts[-1] >= nodes)):
+        raise ValueError(f"pipeline cuts {cuts} must be distinct, ascending and inside the {nodes} nodes")
+    out, stage = [], 0
+    for i in range(nodes):
+        while stage < len(cuts) and i >= cuts[stage]:
+            stage += 1
+        out.append(stage)
+    return out
+
+
+def stage_ranges(cuts: Sequence[int], nodes: int) -> list[tuple[int, int]]:
+    """[first, last] node of every stage."""
+    bounds = [0, *cuts, nodes]
+    return [(bounds[k], bounds[k + 1] - 1) for k in range(len(bounds) - 1)]
+
+
+def check_pipelinable(graph: Graph, program: Sequence[Step], runtime: bool = True) -> None:
+    """ValueError, in one line, where micro-batches would change the mathematics (runtime:
+    also what the planner may price but the runtime cannot run yet)."""
+    for node in graph.nodes if runtime else ():
+        if is_random(node):
+            raise ValueError(f"node {node.name} ({node.op}) draws random numbers: a pipeline's micro-batches would draw "
+                             "others than one device does (set dropout to 0 to pipeline this model)")
+    if graph.buffer_updates:
+        name = next(iter(graph.buffer_updates))
+        raise ValueError(f"the forward updates buffer {graph.tensors[name].target or name} (BatchNorm's statistics are "
+                         "over the whole batch): it cannot be pipelined in micro-batches")
+    for step in program:
+        for ms in step.moves:
+            if ms.move.communicates:
+                node = graph.nodes[step.node]
+                raise ValueError(f"the program moves {ms.tensor} by {ms.move.name} before {node.name}: a pipeline stage "
+                                 "runs a program without collectives")
+
+
+def crossings(graph: Graph, program: Sequence[Step], stage_of: Sequence[int]) -> list[Crossing]:
+    """Every tensor that crosses a cut, in the order its producer runs."""
+    placed: dict[str, Placement] = {}
+    for step in program:
+        node = graph.nodes[step.node]
+        placed.update(zip(node.outputs, step.strategy.outputs))
+    out = []
+    for node in graph.nodes:
+        for name in node.outputs:
+            t = graph.tensors[name]
+            dsts = tuple(sorted({stage_of[c] for c in t.consumers if stage_of[c] != stage_of[node.index]}))
+            if not dsts:
+                continue
+            p = placed[name]
+            if not (p.is_shard or p == R):
+                raise ValueError(f"{name} would cross from stage {stage_of[node.index]} to {dsts[0]} in placement {p}: "
+                                 "only tensors split on a dim or replicated can; cut elsewhere")
+            out.append(Crossing(name, p, stage_of[node.index], dsts, t.requires_grad))
+    return out
+
+
+def micro_batch_granules(granules: int, micro_batches: int) -> list[int]:
+    """Granules (batch rows, or groups of them) of each micro-batch: as even as integers allow."""
+    if not 1 <= micro_batches <= granules:
+        raise ValueError(f"{micro_batches} micro-batches do not fit a batch of {granules} "
+                         f"{'row' if granules == 1 else 'rows'}: use 1 to {granules}")
+    return round_sizes(granules, [1.0] * micro_batches)
+
+
+def piece_ratios(micro: Sequence[int], ratios: Sequence[float]) -> list[float]:
+    """The share of the batch of every piece (micro-batch m on device d, in that order) of a
+    stage whose devices split each micro-batch by `ratios`: exact multiples of 1 / granules, so
+    that ShardClasses splits the batch at the same rows on every stage."""
+    total = sum(micro)
+    return [k / total for mb in micro for k in round_sizes(mb, ratios)]
+
+
+def check_aligned(graph: Graph, classes: ShardClasses, crossings_: Sequence[Crossing],
+                  pieces: Sequence[Sequence[float]], micro_batches: int) -> None:
+    """Each micro-batch's rows of every split crossing must be the same on both sides of the cut
+    (a tensor whose dim splits in coarser granules than the batch could round differently)."""
+    for c in crossings_:
+        if not c.placement.is_shard:
+            continue
+        spans = []
+        for s in (c.src, *c.dsts):
+            sizes = classes.split_sizes(c.tensor, c.placement.dim, pieces[s])
+            per = len(sizes) // micro_batches
+            spans.append([sum(sizes[m * per:(m + 1) * per]) for m in range(micro_batches)])
+        if any(sp != spans[0] for sp in spans):
+            raise ValueError(f"{c.tensor} splits into micro-batches differently on stages {c.src} and {c.dsts}: "
+                             f"choose a micro-batch count that divides its dim {c.placement.dim}")
+
+
+def row_ranges(sizes: Sequence[int], micro_batches: int, m: int) -> list[tuple[int, int]]:
+    """(start, length) of every device's rows of micro-batch m, from the pieces' sizes."""
+    per = len(sizes) // micro_batches
+    start = sum(sizes[: m * per])
+    out = []
+    for n in sizes[m * per:(m + 1) * per]:
+        out.append((start, n))
+        start += n
+    return out
+
+
+def overlaps(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """(source device, destination device, start, length) of every non-empty intersection of two
+    splits of the same rows: what each source sends to each destination."""
+    out = []
+    for i, (a, n) in enumerate(src):
+        for j, (b, k) in enumerate(dst):
+            lo, hi = max(a, b), min(a + n, b + k)
+            if hi > lo:
+                out.append((i, j, lo, hi - lo))
+    return out

@@ -1,0 +1,304 @@
+"""Pipeline parallelism (hap.pipeline): schedules, cuts, pricing, the exact partition (unit), and
+pipeline training on local gloo ranks equal to one device's (GPipe and 1F1B, uneven stages,
+uneven shares inside a stage)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hap.pipeline.schedule import in_flight, makespan, stage_order
+from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
+
+from gloo import run_ranks
+
+STEPS = 3
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("K,M", [(2, 1), (2, 4), (3, 5), (4, 2)])
+def test_every_stage_runs_each_pass_once_forward_before_backward(name, K, M):
+    for s in range(K):
+        order = stage_order(name, K, M, s)
+        assert sorted(order) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+        for m in range(M):
+            assert order.index(("F", m)) < order.index(("B", m))
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe():
+    # stage s of K keeps K - s micro-batches live under 1F1B (M >= K), all M under GPipe
+    assert [in_flight("1f1b", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("gpipe", 4, 8, s) for s in range(4)] == [8] * 4
+
+
+def test_makespan_of_alike_stages_is_the_bubble_formula():
+    # K=3 alike stages, f=1, b=2, no transfers: (M + K - 1) * (f + b) = (4 + 2) * 3 = 18
+    for name in ("gpipe", "1f1b"):
+        assert makespan(name, 4, [1, 1, 1], [2, 2, 2]) == pytest.approx(18.0)
+    # a transfer of 0.5 each way between 2 stages, M=1: f0 + s + f1 + b1 + s + b0 = 1+.5+1+2+.5+2
+    assert makespan("gpipe", 1, [1, 1], [2, 2], [0.5]) == pytest.approx(7.0)
+
+
+def test_a_slow_stage_sets_the_pace():
+    # stage 1 takes 3 per pass pair, stage 0 takes 1: M micro-batches need about M * 3
+    assert makespan("1f1b", 8, [0.5, 1.0], [0.5, 2.0]) == pytest.approx(0.5 + 8 * 3.0 + 0.5)
+
+
+# -- cutting and micro-batches -----------------------------------------------------------------
+
+def test_stage_of_nodes_and_bad_cuts():
+    assert stage_of_nodes([2, 4], 6) == [0, 0, 1, 1, 2, 2]
+    for bad in ([0], [3, 2], [6], [2, 2]):
+        with pytest.raises(ValueError, match="cuts"):
+            stage_of_nodes(bad, 6)
+
+
+def test_pieces_refine_the_micro_batches_at_the_same_rows():
+    micro = micro_batch_granules(10, 3)  # 4 3 3
+    assert micro == [4, 3, 3]
+    a = piece_ratios(micro, [0.6, 0.4])
+    b = piece_ratios(micro, [1.0])
+    assert [round(x * 10) for x in a] == [2, 2, 2, 1, 2, 1]  # 4 -> 2+2 (0.6 of 4 = 2.4), 3 -> 2+1, 3 -> 2+1
+    assert [round(x * 10) for x in b] == [4, 3, 3]
+    with pytest.raises(ValueError, match="micro-batches do not fit"):
+        micro_batch_granules(3, 4)
+
+
+def test_overlaps_route_every_row_once():
+    src = row_ranges([2, 2, 2, 1, 2, 1], 3, 1)  # micro-batch 1 on two devices: rows 4-5, 6
+    dst = row_ranges([4, 3, 3], 3, 1)  # one device: rows 4-6
+    assert src == [(4, 2), (6, 1)] and dst == [(4, 3)]
+    assert overlaps(src, dst) == [(0, 0, 4, 2), (1, 0, 6, 1)]
+    assert overlaps([(0, 3), (3, 2)], [(0, 1), (1, 4)]) == [(0, 0, 0, 1), (0, 1, 1, 2), (1, 1, 3, 2)]
+
+
+# -- training equals one device ------------------------------------------------------------------
+
+def _vit_setup():
+    from hap.models.vit import ViT, ViTConfig
+    torch.manual_seed(0)
+    model = ViT(ViTConfig(layers=2, hidden=32, heads=4, mlp=64, image=16, patch=4, classes=10, dropout=0.0))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(12, 3, 16, 16, generator=gen), torch.randint(0, 10, (12,), generator=gen)) for _ in range(STEPS)]
+    return model, batches
+
+
+def _reference(setup) -> tuple[list[float], dict]:
+    model, batches = setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # Adam would amplify noise in the k bias (true gradient 0)
+    losses = []
+    for batch in batches:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def pipelined(rank, world, setup_name, cuts, groups, ratios, micro_batches, schedule):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+
+    model, batches = SETUPS[setup_name]()
+    cluster = local_cluster((1.0,) * world, "local")
+    space = PipelineSpace(capture(model, batches[0]), cluster, PlannerConfig(schedule=schedule))
+    plan = assemble(space, cuts, groups, ratios, micro_batches, 0.0, {})
+    pipe = hap.Pipeline(model, cluster, batches[0], plan)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for batch in batches:
+        losses.append(pipe.train_step(*batch).item())
+        opt.step()
+        opt.zero_grad()
+    state = pipe.full_state_dict()
+    return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}}
+
+
+class TiedLM(torch.nn.Module):
+    """A language model whose output projection is its input embedding (as GPT-2's)."""
+
+    def __init__(self, vocab=24, hidden=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 32), torch.nn.GELU(), torch.nn.Linear(32, hidden))
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)  # [B, T, H]
+        h = self.norm(h + self.mlp(h))
+        logits = h @ self.emb.weight.T  # [B, T, V]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _tied_setup():
+    torch.manual_seed(0)
+    model = TiedLM()
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 24, (10, 6), generator=gen)
+        labels = ids.roll(-1, 1)
+        labels[:, -1] = -100  # ignored: the mean divides by the count of the others
+        batches.append((ids, labels))
+    return model, batches
+
+
+SETUPS = {"vit": _vit_setup, "tied": _tied_setup}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stage_pipeline_with_uneven_data_parallel_stage_trains_like_one_device(schedule, tmp_path):
+    # stage 0 (patch embedding and block 0) on ranks 0 and 1 at 60/40, stage 1 on rank 2; 12 rows in 3
+    # micro-batches of 4, each split 2/2 (0.6 of 4 rounds to 2) on stage 0
+    from hap.capture import capture
+    model, batches = _vit_setup()
+    n = len(capture(model, batches[0]).nodes)
+    reports = run_ranks(pipelined, 3, tmp_path, "vit", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 3, schedule)
+    losses, ref = _reference(_vit_setup)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), (schedule, k)
+
+
+def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):
+    # stages of 1, 2 and 1 ranks (the middle one 70/30), 5 micro-batches of 12 rows (3 3 2 2 2)
+    from hap.capture import capture
+    model, batches = _vit_setup()
+    n = len(capture(model, batches[0]).nodes)
+    reports = run_ranks(pipelined, 4, tmp_path, "vit", [n // 4, 2 * n // 3], [[0], [1, 2], [3]],
+                        [[1.0], [0.7, 0.3], [1.0]], 5, "1f1b")
+    losses, ref = _reference(_vit_setup)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+def test_tied_embedding_on_first_and_last_stage_trains_like_one_device(tmp_path):
+    # the embedding is read by stage 0 (lookup) and stage 1 (output projection): its gradient is
+    # summed over both stages' devices; the loss's mean divides by the count of non-ignored labels
+    from hap.capture import capture
+    model, batches = _tied_setup()
+    graph = capture(model, batches[0])
+    cut = next(n.index for n in graph.nodes if n.op == "aten.layer_norm.default")
+    reports = run_ranks(pipelined, 3, tmp_path, "tied", [cut], [[0], [1, 2]], [[1.0], [0.4, 0.6]], 2, "gpipe")
+    losses, ref = _reference(_tied_setup)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+# -- pricing, the exact partition, the DQN's environment -------------------------------------------
+
+@pytest.fixture(scope="module")
+def vit_space():
+    from hap.capture import capture
+    from hap.cost.cluster import load_cluster
+    from hap.models import build
+    from hap.pipeline.plan import PipelineSpace
+    from hap.planner import PlannerConfig
+    model, inputs = build("vit", layers=4, device="meta", devices=8)
+    return PipelineSpace(capture(model, inputs), load_cluster("paper-hetero-8"), PlannerConfig())
+
+
+def test_exact_partition_equals_brute_force(vit_space):
+    from hap.pipeline.partition import brute_force, exact_partition
+    for K, M in ((2, 4), (4, 8), (4, 2)):
+        table = vit_space.table(K, M)
+        part = exact_partition(table)
+        cuts, best = brute_force(table)
+        assert part.seconds == pytest.approx(best, rel=1e-12)
+        assert table.objective([list(table.positions).index(c) for c in part.cuts]) == pytest.approx(part.seconds)
+
+
+def test_estimate_is_the_formula_and_a_faster_group_gets_the_longer_stage(vit_space):
+    from hap.pipeline.partition import exact_partition
+    table = vit_space.table(2, 4)
+    part = exact_partition(table)
+    groups, ratios = vit_space.groups_and_ratios(2)
+    est = vit_space.pricer.estimate(part.cuts, groups, ratios, 4)
+    t = est.stage_seconds
+    assert est.seconds == pytest.approx(sum(t) + 3 * max(t) + max(est.sync) + vit_space.cost.loss_sync)
+    # group 0 holds the two V100s (faster than P100s): it takes more than half the compute
+    flops = [n.flops + n.bwd_flops for n in vit_space.graph.nodes]
+    assert sum(flops[: part.cuts[0]]) > 0.5 * sum(flops)
+
+
+def test_memory_that_does_not_fit_is_never_chosen(vit_space):
+    import dataclasses
+
+    from hap.cost.cluster import Cluster
+    from hap.pipeline.partition import StageTable, exact_partition
+    from hap.pipeline.price import PipelinePricer
+    from hap.cost.model import CostModel
+    cl = vit_space.cluster
+    tiny = dataclasses.replace(cl, devices=tuple(dataclasses.replace(d, memory=1.0) for d in cl.devices))
+    assert isinstance(tiny, Cluster)
+    pricer = PipelinePricer(CostModel(vit_space.graph, tiny, vit_space.classes), vit_space.program)
+    groups, ratios = vit_space.groups_and_ratios(2)
+    with pytest.raises(ValueError, match="fits the devices' memory"):
+        exact_partition(StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b"))
+
+
+def test_cut_environment_masks_and_proportional_cut(vit_space):
+    from hap.automap.pipeline import SLOTS, CutEnvironment
+    env = CutEnvironment(vit_space.table(4, 8))
+    mask = env.allowed(0, 0)
+    assert mask[: env.pivots - 2].all() and not mask[env.pivots - 2:].any()  # two cuts must still follow
+    assert env.allowed(2, 5)[5:env.pivots].all() and not env.allowed(2, 5)[:5].any()
+    cut = env.proportional_cut()
+    assert list(cut) == sorted(set(cut)) and len(cut) == 3
+    assert env.state(1, cut[0]).shape == (env.state_dim,) and env.state_dim == 5 * SLOTS + 9
+    r, L = env.reward(cut)
+    assert r == pytest.approx(1.0) and L == pytest.approx(env.reference)
+
+
+def test_dqn_finds_the_two_stage_optimum(vit_space):
+    from hap.automap.pipeline import search_cuts
+    from hap.pipeline.partition import exact_partition
+    table = vit_space.table(2, 4)
+    res = search_cuts(table, episodes=300, budget_s=60)
+    assert res.seconds == pytest.approx(exact_partition(table).seconds, rel=1e-9)
+
+
+def test_pipeline_planners_registered_and_refuse_what_they_cannot():
+    from hap.capture import capture
+    from hap.cost.cluster import load_cluster, local_cluster
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    model, batches = _vit_setup()
+    graph = capture(model, batches[0])
+    plan = make_plan("pp-exact", graph, local_cluster((1.0,) * 4, "local"), PlannerConfig(pipeline_stages=2, micro_batches=3))
+    assert len(plan.stages) == 2 and plan.schedule.micro_batches == 3
+    assert plan.estimated_iteration_seconds > 0
+    from hap.plan import Plan
+    again = Plan.from_json(plan.to_json())
+    assert again.digest == plan.digest and again.schedule == plan.schedule
+    with pytest.raises(ValueError, match="pipeline stages"):
+        make_plan("pp-exact", graph, load_cluster("paper-hetero-8"), PlannerConfig(pipeline_stages=3))
+    with pytest.raises(ValueError, match="micro-batches do not fit"):
+        make_plan("pp-exact", graph, local_cluster((1.0,) * 2, "local"), PlannerConfig(pipeline_stages=2, micro_batches=13))
+
+
+def test_the_runtime_refuses_random_ops_in_one_line(tmp_path):
+    from hap.capture import capture
+    from hap.models.vit import ViT, ViTConfig
+    from hap.pipeline.stages import check_pipelinable
+    from hap.planner import baseline_plan
+    from hap.cost.cluster import local_cluster
+    model = ViT(ViTConfig(layers=1, hidden=32, heads=4, mlp=64, image=16, patch=4, classes=10, dropout=0.1))
+    graph = capture(model, (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))))
+    steps = baseline_plan(graph, local_cluster((1.0, 1.0), "l"), "dp-ev").steps(graph)
+    with pytest.raises(ValueError, match="draws random numbers"):
+        check_pipelinable(graph, steps)
+    check_pipelinable(graph, steps, runtime=False)  # the planner may still price it
