@@ -320,6 +320,14 @@ def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float], kep
     return _plan_at(graph, cluster, ratios, config, lambda search, rs: search(rs, keep), "planned for this shape")
 
 
+def assemble_one(cost: CostModel, program: list[Step], ratios: Sequence[float], seconds: float, search: dict) -> Plan:
+    """The one-segment Plan of a program other planners found (the operator-partitioning DQN),
+    priced by the same replay."""
+    segment_of = [0] * len(cost.graph.nodes)
+    rs = [list(ratios)]
+    return _assemble(cost, segment_of, program, rs, replay(program, cost, segment_of, rs), {}, seconds, search)
+
+
 def _plan_at(graph: Graph, cluster: Cluster, ratios: Sequence[float], config: PlannerConfig | None,
              find: Callable, winner: str) -> Plan:
     """A one-segment plan at fixed ratios whose program `find(search, ratios)` finds, where

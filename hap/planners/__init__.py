@@ -6,7 +6,8 @@ and the one cost model prices:
     plan = make_plan("pp-exact", graph, cluster, PlannerConfig(pipeline_stages=4))   # a pipeline
 
 "pp-exact" and "dqn" cut the data-parallel program into a pipeline (exactly, or by
-Auto-MAP's DQN); "auto" keeps the fastest estimate of astar and pp-exact.
+Auto-MAP's DQN); "dqn-opp" splits parameters with the data whole (Auto-MAP's operator
+partitioning; A*'s space contains it); "auto" keeps the fastest estimate of astar and pp-exact.
 "astar" is hap's synthesis (A* over the rule library, ratios by the LP); "dp-ev", "dp-cp",
 "tp", "ep" and "megatron" are the baselines as plans (data parallelism with even or
 compute-proportional shares, tensor parallelism, expert parallelism, tensor parallelism with
@@ -87,6 +88,13 @@ def _dqn(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progre
     """A pipeline whose cuts Auto-MAP's DQN places (hap.automap.pipeline)."""
     from ..automap.pipeline import dqn_plan
     return dqn_plan(graph, cluster, config, progress)
+
+
+@register("dqn-opp")
+def _dqn_opp(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
+    """Operator partitioning (data whole, parameters split) found by Auto-MAP's DQN (hap.automap.opp)."""
+    from ..automap.opp import opp_plan
+    return opp_plan(graph, cluster, config.optimizer, progress=progress)
 
 
 @register("auto")
