@@ -2,12 +2,15 @@
 
     OMP_NUM_THREADS=1 python benchmarks/automap.py [--quick] --out out/bench-automap
 
-For every (model, cluster, K stages, M = 2K micro-batches): the exact partition's estimate
+PP, for every (model, cluster, K stages, M = 2K micro-batches): the exact partition's estimate
 (pipeline/partition.py, dynamic programming) and the DQN's (automap/pipeline.py, online,
 best cut its episodes met), both priced by pipeline/price.py, with the seconds each search
-took. Writes DIR/automap.json ({cases: [{model, cluster, task, K, M, dqn_estimate,
-exact_estimate, dqn_seconds, exact_seconds, ...}]}) and DIR/report.md. --quick: ViT and BERT
-on 8 GPUs, fewer episodes (a few minutes).
+took. OPP, for every (model at --opp-layers layers, cluster): the cost-rewarded DQN's layout
+(automap/opp.py) against A*'s optimum over the same family (exhaustive), and the layout of the
+paper's reward priced by the same model. ADP: the batch dims the DQN finds against dim 0.
+Writes DIR/automap.json ({cases: [{model, cluster, task, dqn_estimate, exact_estimate,
+dqn_seconds, exact_seconds, ...}]}) and DIR/report.md. --quick: ViT and BERT on 8 GPUs,
+fewer episodes (a few minutes).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hap.automap.opp import DataEnvironment, OperatorEnvironment, search_layout  # noqa: E402
 from hap.automap.pipeline import search_cuts  # noqa: E402
 from hap.capture import capture  # noqa: E402
 from hap.cost.cluster import load_cluster  # noqa: E402
@@ -46,10 +50,36 @@ def run_case(space: PipelineSpace, K: int, episodes: int, budget: float) -> dict
             "gap": res.seconds / part.seconds - 1}
 
 
+def run_opp(graph, cluster, episodes: int, budget: float) -> dict:
+    t0 = time.perf_counter()
+    env = OperatorEnvironment(graph, cluster, reward="cost")
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    exact, fits, exhaustive = env.exact()
+    exact_s = time.perf_counter() - t0 + built
+    found = search_layout(env, episodes, budget)
+    paper = search_layout(OperatorEnvironment(graph, cluster, reward="paper"), episodes, budget)
+    return {"task": "OPP", "units": len(env.units), "exact_estimate": exact, "exact_exhaustive": exhaustive,
+            "exact_fits": fits, "dqn_estimate": found.seconds, "dqn_seconds": found.search_seconds + built,
+            "exact_seconds": exact_s, "episodes": found.episodes, "replicated_estimate": env.replicated,
+            "paper_reward_estimate": paper.seconds, "paper_reward_return": paper.episode_return,
+            "gap": found.seconds / exact - 1}
+
+
+def run_adp(graph, devices: int, episodes: int) -> dict:
+    env = DataEnvironment(graph, devices)
+    found = search_layout(env, episodes)
+    dims = env.batch_dims(found.best)
+    return {"task": "ADP", "batch_dims": dims, "matches_capture": all(d == 0 for d in dims.values()),
+            "split_tensors": found.split_tensors, "tensors": len(graph.tensors), "dqn_seconds": found.search_seconds}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=None, help="seconds per DQN search (default 40 quick, 280 full)")
+    ap.add_argument("--opp-layers", type=int, default=1, help="layers of the models in the OPP cases")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -57,6 +87,7 @@ def main(argv=None) -> int:
     models = ["vit", "bert"] if args.quick else ["vgg19", "vit", "bert", "bert-moe"]
     clusters = ["paper-hetero-8"] if args.quick else ["paper-hetero-8", "paper-hetero-16"]
     episodes, budget = (1500, 40.0) if args.quick else (4000, 280.0)
+    budget = args.budget or budget
     cases = []
     for cname in clusters:
         cluster = load_cluster(cname)
@@ -75,20 +106,52 @@ def main(argv=None) -> int:
                 print(f"{name:8s} {cname} K={K} M={case['M']}: exact {case['exact_estimate'] * 1e3:.2f} ms "
                       f"({case['exact_seconds']:.2f} s), dqn {case['dqn_estimate'] * 1e3:.2f} ms ({case['dqn_seconds']:.1f} s, "
                       f"{case['episodes']} episodes), gap {case['gap'] * 100:.2f}%", flush=True)
-    (out / "automap.json").write_text(json.dumps({"cases": cases}, indent=1))
+    for cname in clusters:
+        cluster = load_cluster(cname)
+        for name in models:
+            kw = {} if name == "vgg19" else {"layers": args.opp_layers}
+            model, inputs = build(name, device="meta", devices=cluster.gpus, **kw)
+            graph = capture(model, inputs, name=name)
+            case = {"model": name, "cluster": cname, "layers": kw.get("layers"), **run_opp(graph, cluster, 1000, budget)}
+            cases.append(case)
+            print(f"{name:8s} {cname} OPP ({case['units']} decisions): A* {case['exact_estimate'] * 1e3:.2f} ms "
+                  f"({case['exact_seconds']:.2f} s), dqn {case['dqn_estimate'] * 1e3:.2f} ms ({case['dqn_seconds']:.1f} s), "
+                  f"gap {case['gap'] * 100:.2f}%, paper reward {case['paper_reward_estimate'] * 1e3:.2f} ms, "
+                  f"replicated {case['replicated_estimate'] * 1e3:.2f} ms", flush=True)
+            if cname == clusters[0]:
+                adp = {"model": name, "cluster": cname, **run_adp(graph, cluster.gpus, 200)}
+                cases.append(adp)
+                print(f"{name:8s} ADP: batch dims {adp['batch_dims']} ({adp['split_tensors']} tensors split)", flush=True)
+    (out / "automap.json").write_text(json.dumps({"cases": cases}, indent=1, default=str))
     lines = ["# Auto-MAP pipeline DQN vs the exact cut", "",
              "| model | cluster | K | M | exact (ms) | DQN (ms) | gap | DQN greedy (ms) | exact search (s) | DQN search (s) | episodes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
+        if c["task"] != "PP":
+            continue
         if "refused" in c:
             lines.append(f"| {c['model']} | {c['cluster']} | - | - | refused: {c['refused']} | | | | | | |")
             continue
         lines.append(f"| {c['model']} | {c['cluster']} | {c['K']} | {c['M']} | {c['exact_estimate'] * 1e3:.2f} | "
                      f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['dqn_greedy_estimate'] * 1e3:.2f} | "
                      f"{c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']} |")
-    ok = [c for c in cases if "gap" in c]
+    ok = [c for c in cases if "gap" in c and c["task"] == "PP"]
     within = sum(c["gap"] <= 0.02 for c in ok)
     lines += ["", f"DQN within 2% of the exact optimum on {within} of {len(ok)} cases; target: all, each in at most 5 minutes."]
+    opp = [c for c in cases if c["task"] == "OPP"]
+    lines += ["", f"## Operator partitioning (models at {args.opp_layers} layer(s); VGG19 whole)", "",
+              "| model | cluster | decisions | A* optimum (ms) | exhaustive | DQN, cost reward (ms) | gap | DQN, paper reward (ms) "
+              "| all replicated (ms) | A* (s) | DQN (s) | episodes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in opp:
+        lines.append(f"| {c['model']} | {c['cluster']} | {c['units']} | {c['exact_estimate'] * 1e3:.2f} | {c['exact_exhaustive']} | "
+                     f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['paper_reward_estimate'] * 1e3:.2f} | "
+                     f"{c['replicated_estimate'] * 1e3:.2f} | {c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']} |")
+    lines += ["", f"OPP: DQN within 2% of A* on {sum(c['gap'] <= 0.02 for c in opp)} of {len(opp)} cases.", "",
+              "## Data parallelism (ADP)", "", "| model | batch dims found | dim 0 of every input (capture) | tensors split |",
+              "|---|---|---|---|"]
+    for c in cases:
+        if c["task"] == "ADP":
+            lines.append(f"| {c['model']} | {c['batch_dims']} | {c['matches_capture']} | {c['split_tensors']} of {c['tensors']} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

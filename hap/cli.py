@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--cluster", default="paper-hetero-8", help="built-in cluster name or YAML file")
     p.add_argument("--planner", default="astar", metavar="NAME",
-                   help="which planner: astar (hap's synthesis), a pipeline (pp-exact, dqn), auto (the fastest "
-                        "estimate of astar and pp-exact), or a baseline: dp-ev, dp-cp, tp, ep, megatron")
+                   help="which planner: astar (hap's synthesis), a pipeline (pp-exact, dqn), operator partitioning "
+                        "by the DQN (dqn-opp), auto (the fastest estimate of astar and pp-exact), or a baseline: "
+                        "dp-ev, dp-cp, tp, ep, megatron")
     _add_pipeline_args(p)
     p.add_argument("--segments", type=int, default=1, help="model segments with their own ratios")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
@@ -75,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--cluster", default="local", help="built-in cluster name or YAML file (local processes)")
     t.add_argument("--steps", type=int, default=10, help="training iterations")
     t.add_argument("--planner", metavar="NAME",
-                   help="which planner: astar (hap's synthesis, the default), a pipeline (pp-exact, dqn), auto, or a "
-                        "baseline: dp-ev, dp-cp, tp, ep, megatron")
+                   help="which planner: astar (hap's synthesis, the default), a pipeline (pp-exact, dqn), dqn-opp, "
+                        "auto, or a baseline: dp-ev, dp-cp, tp, ep, megatron")
     _add_pipeline_args(t)
     t.add_argument("--strategy", choices=["hap", "dp-ev", "dp-cp"],
                    help="the same as --planner (hap: astar), kept for old command lines")

@@ -71,3 +71,11 @@ def test_round_trip_through_dict():
     c = BUILTIN["paper-hetero-16"]()
     again = cluster_from_dict(c.to_dict())
     assert again == c
+
+
+def test_numbers_yaml_reads_as_strings_are_numbers():
+    # YAML 1.1 reads 4e-4 (no dot) as a string; a bare number means the base unit
+    c = cluster_from_dict({"devices": [{"name": "a", "count": 2, "flops": "9e10", "memory": "1GiB"}],
+                           "collectives": {k: {"alpha": "4e-4", "beta": "1e9"} for k in
+                                           ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}})
+    assert c.devices[0].flops == 9e10 and c.collectives["all_reduce"].alpha == 4e-4

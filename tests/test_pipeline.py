@@ -302,3 +302,27 @@ def test_the_runtime_refuses_random_ops_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="draws random numbers"):
         check_pipelinable(graph, steps)
     check_pipelinable(graph, steps, runtime=False)  # the planner may still price it
+
+
+def test_a_model_too_big_for_one_device_gets_a_pipeline_that_fits():
+    """Devices of 600 KiB: ViT-small's replica (parameters, Adam state, activations) needs about
+    700 KiB, so data parallelism and hap's synthesis find nothing that fits; a 4-stage
+    pipeline spreads the parameters and fits (README: it also trains there)."""
+    import dataclasses
+
+    from hap.balance.lp import BalanceError
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.models import build
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    model, inputs = build("vit", scale="small", dropout=0.0)
+    graph = capture(model, inputs)
+    base = local_cluster((1.0,) * 4, "tight")
+    tight = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, memory=600 * 1024) for d in base.devices))
+    with pytest.raises(BalanceError, match="out of memory"):
+        make_plan("astar", graph, tight, PlannerConfig(baselines=False))
+    dp = make_plan("dp-ev", graph, tight)
+    assert max(dp.memory_bytes) > 600 * 1024
+    pp = make_plan("pp-exact", graph, tight, PlannerConfig(pipeline_stages=4))
+    assert len(pp.stages) == 4 and max(pp.memory_bytes) <= 600 * 1024

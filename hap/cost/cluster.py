@@ -231,8 +231,8 @@ def _quantity(value, units: dict[str, float], what: str) -> float:
                 number = float(m.group(1))
             except ValueError:
                 number = None
-            if number is not None and unit in units:
-                return number * units[unit]
+            if number is not None and (unit in units or not unit):  # YAML reads 4e-4 as a string
+                return number * units.get(unit, 1.0)
     allowed = ", ".join(u for u in units if u)
     raise ClusterError(f"{what}: cannot read {value!r} (a number, or a number with a unit: {allowed})")
 
