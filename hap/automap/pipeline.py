@@ -46,6 +46,23 @@ class DQNResult:
     search_seconds: float
 
 
+def cut_features(table) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[float]]:
+    """At every pivot: compute before it (fraction, on the slowest device), bytes crossing it
+    (fraction of the largest crossing), parameter bytes before it (fraction); and each stage's
+    group speed. A table may provide its own (the generated ones of pipeline_infer.py)."""
+    if hasattr(table, "cut_features"):
+        return table.cut_features()
+    pr, pos = table.pricer, table.positions
+    slow = int(np.argmax(pr.work_f[-1] + pr.work_b[-1]))
+    work = pr.work_f[:, slow] + pr.work_b[:, slow] + pr.fixed_f[:, slow] + pr.fixed_b[:, slow]
+    C = work[pos[1:-1]] / max(work[-1], 1e-30)
+    A = pr.cut_bytes[pos[1:-1]]
+    A = A / max(A.max(), 1e-30)
+    W = pr.params[pos[1:-1]] / max(pr.params[-1], 1e-30)
+    speed = [sum(1.0 / pr.cost.inv_speed[d] for d in g) for g in table.groups]
+    return C, A, W, speed
+
+
 class CutEnvironment:
     """Placing K - 1 cuts on the pivots of a StageTable, one per step."""
 
@@ -56,17 +73,10 @@ class CutEnvironment:
         self.pivots = Q - 2
         if self.pivots > SLOTS or self.K > MAX_STAGES:
             raise ValueError(f"at most {SLOTS} pivots and {MAX_STAGES} stages, got {self.pivots} and {self.K}")
-        pr, pos = table.pricer, table.positions
-        slow = int(np.argmax(pr.work_f[-1] + pr.work_b[-1]))
-        work = pr.work_f[:, slow] + pr.work_b[:, slow] + pr.fixed_f[:, slow] + pr.fixed_b[:, slow]
-        C = work[pos[1:-1]] / max(work[-1], 1e-30)
-        A = pr.cut_bytes[pos[1:-1]]
-        A = A / max(A.max(), 1e-30)
-        W = pr.params[pos[1:-1]] / max(pr.params[-1], 1e-30)
+        C, A, W, speed = cut_features(table)
         self.features = np.zeros(3 * SLOTS, dtype=np.float32)
         for i, arr in enumerate((C, A, W)):
             self.features[i * SLOTS:i * SLOTS + self.pivots] = arr
-        speed = [sum(1.0 / pr.cost.inv_speed[d] for d in g) for g in table.groups]
         self.ideal = np.cumsum(speed) / sum(speed)  # fraction of compute before the end of stage k
         self.compute = C
         self.reference = table.objective(self.proportional_cut())
@@ -104,6 +114,29 @@ class CutEnvironment:
         return ((self.reference / L) ** self.sharpness if math.isfinite(L) else 0.0), L
 
 
+def play_episode(env: CutEnvironment, agent: Agent, greedy: bool = False) -> tuple[tuple[int, ...], float, float]:
+    """Place the K - 1 cuts with the agent (epsilon-greedy and learning, unless greedy);
+    returns (cut pivots, L, reward)."""
+    prev, cuts = 0, []
+    none = torch.zeros(SLOTS, dtype=torch.bool)
+    r = L = math.nan
+    for k in range(env.K - 1):
+        s, mask = env.state(k, prev), env.allowed(k, prev)
+        a = agent.act(s, mask, greedy=greedy)
+        cuts.append(a + 1)
+        last = k == env.K - 2
+        if last:
+            r, L = env.reward(tuple(cuts))
+            s2, m2 = s, none
+        else:
+            r, s2, m2 = 0.0, env.state(k + 1, a + 1), env.allowed(k + 1, a + 1)
+        if not greedy:
+            agent.remember(s, a, r, s2, m2, last)
+            agent.learn()
+        prev = a + 1
+    return tuple(cuts), L, r
+
+
 def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0, seed: int = 0) -> DQNResult:
     """Train a DQN online on one (model, cluster, K, M) and return the best cut it met."""
     t0 = time.perf_counter()
@@ -121,28 +154,11 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
         for _ in range(episodes):
             if time.perf_counter() - t0 > budget_s:
                 break
-            prev, cuts = 0, []
-            for k in range(env.K - 1):
-                s, mask = env.state(k, prev), env.allowed(k, prev)
-                a = agent.act(s, mask)
-                cuts.append(a + 1)
-                last = k == env.K - 2
-                if last:
-                    r, L = env.reward(tuple(cuts))
-                    if L < best[0]:
-                        best = (L, tuple(cuts))
-                    s2, m2 = s, torch.zeros(SLOTS, dtype=torch.bool)
-                else:
-                    r, s2, m2 = 0.0, env.state(k + 1, a + 1), env.allowed(k + 1, a + 1)
-                agent.remember(s, a, r, s2, m2, last)
-                agent.learn()
-                prev = a + 1
+            cuts, L, _ = play_episode(env, agent)
+            if L < best[0]:
+                best = (L, cuts)
             done_episodes += 1
-        prev, greedy = 0, []
-        for k in range(env.K - 1):
-            a = agent.act(env.state(k, prev), env.allowed(k, prev), greedy=True)
-            greedy.append(a + 1)
-            prev = a + 1
+        greedy, _, _ = play_episode(env, agent, greedy=True)
     greedy_L = table.objective(tuple(greedy))
     if greedy_L < best[0]:
         best = (greedy_L, tuple(greedy))
