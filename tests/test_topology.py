@@ -108,7 +108,9 @@ def test_malformed_topologies_are_one_line_errors(change, message):
     assert len(str(e.value).splitlines()) == 1
 
 
-def test_emulation_sleeps_the_topologys_time():
+def test_emulation_sleeps_the_topologys_time(monkeypatch):
+    import hap.runtime.emulate as emulate
+    monkeypatch.setattr(emulate.time, "perf_counter", lambda: 100.0)  # a frozen clock: no wall time in the test
     cl = cluster_from_dict({**MIXED, "emulate": True, "local": True})
     emu = Emulation.for_rank(cl, 0)
     one = emu.links.run_seconds("all_reduce", 1e6, range(cl.size))
