@@ -80,6 +80,23 @@ def run_adp(graph, devices: int, episodes: int) -> dict:
             "split_tensors": found.split_tensors, "tensors": len(graph.tensors), "dqn_seconds": found.search_seconds}
 
 
+def _opp_sections(opp: list[dict], cases: list[dict], layers: int) -> list[str]:
+    lines = ["", f"## Operator partitioning (models at {layers} layer(s); VGG19 whole)", "",
+             "| model | cluster | decisions | A* optimum (ms) | exhaustive | DQN, cost reward (ms) | gap | DQN, paper reward (ms) "
+             "| all replicated (ms) | A* (s) | DQN (s) | episodes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in opp:
+        lines.append(f"| {c['model']} | {c['cluster']} | {c['units']} | {c['exact_estimate'] * 1e3:.2f} | {c['exact_exhaustive']} | "
+                     f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['paper_reward_estimate'] * 1e3:.2f} | "
+                     f"{c['replicated_estimate'] * 1e3:.2f} | {c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']} |")
+    lines += ["", f"OPP: DQN within 2% of A* on {sum(c['gap'] <= 0.02 for c in opp)} of {len(opp)} cases.", "",
+              "## Data parallelism (ADP)", "", "| model | batch dims found | dim 0 of every input (capture) | tensors split |",
+              "|---|---|---|---|"]
+    for c in cases:
+        if c["task"] == "ADP":
+            lines.append(f"| {c['model']} | {c['batch_dims']} | {c['matches_capture']} | {c['split_tensors']} of {c['tensors']} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -151,23 +168,13 @@ def main(argv=None) -> int:
                      f"{c['inference_estimate'] * 1e3:.2f} | {c['inference_gap'] * 100:.2f}% | {c['inference_seconds']:.3f} |")
     ok = [c for c in cases if "exact_estimate" in c and c["task"] == "PP"]
     within = sum(c.get("gap", 1.0) <= 0.02 for c in ok)
-    lines += ["", f"DQN within 2% of the exact optimum on {within} of {len(ok)} cases; target: all, each in at most 5 minutes.",
+    online = [] if args.inference_only else [
+        f"DQN within 2% of the exact optimum on {within} of {len(ok)} cases; target: all, each in at most 5 minutes."]
+    lines += ["", *online,
               f"Online inference (the shipped network, no retraining) within 5% on {sum(c['inference_gap'] <= 0.05 for c in ok)} "
               f"of {len(ok)}, at most {max((c['inference_seconds'] for c in ok), default=0):.3f} s per case; target: all, 1 s."]
-    opp = [c for c in cases if c["task"] == "OPP"]
-    lines += ["", f"## Operator partitioning (models at {args.opp_layers} layer(s); VGG19 whole)", "",
-              "| model | cluster | decisions | A* optimum (ms) | exhaustive | DQN, cost reward (ms) | gap | DQN, paper reward (ms) "
-              "| all replicated (ms) | A* (s) | DQN (s) | episodes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in opp:
-        lines.append(f"| {c['model']} | {c['cluster']} | {c['units']} | {c['exact_estimate'] * 1e3:.2f} | {c['exact_exhaustive']} | "
-                     f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['paper_reward_estimate'] * 1e3:.2f} | "
-                     f"{c['replicated_estimate'] * 1e3:.2f} | {c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']} |")
-    lines += ["", f"OPP: DQN within 2% of A* on {sum(c['gap'] <= 0.02 for c in opp)} of {len(opp)} cases.", "",
-              "## Data parallelism (ADP)", "", "| model | batch dims found | dim 0 of every input (capture) | tensors split |",
-              "|---|---|---|---|"]
-    for c in cases:
-        if c["task"] == "ADP":
-            lines.append(f"| {c['model']} | {c['batch_dims']} | {c['matches_capture']} | {c['split_tensors']} of {c['tensors']} |")
+    if not args.inference_only:
+        lines += _opp_sections([c for c in cases if c["task"] == "OPP"], cases, args.opp_layers)
     (out / ("report-inference.md" if args.inference_only else "report.md")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
