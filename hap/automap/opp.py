@@ -10,11 +10,13 @@ row split); those dimensions are skipped. Rewards:
 - "paper": +0.4 per dimension split and +0.1 per dimension replicated by the step (forced ones
   included), -1 and the episode ends on a conflict;
 - "cost" (beyond the paper): 0 until the end, then (L_rep / L)^0.5, L the iteration time of
-  the best hap program (A*) that keeps exactly these parameter layouts and uses only
-  derivation moves (all-reduce of a partial sum, local slices), L_rep that of replicating
-  every parameter; 0 when it does not fit memory, -1 on a conflict.
-The exact reference is A* over the same family with the parameter layouts left free
-(`exact_layout`): when it is exhaustive, no assignment of layouts does better.
+  the best hap program (A*) that keeps exactly these parameter layouts and moves tensors only
+  by communication-free moves and the all-reduce of a partial sum, L_rep that of replicating
+  every parameter; 0 when it does not fit memory, -1 on a conflict. (A* also lets a whole
+  activation join a partial sum on one device, hap's free zero_partial, which propagation
+  allows only for decided leaves: its family is slightly wider.)
+The exact reference is A* over that family with the parameter layouts left free (`exact`):
+when it is exhaustive, no assignment of layouts does better, so it bounds the DQN from below.
 
 ADP. The parameters stay whole; the search decides, per dimension of every model input, whether
 the data are split on it; the reward is the paper's (no linkage groups). The objective is the
@@ -53,7 +55,8 @@ Unit = tuple[str, int]
 """(tensor name, dim): one decision."""
 
 DERIVATION_MOVES = frozenset({"all_reduce", "slice", "duplicate", "replicate", "zero_partial"})
-"""The moves propagation allows between producer and consumer (see propagate.py)."""
+"""The moves the priced programs may use: propagation's derivations (see propagate.py) and the
+other communication-free moves, which A* cannot do without."""
 
 
 def unit_status(prop: Propagation, doms: Domains, unit: Unit) -> int:
@@ -212,7 +215,8 @@ class OperatorEnvironment(DecisionEnvironment):
         return ((self.replicated / seconds) ** 0.5 if fits else 0.0), seconds
 
     def exact(self) -> tuple[float, bool, bool]:
-        """A*'s optimum over the family with free parameter layouts: (seconds, fits, exhaustive)."""
+        """A*'s optimum over the priced family with free parameter layouts: (seconds, fits,
+        exhaustive); a lower bound on every layout the DQN can choose."""
         seconds, fits, _, exhaustive = self.pricer.price(None)
         return seconds, fits, exhaustive
 
@@ -242,15 +246,17 @@ class LayoutResult:
     split_tensors: int
     """Tensors propagation leaves split."""
     episodes: int
+    """Episodes played, the final greedy one included."""
     search_seconds: float
     best: Episode | None = field(default=None, repr=False)
 
 
 def search_layout(env: DecisionEnvironment, episodes: int = 300, budget_s: float = 120.0, seed: int = 0,
                   config: DQNConfig | None = None) -> LayoutResult:
-    """Train a DQN online on `env` for `episodes` episodes (or `budget_s`); return the best
-    finished episode (OPP with reward "cost": the fastest; otherwise the highest paper return,
-    ties broken by more split tensors). The first episode replicates everything."""
+    """Train a DQN online on `env` for `episodes` episodes (or `budget_s`), then play one greedy
+    episode; return the best finished episode (OPP with reward "cost": the fastest that fits
+    memory; otherwise the highest paper return, ties broken by more split tensors). The first
+    episode replicates everything."""
     t0 = time.perf_counter()
     by_cost = isinstance(env, OperatorEnvironment) and env.reward_kind == "cost"
     cfg = config or DQNConfig(depth=2, hidden=128, lr=5e-4, gamma=1.0 if by_cost else 0.6,
@@ -279,9 +285,10 @@ def search_layout(env: DecisionEnvironment, episodes: int = 300, budget_s: float
                     agent.remember(s, a, r, env.state(ep), none if ep.done else allowed, ep.done)
                     agent.learn()
             if ep.conflict:
-                key = (-math.inf,)
+                key = (False, -math.inf)
             elif by_cost:
-                key = (-env.final_reward(ep)[1],)
+                seconds, fits = env.pricer.price(env.layout(ep))[:2]
+                key = (fits, -seconds)  # a layout that fits beats any that does not
             else:
                 key = (ep.total, env.prop.split_count(ep.doms))
             if best_key is None or key > best_key:

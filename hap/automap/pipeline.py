@@ -8,7 +8,8 @@ allowed, the previous cut (one-hot), the stage being ended (one-hot), and where 
 would end if cut by compute in proportion to its device group's speed (the topology's
 share). Action: the slot of the next cut after the previous one. Reward: at the last cut,
 1 / sqrt(L / L_even), L the pipeline's estimated iteration time (pipeline/price.py) and
-L_even that of the cut by speed-proportional compute; 0 before, and 0 for a cut that does
+L_even that of the cut by speed-proportional compute (where that cut does not fit memory, a
+finite stand-in: the largest stage time times K + M - 1); 0 before, and 0 for a cut that does
 not fit memory. The planner returns the best pipeline its episodes met (the paper reports
 the best plan found during exploration, too).
 """
@@ -80,6 +81,11 @@ class CutEnvironment:
         self.ideal = np.cumsum(speed) / sum(speed)  # fraction of compute before the end of stage k
         self.compute = C
         self.reference = table.objective(self.proportional_cut())
+        """L of the speed-proportional cut (inf where it does not fit memory)."""
+        finite = table.t[np.isfinite(table.t)] if hasattr(table, "t") else np.array([])
+        # the reward's scale: that L, or where it does not fit, a finite stand-in of the same order
+        self.scale = self.reference if math.isfinite(self.reference) else \
+            float(finite.max() * (self.K + table.M - 1)) if finite.size else 1.0
         self.state_dim = 5 * SLOTS + MAX_STAGES + 1
         self.sharpness = 0.5
         """The reward's power of L_even / L: 0.5 is the paper's 1 / sqrt(L)."""
@@ -111,7 +117,7 @@ class CutEnvironment:
 
     def reward(self, cuts: tuple[int, ...]) -> tuple[float, float]:
         L = self.table.objective(cuts)
-        return ((self.reference / L) ** self.sharpness if math.isfinite(L) else 0.0), L
+        return ((self.scale / L) ** self.sharpness if math.isfinite(L) else 0.0), L
 
 
 def play_episode(env: CutEnvironment, agent: Agent, greedy: bool = False) -> tuple[tuple[int, ...], float, float]:
