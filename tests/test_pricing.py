@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings, strategies as hs
+from hypothesis import example, given, settings, strategies as hs
 
 from hap.balance.lp import balance
 from hap.capture import capture
@@ -132,6 +132,7 @@ clusters = hs.tuples(
 @settings(max_examples=40, deadline=None)
 @given(name=hs.sampled_from(["mlp", "tied", "residual"]), spec=clusters, segments=hs.sampled_from([1, 2]),
        seed=hs.integers(0, 2**16))
+@example(name="residual", spec=([1443270713.0, 1437266866.0], 100000.0, 0.0, 0.0), segments=1, seed=183)
 def test_lp_optimum_is_replay_of_its_ratios(graphs, name, spec, segments, seed):
     graph = graphs[name]
     strategies, cost, segment_of = setting(graph, cluster(*spec), segments)
@@ -139,7 +140,9 @@ def test_lp_optimum_is_replay_of_its_ratios(graphs, name, spec, segments, seed):
     program = random_program(graph, strategies, segment_of, rng)
     res = balance(program, cost, segment_of, segments)
     at_optimum = replay(program, cost, segment_of, res.ratios, continuous=True).seconds
-    assert at_optimum == pytest.approx(res.objective, rel=1e-6, abs=1e-12)
+    # HiGHS meets each row (in seconds) to its primal feasibility tolerance, 1e-7 by default:
+    # its objective may understate the max by that much (seen: 2.5e-8 s of 0.022 s, seed 183)
+    assert at_optimum == pytest.approx(res.objective, rel=1e-6, abs=1e-7)
     for _ in range(5):  # and no ratios (all devices busy) replay cheaper
         ratios = []
         for _ in range(segments):
