@@ -13,6 +13,7 @@ from hap.pipeline.schedule import in_flight, makespan, stage_order
 from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
 
 from gloo import run_ranks
+from test_module import train
 
 STEPS = 3
 
@@ -89,14 +90,7 @@ def _vit_setup():
 
 def _reference(setup) -> tuple[list[float], dict]:
     model, batches = setup()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # Adam would amplify noise in the k bias (true gradient 0)
-    losses = []
-    for batch in batches:
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, batches)  # SGD: Adam would amplify noise in the k bias (true gradient 0)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 

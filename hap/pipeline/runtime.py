@@ -37,7 +37,7 @@ from ..rules.units import ShardClasses
 from ..runtime.collectives import Comm, all_reduce, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
-from ..runtime.module import agree_plan, state_keys
+from ..runtime.module import agree_plan, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import (Crossing, check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
                      piece_ratios, row_ranges, stage_of_nodes)
@@ -60,11 +60,7 @@ class Pipeline(nn.Module):
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
                  comm: Comm | None = None):
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError("hap.Pipeline needs torch.distributed initialized first (or use hap.runtime.launch.spawn)")
-        comm = comm or Comm.default()
-        if cluster.size != comm.world:
-            raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
+        comm = rank_comm(cluster, comm, "hap.Pipeline")
         self.comm, self.cluster = comm, cluster
         self.emulation = Emulation.for_rank(cluster, comm.rank)
         object.__setattr__(self, "model", model)  # not a submodule: parameters() are this stage's only

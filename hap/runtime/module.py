@@ -58,11 +58,7 @@ class HAP(nn.Module):
         all-reduce per step); False returns this rank's part of it (the parts sum to the loss,
         and backward is the same), saving that all-reduce, as DDP returns each rank's own loss."""
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError("hap.HAP needs torch.distributed initialized first (or use hap.runtime.launch.spawn)")
-        comm = comm or Comm.default()
-        if cluster.size != comm.world:
-            raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
+        comm = rank_comm(cluster, comm, "hap.HAP")
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster)
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
         if comm.clock is None:  # time inside collectives: a step less it is this rank's busy time
@@ -344,6 +340,16 @@ def _runs(plan: Plan, graph) -> bool:
 
 def _shapes_of(graph) -> tuple:
     return tuple(tuple(graph.tensors[name].shape) for name in graph.inputs)
+
+
+def rank_comm(cluster: Cluster, comm: Comm | None, who: str) -> Comm:
+    """This rank's Comm (the default process group if none), checked against the cluster."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{who} needs torch.distributed initialized first (or use hap.runtime.launch.spawn)")
+    comm = comm or Comm.default()
+    if cluster.size != comm.world:
+        raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
+    return comm
 
 
 def state_keys(model: nn.Module, graph) -> dict[str, str | None]:
