@@ -278,9 +278,8 @@ def search_layout(env: DecisionEnvironment, episodes: int = 300, budget_s: float
                 s = env.state(ep)
                 a = 0 if i == 0 else agent.act(s, allowed, greedy=greedy)
                 r = env.step(ep, a)
-                seconds = math.nan
-                if by_cost:
-                    r, seconds = env.final_reward(ep) if ep.done else (0.0, math.nan)
+                if by_cost:  # the cost reward replaces the paper's: 0 until the end
+                    r = env.final_reward(ep)[0] if ep.done else 0.0
                 if not greedy:
                     agent.remember(s, a, r, env.state(ep), none if ep.done else allowed, ep.done)
                     agent.learn()

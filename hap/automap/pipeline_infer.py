@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..pipeline.price import iteration_seconds
 from .dqn import Agent, DQNConfig
 from .pipeline import MAX_STAGES, SLOTS, CutEnvironment, play_episode
 
@@ -73,7 +74,7 @@ class GeneratedTable:
         bounds = [0, *cuts_pos, len(self.positions) - 1]
         t = [self.t[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         s = [self.sync[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        return float(sum(t) + (self.M - 1) * max(t) + max(s))
+        return iteration_seconds(t, s, self.M)
 
 
 def train(episodes: int = 30000, seed: int = 0, out: Path = WEIGHTS, budget_s: float = 3600.0, log_every: int = 2000) -> Agent:

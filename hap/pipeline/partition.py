@@ -22,7 +22,7 @@ import numpy as np
 from ..cost.model import CostModel
 from ..ir import chunk_cuts
 from ..search.program import Step
-from .price import PipelinePricer
+from .price import PipelinePricer, iteration_seconds
 from .stages import crossings, stage_of_nodes
 
 
@@ -105,7 +105,7 @@ class StageTable:
         bounds = [0, *cuts_pos, len(self.positions) - 1]
         t = [self.t[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         s = [self.sync[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        return float(sum(t) + (self.M - 1) * max(t) + max(s) + self.pricer.cost.loss_sync)
+        return iteration_seconds(t, s, self.M, self.pricer.cost.loss_sync)
 
 
 def exact_partition(table: StageTable) -> Partition:

@@ -49,6 +49,12 @@ class PipelineEstimate:
     """The schedule's event simulation of the same stage times, plus sync."""
 
 
+def iteration_seconds(t: Sequence[float], sync: Sequence[float], M: int, tail: float = 0.0) -> float:
+    """The pipeline formula: sum of the stage times t_k, (M - 1) more of the slowest, the
+    largest stage's gradient sync, and `tail` (the loss's sync)."""
+    return float(sum(t) + (M - 1) * max(t) + max(sync) + tail)
+
+
 class PipelinePricer:
     """Prices any cut of one data-parallel program into stages; prefix sums make a stage's
     time O(devices)."""
@@ -141,9 +147,8 @@ class PipelinePricer:
             if k < K - 1:
                 send.append(self.transfer(bounds[k + 1], groups[k], groups[k + 1], M))
         t = [f + bw + 2 * (send[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
-        tail = max(sync) + self.cost.loss_sync
-        seconds = sum(t) + (M - 1) * max(t) + tail
-        simulated = makespan(schedule, M, fwd, bwd, send) + tail
+        seconds = iteration_seconds(t, sync, M, self.cost.loss_sync)
+        simulated = makespan(schedule, M, fwd, bwd, send) + max(sync) + self.cost.loss_sync
         return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(sync), tuple(mem), simulated)
 
 
