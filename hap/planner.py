@@ -107,7 +107,8 @@ def _ep(experts) -> Restriction:
 
 def _baselines(graph: Graph, cluster: Cluster):
     """(name, restriction, ratios) of every baseline family that applies to the graph."""
-    out = [("dp_ev", _dp(), cluster.even()), ("dp_cp", _dp(), cluster.compute_proportional()), ("tp", _tp(), cluster.even())]
+    dp = _dp()
+    out = [("dp_ev", dp, cluster.even()), ("dp_cp", dp, cluster.compute_proportional()), ("tp", _tp(), cluster.even())]
     if graph.experts:
         out.append(("ep", _ep(graph.experts), cluster.even()))
     return out
@@ -196,14 +197,28 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
     candidates: list[tuple[float, str, list[Step], list[list[float]], Estimate]] = []
     stats = {"rounds": 0, "expanded": 0, "generated": 0, "exhaustive": True}
 
+    priced: dict[tuple, Estimate] = {}  # (program, share signature) -> its replay: the alternation meets pairs again
+
     def price(name, program, ratios):
-        est = replay(program, cost, segment_of, ratios)
+        key = (tuple(program), cost.share_signature(ratios))
+        if key not in priced:
+            priced[key] = replay(program, cost, segment_of, ratios)
+        est = priced[key]
         candidates.append((est.seconds, name, program, ratios, est))
         return est
 
     frame = Frame(graph, strategies, cost, segment_of)
+    found: dict[tuple, list[Step]] = {}  # (share signature, restriction) -> the program searched for
 
     def search(ratios, restriction=None):
+        # Ratios that round alike price alike (CostModel.share_signature): one search serves both.
+        # The proven cheapest program of the whole space, where it is of a restricted family, is
+        # the family's cheapest too.
+        sig = cost.share_signature(ratios)
+        if (sig, restriction) in found:
+            return found[(sig, restriction)]
+        if restriction is not None and (sig, None) in found and restriction.admits(found[(sig, None)], graph):
+            return found[(sig, None)]
         # Once a search of this graph outgrew its exhaustive budget, the next ones would too:
         # they apply the width cap from the start.
         # A restricted family (a baseline's) leaves so few programs that bounding its layers by
@@ -215,6 +230,8 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
+        if res.exhaustive:  # only a proven optimum stands for another search
+            found[(sig, restriction)] = res.program
         return res.program
 
     starts = {"cp": cluster.compute_proportional(), "ev": cluster.even()}

@@ -21,14 +21,15 @@ BalanceError naming the cause, never returns a guess.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import numpy as np
-from scipy.optimize import linprog
-from scipy.sparse import coo_matrix
 
 from ..cost.model import CostModel
+from . import _highs
 from ..search.program import Step, memory_terms, walk
 
 
@@ -79,13 +80,16 @@ class Lin:
 
 
 class _Program:
-    """Variables, objective and constraints `row . x <= rhs` of an LP in the making."""
+    """Variables, objective and constraints `row . x <= rhs` of an LP in the making; a row
+    stated twice (interchangeable devices state each of theirs alike) is kept once, at its
+    tightest right-hand side."""
 
     def __init__(self):
         self.n = 0
         self.rows: list[dict[int, float]] = []
         self.rhs: list[float] = []
         self.fixed_zero: set[int] = set()
+        self._row_index: dict[frozenset, int] = {}
 
     def var(self) -> int:
         self.n += 1
@@ -101,16 +105,36 @@ class _Program:
             self.le({v: -1.0}, -value)
 
     def le(self, row: dict[int, float], rhs: float) -> None:
+        key = frozenset(row.items())
+        i = self._row_index.get(key)
+        if i is not None:
+            self.rhs[i] = min(self.rhs[i], rhs)
+            return
+        self._row_index[key] = len(self.rows)
         self.rows.append(row)
         self.rhs.append(rhs)
 
 
 class LPShares:
-    """The walk's algebra for the LP: shares are variables, maxima epigraph variables."""
+    """The walk's algebra for the LP: shares are variables, maxima epigraph variables.
 
-    def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]]):
+    Interchangeable devices (equal `device_key`s, equal capacities, idle alike) share one
+    share variable: the LP is symmetric under swapping their shares and convex, so the average
+    of an optimum over those swaps is an optimum too, and one with equal shares exists. Their
+    constraints then coincide and the LP keeps each once."""
+
+    def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]], keys: Sequence[tuple]):
         self.lp, self.m, self.idle = lp, m, idle
-        self.B = [[lp.var() for _ in range(m)] for _ in range(segments)]
+        self.B = []  # B[s][j]: the variable of device j's share in segment s
+        for s in range(segments):
+            var_of: dict[tuple, int] = {}
+            row = []
+            for j in range(m):
+                key = (keys[j], (s, j) in idle)
+                if key not in var_of:
+                    var_of[key] = lp.var()
+                row.append(var_of[key])
+            self.B.append(row)
         self.M = [lp.var() for _ in range(segments)]
         for s in range(segments):
             for j in range(m):
@@ -174,7 +198,7 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
 def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float], idle) -> BalanceResult:
     m = cost.m
     lp = _Program()
-    alg = LPShares(lp, m, segments, idle)
+    alg = LPShares(lp, m, segments, idle, [(cost.device_key(j), caps[j]) for j in range(m)])
     objective = walk(program, cost, segment_of, alg).total + cost.step_overhead
     if not isinstance(objective, Lin):
         objective = Lin({}, objective)
@@ -183,31 +207,25 @@ def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float
     c = np.zeros(lp.n)
     for v, k in objective.terms.items():
         c[v] += k
-    A_eq = np.zeros((segments, lp.n))
-    for s in range(segments):
-        A_eq[s, alg.B[s]] = 1.0
-    rows, cols, vals = [], [], []
-    for i, row in enumerate(lp.rows):
-        for col, v in row.items():
-            rows.append(i)
-            cols.append(col)
-            vals.append(v)
-    A_ub = coo_matrix((vals, (rows, cols)), shape=(len(lp.rows), lp.n)).tocsr()
-    bounds = [(0, 0) if v in lp.fixed_zero else (0, None) for v in range(lp.n)]
-    res = linprog(c, A_ub=A_ub, b_ub=np.array(lp.rhs), A_eq=A_eq, b_eq=np.ones(segments), bounds=bounds, method="highs")
-    if res.status == 2:
+    # rows: the inequalities, then one "shares sum to 1" equality per segment
+    rows = lp.rows + [dict(Counter(alg.B[s])) for s in range(segments)]
+    lower = [-math.inf] * len(lp.rows) + [1.0] * segments
+    upper = lp.rhs + [1.0] * segments
+    col_upper = [0.0 if v in lp.fixed_zero else math.inf for v in range(lp.n)]
+    status, x, value, words = _highs.solve(c, rows, lower, upper, col_upper)
+    if status == "infeasible":
         raise BalanceError("out of memory: no sharding ratios fit this program in the devices' memory "
                            f"({', '.join(f'{c / 2**30:.1f} GiB' for c in caps)})")
-    if res.status != 0:
-        raise BalanceError(f"ratio LP failed (HiGHS status {res.status}): {res.message}")
+    if status != "optimal":
+        raise BalanceError(f"ratio LP failed (HiGHS: {words})")
     ratios = []
     for s in range(segments):
-        row = [max(0.0, float(res.x[v])) for v in alg.B[s]]
+        row = [max(0.0, x[v]) for v in alg.B[s]]
         row = [x if x > 1e-9 else 0.0 for x in row]
         total = sum(row)
         ratios.append([x / total for x in row])
-    return BalanceResult(ratios=ratios, objective=float(res.fun) + objective.const, status="optimal",
-                         message=res.message, idle=sorted(idle))
+    return BalanceResult(ratios=ratios, objective=value + objective.const, status="optimal",
+                         message=words, idle=sorted(idle))
 
 
 def _memory_rows(lp: _Program, B, program, cost: CostModel, segment_of, caps: list[float]) -> None:

@@ -33,7 +33,7 @@ from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
 from ..rules.nn import sparse_gradient_rows
-from ..rules.units import ShardClasses
+from ..rules.units import ShardClasses, round_sizes
 from .cluster import Cluster
 
 Optimizer = Literal["adam", "sgd", "momentum"]
@@ -96,6 +96,7 @@ class CostModel:
         self.bucket_of = sync_groups(graph, self)  # the gradient bucket of every node's first-used parameters
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
+        self._granule_counts: list[int] | None = None
         self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
 
     def _node_classes(self) -> list[int]:
@@ -121,6 +122,14 @@ class CostModel:
             ndim = len(self.graph.tensors[tensor].shape)
             found = self._granules[tensor] = tuple(self.classes.granule_count(tensor, d) for d in range(ndim))
         return found
+
+    def share_signature(self, ratios: Sequence[Sequence[float]]) -> tuple:
+        """All that prices see of per-segment `ratios`: each segment's shares of every granule
+        count the graph's dims have. Ratios with equal signatures price every program alike
+        (only rounding told them apart), so a search under one is a search under the other."""
+        if self._granule_counts is None:
+            self._granule_counts = sorted({n for name in self.graph.tensors for n in self.granules(name)})
+        return tuple(tuple(round_sizes(n, r)) for r in ratios for n in self._granule_counts)
 
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
         key = (self.granules(tensor)[dim], tuple(ratios))
@@ -258,6 +267,13 @@ class CostModel:
 
     def gpus(self, j: int) -> int:
         return self.cluster.devices[j].gpus
+
+    def device_key(self, j: int) -> tuple:
+        """Everything device j's computation, fixed costs, machine-internal gradient sync and
+        memory are priced by. Collectives see only the largest share and the group, so devices
+        with equal keys are interchangeable to every price: swapping their shares changes none."""
+        scale = self.timing_scale[j] if self.timing_scale else None
+        return (self.inv_speed[j], self.inv_mem_bw[j], self.overhead[j], scale, self.intra_grad[j], self.gpus(j))
 
 
 # -- the collectives' prices: one small function per collective kind (the names moves use) ---------

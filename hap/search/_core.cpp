@@ -437,8 +437,10 @@ class Space {
                 child.shared = shared;
                 double c_closed = closed, c_done = done, c_opening = opening;
                 std::vector<double> c_fwd = fwd, c_bwd = bwd;
-                child.comm = comm0;
-                child.props = props;
+                child.comm.reserve(comm0.size() + cands.size());
+                child.comm.assign(comm0.begin(), comm0.end());
+                child.props.reserve(props.size() + cands.size() + opt.outs.size());
+                child.props.assign(props.begin(), props.end());
                 for (size_t r = 0; r < cands.size(); ++r) {
                     int i = cands[r][pick[r]];
                     const MoveKind& mv = fr_->move_kinds[classes[r]][i];
@@ -506,6 +508,7 @@ class Space {
     const std::vector<uint64_t>& reach(int idx) {
         State& s = states_[idx];
         if (!s.has_reach) {
+            s.reach.reserve(s.props.size());
             int last = -1;
             for (Prop p : s.props) {
                 int t = p / CODE_BITS, code = p % CODE_BITS;
@@ -541,6 +544,7 @@ class Space {
     const std::vector<int>& key(int idx) {
         State& s = states_[idx];
         if (!s.has_key) {
+            s.key.reserve(2 + 3 * s.shared.size() + s.props.size());
             s.key.push_back(s.k);
             s.key.push_back(static_cast<int>(s.shared.size()));
             for (const Shared& e : s.shared) s.key.insert(s.key.end(), e.begin(), e.end());

@@ -111,6 +111,14 @@ class Restriction:
     """May this move be used. Moves that communicate in neither pass must stay allowed: the
     dominance test counts on R turning into D, P or a shard for free."""
 
+    def admits(self, program: Sequence[Step], graph: Graph) -> bool:
+        """Whether `program` is of this family: every load and move it makes is allowed (the
+        re-splits at segment starts always are). The cheapest program of a wider space that is
+        of the family is the cheapest of the family."""
+        return all(self.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement)
+                   for step in program for ld in step.loads) and \
+            all(self.allow_move(ms.move) for step in program for ms in step.moves if ms.move.name != "rebalance")
+
 
 @dataclass(slots=True)
 class SearchResult:
@@ -248,8 +256,8 @@ class Frame:
 
     def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
         """Per price class the (forward, backward) seconds of each option, and per move class
-        those of each move, under `ratios`: computed once per ratios."""
-        key = tuple(map(tuple, ratios))
+        those of each move, under `ratios`: computed once per ratios (per share signature)."""
+        key = self.cost.share_signature(ratios)
         found = self._prices.get(key)
         if found is None:
             cost, alg = self.cost, NumericShares(self.cost, ratios)
