@@ -1,6 +1,6 @@
 """Synthesis time and plan quality of the planner on the paper's benchmark models.
 
-    .venv/bin/python benchmarks/synthesis_time.py [--repeats 3] [--quick]
+    .venv/bin/python benchmarks/synthesis_time.py [--repeats 3] [--quick] [--layer-cuts]
 
 Prints (1) synthesis seconds for ViT with 1..24 layers and for VGG19, BERT-base and BERT-MoE
 on paper-hetero-8, next to the published implementation's figures measured on a machine like
@@ -22,18 +22,26 @@ from hap.balance.lp import BalanceError
 from hap.capture import capture
 from hap.cost.cluster import load_cluster
 from hap.models import build
-from hap.planner import plan
+from hap.planner import PlannerConfig, plan
 
 PUBLISHED = {("vit", 1): 0.022, ("vit", 4): 0.15, ("vit", 8): 0.53, ("vit", 12): 1.16, ("vit", 16): 2.06,
              ("vit", 24): 4.8, ("bert", None): 1.45, ("vgg19", None): 0.045, ("bert-moe", None): 3.1}
 
 
-def timed_plan(graph, cluster, repeats):
+def timed_plan(graph, cluster, repeats, config=None):
     times, result = [], None
     for _ in range(repeats):
-        result = plan(graph, cluster)
+        result = plan(graph, cluster, config)
         times.append(result.synthesis_seconds)
     return statistics.median(times), result
+
+
+def cuts_column(graph, cluster, repeats, plain) -> str:
+    """Seconds with PlannerConfig(layer_cuts=True), measured right after the default's, and
+    a check that the plan is the same."""
+    secs, result = timed_plan(graph, cluster, repeats, PlannerConfig(layer_cuts=True))
+    same = "" if result.estimated_iteration_seconds == plain.estimated_iteration_seconds else " (other plan!)"
+    return f" {secs:8.3f}{same}"
 
 
 def _faster(ours: float, published: float | None) -> str:
@@ -48,13 +56,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="ViT up to 8 layers, one repeat")
+    ap.add_argument("--layer-cuts", action="store_true",
+                    help="also time each model with PlannerConfig(layer_cuts=True) (the layer-bound heuristic)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats = 1 if args.quick else args.repeats
     het8 = load_cluster("paper-hetero-8")
 
     print("Synthesis time on paper-hetero-8 (seconds; published = the Rust prototype, same machine class)")
-    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'faster':>6} {'per layer':>9}  search")
+    print(f"{'model':>10} {'layers':>6} {'nodes':>6} {'hap':>8} {'published':>9} {'faster':>6} {'per layer':>9}  search"
+          + ("      with layer cuts" if args.layer_cuts else ""))
     rows = []
     layer_counts = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16, 24]
     for layers in layer_counts:
@@ -64,14 +75,15 @@ def main() -> int:
         pub = PUBLISHED.get(("vit", layers))
         rows.append((layers, secs))
         print(f"{'vit':>10} {layers:6d} {len(graph.nodes):6d} {secs:8.3f} {pub if pub else '':>9} {_faster(secs, pub):>6} "
-              f"{secs / layers:9.4f}  {_kind(result)}", flush=True)
+              f"{secs / layers:9.4f}  {_kind(result)}" + (cuts_column(graph, het8, repeats, result) if args.layer_cuts else ""),
+              flush=True)
     for name in ("vgg19", "bert", "bert-moe"):
         model, inputs = build(name, devices=het8.gpus, device="meta")
         graph = capture(model, inputs, name=name)
         secs, result = timed_plan(graph, het8, repeats)
         pub = PUBLISHED[(name, None)]
-        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {pub:>9} {_faster(secs, pub):>6} {'':9}  {_kind(result)}",
-              flush=True)
+        print(f"{name:>10} {'':6} {len(graph.nodes):6d} {secs:8.3f} {pub:>9} {_faster(secs, pub):>6} {'':9}  {_kind(result)}"
+              + (cuts_column(graph, het8, repeats, result) if args.layer_cuts else ""), flush=True)
     if len(rows) >= 2:
         (l0, t0), (l1, t1) = rows[0], rows[-1]
         print(f"growth: {l1 / l0:.0f}x the layers took {t1 / t0:.1f}x the time")

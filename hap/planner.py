@@ -65,10 +65,13 @@ class PlannerConfig:
     """Pipeline planners: micro-batches per iteration (0: 2 K, at most the batch's rows)."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline planners: the schedule."""
-    layer_cuts: bool = True
+    layer_cuts: bool = False
     """Bound the cost of every layer ahead by a search of that layer alone (the A* heuristic,
     see search.astar.synthesize) in the unrestricted searches; False bounds it by its
-    computation, which is slower on deep models. The plan is the same either way."""
+    computation. The plan is the same either way where the searches are exhaustive. Off by
+    default: measured on ViT (1 to 24 layers), VGG19, BERT and BERT-MoE on paper-hetero-8, the
+    layer searches cost more than the expansions they save (benchmarks/synthesis_time.py
+    --layer-cuts compares)."""
 
 
 def _dp() -> Restriction:

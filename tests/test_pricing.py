@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from hypothesis import example, given, settings, strategies as hs
 
-from hap.balance.lp import balance
+from hap.balance.lp import _solve as lp_solve, balance
 from hap.capture import capture
 from hap.cost.cluster import COLLECTIVES, Cluster, Device, Fit, fits_from_network
 from hap.cost.model import CostModel
@@ -149,6 +149,30 @@ def test_lp_optimum_is_replay_of_its_ratios(graphs, name, spec, segments, seed):
             row = [rng.uniform(0.05, 1.0) for _ in range(cost.m)]
             ratios.append([x / sum(row) for x in row])
         assert replay(program, cost, segment_of, ratios, continuous=True).seconds >= res.objective * (1 - 1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=hs.sampled_from(["mlp", "tied", "residual"]), kinds=hs.lists(hs.sampled_from([1e9, 3e9]), min_size=3, max_size=4),
+       bandwidth=hs.floats(5, 11).map(lambda x: 10 ** x), overhead=hs.sampled_from([0.0, 1e-6]),
+       segments=hs.sampled_from([1, 2]), seed=hs.integers(0, 2**16))
+def test_interchangeable_devices_share_a_variable_without_loss(graphs, name, kinds, bandwidth, overhead, segments, seed):
+    # Devices of one kind share one share variable in the LP (balance.lp.LPShares); the full LP,
+    # every device with its own, reaches the same optimum. (Compared with no device held idle:
+    # which devices `balance` then idles depends on the optimal vertex the solver returns.)
+    graph = graphs[name]
+    devices = tuple(Device(name=f"d{i}", flops=s, memory=2**40, op_overhead=overhead) for i, s in enumerate(kinds))
+    cl = Cluster(name="t", devices=devices, collectives=fits_from_network(len(devices), bandwidth, 1e-6))
+    strategies, cost, segment_of = setting(graph, cl, segments)
+    program = random_program(graph, strategies, segment_of, random.Random(seed))
+    caps = [d.memory for d in devices]
+    tied = lp_solve(program, cost, segment_of, segments, caps, set())
+    for row in tied.ratios:  # equal devices, equal shares
+        for i, j in ((i, j) for i in range(len(kinds)) for j in range(i) if kinds[i] == kinds[j]):
+            assert row[i] == row[j]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CostModel, "device_key", lambda self, j: j)
+        free = lp_solve(program, cost, segment_of, segments, caps, set())
+    assert tied.objective == pytest.approx(free.objective, rel=1e-6, abs=1e-7)
 
 
 @settings(max_examples=40, deadline=None)

@@ -57,6 +57,7 @@ class CostModel:
         self.graph, self.cluster, self.classes = graph, cluster, classes
         self.m = cluster.size
         devs = cluster.devices
+        self._comm: dict[tuple[str, float], CommCost] = {}  # the collectives' prices, asked for often
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
         self.overhead = tuple(d.op_overhead for d in devs)
@@ -96,7 +97,8 @@ class CostModel:
         self.bucket_of = sync_groups(graph, self)  # the gradient bucket of every node's first-used parameters
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
-        self._granule_counts: list[int] | None = None
+        self._granule_counts: list[int] = []
+        self._signatures: dict[tuple, tuple] = {}
         self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
 
     def _node_classes(self) -> list[int]:
@@ -127,9 +129,13 @@ class CostModel:
         """All that prices see of per-segment `ratios`: each segment's shares of every granule
         count the graph's dims have. Ratios with equal signatures price every program alike
         (only rounding told them apart), so a search under one is a search under the other."""
-        if self._granule_counts is None:
-            self._granule_counts = sorted({n for name in self.graph.tensors for n in self.granules(name)})
-        return tuple(tuple(round_sizes(n, r)) for r in ratios for n in self._granule_counts)
+        key = tuple(map(tuple, ratios))
+        found = self._signatures.get(key)
+        if found is None:
+            if not self._signatures:
+                self._granule_counts = sorted({n for name in self.graph.tensors for n in self.granules(name)})
+            found = self._signatures[key] = tuple(tuple(round_sizes(n, r)) for r in key for n in self._granule_counts)
+        return found
 
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
         key = (self.granules(tensor)[dim], tuple(ratios))
@@ -192,12 +198,15 @@ class CostModel:
 
     def comm(self, kind: str, nbytes: float) -> CommCost:
         """The collective `kind` on a tensor of nbytes, as const + slope * (largest share)."""
-        if self.m == 1:
-            return CommCost(0.0, 0.0)
-        price = COLLECTIVE_PRICES.get(kind)
-        if price is None:
-            raise ValueError(f"unknown collective {kind!r}; priced: {', '.join(COLLECTIVE_PRICES)}")
-        return price(self, nbytes)
+        found = self._comm.get((kind, nbytes))
+        if found is None:
+            if self.m == 1:
+                return CommCost(0.0, 0.0)
+            price = COLLECTIVE_PRICES.get(kind)
+            if price is None:
+                raise ValueError(f"unknown collective {kind!r}; priced: {', '.join(COLLECTIVE_PRICES)}")
+            found = self._comm[(kind, nbytes)] = price(self, nbytes)
+        return found
 
     def comm_time(self, kind: str, nbytes: float, shares: Sequence[float]) -> float:
         """Exact time under the given (rounded) shares; grouped broadcasts skip empty shards."""

@@ -77,7 +77,7 @@ from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
-from .program import Load, MoveStep, NumericShares, Step, move_price, node_times
+from .program import Load, MoveStep, NumericShares, Step, move_price, price_node
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -264,7 +264,7 @@ class Frame:
             options = []
             for k in self.alike_node:
                 seg = self.segment_of[k]
-                options.append([_core.Price(*node_times(cost, alg, k, c.strategy, c.loads, seg)) for c in self.choices[k]])
+                options.append([_core.Price(*price_node(cost, alg, k, c.strategy, c.loads, seg)) for c in self.choices[k]])
             moves = [[move_price(cost, alg, name, mv, seg, seg) for _, mv in self.moves[c]]
                      for c, (name, seg) in enumerate(self.move_tensor)]
             found = self._prices[key] = (options, moves)

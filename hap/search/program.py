@@ -173,11 +173,12 @@ def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
     key = (cost.node_class[k], st, tuple(ld.placement for ld in loads), seg)
     found = alg.priced.get(key)
     if found is None:
-        found = alg.priced[key] = _node_times(cost, alg, k, st, loads, seg)
+        found = alg.priced[key] = price_node(cost, alg, k, st, loads, seg)
     return found
 
 
-def _node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
+def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
+    """node_times without its memo, for callers that price each (node class, strategy) once."""
     graph = cost.graph
     node = graph.nodes[k]
     fwd, bwd = cost.base_times(node)
