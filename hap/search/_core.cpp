@@ -16,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <memory_resource>
 #include <tuple>
 #include <queue>
 #include <unordered_map>
@@ -31,6 +32,10 @@ constexpr uint64_t ALL_CODES = ~0ULL;  // what R reaches: every placement (a sup
 constexpr double INF = std::numeric_limits<double>::infinity();
 
 using Prop = int32_t;
+// A search's states allocate from one arena, released when the next search starts: states
+// are never freed one by one (the search keeps them all for the path back).
+template <class T>
+using Vec = std::pmr::vector<T>;
 using Shared = std::array<int, 3>;  // (parameter id, placement code, segment)
 
 struct Option {  // a strategy of a node, as the search sees it (whatever the ratios)
@@ -74,49 +79,51 @@ struct Choice {  // one move of a step: tensor, destination code, index in its m
 };
 
 struct State {
+    explicit State(std::pmr::memory_resource* r)
+        : props(r), comm(r), shared(r), fwd(r), bwd(r), combo(r), reach(r), bound(r), key(r) {}
     int k = 0, parent = -1;
-    std::vector<Prop> props;   // sorted, unique
-    std::vector<int> comm;     // tensors communicated forward (sorted)
-    std::vector<Shared> shared;
+    Vec<Prop> props;   // sorted, unique
+    Vec<int> comm;     // tensors communicated forward (sorted)
+    Vec<Shared> shared;
     double closed = 0.0;
-    std::vector<double> fwd, bwd;
+    Vec<double> fwd, bwd;
     bool has_sync = false;
     Sync sync;
     int option = -1;
-    std::vector<Choice> combo;
+    Vec<Choice> combo;
     bool pre = false;  // rebalanced the sharded properties first (a segment start)
     // caches
     bool has_reach = false, has_bound = false, has_key = false;
-    std::vector<uint64_t> reach;  // per live tensor (in id order, as in the key): the codes held or a free move away
-    std::vector<int> bound;
-    size_t key_hash = 0;
-    std::vector<int> key;
+    Vec<uint64_t> reach;  // per live tensor (in id order, as in the key): the codes held or a free move away
+    Vec<int> bound;
+    Vec<int> key;
 
     double exposed() const { return has_sync && sync.excess > 0 ? sync.excess : 0.0; }
 };
 
-template <class T>
-bool contains(const std::vector<T>& sorted, const T& x) {
+template <class V, class T>
+bool contains(const V& sorted, const T& x) {
     return std::binary_search(sorted.begin(), sorted.end(), x);
 }
 
-template <class T>
-bool subset(const std::vector<T>& a, const std::vector<T>& b) {  // a <= b, both sorted
+template <class A, class B>
+bool subset(const A& a, const B& b) {  // a <= b, both sorted
     return std::includes(b.begin(), b.end(), a.begin(), a.end());
 }
 
-template <class T>
-void sort_unique(std::vector<T>& v) {
+template <class V>
+void sort_unique(V& v) {
     std::sort(v.begin(), v.end());
     v.erase(std::unique(v.begin(), v.end()), v.end());
 }
 
-inline double vmax(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+template <class V>
+inline double vmax(const V& v) { return *std::max_element(v.begin(), v.end()); }
 
 inline long move_key(int t, int code, int seg) { return (static_cast<long>(t) * CODE_BITS + code) * 4096 + seg; }
 
 struct KeyHash {
-    size_t operator()(const std::vector<int>& v) const {
+    size_t operator()(const Vec<int>& v) const {
         size_t h = 1469598103934665603ULL;
         for (int x : v) h = (h ^ static_cast<size_t>(x)) * 1099511628211ULL;
         return h;
@@ -181,7 +188,8 @@ class Space {
     void set_future(std::vector<Shared> constraints, std::vector<double> future, std::vector<double> bucket_ahead,
                     std::vector<double> beyond) {
         sort_unique(constraints);
-        futures_[constraints] = Future{std::move(future), std::move(bucket_ahead), std::move(beyond)};
+        futures_[Vec<Shared>(constraints.begin(), constraints.end())] =
+            Future{std::move(future), std::move(bucket_ahead), std::move(beyond)};
     }
 
     // The score: cost so far plus a lower bound of what any completion adds (astar.py).
@@ -227,14 +235,15 @@ class Space {
         forward_only_ = !with_sync && forward_only;
         states_.clear();
         table_.clear();
+        arena_.release();
         sort_unique(start_props);
-        State start;
+        State start(&arena_);
         start.k = start_k;
-        start.props = std::move(start_props);
+        start.props.assign(start_props.begin(), start_props.end());
         sort_unique(shared);
-        start.shared = std::move(shared);
-        start.fwd = zero_;
-        start.bwd = zero_;
+        start.shared.assign(shared.begin(), shared.end());
+        start.fwd.assign(zero_.begin(), zero_.end());
+        start.bwd.assign(zero_.begin(), zero_.end());
         start.has_sync = with_sync;
         states_.push_back(std::move(start));
 
@@ -323,7 +332,7 @@ class Space {
 
     const Future* future(const State& s) const {
         auto it = futures_.find(s.shared);
-        if (it == futures_.end()) it = futures_.find({});
+        if (it == futures_.end()) it = futures_.find(Vec<Shared>());
         return it == futures_.end() ? nullptr : &it->second;
     }
 
@@ -340,14 +349,14 @@ class Space {
     }
 
     // Closes the open stage: its slowest forward and backward, plus the collectives that open the next.
-    void close(double& closed, std::vector<double>& fwd, std::vector<double>& bwd, double& done, double& opening,
+    void close(double& closed, Vec<double>& fwd, Vec<double>& bwd, double& done, double& opening,
                double comm_f, double comm_b) const {
         double slowest = vmax(bwd);
         closed += forward_only_ ? vmax(fwd) + comm_f : vmax(fwd) + slowest + comm_f + comm_b;
         done = done + slowest + opening;
         opening = comm_b;
-        fwd = zero_;
-        bwd = zero_;
+        std::fill(fwd.begin(), fwd.end(), 0.0);
+        std::fill(bwd.begin(), bwd.end(), 0.0);
     }
 
     // Every child of a state: a strategy for node k with the moves its inputs need; stages and
@@ -358,11 +367,11 @@ class Space {
         // copies: states_ may reallocate while children are appended
         const int k = states_[idx].k;
         const int seg = fr_->segment_of[k];
-        const std::vector<Prop> props = states_[idx].props;
-        const std::vector<int> comm0 = states_[idx].comm;
-        const std::vector<Shared> shared0 = states_[idx].shared;
+        const std::vector<Prop> props(states_[idx].props.begin(), states_[idx].props.end());
+        const std::vector<int> comm0(states_[idx].comm.begin(), states_[idx].comm.end());
+        const std::vector<Shared> shared0(states_[idx].shared.begin(), states_[idx].shared.end());
         double closed = states_[idx].closed;
-        std::vector<double> fwd = states_[idx].fwd, bwd = states_[idx].bwd;
+        Vec<double> fwd(states_[idx].fwd, &arena_), bwd(states_[idx].bwd, &arena_);
         const bool has_sync = states_[idx].has_sync;
         const Sync sync = states_[idx].sync;
         double done = has_sync ? sync.done : 0.0, opening = has_sync ? sync.opening : 0.0;
@@ -429,14 +438,14 @@ class Space {
             // every combination of one move per missing requirement (itertools.product order)
             std::vector<size_t> pick(cands.size(), 0);
             while (true) {
-                State child;
+                State child(&arena_);
                 child.k = k + 1;
                 child.parent = idx;
                 child.option = oi;
                 child.pre = pre;
-                child.shared = shared;
+                child.shared.assign(shared.begin(), shared.end());
                 double c_closed = closed, c_done = done, c_opening = opening;
-                std::vector<double> c_fwd = fwd, c_bwd = bwd;
+                Vec<double> c_fwd(fwd, &arena_), c_bwd(bwd, &arena_);
                 child.comm.reserve(comm0.size() + cands.size());
                 child.comm.assign(comm0.begin(), comm0.end());
                 child.props.reserve(props.size() + cands.size() + opt.outs.size());
@@ -496,7 +505,8 @@ class Space {
     }
 
     // Later uses of a shared parameter load it as first loaded (unless that was whole).
-    static bool shared_ok(const std::vector<Shared>& shared, const std::vector<Shared>& uses) {
+    template <class A>
+    static bool shared_ok(const A& shared, const std::vector<Shared>& uses) {
         for (const Shared& u : uses)
             for (const Shared& e : shared)
                 if (e[0] == u[0] && (u[1] != e[1] || u[2] != e[2])) return false;
@@ -505,7 +515,7 @@ class Space {
 
     // The properties plus those one free move away (R slices, duplicates and zero-pads for free),
     // as a code mask per live tensor: states compared share their live tensors (the key).
-    const std::vector<uint64_t>& reach(int idx) {
+    const Vec<uint64_t>& reach(int idx) {
         State& s = states_[idx];
         if (!s.has_reach) {
             s.reach.reserve(s.props.size());
@@ -523,14 +533,14 @@ class Space {
         return s.reach;
     }
 
-    static bool within(const std::vector<uint64_t>& a, const std::vector<uint64_t>& b) {  // a <= b, tensor by tensor
+    static bool within(const Vec<uint64_t>& a, const Vec<uint64_t>& b) {  // a <= b, tensor by tensor
         for (size_t i = 0; i < a.size(); ++i)
             if (a[i] & ~b[i]) return false;
         return true;
     }
 
     // The communicated tensors a state may not communicate again and cannot do without.
-    const std::vector<int>& bound(int idx) {
+    const Vec<int>& bound(int idx) {
         State& s = states_[idx];
         if (!s.has_bound) {
             for (int t : s.comm)
@@ -541,7 +551,7 @@ class Space {
     }
 
     // Only programs holding the same live tensors (any placements) are compared.
-    const std::vector<int>& key(int idx) {
+    const Vec<int>& key(int idx) {
         State& s = states_[idx];
         if (!s.has_key) {
             s.key.reserve(2 + 3 * s.shared.size() + s.props.size());
@@ -615,11 +625,12 @@ class Space {
     std::unordered_map<long, std::pair<double, double>> rebalance_;
     std::vector<double> zero_;
     std::vector<std::vector<double>> suffix_f_, suffix_b_;
-    std::map<std::vector<Shared>, Future> futures_;
+    std::map<Vec<Shared>, Future> futures_;
     double sync_price_ = 0.0;
     bool forward_only_ = false;
+    std::pmr::monotonic_buffer_resource arena_;  // before the states and keys that use it
     std::vector<State> states_;
-    std::unordered_map<std::vector<int>, std::vector<int>, KeyHash> table_;
+    std::unordered_map<Vec<int>, std::vector<int>, KeyHash> table_;
 };
 
 }  // namespace
