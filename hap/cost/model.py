@@ -58,6 +58,7 @@ class CostModel:
         self.m = cluster.size
         devs = cluster.devices
         self._comm: dict[tuple[str, float], CommCost] = {}  # the collectives' prices, asked for often
+        self._base: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # base_times per node
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
         self.overhead = tuple(d.op_overhead for d in devs)
@@ -159,6 +160,12 @@ class CostModel:
     def base_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds per device for the whole node (share 1): from the
         graph's measured node times where it has them, else from FLOPs and bytes."""
+        found = self._base.get(node.index)
+        if found is None:
+            found = self._base[node.index] = self._base_times(node)
+        return found
+
+    def _base_times(self, node: Node) -> tuple[tuple[float, ...], tuple[float, ...]]:
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
         if self.timing is not None:
             fwd = tuple(self.timing.fwd[node.index] * k[0] for k in self.timing_scale)

@@ -24,6 +24,8 @@ current ratios (HAP section 4.4).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from ..placement import D, P, Placement, R
@@ -100,10 +102,15 @@ MOVES = (all_reduce, all_gather_padded, all_gather_grouped, reduce_scatter, all_
 
 def moves_between(src: Placement, dst: Placement, needs_grad: bool) -> list[Move]:
     """Every single move from src to dst. Without gradients R and D coincide (only R is used)."""
+    return list(_moves_between(src, dst, needs_grad))
+
+
+@functools.lru_cache(maxsize=None)
+def _moves_between(src: Placement, dst: Placement, needs_grad: bool) -> tuple[Move, ...]:
     found = [mv for f in MOVES if (mv := f(src, dst)) is not None]
     if not needs_grad:
         found = [Move(m.name, m.src, m.dst, m.fwd, None) for m in found]
-    return found
+    return tuple(found)
 
 
 def rebalance(p: Placement) -> Move:
