@@ -59,11 +59,13 @@ class Lin:
 
     def __add__(self, other):
         if isinstance(other, Lin):
+            if not other.terms:
+                return Lin(self.terms, self.const + other.const)
             terms = dict(self.terms)
             for v, c in other.terms.items():
                 terms[v] = terms.get(v, 0.0) + c
             return Lin(terms, self.const + other.const)
-        return Lin(self.terms, self.const + other)
+        return self if other == 0 else Lin(self.terms, self.const + other)
 
     __radd__ = __add__
 

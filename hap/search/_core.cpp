@@ -72,6 +72,7 @@ struct Frame {
 
 struct Sync {
     double done = 0, opening = 0, anchor = 0, bucket = 0, synced = 0, excess = -INF;
+    double bucket_seconds = 0;  // grad_sync(bucket) while bucket != 0
 };
 
 struct Choice {  // one move of a step: tensor, destination code, index in its move list
@@ -217,7 +218,7 @@ class Space {
             // the iteration costs at least the forward so far and ahead up to that bucket, all
             // sync so far and up to it, and everything from it on (astar.py).
             double forward = s.closed - s.sync.done - s.sync.opening + a;
-            double synced = s.sync.synced + (s.sync.bucket != 0.0 ? grad_sync(s.sync.bucket) : 0.0);
+            double synced = s.sync.synced + (s.sync.bucket != 0.0 ? s.sync.bucket_seconds : 0.0);
             result = std::max(result, forward + synced + f->beyond[s.k]);
         }
         return result;
@@ -245,6 +246,7 @@ class Space {
         start.fwd.assign(zero_.begin(), zero_.end());
         start.bwd.assign(zero_.begin(), zero_.end());
         start.has_sync = with_sync;
+        states_.reserve(std::min<long>(max_expansions * 4, 1 << 15));
         states_.push_back(std::move(start));
 
         std::vector<long> per_node(n_ + 1, 0);
@@ -342,7 +344,7 @@ class Space {
         double bound = s.sync.excess;
         double ahead = f ? f->bucket_ahead[s.k] : 0.0;
         if (s.sync.bucket != 0.0)
-            bound = std::max(bound, s.sync.synced + grad_sync(s.sync.bucket) + s.sync.anchor + ahead);
+            bound = std::max(bound, s.sync.synced + s.sync.bucket_seconds + s.sync.anchor + ahead);
         else if (ahead > 0.0)
             bound = std::max(bound, s.sync.synced + s.sync.anchor + ahead);
         return bound > 0 ? bound : 0.0;
@@ -390,7 +392,7 @@ class Space {
         const bool cut = fr_->cut_after[k];
         const bool bucket_end = fr_->bucket_end[k];
         std::vector<int> classes;
-        std::vector<std::vector<int>> cands;  // per missing requirement: the usable moves
+        auto& cands = cands_;  // per missing requirement: the usable moves (buffers kept between expansions)
         std::vector<std::pair<int, int>> missing;
         for (int oi : allowed_[k]) {
             const Option& opt = fr_->opts[k][oi];
@@ -411,7 +413,7 @@ class Space {
                                  shared.end());
             }
             missing.clear();
-            cands.clear();
+            size_t nc = 0;  // missing requirements so far
             classes.clear();
             bool feasible = true;
             for (const auto& [t, code] : opt.reqs) {
@@ -420,7 +422,9 @@ class Space {
                 if (it == fr_->move_class.end()) throw std::runtime_error("search core: a move list is missing");
                 const auto& kinds = fr_->move_kinds[it->second];
                 const auto& mp = move_prices_[it->second];
-                std::vector<int> usable;
+                if (nc == cands.size()) cands.emplace_back();
+                auto& usable = cands[nc];
+                usable.clear();
                 bool communicated = contains(comm0, t);
                 for (int i = 0; i < static_cast<int>(kinds.size()); ++i) {
                     if (std::get<2>(mp[i]) && contains(props, t * CODE_BITS + kinds[i].src) && !(kinds[i].has_fwd && communicated))
@@ -431,12 +435,13 @@ class Space {
                     break;
                 }
                 missing.emplace_back(t, code);
-                cands.push_back(std::move(usable));
+                ++nc;
                 classes.push_back(it->second);
             }
             if (!feasible) continue;
             // every combination of one move per missing requirement (itertools.product order)
-            std::vector<size_t> pick(cands.size(), 0);
+            auto& pick = pick_;
+            pick.assign(nc, 0);
             while (true) {
                 State child(&arena_);
                 child.k = k + 1;
@@ -446,11 +451,11 @@ class Space {
                 child.shared.assign(shared.begin(), shared.end());
                 double c_closed = closed, c_done = done, c_opening = opening;
                 Vec<double> c_fwd(fwd, &arena_), c_bwd(bwd, &arena_);
-                child.comm.reserve(comm0.size() + cands.size());
+                child.comm.reserve(comm0.size() + nc);
                 child.comm.assign(comm0.begin(), comm0.end());
-                child.props.reserve(props.size() + cands.size() + opt.outs.size());
+                child.props.reserve(props.size() + nc + opt.outs.size());
                 child.props.assign(props.begin(), props.end());
-                for (size_t r = 0; r < cands.size(); ++r) {
+                for (size_t r = 0; r < nc; ++r) {
                     int i = cands[r][pick[r]];
                     const MoveKind& mv = fr_->move_kinds[classes[r]][i];
                     const auto& mp = move_prices_[classes[r]][i];
@@ -482,9 +487,10 @@ class Space {
                     child.sync.done = c_done;
                     child.sync.opening = c_opening;
                     child.sync.bucket = sync.bucket + opt.sync_bytes;
+                    if (opt.sync_bytes != 0.0) child.sync.bucket_seconds = grad_sync(child.sync.bucket);
                     if (bucket_end) {  // the bucket is complete; the next one begins
                         if (child.sync.bucket != 0.0) {
-                            child.sync.synced += grad_sync(child.sync.bucket);
+                            child.sync.synced += child.sync.bucket_seconds;
                             child.sync.excess = std::max(child.sync.excess, child.sync.synced + child.sync.anchor);
                             child.sync.bucket = 0.0;
                         }
@@ -497,7 +503,7 @@ class Space {
                 generated += 1;
                 states_.push_back(std::move(child));
                 out.push_back(static_cast<int>(states_.size()) - 1);
-                int r = static_cast<int>(cands.size()) - 1;  // the next combination
+                int r = static_cast<int>(nc) - 1;  // the next combination
                 while (r >= 0 && ++pick[r] == cands[r].size()) pick[r--] = 0;
                 if (r < 0) break;
             }
@@ -628,6 +634,8 @@ class Space {
     std::map<Vec<Shared>, Future> futures_;
     double sync_price_ = 0.0;
     bool forward_only_ = false;
+    std::vector<std::vector<int>> cands_;
+    std::vector<size_t> pick_;
     std::pmr::monotonic_buffer_resource arena_;  // before the states and keys that use it
     std::vector<State> states_;
     std::unordered_map<Vec<int>, std::vector<int>, KeyHash> table_;

@@ -378,10 +378,14 @@ def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[
 def memory(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios) -> list[float]:
     """Bytes per GPU on each device: weights, gradients, optimizer states and activations."""
     m = cost.m
-    total = [0.0] * m
+    by_layout: dict[tuple, float] = {}  # (shares or None for whole, whole per GPU) -> bytes
     for name, p, seg, nbytes, whole_per_gpu in memory_terms(program, cost, segment_of):
-        local = cost.shares(name, p.dim, ratios[seg]) if p is not None and p.is_shard else (1.0,) * m
-        total = [a + nbytes * s / (1 if whole_per_gpu else cost.gpus(j)) for j, (a, s) in enumerate(zip(total, local))]
+        local = cost.shares(name, p.dim, ratios[seg]) if p is not None and p.is_shard else None
+        by_layout[(local, whole_per_gpu)] = by_layout.get((local, whole_per_gpu), 0.0) + nbytes
+    total = [0.0] * m
+    for (local, whole_per_gpu), nbytes in by_layout.items():
+        for j in range(m):
+            total[j] += nbytes * (1.0 if local is None else local[j]) / (1 if whole_per_gpu else cost.gpus(j))
     return total
 
 
