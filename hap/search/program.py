@@ -122,11 +122,16 @@ class NumericShares:
     def __init__(self, cost: CostModel, ratios: Ratios, continuous: bool = False):
         self.cost, self.ratios, self.continuous = cost, ratios, continuous
         self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes
+        self._of: dict[tuple[int, int], Sequence[float]] = {}  # (granule count, segment) -> shares
 
     def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
         if self.continuous:
             return self.ratios[seg]
-        return self.cost.shares(tensor, dim, self.ratios[seg])
+        key = (self.cost.granules(tensor)[dim], seg)
+        found = self._of.get(key)
+        if found is None:
+            found = self._of[key] = self.cost.shares(tensor, dim, self.ratios[seg])
+        return found
 
     def active(self, tensor: str, dim: int, seg: int) -> tuple[bool, ...]:
         return tuple(s > 0 for s in self.of(tensor, dim, seg))
