@@ -12,7 +12,7 @@ from hap.cost.cluster import Cluster, Device, fits_from_network, paper_cluster
 from hap.cost.model import CostModel
 from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
-from hap.search.astar import chunk_cuts, synthesize
+from hap.search.astar import Frame, chunk_cuts, synthesize
 from hap.search.moves import moves_between
 from hap.search.program import Load, MoveStep, Step, replay
 
@@ -200,3 +200,24 @@ def test_width_applies_only_after_the_exhaustive_budget(graphs):
     budgeted = synthesize(graph, strategies, cost, seg, [(0.6, 0.4)], width=1, width_after=full.expanded)
     assert budgeted.exhaustive and budgeted.cost == pytest.approx(full.cost, rel=1e-12)
     assert not synthesize(graph, strategies, cost, seg, [(0.6, 0.4)], width=1, width_after=0).exhaustive
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=hs.sampled_from(["two_layer", "residual"]),
+       first=hs.lists(hs.floats(0.05, 1.0), min_size=3, max_size=3),
+       nudge=hs.lists(hs.floats(-0.03, 0.03), min_size=3, max_size=3))
+def test_prices_reused_from_other_ratios_are_the_prices(graphs, name, first, nudge):
+    # Frame.prices keeps a price from the first ratios it priced where none of the shares the
+    # price reads rounds differently; nearby ratios (the balanced ratios searched again) reuse
+    # most. Every price must equal the one a fresh frame computes.
+    graph = graphs[name]
+    strategies, cost, segment_of = setup(graph, make_cluster((3e9, 2e9, 1e9), 1e8))
+    a = [x / sum(first) for x in first]
+    b = [max(0.01, x + d) for x, d in zip(a, nudge)]
+    b = [x / sum(b) for x in b]
+    warm = Frame(graph, strategies, cost, segment_of)
+    warm.prices([a])
+    fresh = Frame(graph, strategies, cost, segment_of)
+    (opt_w, mov_w), (opt_f, mov_f) = warm.prices([b]), fresh.prices([b])
+    assert [[(p.fwd, p.bwd) for p in row] for row in opt_w] == [[(p.fwd, p.bwd) for p in row] for row in opt_f]
+    assert mov_w == mov_f

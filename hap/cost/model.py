@@ -138,6 +138,12 @@ class CostModel:
             found = self._signatures[key] = tuple(tuple(round_sizes(n, r)) for r in key for n in self._granule_counts)
         return found
 
+    def changed_shares(self, old: Sequence[Sequence[float]], new: Sequence[Sequence[float]]) -> set[tuple[int, int]]:
+        """The (granule count, segment)s whose integer split differs between two per-segment ratios."""
+        a, b = self.share_signature(old), self.share_signature(new)
+        counts = self._granule_counts
+        return {(counts[i % len(counts)], i // len(counts)) for i, (x, y) in enumerate(zip(a, b)) if x != y}
+
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
         key = (self.granules(tensor)[dim], tuple(ratios))
         found = self._shares.get(key)

@@ -658,9 +658,10 @@ PYBIND11_MODULE(_core, mod) {
             o.uses = std::move(uses);
             return o;
         }));
-    py::class_<Price>(mod, "Price").def(py::init([](std::vector<double> fwd, std::vector<double> bwd) {
-        return Price{std::move(fwd), std::move(bwd)};
-    }));
+    py::class_<Price>(mod, "Price")
+        .def(py::init([](std::vector<double> fwd, std::vector<double> bwd) { return Price{std::move(fwd), std::move(bwd)}; }))
+        .def_readonly("fwd", &Price::fwd)
+        .def_readonly("bwd", &Price::bwd);
     py::class_<Frame, std::shared_ptr<Frame>>(mod, "Frame")
         .def(py::init([](int m, std::vector<std::vector<Option>> opts, std::vector<int> alike, std::vector<int> segment_of,
                          std::vector<bool> seg_start, std::vector<bool> cut_after, std::vector<bool> bucket_end,

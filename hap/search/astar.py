@@ -245,14 +245,25 @@ class Frame:
             cost.sync_slope, cost.sync_alpha, self.sync_rest, cost.grad_sync)
         self.bounds = [0] + sorted(self.cut_set) + [n]
         self.live = _live_lists(self, self.bounds + sorted(self.seg_start))
-        keys: dict[tuple, int] = {}  # chunks alike (every layer's) share a class and so their bounds
-        self.chunk_class = {lo: keys.setdefault(self._chunk_key(lo, hi), len(keys)) for lo, hi in zip(self.bounds, self.bounds[1:])}
+        self._chunk_class: dict[int, int] | None = None
         # shared parameters each chunk uses again, and every way their first uses may load them
         self.chunk_shared = {lo: {u[0] for k in range(lo, hi) for c in self.choices[k] for u in c.uses}
                              for lo, hi in zip(self.bounds, self.bounds[1:])}
         self.shared_configs = _shared_configs(self.choices)
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
+        self._first: tuple[Sequence[Sequence[float]], list, list] | None = None  # the first ratios priced, and their prices
+        self._deps: dict[tuple, frozenset] = {}  # per price: the (granule count, segment) shares it read
+
+    @property
+    def chunk_class(self) -> dict[int, int]:
+        """Per chunk start, its class: chunks alike (every layer's) share a class and so their
+        bounds (only the layer-bound heuristic asks)."""
+        if self._chunk_class is None:
+            keys: dict[tuple, int] = {}
+            self._chunk_class = {lo: keys.setdefault(self._chunk_key(lo, hi), len(keys))
+                                 for lo, hi in zip(self.bounds, self.bounds[1:])}
+        return self._chunk_class
 
     def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
         """Per price class the (forward, backward) seconds of each option, and per move class
@@ -261,13 +272,32 @@ class Frame:
         found = self._prices.get(key)
         if found is None:
             cost, alg = self.cost, NumericShares(self.cost, ratios)
+            # A price reads the shares of a few granule counts only: where none of those rounds
+            # differently from the first ratios priced, it is that price again.
+            same = None if self._first is None else self._first[1:]
+            changed = set() if self._first is None else cost.changed_shares(self._first[0], ratios)
+
+            def priced(tag, compute):
+                deps = self._deps.get(tag)
+                if same is not None and deps is not None and not (deps & changed):
+                    return same[0 if tag[0] == "option" else 1][tag[1]][tag[2]]
+                alg.read = set()
+                price = compute()
+                self._deps[tag] = frozenset(alg.read)
+                alg.read = None
+                return price
+
             options = []
-            for k in self.alike_node:
+            for a, k in enumerate(self.alike_node):
                 seg = self.segment_of[k]
-                options.append([_core.Price(*price_node(cost, alg, k, c.strategy, c.loads, seg)) for c in self.choices[k]])
-            moves = [[move_price(cost, alg, name, mv, seg, seg) for _, mv in self.moves[c]]
-                     for c, (name, seg) in enumerate(self.move_tensor)]
+                options.append([priced(("option", a, i), lambda c=c: _core.Price(*price_node(cost, alg, k, c.strategy, c.loads, seg)))
+                                for i, c in enumerate(self.choices[k])])
+            moves = [[priced(("move", m, i), lambda mv=mv, name=name, seg=seg: move_price(cost, alg, name, mv, seg, seg))
+                      for i, (_, mv) in enumerate(self.moves[m])]
+                     for m, (name, seg) in enumerate(self.move_tensor)]
             found = self._prices[key] = (options, moves)
+            if self._first is None:
+                self._first = (tuple(map(tuple, ratios)), options, moves)
         return found
 
     def _sync_choice(self, k: int, loads: Sequence[Load]) -> tuple[float, tuple, tuple]:

@@ -123,11 +123,14 @@ class NumericShares:
         self.cost, self.ratios, self.continuous = cost, ratios, continuous
         self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes
         self._of: dict[tuple[int, int], Sequence[float]] = {}  # (granule count, segment) -> shares
+        self.read: set[tuple[int, int]] | None = None  # when a set: the (granule count, segment)s `of` is asked for
 
     def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
         if self.continuous:
             return self.ratios[seg]
         key = (self.cost.granules(tensor)[dim], seg)
+        if self.read is not None:
+            self.read.add(key)
         found = self._of.get(key)
         if found is None:
             found = self._of[key] = self.cost.shares(tensor, dim, self.ratios[seg])
