@@ -33,10 +33,9 @@ def round_sizes(n: int, ratios: Sequence[float]) -> list[int]:
     sizes = [int(round(x)) for x in ideal]
     while (diff := sum(sizes) - n) != 0:
         step = -1 if diff > 0 else 1
-        cands = [j for j in range(len(sizes)) if sizes[j] + step >= 0]
         # Errors are compared at 1e-9 so that ties (exact in real arithmetic) go to the first shard.
-        j = min(cands, key=lambda j: (round(abs(sizes[j] + step - ideal[j]) - abs(sizes[j] - ideal[j]), 9), j))
-        sizes[j] += step
+        growth = [(round(abs(k + step - x) - abs(k - x), 9), j) for j, (k, x) in enumerate(zip(sizes, ideal)) if k + step >= 0]
+        sizes[min(growth)[1]] += step
     return sizes
 
 

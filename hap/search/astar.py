@@ -253,7 +253,10 @@ class Frame:
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
         self._first: tuple[Sequence[Sequence[float]], list, list] | None = None  # the first ratios priced, and their prices
-        self._deps: dict[tuple, frozenset] = {}  # per price: the (granule count, segment) shares it read
+        # per option of each price class, per move of each move class: the (granule count,
+        # segment) shares its price reads
+        self._option_deps: list[list[frozenset]] = []
+        self._move_deps: list[list[frozenset]] = []
 
     @property
     def chunk_class(self) -> dict[int, int]:
@@ -272,29 +275,41 @@ class Frame:
         found = self._prices.get(key)
         if found is None:
             cost, alg = self.cost, NumericShares(self.cost, ratios)
-            # A price reads the shares of a few granule counts only: where none of those rounds
-            # differently from the first ratios priced, it is that price again.
-            same = None if self._first is None else self._first[1:]
-            changed = set() if self._first is None else cost.changed_shares(self._first[0], ratios)
-
-            def priced(tag, compute):
-                deps = self._deps.get(tag)
-                if same is not None and deps is not None and not (deps & changed):
-                    return same[0 if tag[0] == "option" else 1][tag[1]][tag[2]]
-                alg.read = set()
-                price = compute()
-                self._deps[tag] = frozenset(alg.read)
-                alg.read = None
-                return price
-
+            # A price reads the shares of a few granule counts only (noted at the first ratios
+            # priced): where none of those rounds differently from the first ratios, it is that
+            # price again.
+            first = self._first
+            changed = set() if first is None else cost.changed_shares(first[0], ratios)
             options = []
             for a, k in enumerate(self.alike_node):
                 seg = self.segment_of[k]
-                options.append([priced(("option", a, i), lambda c=c: _core.Price(*price_node(cost, alg, k, c.strategy, c.loads, seg)))
-                                for i, c in enumerate(self.choices[k])])
-            moves = [[priced(("move", m, i), lambda mv=mv, name=name, seg=seg: move_price(cost, alg, name, mv, seg, seg))
-                      for i, (_, mv) in enumerate(self.moves[m])]
-                     for m, (name, seg) in enumerate(self.move_tensor)]
+                row, deps = [], self._option_deps[a] if first is not None else []
+                for i, c in enumerate(self.choices[k]):
+                    if first is not None and changed.isdisjoint(deps[i]):
+                        row.append(first[1][a][i])
+                        continue
+                    alg.read = set() if first is None else None
+                    row.append(_core.Price(*price_node(cost, alg, k, c.strategy, c.loads, seg)))
+                    if first is None:
+                        deps.append(frozenset(alg.read))
+                options.append(row)
+                if first is None:
+                    self._option_deps.append(deps)
+            moves = []
+            for m, (name, seg) in enumerate(self.move_tensor):
+                row, deps = [], self._move_deps[m] if first is not None else []
+                for i, (_, mv) in enumerate(self.moves[m]):
+                    if first is not None and changed.isdisjoint(deps[i]):
+                        row.append(first[2][m][i])
+                        continue
+                    alg.read = set() if first is None else None
+                    row.append(move_price(cost, alg, name, mv, seg, seg))
+                    if first is None:
+                        deps.append(frozenset(alg.read))
+                moves.append(row)
+                if first is None:
+                    self._move_deps.append(deps)
+            alg.read = None
             found = self._prices[key] = (options, moves)
             if self._first is None:
                 self._first = (tuple(map(tuple, ratios)), options, moves)
