@@ -33,7 +33,7 @@ from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
 from ..rules.nn import sparse_gradient_rows
-from ..rules.units import ShardClasses, round_sizes
+from ..rules.units import ShardClasses
 from .cluster import Cluster
 
 Optimizer = Literal["adam", "sgd", "momentum"]
@@ -135,7 +135,7 @@ class CostModel:
         if found is None:
             if not self._signatures:
                 self._granule_counts = sorted({n for name in self.graph.tensors for n in self.granules(name)})
-            found = self._signatures[key] = tuple(tuple(round_sizes(n, r)) for r in key for n in self._granule_counts)
+            found = self._signatures[key] = tuple(self.classes.granules_per_device(n, r) for r in key for n in self._granule_counts)
         return found
 
     def changed_shares(self, old: Sequence[Sequence[float]], new: Sequence[Sequence[float]]) -> set[tuple[int, int]]:

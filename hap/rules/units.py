@@ -59,6 +59,7 @@ class ShardClasses:
             length = graph.tensors[key[0]].shape[key[1]]
             self.granules[root] = math.gcd(self.granules.get(root, 0), length)
         self._graph = graph
+        self._rounded: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = {}
 
     def _find(self, a):
         parent = self._parent.setdefault(a, a)
@@ -85,9 +86,17 @@ class ShardClasses:
     def split_sizes(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[int]:
         n = self.granule_count(tensor, dim)
         unit = self._graph.tensors[tensor].shape[dim] // n
-        return [unit * k for k in round_sizes(n, ratios)]
+        return [unit * k for k in self.granules_per_device(n, ratios)]
+
+    def granules_per_device(self, n: int, ratios: Sequence[float]) -> tuple[int, ...]:
+        """round_sizes(n, ratios), remembered: a plan splits many dims of the same granule count."""
+        key = (n, tuple(ratios))
+        found = self._rounded.get(key)
+        if found is None:
+            found = self._rounded[key] = tuple(round_sizes(n, ratios))
+        return found
 
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> tuple[float, ...]:
         """Fraction of the dim on each device after rounding."""
         n = self.granule_count(tensor, dim)
-        return tuple(k / n for k in round_sizes(n, ratios))
+        return tuple(k / n for k in self.granules_per_device(n, ratios))
