@@ -25,7 +25,6 @@ current ratios (HAP section 4.4).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 from ..placement import D, P, Placement, R
