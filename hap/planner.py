@@ -266,7 +266,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
             program = _baseline_program(search, rs, restriction)
             est = price(name, program, rs)
             baselines[name] = {"seconds": est.seconds, "memory_bytes": est.memory, "ratios": rs[0], "breakdown": est.breakdown(),
-                               "fits": _fits(est, capacity)}
+                               "fits": est.fits(capacity)}
             say(f"{name}: {est.seconds * 1e3:.2f} ms")
             # Its program with balanced ratios is a hap candidate too: the alternation's B step
             # from another Q. It matters where the searched programs need more memory than a
@@ -281,8 +281,8 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                     est = price(f"hap: {name} program balanced", program, balanced)
                     say(f"  {name} program balanced: {est.seconds * 1e3:.2f} ms")
 
-    feasible = [c for c in candidates if _fits(c[4], capacity)]
-    if not any(_fits(c[4], capacity) for c in candidates[:searched]):
+    feasible = [c for c in candidates if c[4].fits(capacity)]
+    if not any(c[4].fits(capacity) for c in candidates[:searched]):
         # The search minimises time and ignores memory. When none of its programs fits (a
         # baseline's may: it is no reason to stop looking), search again with the
         # largest parameters sharded (enough that the rest, replicated, takes at most an eighth
@@ -300,7 +300,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                 price("hap with sharded parameters, balanced", program, ratios)
             except (SearchError, BalanceError) as e:
                 say(f"  {e}")
-        feasible = [c for c in candidates if _fits(c[4], capacity)]
+        feasible = [c for c in candidates if c[4].fits(capacity)]
     if not feasible:
         worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
         j = max(range(len(capacity)), key=lambda j: worst[4].memory[j] / capacity[j])
@@ -459,10 +459,6 @@ def _largest_params(graph: Graph, state_factor: float, budget: float) -> set[str
         chosen.add(t.name)
         rest -= t.nbytes * state_factor
     return chosen
-
-
-def _fits(est: Estimate, capacity) -> bool:
-    return all(m <= c for m, c in zip(est.memory, capacity))
 
 
 def _segment_ranges(segment_of: list[int]) -> list[list[int]]:

@@ -180,8 +180,7 @@ class LayoutPricer:
                 self.cache[key] = (math.inf, False, None, True)
             else:
                 est = replay(res.program, self.cost, self.segment_of, [self.ratios])
-                fits = all(m <= c for m, c in zip(est.memory, self.capacity))
-                self.cache[key] = (est.seconds, fits, res.program, res.exhaustive)
+                self.cache[key] = (est.seconds, est.fits(self.capacity), res.program, res.exhaustive)
         return self.cache[key]
 
 

@@ -96,6 +96,10 @@ class Estimate:
     stage_of: dict[int, int] = field(default_factory=dict)
     """The stage each node runs in (by node index)."""
 
+    def fits(self, capacity: Sequence[float]) -> bool:
+        """Whether every device's memory holds its part: capacity[j] bytes per GPU of device j."""
+        return all(m <= c for m, c in zip(self.memory, capacity))
+
     def breakdown(self) -> dict[str, float]:
         return {
             "forward_compute": sum(max(s.fwd, default=0.0) for s in self.stages),
