@@ -68,6 +68,10 @@ struct Frame {
     double sync_slope, sync_alpha;
     std::vector<double> sync_rest;
     py::function grad_sync;
+    // the pending-move bound: per activation tensor, the nodes that need it (ascending), its
+    // placement codes and the segments of those nodes
+    std::vector<std::vector<int>> consumers, consumer_segs;
+    std::vector<int> ncodes;
 };
 
 struct Sync {
@@ -152,9 +156,21 @@ class Space {
         suffix_f_.assign(n_ + 1, zero_);
         suffix_b_.assign(n_ + 1, zero_);
         expanded_at.assign(n_ + 1, 0);
+        dist_of_.assign(fr_->ncodes.size(), -1);
     }
 
     void set_rebalance(int t, int code, int k, double f, double b) { rebalance_[rebalance_key(t, code, k)] = {f, b}; }
+
+    // Turns on the pending-move bound (astar.py's score) for this space's searches.
+    void use_pending() { pending_ = !fr_->consumers.empty(); }
+    // The bound for a state at node k holding `props` (for tests).
+    double pending_at(int k, std::vector<Prop> props) {
+        sort_unique(props);
+        State s(&arena_);
+        s.k = k;
+        s.props.assign(props.begin(), props.end());
+        return pending_ ? pending(s, n_) : 0.0;
+    }
 
     // Per device, the cheapest computation left in each node's chunk (the heuristic's suffix):
     // at a cut the rest is empty.
@@ -211,6 +227,7 @@ class Space {
         if (forward_only_) b = 0.0;
         const Future* f = with_future ? future(s) : nullptr;
         double stages = s.closed + a + b + (f ? f->chunks[s.k] : 0.0);
+        if (pending_ && !forward_only_ && s.k < goal) stages += pending(s, goal);
         if (!s.has_sync) return stages;
         double result = stages + exposed_bound(s, f);
         if (f && f->beyond[s.k] > -INF) {
@@ -348,6 +365,108 @@ class Space {
         else if (ahead > 0.0)
             bound = std::max(bound, s.sync.synced + s.sync.anchor + ahead);
         return bound > 0 ? bound : 0.0;
+    }
+
+    // Communication no completion avoids: for nodes ahead whose inputs include live tensors,
+    // the cheapest moves their cheapest strategy needs for those inputs from the placements held
+    // (0 when a placement held, or R, serves). Summed over nodes that share no live input, so
+    // no move is counted twice (astar.py's score).
+    double pending(const State& s, int goal) {
+        auto& held = held_;
+        held.clear();  // (tensor, code mask) per live tensor
+        for (Prop p : s.props) {
+            int t = p / CODE_BITS, code = p % CODE_BITS;
+            if (held.empty() || held.back().first != t) held.emplace_back(t, 0);
+            held.back().second |= 1ULL << code;
+        }
+        auto& nodes = pend_nodes_;
+        nodes.clear();
+        for (const auto& [t, mask] : held) {
+            const auto& cs = fr_->consumers[t];
+            for (auto it = std::lower_bound(cs.begin(), cs.end(), s.k); it != cs.end() && *it < goal; ++it) nodes.push_back(*it);
+        }
+        sort_unique(nodes);
+        auto& used = pend_used_;
+        used.clear();
+        double total = 0.0;
+        for (int k : nodes) {
+            double best = INF;
+            for (int oi : allowed_[k]) {
+                double need = 0.0;
+                for (const auto& [t, code] : fr_->opts[k][oi].reqs) {
+                    auto h = std::lower_bound(held.begin(), held.end(), std::make_pair(t, uint64_t(0)),
+                                              [](const auto& x, const auto& y) { return x.first < y.first; });
+                    if (h == held.end() || h->first != t) continue;  // not produced yet
+                    uint64_t mask = h->second;
+                    if (mask & (1ULL << code) || mask & 1ULL) continue;  // held, or R: a free move away
+                    const int nc = fr_->ncodes[t];
+                    const double* row = distances(t).data();
+                    double d = INF;
+                    for (int src = 0; src < nc; ++src)
+                        if (mask >> src & 1ULL) d = std::min(d, row[src * nc + code]);
+                    need += d;
+                    if (need >= best) break;
+                }
+                best = std::min(best, need);
+                if (best == 0.0) break;
+            }
+            if (best == 0.0 || best == INF) continue;
+            bool clash = false;
+            for (const auto& [t, code] : fr_->opts[k][allowed_[k][0]].reqs)
+                if (std::find(used.begin(), used.end(), t) != used.end()) clash = true;
+            if (clash) continue;
+            for (const auto& [t, code] : fr_->opts[k][allowed_[k][0]].reqs) used.push_back(t);
+            total += best;
+        }
+        return total;
+    }
+
+    // Per placement pair (src * codes + dst) of tensor t, the least seconds (forward plus
+    // backward) of a chain of allowed moves from src to dst for t's consumers (the least over
+    // their segments). Hops into a code no consumer needs (so unpriced) count as free: a lower
+    // bound still, as the last hop into a needed code is priced. Tensors alike in move classes
+    // share a table.
+    const std::vector<double>& distances(int t) {
+        auto& cached = dist_of_[t];
+        if (cached >= 0) return dists_[cached];
+        const int nc = fr_->ncodes[t];
+        std::vector<int> key;
+        for (int seg : fr_->consumer_segs[t])
+            for (int code = 0; code < nc; ++code) {
+                auto it = fr_->move_class.find(move_key(t, code, seg));
+                key.push_back(it == fr_->move_class.end() ? -1 : it->second);
+            }
+        auto [it, fresh] = dist_index_.try_emplace(key, static_cast<int>(dists_.size()));
+        if (fresh) {
+            std::vector<double> best(nc * nc, INF);
+            size_t at = 0;
+            for (size_t si = 0; si < fr_->consumer_segs[t].size(); ++si) {
+                std::vector<double> d(nc * nc, INF);
+                for (int c = 0; c < nc; ++c) {
+                    d[c * nc + c] = 0.0;
+                    int cls = key[at++];
+                    if (cls < 0) {
+                        for (int src = 0; src < nc; ++src) d[src * nc + c] = 0.0;
+                        continue;
+                    }
+                    const auto& kinds = fr_->move_kinds[cls];
+                    const auto& mp = move_prices_[cls];
+                    for (size_t i = 0; i < kinds.size(); ++i)
+                        if (std::get<2>(mp[i])) {
+                            double& e = d[kinds[i].src * nc + c];
+                            e = std::min(e, std::get<0>(mp[i]) + std::get<1>(mp[i]));
+                        }
+                }
+                for (int via = 0; via < nc; ++via)
+                    for (int a = 0; a < nc; ++a)
+                        for (int b = 0; b < nc; ++b)
+                            d[a * nc + b] = std::min(d[a * nc + b], d[a * nc + via] + d[via * nc + b]);
+                for (int i = 0; i < nc * nc; ++i) best[i] = std::min(best[i], d[i]);
+            }
+            dists_.push_back(std::move(best));
+        }
+        cached = it->second;
+        return dists_[cached];
     }
 
     // Closes the open stage: its slowest forward and backward, plus the collectives that open the next.
@@ -636,6 +755,12 @@ class Space {
     bool forward_only_ = false;
     std::vector<std::vector<int>> cands_;
     std::vector<size_t> pick_;
+    bool pending_ = false;
+    std::vector<int> dist_of_;  // per tensor: its table in dists_ (-1: not made yet)
+    std::vector<std::vector<double>> dists_;
+    std::map<std::vector<int>, int> dist_index_;
+    std::vector<std::pair<int, uint64_t>> held_;
+    std::vector<int> pend_nodes_, pend_used_;
     std::pmr::monotonic_buffer_resource arena_;  // before the states and keys that use it
     std::vector<State> states_;
     std::unordered_map<Vec<int>, std::vector<int>, KeyHash> table_;
@@ -691,7 +816,13 @@ PYBIND11_MODULE(_core, mod) {
             f->sync_rest = std::move(sync_rest);
             f->grad_sync = std::move(grad_sync);
             return f;
-        }));
+        }))
+        .def("set_consumers", [](Frame& f, std::vector<std::vector<int>> consumers, std::vector<std::vector<int>> segs,
+                                 std::vector<int> ncodes) {
+            f.consumers = std::move(consumers);
+            f.consumer_segs = std::move(segs);
+            f.ncodes = std::move(ncodes);
+        });
     py::class_<Result>(mod, "Result")
         .def_readonly("status", &Result::status)
         .def_readonly("cost", &Result::cost)
@@ -701,6 +832,8 @@ PYBIND11_MODULE(_core, mod) {
         .def(py::init<std::shared_ptr<Frame>, std::vector<std::vector<Price>>, std::vector<std::vector<int>>,
                       std::vector<std::vector<std::tuple<double, double, bool>>>>())
         .def("set_rebalance", &Space::set_rebalance)
+        .def("use_pending", &Space::use_pending)
+        .def("pending_at", &Space::pending_at)
         .def("compute_suffix", &Space::compute_suffix)
         .def("suffix_max", &Space::suffix_max)
         .def("clear_suffix", &Space::clear_suffix)

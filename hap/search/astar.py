@@ -16,9 +16,15 @@ collective implementations in that canonical order.
 cost(Q)  = stages closed so far (communication + slowest device per stage);
 ecost(Q) = for forward and backward separately, the largest over devices of the time it
            must still compute: the open stage plus, for every remaining node, its cheapest
-           strategy on that device. This assumes free communication, never exceeds the true
-           remainder (a sum of per-stage maxima is at least the maximum of sums), and is not
-           zero.
+           strategy on that device. This never exceeds the true remainder's computation (a sum
+           of per-stage maxima is at least the maximum of sums), and is not zero.
+           Plus the communication no completion avoids (pending moves): a node ahead that
+           needs tensors Q already holds runs one of its strategies, and each input that
+           strategy needs in a placement Q neither holds nor reaches for free (from R) costs a
+           chain of moves, at least the cheapest chain from a held placement (moves are priced
+           one by one, each as a collective of its own). The least of that over the node's
+           strategies is summed over nodes that share no held input, so no move is counted
+           twice. Closing stages early only adds to the computation part.
 A program Q' is dropped when a program with at least its properties costs no more for any
 continuation (line 9 of Fig. 10), and the search stops when the best complete program costs
 no more than the lowest score in the queue (line 5).
@@ -217,10 +223,14 @@ class Frame:
         self.move_class: dict[tuple[int, int, int], int] = {}
         self.moves: list[list[tuple[int, Move]]] = []  # per class: (source code, move)
         self.move_tensor: list[tuple[str, int]] = []  # per class: a tensor and segment to price it by
+        consumers: dict[int, set[int]] = {}  # activation id -> nodes that need it (the pending-move bound)
         for k, choices in enumerate(self.choices):
             seg = segment_of[k]
             for ch in choices:
-                for t, code in ch.reqs:
+                for t, _ in ch.reqs:
+                    consumers.setdefault(t, set()).add(k)
+                # R, D and P are priced as destinations too: chains of moves pass through them
+                for t, code in ch.reqs + tuple((t, code) for t, _ in ch.reqs for code in (R.code, D.code, P.code)):
                     if (t, code, seg) in self.move_class:
                         continue
                     name = self.names[t]
@@ -243,6 +253,10 @@ class Frame:
             [sorted(d) for d in self.shared_done], [(t, code, seg, c) for (t, code, seg), c in self.move_class.items()],
             [[(src, mv.communicates, mv.fwd is not None) for src, mv in moves] for moves in self.moves],
             cost.sync_slope, cost.sync_alpha, self.sync_rest, cost.grad_sync)
+        ids = range(len(tid))
+        self.core.set_consumers([sorted(consumers.get(t, ())) for t in ids],
+                                [sorted({segment_of[k] for k in consumers.get(t, ())}) for t in ids],
+                                [len(_codes_for(graph.tensors[self.names[t]])) for t in ids])
         self.bounds = [0] + sorted(self.cut_set) + [n]
         self.live = _live_lists(self, self.bounds + sorted(self.seg_start))
         self._chunk_class: dict[int, int] | None = None
@@ -404,6 +418,8 @@ class _Space:
                     for code in _codes_for(graph.tensors[name])[3:]:
                         f, b = move_price(cost, alg, name, rebalance(from_code(code)), segment_of[k - 1], segment_of[k])
                         self.core.set_rebalance(t, code, k, f, b)
+        if heuristic:
+            self.core.use_pending()
         self._heuristic(heuristic, layer_bounds, restriction is not None)
 
     def run(self, k: int, props, with_sync: bool, goal: int, with_future: bool, max_expansions: int,
