@@ -224,25 +224,32 @@ class Frame:
         self.moves: list[list[tuple[int, Move]]] = []  # per class: (source code, move)
         self.move_tensor: list[tuple[str, int]] = []  # per class: a tensor and segment to price it by
         consumers: dict[int, set[int]] = {}  # activation id -> nodes that need it (the pending-move bound)
+        wanted: dict[tuple[int, int, int], None] = {}  # (tensor, code, segment) to reach, in order
         for k, choices in enumerate(self.choices):
             seg = segment_of[k]
             for ch in choices:
-                for t, _ in ch.reqs:
+                for t, code in ch.reqs:
+                    wanted[(t, code, seg)] = None
                     consumers.setdefault(t, set()).add(k)
-                # R, D and P are priced as destinations too: chains of moves pass through them
-                for t, code in ch.reqs + tuple((t, code) for t, _ in ch.reqs for code in (R.code, D.code, P.code)):
-                    if (t, code, seg) in self.move_class:
-                        continue
-                    name = self.names[t]
-                    tensor = graph.tensors[name]
-                    key = (tensor.nbytes, tensor.requires_grad, cost.granules(name), code, seg)
-                    if key not in move_classes:
-                        move_classes[key] = len(self.moves)
-                        dst = from_code(code)
-                        self.moves.append([(src, mv) for src in _codes_for(tensor) if src != code
-                                           for mv in moves_between(from_code(src), dst, tensor.requires_grad)])
-                        self.move_tensor.append((name, seg))
-                    self.move_class[(t, code, seg)] = move_classes[key]
+        # R, D and P are priced as destinations too: chains of moves pass through them
+        for t, seg in dict.fromkeys((t, seg) for t, _, seg in list(wanted)):
+            for code in (R.code, D.code, P.code):
+                wanted.setdefault((t, code, seg))
+        tensor_key: dict[int, tuple] = {}
+        for t, code, seg in wanted:
+            if t not in tensor_key:
+                name = self.names[t]
+                tensor = graph.tensors[name]
+                tensor_key[t] = (tensor.nbytes, tensor.requires_grad, cost.granules(name))
+            key = (tensor_key[t], code, seg)
+            if key not in move_classes:
+                move_classes[key] = len(self.moves)
+                name = self.names[t]
+                tensor, dst = graph.tensors[name], from_code(code)
+                self.moves.append([(src, mv) for src in _codes_for(tensor) if src != code
+                                   for mv in moves_between(from_code(src), dst, tensor.requires_grad)])
+                self.move_tensor.append((name, seg))
+            self.move_class[(t, code, seg)] = move_classes[key]
         self.sync_rest = _sync_rest(cost)
         bucket = cost.bucket_of
         self.core = _core.Frame(

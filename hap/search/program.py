@@ -127,6 +127,7 @@ class NumericShares:
         self.cost, self.ratios, self.continuous = cost, ratios, continuous
         self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes
         self._of: dict[tuple[int, int], Sequence[float]] = {}  # (granule count, segment) -> shares
+        self._top: dict[tuple[int, int], float] = {}  # (granule count, segment) -> the largest share
         self.read: set[tuple[int, int]] | None = None  # when a set: the (granule count, segment)s `of` is asked for
 
     def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
@@ -147,7 +148,18 @@ class NumericShares:
         return sum(1 for s in self.of(tensor, dim, seg) if s > 0)
 
     def largest(self, sharded: Sequence[tuple[str, int, int]]) -> float:
-        return max(max(self.of(t, d, s)) for t, d, s in sharded)
+        return max(self._largest_one(t, d, s) for t, d, s in sharded)
+
+    def _largest_one(self, tensor: str, dim: int, seg: int) -> float:
+        if self.continuous:
+            return max(self.ratios[seg])
+        key = (self.cost.granules(tensor)[dim], seg)
+        found = self._top.get(key)
+        if found is None:
+            found = self._top[key] = max(self.of(tensor, dim, seg))
+        elif self.read is not None:
+            self.read.add(key)
+        return found
 
     @staticmethod
     def vmax(values: Sequence[float]) -> float:
@@ -164,18 +176,20 @@ def move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_ds
     Collectives on a shard are priced by the largest share involved; a grouped all-gather
     (one broadcast per device holding rows) by how many devices hold rows."""
     nbytes = cost.graph.tensors[tensor].nbytes
+    return (_collective_seconds(cost, alg, tensor, nbytes, mv.fwd, mv.src, mv.dst, seg_src, seg_dst),
+            _collective_seconds(cost, alg, tensor, nbytes, mv.bwd, mv.dst, mv.src, seg_dst, seg_src))
 
-    def seconds(kind: str | None, src: Placement, dst: Placement, s_src: int, s_dst: int):
-        if kind is None:
-            return 0.0
-        sharded = [(tensor, p.dim, s) for p, s in ((src, s_src), (dst, s_dst)) if p.is_shard]
-        if kind == "all_gather_grouped":
-            t, d, s = sharded[0]
-            return cost.grouped_gather(nbytes, alg.live(t, d, s))
-        cc = cost.comm(kind, nbytes)
-        return cc.const + cc.slope * (alg.largest(sharded) if sharded else 1.0)
 
-    return seconds(mv.fwd, mv.src, mv.dst, seg_src, seg_dst), seconds(mv.bwd, mv.dst, mv.src, seg_dst, seg_src)
+def _collective_seconds(cost: CostModel, alg, tensor: str, nbytes: int, kind: str | None, src: Placement,
+                        dst: Placement, seg_src: int, seg_dst: int):
+    if kind is None:
+        return 0.0
+    if kind == "all_gather_grouped":
+        p, s = (src, seg_src) if src.is_shard else (dst, seg_dst)
+        return cost.grouped_gather(nbytes, alg.live(tensor, p.dim, s))
+    cc = cost.comm(kind, nbytes)
+    sharded = [(tensor, p.dim, s) for p, s in ((src, seg_src), (dst, seg_dst)) if p.is_shard]
+    return cc.const + cc.slope * (alg.largest(sharded) if sharded else 1.0)
 
 
 def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
