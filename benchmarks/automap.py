@@ -11,12 +11,22 @@ paper's reward priced by the same model. ADP: the batch dims the DQN finds again
 Writes DIR/automap.json ({cases: [{model, cluster, task, dqn_estimate, exact_estimate,
 dqn_seconds, exact_seconds, ...}]}) and DIR/report.md. --quick: ViT and BERT on 8 GPUs,
 fewer episodes (a few minutes).
+
+--local-only: pipeline against data parallelism measured on this machine's local clusters
+(local-homo, local). For small models whose estimates favour one or the other, `hap train`
+runs data parallelism (dp-cp) and the 2-stage pipeline pp-exact picks (micro-batches by the
+cost model), and the measured order is compared with the estimated one. Writes
+DIR/automap-local.json ({runs: [{model, knobs, cluster, planner, estimated_ms, measured_ms}]})
+and DIR/report-local.md (about 5 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,6 +107,58 @@ def _opp_sections(opp: list[dict], cases: list[dict], layers: int) -> list[str]:
     return lines
 
 
+# (model, `hap train` knobs): small models whose estimates favour the pipeline on one local
+# cluster and data parallelism on the other, or the pipeline on both
+LOCAL_CASES = [("ncf", ["--batch", "32"]), ("vgg19", ["--batch", "8", "--hidden", "1024", "--dropout", "0"]),
+               ("vgg19", ["--batch", "64", "--dropout", "0"]), ("vit", ["--batch", "32", "--dropout", "0"]),
+               ("bert", ["--batch", "16", "--dropout", "0"])]
+LOCAL_PLANNERS = {"dp-cp": ["--planner", "dp-cp"], "pp-exact": ["--planner", "pp-exact", "--pipeline-stages", "2"]}
+MEASURED = re.compile(r"per-iteration time: measured ([0-9.]+) ms .*estimated ([0-9.]+) ms")
+
+
+def run_local(steps: int) -> list[dict]:
+    """`hap train` with each planner of LOCAL_PLANNERS on each case and local cluster."""
+    runs = []
+    for cluster in ("local-homo", "local"):
+        for model, knobs in LOCAL_CASES:
+            for planner, flags in LOCAL_PLANNERS.items():
+                cmd = [sys.executable, "-m", "hap", "train", "--model", model, "--scale", "small", *knobs,
+                       "--cluster", cluster, "--steps", str(steps), *flags]
+                done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                found = MEASURED.search(done.stdout)
+                if done.returncode != 0 or found is None:
+                    raise RuntimeError(f"{' '.join(cmd[2:])} failed:\n{done.stderr[-2000:]}")
+                run = {"model": model, "knobs": " ".join(knobs), "cluster": cluster, "planner": planner,
+                       "measured_ms": float(found.group(1)), "estimated_ms": float(found.group(2))}
+                runs.append(run)
+                print(f"{cluster:10s} {model:6s} {run['knobs']:28s} {planner:8s} estimated {run['estimated_ms']:7.1f} ms, "
+                      f"measured {run['measured_ms']:7.1f} ms", flush=True)
+    return runs
+
+
+def local_report(runs: list[dict]) -> list[str]:
+    lines = ["# Pipeline vs data parallelism, measured on local processes", "",
+             "`hap train --scale small` on this machine's local clusters (2 processes, gloo), median ms per iteration.", "",
+             "| cluster | model | knobs | DP estimated | PP estimated | estimate favours | DP measured | PP measured | "
+             "measured favours | agree |", "|---|---|---|---|---|---|---|---|---|---|"]
+    agree = pp_wins = pp_favoured = 0
+    pairs = {}
+    for r in runs:
+        pairs.setdefault((r["cluster"], r["model"], r["knobs"]), {})[r["planner"]] = r
+    for (cluster, model, knobs), by in pairs.items():
+        dp, pp = by["dp-cp"], by["pp-exact"]
+        est = "PP" if pp["estimated_ms"] < dp["estimated_ms"] else "DP"
+        meas = "PP" if pp["measured_ms"] < dp["measured_ms"] else "DP"
+        agree += est == meas
+        pp_favoured += est == "PP"
+        pp_wins += est == "PP" and meas == "PP"
+        lines.append(f"| {cluster} | {model} | {knobs} | {dp['estimated_ms']:.1f} | {pp['estimated_ms']:.1f} | {est} | "
+                     f"{dp['measured_ms']:.1f} | {pp['measured_ms']:.1f} | {meas} | {'yes' if est == meas else 'NO'} |")
+    lines += ["", f"The measured order agrees with the estimated one on {agree} of {len(pairs)} cases; where the cost model "
+              f"favours the pipeline it is measured faster on {pp_wins} of {pp_favoured}."]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -105,10 +167,20 @@ def main(argv=None) -> int:
     ap.add_argument("--opp-layers", type=int, default=1, help="layers of the models in the OPP cases")
     ap.add_argument("--inference-only", action="store_true",
                     help="PP cases with the exact cut and the shipped inference network only (no online DQN, no OPP/ADP)")
+    ap.add_argument("--local-only", action="store_true",
+                    help="only measure a 2-stage pipeline against data parallelism on the local clusters")
+    ap.add_argument("--local-steps", type=int, default=30, help="training steps per local run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.local_only:
+        runs = run_local(args.local_steps)
+        (out / "automap-local.json").write_text(json.dumps({"runs": runs}, indent=1))
+        lines = local_report(runs)
+        (out / "report-local.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     models = ["vit", "bert"] if args.quick else ["vgg19", "vit", "bert", "bert-moe"]
     clusters = ["paper-hetero-8"] if args.quick else ["paper-hetero-8", "paper-hetero-16"]
     episodes, budget = (1500, 40.0) if args.quick else (4000, 280.0)
