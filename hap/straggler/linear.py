@@ -224,37 +224,24 @@ def _backward_handover(c: _Ctx, h: Handover, got: _Received | None, x, gy, gx, g
         gw_part = g2.t() @ got.x.reshape(math.prod(lead), got.hi - got.lo)  # [N_k, hi - lo]
         gx_part = g_k @ got.w  # [..., hi - lo]
         c.meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * n_k * (got.hi - got.lo))
-    hand = slice(h.start, h.start + h.count)
+    if method == "broadcast-reduce" and column and got is not None:
+        # x's gradient is a partial sum: add, the layer's all-reduce does the rest (reduce merging)
+        gx[..., h.start + got.lo: h.start + got.hi] += gx_part
+    # The rest goes to k alone, in disjoint column blocks per receiver: a reduce of those blocks
+    # is their gather, for both methods.
+    merged = method == "broadcast-reduce" and column
     t_rows = math.prod(lead)
-    if method == "broadcast-reduce":
-        if column:
-            if got is not None:  # x's gradient is a partial sum: add, the all-reduce does the rest
-                gx[..., h.start + got.lo: h.start + got.hi] += gx_part
-            buf = gw.new_zeros(n_k, h.count)
-            if got is not None:
-                buf[:, got.lo:got.hi] = gw_part
-            migrate.reduce(buf, k, comm)
-            if me == k:
-                gw[:, hand] = buf
-            return
-        buf = gw.new_zeros(n_k * h.count + t_rows * h.count)
-        if got is not None:
-            buf[: n_k * h.count].view(n_k, h.count)[:, got.lo:got.hi] = gw_part
-            buf[n_k * h.count:].view(t_rows, h.count)[:, got.lo:got.hi] = gx_part.reshape(t_rows, -1)
-        migrate.reduce(buf, k, comm)
-        if me == k:
-            gw[:, hand] = buf[: n_k * h.count].view(n_k, h.count)
-            gx[..., hand] = buf[n_k * h.count:].view(*lead, h.count)
-        return
     widest = max(hi - lo for lo, hi in map(h.part, h.receivers))
-    chunk = gw.new_zeros(n_k + t_rows, widest)
+    chunk = gw.new_zeros(n_k + (0 if merged else t_rows), widest)
     if got is not None:
         chunk[:n_k, : got.hi - got.lo] = gw_part
-        chunk[n_k:, : got.hi - got.lo] = gx_part.reshape(t_rows, -1)
+        if not merged:
+            chunk[n_k:, : got.hi - got.lo] = gx_part.reshape(t_rows, -1)
     parts = migrate.gather(chunk, k, comm)
     if me == k:
         for r in h.receivers:
             lo, hi = h.part(r)
             cols = slice(h.start + lo, h.start + hi)
             gw[:, cols] = parts[r][:n_k, : hi - lo]
-            gx[..., cols] += parts[r][n_k:, : hi - lo].reshape(*lead, hi - lo)
+            if not merged:
+                gx[..., cols] += parts[r][n_k:, : hi - lo].reshape(*lead, hi - lo)
