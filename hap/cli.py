@@ -257,7 +257,7 @@ def _check_pipeline(args, graph, plan) -> None:
     """What hap train cannot do with a pipeline plan, said before any rank starts."""
     from .pipeline.stages import check_pipelinable
 
-    for flag in ("straggler", "checkpoint", "resume", "trace", "clip"):
+    for flag in ("straggler", "trace", "clip"):
         value = getattr(args, flag)
         if value and value != "none":
             raise UserError(f"--{flag} does not run with a pipeline plan ({len(plan.stages)} stages) yet")
@@ -512,13 +512,16 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
 
     from .cost.cluster import load_cluster
     from .pipeline.runtime import Pipeline
+    from .runtime import checkpoint
 
     pipe = Pipeline(model, load_cluster(args["cluster"]), batch, plan)
     params = list(pipe.parameters())  # a stage may have none (the loss alone, say)
     opt = torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
-    progress = _Progress(args["steps"]) if rank == 0 else None
+    start = checkpoint.load(pipe, opt, args["checkpoint"])[0] if args["resume"] else 0
+    every = args["checkpoint_every"] or args["steps"]
+    progress = _Progress(args["steps"], start) if rank == 0 else None
     times = []
-    for _ in range(args["steps"]):
+    for step in range(start, args["steps"]):
         t0 = time.perf_counter()
         loss = pipe.train_step(*batch)
         if opt is not None:
@@ -527,6 +530,10 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
         times.append(time.perf_counter() - t0)
         if progress is not None:
             progress.step(loss.item(), times[-1], None)
+        if args["checkpoint"] and ((step + 1) % every == 0 or step + 1 == args["steps"]):
+            path = checkpoint.save(pipe, opt, args["checkpoint"], step + 1)
+            if progress is not None:
+                progress.note(f"checkpoint at step {step + 1}: {path}")
     if progress is not None:
         progress.close()
     if rank == 0:

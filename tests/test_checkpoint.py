@@ -249,6 +249,26 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
         assert err.startswith("hap: error: ") and error in err, err
 
 
+def test_cli_pipeline_checkpoint_resumes_under_data_parallelism(tmp_path, capfd):
+    """hap train with a 2-stage pipeline writes a checkpoint; resumed without a pipeline, the
+    next steps' losses are the uninterrupted pipeline run's."""
+    from hap.cli import main
+
+    directory = str(tmp_path / "ckpt")
+    pipeline = ["--dropout", "0", "--planner", "pp-exact", "--pipeline-stages", "2"]
+
+    def losses(*args):
+        assert main(["train", "--model", "vit", *args]) == 0
+        out = capfd.readouterr().out
+        return out, {int(s): loss for s, loss in re.findall(r"^step\s+(\d+)/\d+\s+loss (\S+)", out, re.M)}
+
+    out, _ = losses("--steps", "2", "--checkpoint", directory, *pipeline)
+    assert f"checkpoint at step 2: {directory}/step-00000002" in out
+    _, resumed = losses("--steps", "4", "--checkpoint", directory, "--resume", "--dropout", "0", "--planner", "dp-cp")
+    _, straight = losses("--steps", "4", *pipeline)
+    assert sorted(resumed) == [3, 4] and resumed == {3: straight[3], 4: straight[4]}  # 4: the momentum came along
+
+
 def state_dicts(rank, world, directory, first):
     """dmodel.state_dict() / load_state_dict(): whole state dicts in, sharded ones through
     torch.distributed.checkpoint directly (saved under one layout, loaded under another)."""

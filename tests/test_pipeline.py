@@ -192,6 +192,75 @@ def test_tied_embedding_on_first_and_last_stage_trains_like_one_device(tmp_path)
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
+def _pipeline(model, batches, world, cuts, groups, ratios, micro_batches):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+
+    cluster = local_cluster((1.0,) * world, "local")
+    space = PipelineSpace(capture(model, batches[0]), cluster, PlannerConfig(schedule="1f1b"))
+    return hap.Pipeline(model, cluster, batches[0], assemble(space, cuts, groups, ratios, micro_batches, 0.0, {}))
+
+
+def checkpointed(rank, world, layout, directory, first, last):
+    """Train steps [first, last) of the tied model under `layout` ("dp": hap.HAP, data parallel
+    at 60/40; else (cut at the layer norm, groups, ratios, micro-batches): hap.Pipeline), from
+    the checkpoint in `directory` when first > 0, and save there at `last`."""
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+    from hap.runtime import checkpoint
+
+    model, batches = _tied_setup()
+    if layout == "dp":
+        cluster = local_cluster((1.0,) * world, "local")
+        plan = baseline_plan(capture(model, batches[0]), cluster, "dp-cp", ratios=[0.6, 0.4])
+        dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+        step_fn = lambda b: dmodel(*b).backward()  # noqa: E731
+    else:
+        graph = capture(model, batches[0])
+        cut = next(n.index for n in graph.nodes if n.op == "aten.layer_norm.default")
+        groups, ratios, micro_batches = layout
+        dmodel = _pipeline(model, batches, world, [cut], groups, ratios, micro_batches)
+        step_fn = lambda b: dmodel.train_step(*b)  # noqa: E731
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    if first:
+        assert checkpoint.load(dmodel, opt, directory)[0] == first
+    for batch in batches[first:last]:
+        step_fn(batch)
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(dmodel, opt, directory, last)
+    return {"state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}}
+
+
+PIPE_3 = ([[0], [1, 2]], [[1.0], [0.4, 0.6]], 2)  # stage 1 on two ranks at 40/60
+PIPE_2 = ([[0], [1]], [[1.0], [1.0]], 5)
+
+
+def _world(layout) -> int:
+    return 2 if layout == "dp" else sum(len(group) for group in layout[0])
+
+
+@pytest.mark.parametrize("before,after", [(PIPE_3, "dp"), ("dp", PIPE_3), (PIPE_3, PIPE_2)])
+def test_checkpoint_moves_between_pipeline_and_data_parallel_layouts(before, after, tmp_path):
+    """Two steps under one layout, a checkpoint (parameters and momentum), the last step under
+    another (other ranks, stages, shares, micro-batches, or no pipeline at all): one device's
+    training. The tied embedding is held by both stages of a pipeline."""
+    directory = str(tmp_path / "ckpt")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_ranks(checkpointed, _world(before), tmp_path / "a", before, directory, 0, 2)
+    reports = run_ranks(checkpointed, _world(after), tmp_path / "b", after, directory, 2, 3)
+    _, ref = _reference(_tied_setup)
+    for got in reports:
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
 # -- pricing, the exact partition, the DQN's environment -------------------------------------------
 
 @pytest.fixture(scope="module")

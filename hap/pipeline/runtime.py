@@ -108,8 +108,12 @@ class Pipeline(nn.Module):
                 key = f"p{len(self._param_keys)}"
                 self._param_keys[name] = key
                 self.params[key] = nn.Parameter(values[name].clone(), requires_grad=t.requires_grad)
-            elif t.kind == "buffer":
-                self._constants[name] = values[name].clone()
+        # every buffer, loaded here or not: a checkpoint holds them all, as hap.HAP keeps them
+        self._constants = {name: values[name].clone() for name, t in graph.tensors.items()
+                           if t.kind == "buffer" and name in values}
+        whole = {ld.tensor for step in whole_program for ld in step.loads}
+        self._model_leaves = [name for name, t in graph.tensors.items()
+                              if (t.kind == "param" and name in whole) or name in self._constants]
         self._groups = {g: dist.new_group(list(g)) for g in plan.device_groups() if len(g) > 1}
         self._buckets: dict[int, tuple[tuple[int, ...], list[str]]] = {}
         for e in plan.sync:
@@ -371,6 +375,13 @@ class Pipeline(nn.Module):
 
     # -- state ---------------------------------------------------------------------------------
 
+    @property
+    def executor(self) -> "_StageState":
+        """This stage's parameters and buffers as hap.runtime.checkpoint reads and writes them
+        (checkpoint.save(pipe, opt, ...) and checkpoint.load work as for hap.HAP; a checkpoint of
+        either loads under the other, any plan)."""
+        return _StageState(self)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (each
         stage's first device contributes its parameters). A collective: every rank gets it."""
@@ -383,6 +394,26 @@ class Pipeline(nn.Module):
         original = self.model.state_dict()
         return {key: whole[name] if name in whole else original[key].detach().clone()
                 for key, name in self._state_keys.items()}
+
+
+class _StageState:
+    """A pipeline stage's state with the executor's interface that checkpoint.py uses: every
+    parameter this stage loads and every buffer, each kept whole (R) on each of its devices."""
+
+    def __init__(self, pipe: Pipeline):
+        self.params = {name: pipe.params[key] for name, key in pipe._param_keys.items()}
+        self.buffers = pipe._constants  # the pipeline's own: a load replaces its values
+        self.stored = {name: (R, 0) for name in [*self.params, *self.buffers]}
+        self.model_stored = {name: (R, 0) for name in pipe._model_leaves}
+
+    def value_of(self, name: str) -> torch.Tensor:
+        return self.params[name] if name in self.params else self.buffers[name]
+
+    def stored_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def sizes(self, tensor: str, p: Placement, seg: int) -> None:
+        return None
 
 
 class _Missing(dict):

@@ -136,8 +136,9 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
         shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
         os.makedirs(staging)
     items = {f"model/{k}": v for k, v in state_dict(dmodel).items()}
+    groups = _model_groups(dmodel, opt)
     if opt is not None:
-        items.update(_flat_optimizer(optimizer_state_dict(dmodel, opt)))
+        items.update(_flat_optimizer({**optimizer_state_dict(dmodel, opt), "param_groups": groups}))
     if comm.rank == 0:  # written once; every rank loads rank 0's
         items.update({"step": step, "extra": extra, "rng": torch.get_rng_state()})
     dist.barrier(group=comm.group)  # the staging directory is there
@@ -164,16 +165,17 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
     meta = dcp.FileSystemReader(path).read_metadata()
-    check(path, {graph.tensors[name].target: graph.tensors[name].shape for name in ex.stored}, meta)
+    check(path, {graph.tensors[name].target: graph.tensors[name].shape for name in ex.model_stored}, meta)
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in ex.stored}
     objects = {"step": None, "extra": None}
+    groups = _model_groups(dmodel, opt)
     if opt is not None:
         state = _optimizer_items(dmodel, opt, meta, path)
         held.update({item: v for item, v in state.items() if v is not None})
         objects.update({item: None for item, v in state.items() if v is None}, **{"optim/param_groups": None})
     _load(objects, path, comm)  # first the small objects: the optimizer's groups must match
     if opt is not None:
-        _check_groups(dmodel, opt, objects["optim/param_groups"], path)
+        _check_groups(groups, objects["optim/param_groups"], path)
     rng = torch.empty_like(torch.get_rng_state())
     _load({"rng": rng, **{item: _like(dmodel, name, local) if name else local for item, (name, local) in held.items()}},
           path, comm)  # in place: parameters in their own storage
@@ -321,13 +323,29 @@ def _optimizer_items(dmodel, opt: torch.optim.Optimizer, meta: Metadata, path: s
     return out
 
 
-def _check_groups(dmodel, opt: torch.optim.Optimizer, saved: list[dict], path: str) -> None:
-    """The optimizer's parameter groups must hold the parameters the checkpoint's do."""
-    mine = [[key for _, key, _ in params] for params in _opt_params(dmodel, opt)]
-    if len(saved) != len(mine):
-        raise ValueError(f"the optimizer has {len(mine)} parameter groups, checkpoint {path} {len(saved)}")
-    for i, (keys, old) in enumerate(zip(mine, saved)):
-        differ = sorted(set(keys) ^ set(old["params"]))
+def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> list[dict]:
+    """The optimizer's parameter groups as a checkpoint records them: hyper-parameters and the
+    state-dict keys of the group's parameters on every rank, in rank order (a pipeline stage's
+    optimizer holds its own stage's; a rank with no parameters may have none). A collective."""
+    mine = [] if opt is None else [({k: v for k, v in g.items() if k != "params"}, [key for _, key, _ in params])
+                                   for g, params in zip(opt.param_groups, _opt_params(dmodel, opt))]
+    every: list = [None] * dmodel.comm.world
+    dist.all_gather_object(every, mine, group=dmodel.comm.group)
+    groups: list[dict] = []
+    for ranks_groups in every:
+        for i, (hyper, keys) in enumerate(ranks_groups):
+            if i == len(groups):
+                groups.append({**hyper, "params": []})
+            groups[i]["params"] += [key for key in keys if key not in groups[i]["params"]]
+    return groups
+
+
+def _check_groups(groups: list[dict], saved: list[dict], path: str) -> None:
+    """The optimizers' parameter groups (over all ranks) must hold the parameters the checkpoint's do."""
+    if len(saved) != len(groups):
+        raise ValueError(f"the optimizer has {len(groups)} parameter groups, checkpoint {path} {len(saved)}")
+    for i, (group, old) in enumerate(zip(groups, saved)):
+        differ = sorted(set(group["params"]) ^ set(old["params"]))
         if differ:
             raise ValueError(f"parameter group {i} of the optimizer and of checkpoint {path} differ in {differ[0]!r}")
 
