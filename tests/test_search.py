@@ -325,3 +325,22 @@ def test_astar_matches_uniform_cost_search_on_paper_models(name):
             blind = synthesize(graph, strategies, cost, seg, [ratios], restriction, heuristic=False, frame=frame)
             assert informed.cost == pytest.approx(blind.cost, rel=1e-9), (ratios, restriction)
             assert informed.expanded < blind.expanded
+
+
+@settings(max_examples=25, deadline=None)
+@given(cut=hs.floats(0.0, 1.0), r=hs.lists(hs.floats(0.05, 1.0), min_size=6, max_size=6), log_bw=hs.floats(4, 10),
+       layer_bounds=hs.booleans())
+def test_astar_matches_uniform_cost_search_across_segments(attention, cut, r, log_bw, layer_bounds):
+    """Two segments with their own ratios, the second starting anywhere (inside a layer chunk
+    too, where a chunk's searched bound would pay a rebalance per placement at hand): the
+    heuristics (pending moves, layer bounds) keep uniform-cost search's optimum."""
+    graph = attention
+    strategies, cost, _ = setup(graph, make_cluster((3e9, 2e9, 1e9), 10 ** log_bw))
+    n = len(graph.nodes)
+    start = 1 + min(n - 2, int(cut * (n - 1)))
+    seg = [0 if k < start else 1 for k in range(n)]
+    ratios = [tuple(x / sum(r[:3]) for x in r[:3]), tuple(x / sum(r[3:]) for x in r[3:])]
+    frame = Frame(graph, strategies, cost, seg)
+    informed = synthesize(graph, strategies, cost, seg, ratios, layer_bounds=layer_bounds, frame=frame)
+    blind = synthesize(graph, strategies, cost, seg, ratios, heuristic=False, frame=frame)
+    assert informed.cost == pytest.approx(blind.cost, rel=1e-9)

@@ -19,6 +19,7 @@
 #include <memory_resource>
 #include <tuple>
 #include <queue>
+#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -165,6 +166,9 @@ class Space {
     void use_pending() { pending_ = !fr_->consumers.empty(); }
     // The bound for a state at node k holding `props` (for tests).
     double pending_at(int k, std::vector<Prop> props) {
+        for (Prop p : props)
+            if (p < 0 || p / CODE_BITS >= static_cast<int>(fr_->ncodes.size()) || p % CODE_BITS >= fr_->ncodes[p / CODE_BITS])
+                throw std::invalid_argument("pending_at: a property names no tensor or placement of it");
         sort_unique(props);
         State s(&arena_);
         s.k = k;
@@ -392,7 +396,10 @@ class Space {
         for (int k : nodes) {
             double best = INF;
             for (int oi : allowed_[k]) {
-                double need = 0.0;
+                // per input tensor, its dearest placement: a tensor needed in two placements may
+                // reach both through one shared move, so only the dearer chain counts
+                auto& worst = pend_worst_;
+                worst.clear();
                 for (const auto& [t, code] : fr_->opts[k][oi].reqs) {
                     auto h = std::lower_bound(held.begin(), held.end(), std::make_pair(t, uint64_t(0)),
                                               [](const auto& x, const auto& y) { return x.first < y.first; });
@@ -404,9 +411,14 @@ class Space {
                     double d = INF;
                     for (int src = 0; src < nc; ++src)
                         if (mask >> src & 1ULL) d = std::min(d, row[src * nc + code]);
-                    need += d;
-                    if (need >= best) break;
+                    auto w = std::find_if(worst.begin(), worst.end(), [t = t](const auto& e) { return e.first == t; });
+                    if (w == worst.end())
+                        worst.emplace_back(t, d);
+                    else
+                        w->second = std::max(w->second, d);
                 }
+                double need = 0.0;
+                for (const auto& e : worst) need += e.second;
                 best = std::min(best, need);
                 if (best == 0.0) break;
             }
@@ -422,10 +434,10 @@ class Space {
     }
 
     // Per placement pair (src * codes + dst) of tensor t, the least seconds (forward plus
-    // backward) of a chain of allowed moves from src to dst for t's consumers (the least over
-    // their segments). Hops into a code no consumer needs (so unpriced) count as free: a lower
-    // bound still, as the last hop into a needed code is priced. Tensors alike in move classes
-    // share a table.
+    // backward) of a chain of allowed moves from src to dst for t's consumers, each hop priced
+    // at its least over their segments (a chain may hop in several). Hops into a code no
+    // consumer needs (so unpriced) count as free: a lower bound still, as the last hop into a
+    // needed code is priced. Tensors alike in move classes share a table.
     const std::vector<double>& distances(int t) {
         auto& cached = dist_of_[t];
         if (cached >= 0) return dists_[cached];
@@ -438,10 +450,9 @@ class Space {
             }
         auto [it, fresh] = dist_index_.try_emplace(key, static_cast<int>(dists_.size()));
         if (fresh) {
-            std::vector<double> best(nc * nc, INF);
+            std::vector<double> d(nc * nc, INF);  // hops first, each at its least over the segments
             size_t at = 0;
             for (size_t si = 0; si < fr_->consumer_segs[t].size(); ++si) {
-                std::vector<double> d(nc * nc, INF);
                 for (int c = 0; c < nc; ++c) {
                     d[c * nc + c] = 0.0;
                     int cls = key[at++];
@@ -457,13 +468,12 @@ class Space {
                             e = std::min(e, std::get<0>(mp[i]) + std::get<1>(mp[i]));
                         }
                 }
-                for (int via = 0; via < nc; ++via)
-                    for (int a = 0; a < nc; ++a)
-                        for (int b = 0; b < nc; ++b)
-                            d[a * nc + b] = std::min(d[a * nc + b], d[a * nc + via] + d[via * nc + b]);
-                for (int i = 0; i < nc * nc; ++i) best[i] = std::min(best[i], d[i]);
             }
-            dists_.push_back(std::move(best));
+            for (int via = 0; via < nc; ++via)
+                for (int a = 0; a < nc; ++a)
+                    for (int b = 0; b < nc; ++b)
+                        d[a * nc + b] = std::min(d[a * nc + b], d[a * nc + via] + d[via * nc + b]);
+            dists_.push_back(std::move(d));
         }
         cached = it->second;
         return dists_[cached];
@@ -761,6 +771,7 @@ class Space {
     std::map<std::vector<int>, int> dist_index_;
     std::vector<std::pair<int, uint64_t>> held_;
     std::vector<int> pend_nodes_, pend_used_;
+    std::vector<std::pair<int, double>> pend_worst_;
     std::pmr::monotonic_buffer_resource arena_;  // before the states and keys that use it
     std::vector<State> states_;
     std::unordered_map<Vec<int>, std::vector<int>, KeyHash> table_;

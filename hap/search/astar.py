@@ -471,7 +471,9 @@ class _Space:
         if not frame.cut_set:
             return
         chunks = list(zip(frame.bounds, frame.bounds[1:]))
-        searched = [lo for lo, _ in chunks if layer_bounds and lo not in frame.seg_start]
+        # a chunk that a segment start begins or cuts through is bounded by its computation: its
+        # search from every placement at hand would pay the rebalance of each of them
+        searched = [lo for lo, hi in chunks if layer_bounds and not any(lo <= k < hi for k in frame.seg_start)]
         computation = {lo: core.suffix_max(lo) for lo, _ in chunks}
         for lo in searched:
             core.clear_suffix(lo)  # a chunk start's state has no open stage
@@ -495,7 +497,8 @@ class _Space:
                     future[k], ahead[k], beyond[k] = after, extra.get(bucket[k], 0.0), later.after(bucket[k])
                 if lo not in searched:
                     # Entering a segment re-splits every sharded live placement: with all of them at
-                    # hand the bound would pay for rebalances no real entry makes. Computation only.
+                    # hand the bound would pay for rebalances no real entry makes. Computation only
+                    # (also without layer bounds).
                     future[lo], ahead[lo], beyond[lo] = after, extra.get(bucket[lo], 0.0), later.after(bucket[lo])
                     after += computation[lo]
                     later.prepend(bucket[lo], computation[lo], computation[lo], 0.0)
