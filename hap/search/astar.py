@@ -22,9 +22,10 @@ ecost(Q) = for forward and backward separately, the largest over devices of the 
            needs tensors Q already holds runs one of its strategies, and each input that
            strategy needs in a placement Q neither holds nor reaches for free (from R) costs a
            chain of moves, at least the cheapest chain from a held placement (moves are priced
-           one by one, each as a collective of its own). The least of that over the node's
-           strategies is summed over nodes that share no held input, so no move is counted
-           twice. Closing stages early only adds to the computation part.
+           one by one, each as a collective of its own; a tensor needed in two placements counts
+           the dearer chain only). The least of that over the node's strategies is summed over
+           nodes that share no held input, so no move is counted twice. Closing stages early
+           only adds to the computation part.
 A program Q' is dropped when a program with at least its properties costs no more for any
 continuation (line 9 of Fig. 10), and the search stops when the best complete program costs
 no more than the lowest score in the queue (line 5).
