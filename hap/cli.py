@@ -257,7 +257,7 @@ def _check_pipeline(args, graph, plan) -> None:
     """What hap train cannot do with a pipeline plan, said before any rank starts."""
     from .pipeline.stages import check_pipelinable
 
-    for flag in ("straggler", "trace", "clip"):
+    for flag in ("straggler", "trace"):
         value = getattr(args, flag)
         if value and value != "none":
             raise UserError(f"--{flag} does not run with a pipeline plan ({len(plan.stages)} stages) yet")
@@ -524,12 +524,13 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
     for step in range(start, args["steps"]):
         t0 = time.perf_counter()
         loss = pipe.train_step(*batch)
+        norm = pipe.clip_grad_norm_(args["clip"]) if args["clip"] else None
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         if progress is not None:
-            progress.step(loss.item(), times[-1], None)
+            progress.step(loss.item(), times[-1], norm)
         if args["checkpoint"] and ((step + 1) % every == 0 or step + 1 == args["steps"]):
             path = checkpoint.save(pipe, opt, args["checkpoint"], step + 1)
             if progress is not None:

@@ -261,6 +261,43 @@ def test_checkpoint_moves_between_pipeline_and_data_parallel_layouts(before, aft
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
+def clipped(rank, world, max_norm, norm_type):
+    """The tied model on 3 ranks (stage 1 on two at 40/60), gradients clipped every step."""
+    from hap.capture import capture
+    model, batches = _tied_setup()
+    graph = capture(model, batches[0])
+    cut = next(n.index for n in graph.nodes if n.op == "aten.layer_norm.default")
+    pipe = _pipeline(model, batches, world, [cut], *PIPE_3)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for batch in batches:
+        pipe.train_step(*batch)
+        norms.append(pipe.clip_grad_norm_(max_norm, norm_type).item())
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clipping_a_pipeline_is_one_devices_clipping(norm_type, tmp_path):
+    """Norms over both stages, the tied embedding counted once, and every gradient scaled alike:
+    torch's clip_grad_norm_ on one device, step by step (the threshold clips every step)."""
+    reports = run_ranks(clipped, 3, tmp_path, 0.05, norm_type)
+    model, batches = _tied_setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for batch in batches:
+        model(*batch).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type).item())
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > 0.05  # clipping acted on every step
+    for got in reports:
+        assert got["norms"] == pytest.approx(norms, rel=1e-5)
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
 # -- pricing, the exact partition, the DQN's environment -------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ sync entries say. Every rank is given the global batch and reads the rows of its
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Sequence
 
@@ -111,7 +112,8 @@ class Pipeline(nn.Module):
         # every buffer, loaded here or not: a checkpoint holds them all, as hap.HAP keeps them
         self._constants = {name: values[name].clone() for name, t in graph.tensors.items()
                            if t.kind == "buffer" and name in values}
-        whole = {ld.tensor for step in whole_program for ld in step.loads}
+        self._loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
+        whole = set().union(*self._loads)
         self._model_leaves = [name for name, t in graph.tensors.items()
                               if (t.kind == "param" and name in whole) or name in self._constants]
         self._groups = {g: dist.new_group(list(g)) for g in plan.device_groups() if len(g) > 1}
@@ -372,6 +374,28 @@ class Pipeline(nn.Module):
             dist.all_reduce(flat, group=self._groups[devices])
             for p, part in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(part.view_as(p.grad))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model, as hap.HAP's: the norm of every
+        stage's gradients, each parameter counted once (by the first device of the first stage
+        that holds it: a tied embedding's two stages hold one parameter), the same on every rank;
+        every gradient is scaled by min(1, max_norm / (norm + 1e-6)). A collective: every rank
+        calls it, after train_step. Returns the total norm."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        owner = {name: min(k for k, prog in enumerate(self._loads) if name in prog) for name in self._param_keys}
+        mine = [self.params[key].grad for name, key in self._param_keys.items()
+                if self.d == 0 and owner[name] == self.s and self.params[key].grad is not None]
+        if math.isinf(norm_type):
+            total = torch.stack([g.abs().max() for g in mine if g.numel()] or [torch.zeros(())]).max().reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
+            total = total[0]
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in mine), torch.zeros((), dtype=torch.float64))
+            total = all_reduce(local.reshape(1), self.comm)[0].pow(1.0 / norm_type).float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
 
     # -- state ---------------------------------------------------------------------------------
 
