@@ -248,8 +248,9 @@ def cmd_train(args) -> int:
           f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
     if args.trace:
         result.to_json(os.path.join(args.trace, "plan.json"))
+        explained = f" (hap explain {args.trace}/plan.json --trace {args.trace})" if len(result.stages) == 1 else ""
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
-              f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
+              f"{args.trace}/plan.json{explained}")
     return 0
 
 
@@ -257,7 +258,7 @@ def _check_pipeline(args, graph, plan) -> None:
     """What hap train cannot do with a pipeline plan, said before any rank starts."""
     from .pipeline.stages import check_pipelinable
 
-    for flag in ("straggler", "trace"):
+    for flag in ("straggler",):
         value = getattr(args, flag)
         if value and value != "none":
             raise UserError(f"--{flag} does not run with a pipeline plan ({len(plan.stages)} stages) yet")
@@ -506,7 +507,9 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
 
 def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) -> None:
     """hap train's loop for a plan of several stages (hap.Pipeline)."""
+    import contextlib
     import json
+    import os
 
     import torch
 
@@ -519,15 +522,21 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
     opt = torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
     start = checkpoint.load(pipe, opt, args["checkpoint"])[0] if args["resume"] else 0
     every = args["checkpoint_every"] or args["steps"]
+    traced = min(3, args["steps"] - start) if args["trace"] else 0
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
     progress = _Progress(args["steps"], start) if rank == 0 else None
     times = []
     for step in range(start, args["steps"]):
+        if profiler is not None and step == args["steps"] - traced:
+            pipe.tracing = True
+            profiler.start()
         t0 = time.perf_counter()
-        loss = pipe.train_step(*batch)
-        norm = pipe.clip_grad_norm_(args["clip"]) if args["clip"] else None
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function(f"hap step {step}") if profiler is not None else contextlib.nullcontext():
+            loss = pipe.train_step(*batch)
+            norm = pipe.clip_grad_norm_(args["clip"]) if args["clip"] else None
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         if progress is not None:
             progress.step(loss.item(), times[-1], norm)
@@ -537,6 +546,10 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
                 progress.note(f"checkpoint at step {step + 1}: {path}")
     if progress is not None:
         progress.close()
+    if profiler is not None:
+        profiler.stop()
+        os.makedirs(args["trace"], exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(args["trace"], f"rank{rank}.json"))
     if rank == 0:
         with open(times_path, "w") as f:
             json.dump(times, f)

@@ -192,6 +192,9 @@ def draw(estimated: list[Event], total: float, measured: list[Event], plan: Plan
 
 def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None) -> list[str]:
     """Write timeline.png, timeline.json and layouts.txt under out_dir; return the text report."""
+    if len(plan.stages) > 1:
+        raise ValueError(f"hap explain draws one-stage plans; this is a pipeline of {len(plan.stages)} stages "
+                         "(its Chrome traces from `hap train --trace` open in chrome://tracing or ui.perfetto.dev)")
     os.makedirs(out_dir, exist_ok=True)
     estimated, total = estimated_events(plan)
     measured, steps = measured_events(trace_dir, len(plan.devices)) if trace_dir else ([], [])

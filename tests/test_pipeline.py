@@ -298,6 +298,27 @@ def test_clipping_a_pipeline_is_one_devices_clipping(norm_type, tmp_path):
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
+def test_cli_trains_a_pipeline_with_clipping_and_traces(tmp_path, capfd):
+    """hap train --clip --trace with a pipeline plan: a Chrome trace per rank with hap's step,
+    node and transfer spans; hap explain refuses a pipeline plan in one line."""
+    import json
+
+    from hap.cli import main
+
+    traces = tmp_path / "traces"
+    assert main(["train", "--model", "vit", "--dropout", "0", "--planner", "pp-exact", "--pipeline-stages", "2",
+                 "--steps", "4", "--clip", "0.5", "--trace", str(traces)]) == 0
+    out = capfd.readouterr().out
+    assert "grad norm" in out
+    for r in range(2):
+        names = [e["name"] for e in json.loads((traces / f"rank{r}.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+        assert sum(n.startswith("hap step ") for n in names) == 3
+        assert any(n.startswith("hap node ") for n in names) and any(n.startswith("hap move receive") for n in names)
+    assert main(["explain", str(traces / "plan.json"), "-o", str(tmp_path / "explained")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hap: error: hap explain draws one-stage plans; this is a pipeline of 2")
+
+
 # -- pricing, the exact partition, the DQN's environment -------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ sync entries say. Every rank is given the global batch and reads the rows of its
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -123,6 +124,9 @@ class Pipeline(nn.Module):
                 self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
         self._sends, self._recvs = self._routes()
         self.last_step: dict[str, float] = {}
+        self.tracing = False
+        """Label nodes, received transfers and the gradient sync in a recorded Chrome trace
+        (torch.profiler), as hap.HAP's executor does."""
         """Seconds of the last train_step: total, compute (forward and backward), waiting."""
 
     # -- routes --------------------------------------------------------------------------------
@@ -196,7 +200,8 @@ class Pipeline(nn.Module):
                 self._backward(m, saved.pop(m), pending)
         for work in pending:
             work.wait()
-        self._sync_gradients()
+        with self._span("hap move gradient sync (all_reduce)"):
+            self._sync_gradients()
         total = all_reduce(loss.to(torch.float64), self.comm).to(loss.dtype)
         wall = time.perf_counter() - t0
         self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
@@ -225,7 +230,8 @@ class Pipeline(nn.Module):
                 held[(ld.tensor, ld.placement)] = self._load(ld.tensor, ld.placement, inputs, piece)
             self._counting = node if counts_early(node, step.strategy, self.graph) else None
             local = {name: held[(name, p)] for name, p in zip(node.inputs, step.strategy.inputs)}
-            outs = run_node(node, step.strategy, local, self.graph, ctx)
+            with self._span(f"hap node {node.name} {node.op.removeprefix('aten.')} [{step.strategy.name}]"):
+                outs = run_node(node, step.strategy, local, self.graph, ctx)
             for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
                 held[(name, p)] = out
         self._charge(time.perf_counter() - t0)
@@ -283,8 +289,9 @@ class Pipeline(nn.Module):
             buf = torch.empty(shape, dtype=getattr(torch, t.dtype))
             works.append(dist.irecv(buf, tr.peer, tag=tr.tag))
             parts.setdefault(tr.crossing, []).append((tr, buf))
-        for w in works:
-            w.wait()
+        with self._span(f"hap move receive micro-batch {m} (gloo)"):
+            for w in works:
+                w.wait()
         out = {}
         for ci, got in parts.items():
             c = self.crossings[ci]
@@ -351,6 +358,10 @@ class Pipeline(nn.Module):
         out = node.target(*substitute(node.args, values), **substitute(node.kwargs, values))
         outs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
         return outs[node.outputs.index(name)]
+
+    def _span(self, label: str):
+        """A named span in the Chrome trace while one is recorded, else nothing."""
+        return torch.profiler.record_function(label) if self.tracing else contextlib.nullcontext()
 
     def _charge(self, seconds: float) -> None:
         """An emulated slow device owes (slowdown - 1) times what it just computed."""
