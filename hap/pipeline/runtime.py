@@ -124,10 +124,10 @@ class Pipeline(nn.Module):
                 self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
         self._sends, self._recvs = self._routes()
         self.last_step: dict[str, float] = {}
+        """Seconds of the last train_step: total, compute (forward and backward), waiting."""
         self.tracing = False
         """Label nodes, received transfers and the gradient sync in a recorded Chrome trace
         (torch.profiler), as hap.HAP's executor does."""
-        """Seconds of the last train_step: total, compute (forward and backward), waiting."""
 
     # -- routes --------------------------------------------------------------------------------
 

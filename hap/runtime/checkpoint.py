@@ -1,4 +1,5 @@
-"""Sharded checkpoints that load under any plan, ratios or number of ranks.
+"""Sharded checkpoints that load under any plan, ratios or number of ranks (hap.HAP's, or
+hap.Pipeline's, whose stages each write their own parameters whole).
 
     from hap.runtime import checkpoint
     path = checkpoint.save(dmodel, opt, "ckpt", step)      # every rank: ckpt/step-00000012, then ckpt/latest
