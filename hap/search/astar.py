@@ -302,40 +302,41 @@ class Frame:
             # price again.
             first = self._first
             changed = set() if first is None else cost.changed_shares(first[0], ratios)
-            options = []
-            for a, k in enumerate(self.alike_node):
-                seg = self.segment_of[k]
-                row, deps = [], self._option_deps[a] if first is not None else []
-                for i, c in enumerate(self.choices[k]):
-                    if first is not None and changed.isdisjoint(deps[i]):
-                        row.append(first[1][a][i])
-                        continue
-                    alg.read = set() if first is None else None
-                    row.append(_core.Price(*price_node(cost, alg, k, c.strategy, c.loads, seg)))
-                    if first is None:
-                        deps.append(frozenset(alg.read))
-                options.append(row)
-                if first is None:
-                    self._option_deps.append(deps)
-            moves = []
-            for m, (name, seg) in enumerate(self.move_tensor):
-                row, deps = [], self._move_deps[m] if first is not None else []
-                for i, (_, mv) in enumerate(self.moves[m]):
-                    if first is not None and changed.isdisjoint(deps[i]):
-                        row.append(first[2][m][i])
-                        continue
-                    alg.read = set() if first is None else None
-                    row.append(move_price(cost, alg, name, mv, seg, seg))
-                    if first is None:
-                        deps.append(frozenset(alg.read))
-                moves.append(row)
-                if first is None:
-                    self._move_deps.append(deps)
-            alg.read = None
+            options = self._price_rows(
+                [[(k, c) for c in self.choices[k]] for k in self.alike_node], None if first is None else first[1],
+                self._option_deps, changed, alg,
+                lambda kc: _core.Price(*price_node(cost, alg, kc[0], kc[1].strategy, kc[1].loads, self.segment_of[kc[0]])))
+            moves = self._price_rows(
+                [[(name, seg, mv) for _, mv in self.moves[m]] for m, (name, seg) in enumerate(self.move_tensor)],
+                None if first is None else first[2], self._move_deps, changed, alg,
+                lambda item: move_price(cost, alg, item[0], item[2], item[1], item[1]))
             found = self._prices[key] = (options, moves)
             if self._first is None:
                 self._first = (tuple(map(tuple, ratios)), options, moves)
         return found
+
+    @staticmethod
+    def _price_rows(rows: list[list], first: list[list] | None, deps: list[list[frozenset]], changed: set,
+                    alg: NumericShares, price: Callable) -> list[list]:
+        """price(item) for every item of every row; from the second ratios priced on, the first
+        ratios' price (`first`) where none of the shares it read (`deps`, noted at the first
+        ratios: alg.read) rounds differently now (`changed`)."""
+        out = []
+        for r, items in enumerate(rows):
+            row, read = [], [] if first is None else deps[r]
+            for i, item in enumerate(items):
+                if first is not None and changed.isdisjoint(read[i]):
+                    row.append(first[r][i])
+                    continue
+                alg.read = set() if first is None else None
+                row.append(price(item))
+                if first is None:
+                    read.append(frozenset(alg.read))
+            if first is None:
+                deps.append(read)
+            out.append(row)
+        alg.read = None
+        return out
 
     def _sync_choice(self, k: int, loads: Sequence[Load]) -> tuple[float, tuple, tuple]:
         """(bytes synced from here, shared parameters first loaded sharded, later uses of

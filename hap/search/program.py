@@ -130,12 +130,17 @@ class NumericShares:
         self._top: dict[tuple[int, int], float] = {}  # (granule count, segment) -> the largest share
         self.read: set[tuple[int, int]] | None = None  # when a set: the (granule count, segment)s `of` is asked for
 
-    def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
-        if self.continuous:
-            return self.ratios[seg]
+    def _key(self, tensor: str, dim: int, seg: int) -> tuple[int, int]:
+        """What a tensor dim's shares depend on, noted in `read` when that is a set."""
         key = (self.cost.granules(tensor)[dim], seg)
         if self.read is not None:
             self.read.add(key)
+        return key
+
+    def of(self, tensor: str, dim: int, seg: int) -> Sequence[float]:
+        if self.continuous:
+            return self.ratios[seg]
+        key = self._key(tensor, dim, seg)
         found = self._of.get(key)
         if found is None:
             found = self._of[key] = self.cost.shares(tensor, dim, self.ratios[seg])
@@ -153,12 +158,10 @@ class NumericShares:
     def _largest_one(self, tensor: str, dim: int, seg: int) -> float:
         if self.continuous:
             return max(self.ratios[seg])
-        key = (self.cost.granules(tensor)[dim], seg)
+        key = self._key(tensor, dim, seg)
         found = self._top.get(key)
         if found is None:
             found = self._top[key] = max(self.of(tensor, dim, seg))
-        elif self.read is not None:
-            self.read.add(key)
         return found
 
     @staticmethod
