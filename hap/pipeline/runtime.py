@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from typing import Sequence
 
@@ -39,7 +38,7 @@ from ..rules.units import ShardClasses
 from ..runtime.collectives import Comm, all_reduce, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
-from ..runtime.module import agree_plan, rank_comm, state_keys
+from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import (Crossing, check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
                      piece_ratios, row_ranges, stage_of_nodes)
@@ -396,17 +395,7 @@ class Pipeline(nn.Module):
         owner = {name: min(k for k, prog in enumerate(self._loads) if name in prog) for name in self._param_keys}
         mine = [self.params[key].grad for name, key in self._param_keys.items()
                 if self.d == 0 and owner[name] == self.s and self.params[key].grad is not None]
-        if math.isinf(norm_type):
-            total = torch.stack([g.abs().max() for g in mine if g.numel()] or [torch.zeros(())]).max().reshape(1)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
-            total = total[0]
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in mine), torch.zeros((), dtype=torch.float64))
-            total = all_reduce(local.reshape(1), self.comm)[0].pow(1.0 / norm_type).float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return total
+        return clip_by_global_norm(mine, grads, max_norm, norm_type, self.comm)
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -234,20 +234,7 @@ class HAP(nn.Module):
             if p.grad is not None:
                 (sharded if self.executor.stored[name][0].is_shard else whole).append(p.grad)
         mine = sharded + (whole if self.comm.rank == 0 else [])  # whole gradients are equal on all ranks
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in mine if g.numel()] or [torch.zeros(())])
-            total = local.max().reshape(1)
-            self.comm.before()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
-            self.comm.after("all_reduce", 4)
-            total = total[0]
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in mine), torch.zeros((), dtype=torch.float64))
-            total = all_reduce(local.reshape(1), self.comm)[0].pow(1.0 / norm_type).float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in sharded + whole:
-            g.mul_(coef)
-        return total
+        return clip_by_global_norm(mine, sharded + whole, max_norm, norm_type, self.comm)
 
     def reshard(self, ratios: Sequence[float] | Sequence[Sequence[float]],
                 optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ()) -> int:
@@ -324,6 +311,26 @@ class HAP(nn.Module):
                 whole[name] = ex.whole(name, ex.value_of(name).detach()).clone()
             out[key] = whole[name]
         return out
+
+def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], max_norm: float,
+                        norm_type: float, comm: Comm) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over ranks: the norm of `counted` on every rank together
+    (each gradient element counted by exactly one rank), then each of this rank's `grads`
+    scaled by min(1, max_norm / (norm + 1e-6)). A collective. Returns the total norm."""
+    if math.isinf(norm_type):
+        total = torch.stack([g.abs().max() for g in counted if g.numel()] or [torch.zeros(())]).max().reshape(1)
+        comm.before()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.group)
+        comm.after("all_reduce", 4)
+        total = total[0]
+    else:
+        local = sum((g.double().abs().pow(norm_type).sum() for g in counted), torch.zeros((), dtype=torch.float64))
+        total = all_reduce(local.reshape(1), comm)[0].pow(1.0 / norm_type).float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
 
 def _runs(plan: Plan, graph) -> bool:
     """Whether the plan's program runs `graph` (the model at another input shape) as it is."""
