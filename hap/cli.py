@@ -437,8 +437,6 @@ def _mitigator(args: dict, dmodel, opt, out_dir: str):
 
 
 def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
-    import contextlib
-    import json
     import os
 
     import torch
@@ -462,17 +460,10 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     mit = _mitigator(args, dmodel, opt, os.path.dirname(times_path))
     straggling = _Straggling(args["straggler"]) if mit is not None and rank == 0 else None
     start = checkpoint.load(dmodel, opt, args["checkpoint"])[0] if args["resume"] else 0
-    every = args["checkpoint_every"] or args["steps"]
-    traced = min(3, args["steps"] - start) if args["trace"] else 0
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
-    times = []
-    progress = _Progress(args["steps"], start) if rank == 0 else None
+    run = _TrainLoop(rank, args, start, dmodel, opt, lambda: setattr(dmodel.executor, "tracing", True))
     for step in range(start, args["steps"]):
-        if profiler is not None and step == args["steps"] - traced:
-            dmodel.executor.tracing = True
-            profiler.start()
         t0 = time.perf_counter()
-        with torch.profiler.record_function(f"hap step {step}") if profiler is not None else contextlib.nullcontext():
+        with run.step(step):
             if mit is not None:
                 mit.begin_step(step)
                 shares = mit.shares()  # this step's, the same on every rank
@@ -482,35 +473,16 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)  # the mitigator's layers need it (torch's default too)
             record = mit.end_step() if mit is not None else None
-        times.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         if record is not None and record["resharded"]:  # new shares: this rank's part of the batch moved
             mine = dmodel.local_batch(*batch)
         note = straggling.step(record, shares) if straggling is not None else ""
-        if progress is not None:
-            progress.step(loss.item(), times[-1], norm, note)
-        if args["checkpoint"] and ((step + 1) % every == 0 or step + 1 == args["steps"]):
-            path = checkpoint.save(dmodel, opt, args["checkpoint"], step + 1)
-            if progress is not None:
-                progress.note(f"checkpoint at step {step + 1}: {path}")
-    if progress is not None:
-        progress.close()
-    if straggling is not None:
-        print(straggling.summary(), flush=True)
-    if profiler is not None:
-        profiler.stop()
-        os.makedirs(args["trace"], exist_ok=True)
-        profiler.export_chrome_trace(os.path.join(args["trace"], f"rank{rank}.json"))
-    if rank == 0:
-        with open(times_path, "w") as f:
-            json.dump(times, f)
+        run.done(step, seconds, loss, norm, note)
+    run.finish(times_path, straggling.summary() if straggling is not None else None)
 
 
 def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) -> None:
     """hap train's loop for a plan of several stages (hap.Pipeline)."""
-    import contextlib
-    import json
-    import os
-
     import torch
 
     from .cost.cluster import load_cluster
@@ -521,38 +493,73 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
     params = list(pipe.parameters())  # a stage may have none (the loss alone, say)
     opt = torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
     start = checkpoint.load(pipe, opt, args["checkpoint"])[0] if args["resume"] else 0
-    every = args["checkpoint_every"] or args["steps"]
-    traced = min(3, args["steps"] - start) if args["trace"] else 0
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
-    progress = _Progress(args["steps"], start) if rank == 0 else None
-    times = []
+    run = _TrainLoop(rank, args, start, pipe, opt, lambda: setattr(pipe, "tracing", True))
     for step in range(start, args["steps"]):
-        if profiler is not None and step == args["steps"] - traced:
-            pipe.tracing = True
-            profiler.start()
         t0 = time.perf_counter()
-        with torch.profiler.record_function(f"hap step {step}") if profiler is not None else contextlib.nullcontext():
+        with run.step(step):
             loss = pipe.train_step(*batch)
             norm = pipe.clip_grad_norm_(args["clip"]) if args["clip"] else None
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        if progress is not None:
-            progress.step(loss.item(), times[-1], norm)
-        if args["checkpoint"] and ((step + 1) % every == 0 or step + 1 == args["steps"]):
-            path = checkpoint.save(pipe, opt, args["checkpoint"], step + 1)
-            if progress is not None:
-                progress.note(f"checkpoint at step {step + 1}: {path}")
-    if progress is not None:
-        progress.close()
-    if profiler is not None:
-        profiler.stop()
-        os.makedirs(args["trace"], exist_ok=True)
-        profiler.export_chrome_trace(os.path.join(args["trace"], f"rank{rank}.json"))
-    if rank == 0:
-        with open(times_path, "w") as f:
-            json.dump(times, f)
+        run.done(step, time.perf_counter() - t0, loss, norm)
+    run.finish(times_path)
+
+
+class _TrainLoop:
+    """What hap train's loops (hap.HAP's and hap.Pipeline's) do around each step: the progress
+    line (rank 0), the step times, checkpoints every --checkpoint-every steps and at the end,
+    and with --trace a Chrome trace of the last 3 steps."""
+
+    def __init__(self, rank: int, args: dict, start: int, dmodel, opt, start_tracing):
+        import torch
+
+        self.rank, self.args, self.dmodel, self.opt, self.start_tracing = rank, args, dmodel, opt, start_tracing
+        self.every = args["checkpoint_every"] or args["steps"]
+        self.traced = min(3, args["steps"] - start) if args["trace"] else 0
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if self.traced else None
+        self.progress = _Progress(args["steps"], start) if rank == 0 else None
+        self.times: list[float] = []
+
+    def step(self, step: int):
+        """The step's span (a trace's "hap step N"), starting the trace at the first traced step."""
+        import contextlib
+
+        import torch
+
+        if self.profiler is None:
+            return contextlib.nullcontext()
+        if step == self.args["steps"] - self.traced:
+            self.start_tracing()
+            self.profiler.start()
+        return torch.profiler.record_function(f"hap step {step}")
+
+    def done(self, step: int, seconds: float, loss, norm, note: str = "") -> None:
+        from .runtime import checkpoint
+
+        self.times.append(seconds)
+        if self.progress is not None:
+            self.progress.step(loss.item(), seconds, norm, note)
+        if self.args["checkpoint"] and ((step + 1) % self.every == 0 or step + 1 == self.args["steps"]):
+            path = checkpoint.save(self.dmodel, self.opt, self.args["checkpoint"], step + 1)
+            if self.progress is not None:
+                self.progress.note(f"checkpoint at step {step + 1}: {path}")
+
+    def finish(self, times_path: str, summary: str | None = None) -> None:
+        import json
+        import os
+
+        if self.progress is not None:
+            self.progress.close()
+        if summary is not None:
+            print(summary, flush=True)
+        if self.profiler is not None:
+            self.profiler.stop()
+            os.makedirs(self.args["trace"], exist_ok=True)
+            self.profiler.export_chrome_trace(os.path.join(self.args["trace"], f"rank{self.rank}.json"))
+        if self.rank == 0:
+            with open(times_path, "w") as f:
+                json.dump(self.times, f)
 
 
 class _Straggling:
