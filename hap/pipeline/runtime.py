@@ -112,10 +112,14 @@ class Pipeline(nn.Module):
         # every buffer, loaded here or not: a checkpoint holds them all, as hap.HAP keeps them
         self._constants = {name: values[name].clone() for name, t in graph.tensors.items()
                            if t.kind == "buffer" and name in values}
-        self._loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
-        whole = set().union(*self._loads)
+        loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
+        whole = set().union(*loads)
         self._model_leaves = [name for name, t in graph.tensors.items()
                               if (t.kind == "param" and name in whole) or name in self._constants]
+        # the parameters whose gradients this rank counts in a global norm: each by the first
+        # device of the first stage that holds it (a tied embedding's two stages hold one)
+        self._norm_counted = [name for name in self._param_keys
+                              if self.d == 0 and min(k for k, held in enumerate(loads) if name in held) == s]
         self._groups = {g: dist.new_group(list(g)) for g in plan.device_groups() if len(g) > 1}
         self._buckets: dict[int, tuple[tuple[int, ...], list[str]]] = {}
         for e in plan.sync:
@@ -127,6 +131,7 @@ class Pipeline(nn.Module):
         self.tracing = False
         """Label nodes, received transfers and the gradient sync in a recorded Chrome trace
         (torch.profiler), as hap.HAP's executor does."""
+        self._stage_state = _StageState(self)
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -392,10 +397,8 @@ class Pipeline(nn.Module):
         every gradient is scaled by min(1, max_norm / (norm + 1e-6)). A collective: every rank
         calls it, after train_step. Returns the total norm."""
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        owner = {name: min(k for k, prog in enumerate(self._loads) if name in prog) for name in self._param_keys}
-        mine = [self.params[key].grad for name, key in self._param_keys.items()
-                if self.d == 0 and owner[name] == self.s and self.params[key].grad is not None]
-        return clip_by_global_norm(mine, grads, max_norm, norm_type, self.comm)
+        counted = [g for g in (self.params[self._param_keys[name]].grad for name in self._norm_counted) if g is not None]
+        return clip_by_global_norm(counted, grads, max_norm, norm_type, self.comm)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -404,7 +407,7 @@ class Pipeline(nn.Module):
         """This stage's parameters and buffers as hap.runtime.checkpoint reads and writes them
         (checkpoint.save(pipe, opt, ...) and checkpoint.load work as for hap.HAP; a checkpoint of
         either loads under the other, any plan)."""
-        return _StageState(self)
+        return self._stage_state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (each
