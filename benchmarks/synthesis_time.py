@@ -49,7 +49,10 @@ def _faster(ours: float, published: float | None) -> str:
 
 
 def _kind(result) -> str:
-    return "exhaustive" if result.search.get("exhaustive", True) else "width-limited"
+    if result.search.get("exhaustive", True):
+        return "exhaustive"
+    gap = result.search.get("gap")
+    return "width-limited" + ("" if gap is None else f", within {gap:.0%} (proven)")
 
 
 def main() -> int:

@@ -198,7 +198,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
     capacity = [d.memory for d in cluster.devices]
 
     candidates: list[tuple[float, str, list[Step], list[list[float]], Estimate]] = []
-    stats = {"rounds": 0, "expanded": 0, "generated": 0, "exhaustive": True}
+    stats = {"rounds": 0, "expanded": 0, "generated": 0, "exhaustive": True, "gap": 0.0}
 
     priced: dict[tuple, Estimate] = {}  # (program, share signature) -> its replay: the alternation meets pairs again
 
@@ -212,6 +212,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
 
     frame = Frame(graph, strategies, cost, segment_of)
     found: dict[tuple, list[Step]] = {}  # (share signature, restriction) -> the program searched for
+    known: list[list[Step]] = []  # every program found so far: each search starts bounded by the cheapest
 
     def search(ratios, restriction=None):
         # Ratios that round alike price alike (CostModel.share_signature): one search serves both.
@@ -229,14 +230,21 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
         budget = config.width_after if stats["exhaustive"] else 0.0
         res = synthesize(graph, strategies, cost, segment_of, ratios, restriction, heuristic=config.heuristic,
                          layer_bounds=config.layer_cuts and restriction is None, width=config.width, width_after=budget,
-                         frame=frame)
+                         frame=frame, incumbents=known)
+        if res.program not in known:
+            known.append(res.program)
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
+        # the most a search's program may cost beyond its optimum (None: unbounded)
+        stats["gap"] = None if stats["gap"] is None or not math.isfinite(res.gap) else max(stats["gap"], res.gap)
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
         if res.exhaustive:  # only a proven optimum stands for another search
             found[(sig, restriction)] = res.program
         return res.program
 
+    # Data parallelism's program first: as an incumbent it bounds every search from the start,
+    # so a search expands only programs that may beat it.
+    _baseline_program(search, [list(cluster.even()) for _ in range(g)], _dp())
     starts = {"cp": cluster.compute_proportional(), "ev": cluster.even()}
     seen = set()  # programs already balanced, by any chain: balancing again would repeat its work
     for start_name, start in starts.items():

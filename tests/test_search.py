@@ -191,6 +191,60 @@ def test_width_limit_is_reported(graphs):
     assert not narrow.exhaustive  # one program per node cannot cover this graph's choices
 
 
+@settings(max_examples=25, deadline=None)
+@given(name=hs.sampled_from(["two_layer", "residual"]), r0=hs.floats(0.05, 0.95), log_bw=hs.floats(4, 10),
+       width=hs.sampled_from([1, 2]))
+def test_width_limited_search_proves_a_lower_bound(graphs, name, r0, log_bw, width):
+    """The least score a width-limited search dropped bounds the optimum from below (scores never
+    overestimate), its program from above; an exhaustive search's bound is its own cost."""
+    graph = graphs[name]
+    strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 10 ** log_bw))
+    ratios = [(r0, 1 - r0)]
+    full = synthesize(graph, strategies, cost, seg, ratios)
+    narrow = synthesize(graph, strategies, cost, seg, ratios, width=width)
+    assert full.exhaustive and full.lower_bound == full.cost and full.gap == 0.0
+    assert narrow.lower_bound <= full.cost * (1 + 1e-9) <= narrow.cost * (1 + 2e-9)
+    assert narrow.gap >= narrow.cost / full.cost - 1 - 1e-9
+
+
+def test_the_lower_bound_of_a_narrow_search_is_informative(graphs):
+    # one program per node misses the optimum by far here, yet what it dropped scores at least
+    # 90% of the optimum: the gap it reports is the real one, not a vacuous bound
+    graph = graphs["two_layer"]
+    strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 1e5))
+    full = synthesize(graph, strategies, cost, seg, [(0.6, 0.4)])
+    narrow = synthesize(graph, strategies, cost, seg, [(0.6, 0.4)], width=1)
+    assert not narrow.exhaustive and narrow.cost > 10 * full.cost
+    assert 0.9 * full.cost < narrow.lower_bound <= full.cost
+
+
+def test_an_incumbent_bounds_the_search_and_keeps_its_optimum(graphs):
+    graph = graphs["two_layer"]
+    strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 1e5))
+    ratios = [(0.6, 0.4)]
+    full = synthesize(graph, strategies, cost, seg, ratios)
+    worse = synthesize(graph, strategies, cost, seg, ratios, width=1).program  # a dearer program of the space
+    bounded = synthesize(graph, strategies, cost, seg, ratios, incumbents=[worse])
+    assert bounded.exhaustive and bounded.cost == pytest.approx(full.cost, rel=1e-12)
+    assert bounded.expanded <= full.expanded
+    # nothing is cheaper than the optimum: the search expands less and returns the incumbent itself
+    same = synthesize(graph, strategies, cost, seg, ratios, incumbents=[worse, full.program])
+    assert same.program == full.program and same.cost == pytest.approx(full.cost, rel=1e-12) and same.exhaustive
+    assert same.expanded < full.expanded
+
+
+def test_a_restricted_search_ignores_incumbents_outside_its_family(graphs):
+    from hap.planner import _dp
+    graph = graphs["two_layer"]
+    strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 1e5))
+    ratios = [(0.6, 0.4)]
+    free = synthesize(graph, strategies, cost, seg, ratios).program
+    dp = synthesize(graph, strategies, cost, seg, ratios, _dp())
+    assert not _dp().admits(free, graph) and replay(free, cost, seg, ratios).seconds < dp.cost
+    found = synthesize(graph, strategies, cost, seg, ratios, _dp(), incumbents=[free])
+    assert _dp().admits(found.program, graph) and found.cost == pytest.approx(dp.cost, rel=1e-12)
+
+
 def test_width_applies_only_after_the_exhaustive_budget(graphs):
     """A search that finishes within `width_after` expansions per node never drops a program,
     so it stays exhaustive and optimal even with a width of 1."""

@@ -141,6 +141,9 @@ struct Result {
     double cost;
     int at_node;
     py::list path;
+    // The least score of the programs the width cap dropped (INF: none): with an admissible
+    // score, no program through them costs less, so min(cost, dropped) bounds the optimum.
+    double dropped = INF;
 };
 
 class Space {
@@ -156,6 +159,8 @@ class Space {
         zero_.assign(m_, 0.0);
         suffix_f_.assign(n_ + 1, zero_);
         suffix_b_.assign(n_ + 1, zero_);
+        wsuffix_f_.assign(n_ + 1, 0.0);
+        wsuffix_b_.assign(n_ + 1, 0.0);
         expanded_at.assign(n_ + 1, 0);
         dist_of_.assign(fr_->ncodes.size(), -1);
     }
@@ -176,16 +181,30 @@ class Space {
         return pending_ ? pending(s, n_) : 0.0;
     }
 
+    // The weights of the computation bound's second form (astar.py): any weights summing to 1
+    // make a weighted mean of the devices' times a lower bound of their maximum.
+    void set_weights(std::vector<double> weights) {
+        if (static_cast<int>(weights.size()) != m_) throw std::invalid_argument("set_weights: one weight per device");
+        weights_ = std::move(weights);
+    }
+
     // Per device, the cheapest computation left in each node's chunk (the heuristic's suffix):
-    // at a cut the rest is empty.
+    // at a cut the rest is empty. With weights, also the cheapest weighted mean left, node by node.
     void compute_suffix() {
+        wsuffix_f_.assign(n_ + 1, 0.0);
+        wsuffix_b_.assign(n_ + 1, 0.0);
         for (int k = n_ - 1; k >= 0; --k) {
             std::vector<double> lf(m_, INF), lb(m_, INF);
+            double wf = INF, wb = INF;
             for (int i : allowed_[k]) {
                 const Price& p = price(k, i);
                 for (int j = 0; j < m_; ++j) {
                     lf[j] = std::min(lf[j], p.fwd[j]);
                     lb[j] = std::min(lb[j], p.bwd[j]);
+                }
+                if (!weights_.empty()) {
+                    wf = std::min(wf, weighted(p.fwd));
+                    wb = std::min(wb, weighted(p.bwd));
                 }
             }
             const bool cut = fr_->cut_after[k];
@@ -193,12 +212,19 @@ class Space {
                 suffix_f_[k][j] = (cut ? 0.0 : suffix_f_[k + 1][j]) + lf[j];
                 suffix_b_[k][j] = (cut ? 0.0 : suffix_b_[k + 1][j]) + lb[j];
             }
+            if (!weights_.empty()) {
+                wsuffix_f_[k] = (cut ? 0.0 : wsuffix_f_[k + 1]) + wf;
+                wsuffix_b_[k] = (cut ? 0.0 : wsuffix_b_[k + 1]) + wb;
+            }
         }
     }
-    double suffix_max(int k) const { return vmax(suffix_f_[k]) + vmax(suffix_b_[k]); }
+    double suffix_max(int k) const {
+        return std::max(vmax(suffix_f_[k]), wsuffix_f_[k]) + std::max(vmax(suffix_b_[k]), wsuffix_b_[k]);
+    }
     void clear_suffix(int k) {
         suffix_f_[k] = zero_;
         suffix_b_[k] = zero_;
+        wsuffix_f_[k] = wsuffix_b_[k] = 0.0;
     }
     // The bound of the chunks ahead of each node, for programs whose shared parameters were
     // first loaded as `constraints` say (none: any way, or whole); and what the chunks ahead
@@ -227,6 +253,10 @@ class Space {
                 a = std::max(a, s.fwd[j] + sf[j]);
                 b = std::max(b, s.bwd[j] + sb[j]);
             }
+            if (!weights_.empty()) {
+                a = std::max(a, weighted(s.fwd) + wsuffix_f_[s.k]);
+                b = std::max(b, weighted(s.bwd) + wsuffix_b_[s.k]);
+            }
         }
         if (forward_only_) b = 0.0;
         const Future* f = with_future ? future(s) : nullptr;
@@ -250,9 +280,10 @@ class Space {
     // sync_price: without sync, seconds per byte of gradient a node makes the runtime sync,
     // added to the stages (a chunk's bound with its sync priced at the least slope).
     // forward_only: without sync, stages cost their forward part only (a chunk's forward bound).
+    // upper: the cost of a program known already (INF: none); only cheaper ones are returned.
     Result search(int start_k, std::vector<Prop> start_props, std::vector<Shared> shared, bool with_sync, int goal,
                   bool with_future, long max_expansions, int width, long width_after, double sync_price,
-                  bool forward_only) {
+                  bool forward_only, double upper) {
         sync_price_ = with_sync ? 0.0 : sync_price;
         forward_only_ = !with_sync && forward_only;
         states_.clear();
@@ -275,9 +306,10 @@ class Space {
         using Entry = std::tuple<double, int, long, int>;  // score, -k, order, state
         std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue;
         int best = -1;
-        double best_cost = INF;
+        double best_cost = upper;  // a program known to cost `upper`: only cheaper ones are looked for
         long limit = expanded + max_expansions;
         long width_from = expanded + width_after;
+        double dropped = INF;
 
         {
             queue.emplace(score(states_[0], with_future, goal), -states_[0].k, counter++, 0);
@@ -301,6 +333,7 @@ class Space {
                 int k = states_[idx].k;
                 if (per_node[k] >= width && expanded >= width_from) {
                     exhaustive = false;
+                    dropped = std::min(dropped, popped);
                     continue;
                 }
                 per_node[k] += 1;
@@ -314,7 +347,7 @@ class Space {
                 if (sc < best_cost && !dominated(c)) queue.emplace(sc, -states_[c].k, counter++, c);
             }
         }
-        if (best < 0) return Result{1, INF, -1, py::list()};
+        if (best < 0) return Result{1, INF, -1, py::list(), dropped};
         py::list path;
         std::vector<int> chain;
         for (int i = best; i > 0; i = states_[i].parent) chain.push_back(i);
@@ -329,7 +362,7 @@ class Space {
                     if (p % CODE_BITS >= 3) pre.append(p);
             path.append(py::make_tuple(s.k - 1, s.option, combo, pre));
         }
-        return Result{0, best_cost, -1, path};
+        return Result{0, best_cost, -1, path, dropped};
     }
 
     long expanded = 0, generated = 0;
@@ -760,6 +793,13 @@ class Space {
     std::unordered_map<long, std::pair<double, double>> rebalance_;
     std::vector<double> zero_;
     std::vector<std::vector<double>> suffix_f_, suffix_b_;
+    std::vector<double> weights_, wsuffix_f_, wsuffix_b_;  // empty weights: no weighted bound
+    template <class V>
+    double weighted(const V& times) const {
+        double sum = 0.0;
+        for (int j = 0; j < m_; ++j) sum += weights_[j] * times[j];
+        return sum;
+    }
     std::map<Vec<Shared>, Future> futures_;
     double sync_price_ = 0.0;
     bool forward_only_ = false;
@@ -838,13 +878,15 @@ PYBIND11_MODULE(_core, mod) {
         .def_readonly("status", &Result::status)
         .def_readonly("cost", &Result::cost)
         .def_readonly("at_node", &Result::at_node)
-        .def_readonly("path", &Result::path);
+        .def_readonly("path", &Result::path)
+        .def_readonly("dropped", &Result::dropped);
     py::class_<Space>(mod, "Space")
         .def(py::init<std::shared_ptr<Frame>, std::vector<std::vector<Price>>, std::vector<std::vector<int>>,
                       std::vector<std::vector<std::tuple<double, double, bool>>>>())
         .def("set_rebalance", &Space::set_rebalance)
         .def("use_pending", &Space::use_pending)
         .def("pending_at", &Space::pending_at)
+        .def("set_weights", &Space::set_weights)
         .def("compute_suffix", &Space::compute_suffix)
         .def("suffix_max", &Space::suffix_max)
         .def("clear_suffix", &Space::clear_suffix)

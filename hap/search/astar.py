@@ -84,7 +84,7 @@ from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
-from .program import Load, MoveStep, NumericShares, Step, move_price, price_node
+from .program import Load, MoveStep, NumericShares, Step, move_price, price_node, replay
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -136,13 +136,23 @@ class SearchResult:
     seconds: float
     exhaustive: bool = True
     """False when the width limit dropped a program: `cost` is then not proven optimal."""
+    lower_bound: float = 0.0
+    """A proven lower bound of the optimum's cost: `cost` itself when exhaustive, else the
+    least score of the programs the width cap dropped (the score never overestimates what a
+    program's completions cost), if lower."""
+
+    @property
+    def gap(self) -> float:
+        """How much dearer than the optimum `cost` may be at most, as a fraction of it."""
+        return self.cost / self.lower_bound - 1.0 if self.lower_bound > 0 else math.inf
 
 
 def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: CostModel, segment_of: Sequence[int],
                ratios: Sequence[Sequence[float]], restriction: Restriction | None = None,
                heuristic: bool = True, layer_bounds: bool = False,
                max_expansions: int = 5_000_000, width: int | None = None,
-               width_after: float = 0.0, frame: Frame | None = None) -> SearchResult:
+               width_after: float = 0.0, frame: Frame | None = None,
+               incumbents: Sequence[Sequence[Step]] = ()) -> SearchResult:
     """The cheapest program under `ratios` (per segment) in the canonical-order space.
 
     Programs are priced as `program.walk` prices them: stages end at communication and at
@@ -156,19 +166,29 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     width=None keeps the search exhaustive (a proven optimum); an int caps the programs
     expanded per node index (see the module docstring) once the search has expanded `width_after` programs
     per node of the graph, and the result says whether the cap dropped any.
+
+    incumbents: programs of the same space known already (a baseline's, an earlier search's).
+    The cheapest of them under `ratios` bounds the search from the start (branch and bound):
+    programs whose score reaches it are never expanded, and it is the result where nothing
+    cheaper exists, still a proven optimum.
     """
     t0 = time.perf_counter()
     with paused_gc():
         space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
-        found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n))
+        known = min(((replay(p, cost, segment_of, ratios).seconds - cost.step_overhead, i) for i, p in enumerate(incumbents)
+                     if restriction is None or restriction.admits(p, graph)), default=(math.inf, -1))
+        found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n), upper=known[0])
+    if found is None and known[1] >= 0:
+        found = list(incumbents[known[1]]), known[0]
     if found is None:
         raise SearchError("no complete program found")
     program, best_cost = found
     # the step's own collectives but the gradients' (the loss's all-reduce, the generator's
     # broadcast) cost every program alike: the search leaves them out, the total has them
     total = best_cost + cost.step_overhead
+    lower = min(best_cost, space.dropped) + cost.step_overhead
     return SearchResult(program, total, space.core.expanded, space.core.generated, time.perf_counter() - t0,
-                        space.core.exhaustive)
+                        space.core.exhaustive, lower)
 
 
 class Frame:
@@ -408,6 +428,7 @@ class _Space:
                 for mv in moves_between(R, dst, True):
                     if not restriction.allow_move(mv):
                         raise ValueError(f"restriction {restriction.name!r} forbids the free move {mv.name} (R -> {dst})")
+        self.dropped = math.inf
         self.allowed = allowed = []
         for k, node in enumerate(graph.nodes):
             ok = [i for i, c in enumerate(frame.choices[k]) if not restriction or all(
@@ -433,15 +454,17 @@ class _Space:
 
     def run(self, k: int, props, with_sync: bool, goal: int, with_future: bool, max_expansions: int,
             width: int | None = None, width_after: int = 0, shared=(), sync_price: float = 0.0,
-            forward_only: bool = False) -> tuple[list[Step], float] | None:
+            forward_only: bool = False, upper: float = math.inf) -> tuple[list[Step], float] | None:
         """The cheapest program from node k holding `props` to node `goal` (the module docstring's search):
-        its steps and cost, or None when there is none. with_sync: price gradient sync from an
+        its steps and cost, or None when there is none cheaper than `upper`. Afterwards `self.dropped` is the least
+        score of the programs the width cap dropped (inf: none). with_sync: price gradient sync from an
         empty bucket (the whole program's search) or leave it unpriced but for `sync_price`
         seconds per byte, and with forward_only only the stages' forward parts (a chunk's
         bound); shared: how shared parameters were first loaded, (parameter id, placement code,
         segment) each."""
         res = self.core.search(k, list(props), list(shared), with_sync, goal, with_future, max_expansions,
-                               -1 if width is None else width, width_after, sync_price, forward_only)
+                               -1 if width is None else width, width_after, sync_price, forward_only, upper)
+        self.dropped = res.dropped
         if res.status == 2:
             raise SearchError(f"search exceeded {max_expansions} expansions at node {res.at_node} of {self.n}")
         if res.status == 1:
@@ -469,6 +492,10 @@ class _Space:
         if not enabled:
             return
         core, frame = self.core, self.frame
+        # The slowest device computes at least any weighted mean of the devices' times; weighted
+        # by speed, a node's mean is its work over the cluster's speed whatever the strategy's
+        # shares, where the per-device least (each device its own cheapest strategy) is not.
+        core.set_weights(self.cost.cluster.compute_proportional())
         core.compute_suffix()
         if not frame.cut_set:
             return
