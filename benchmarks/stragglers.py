@@ -86,6 +86,9 @@ def main() -> int:
                     help="run one case again into DIR/stragglers.json from an earlier run (e.g. persistent:8:rebalance)")
     ap.add_argument("--exactness-only", action="store_true",
                     help="run only the SGD exactness check, into DIR/stragglers.json from an earlier run, and redo the report")
+    ap.add_argument("--table1-only", action="store_true",
+                    help="measure only Table I (with --quick: one straggler, 3 gammas), into DIR/stragglers.json "
+                         "from an earlier run, and redo the report")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.report_only:
@@ -109,11 +112,16 @@ def main() -> int:
             json.dump(result, f, indent=1)
         _report(result, args.out)
         return 0
-    if args.exactness_only:
+    if args.exactness_only or args.table1_only:
         path = os.path.join(args.out, "stragglers.json")
+        if not os.path.exists(path):
+            raise SystemExit(f"{path} not found: --exactness-only and --table1-only add to an earlier run's results")
         with open(path) as f:
             result = json.load(f)
-        result["exactness_sgd"] = _exactness_sgd("round-robin:chi=8,every=22", "persistent:chi=8,rank=1")
+        if args.table1_only:
+            result["table1"] = _table1(args.quick)
+        if args.exactness_only:
+            result["exactness_sgd"] = _exactness_sgd("round-robin:chi=8,every=22", "persistent:chi=8,rank=1")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         _report(result, args.out)
@@ -164,17 +172,7 @@ def main() -> int:
             ref = free if r["world"] == 2 else free4
             exact[f"{r['policy']} {r['scenario']} chi {r['chi']:g}"] = _max_diff(r["parameters"], ref["parameters"])
 
-    # Table I: fixed handovers on a homogeneous cluster of 4, nu ranks handing over gamma each
-    table1 = []
-    gammas = (0.0, 0.5, 1.0) if args.quick else (0.0, 0.25, 0.5, 0.75, 1.0)
-    for nu in (1,) if args.quick else (1, 2):
-        for method in ("broadcast-reduce", "scatter-gather"):
-            for gamma in gammas:
-                handover = tuple([gamma] * nu + [0.0] * (4 - nu))
-                r = _run({"world": 4, "epochs": 1, "steps": 12, "policy": "migrate", "handover": handover,
-                          "method": method})
-                table1.append({"nu": nu, "method": method, "gamma": gamma, "seconds_per_iteration": r["seconds_per_iteration"]})
-                print(f"table I nu {nu} {method:>16} gamma {gamma:.2f}: {r['seconds_per_iteration'] * 1e3:7.1f} ms/it", flush=True)
+    table1 = _table1(args.quick)
 
     result = {"epochs": epochs, "runs": [{k: v for k, v in r.items() if k not in ("step_seconds", "parameters", "losses")}
                                          for r in runs],
@@ -184,6 +182,21 @@ def main() -> int:
     _report(result, args.out)
     print(f"wrote {args.out}/stragglers.json, report.md and figures")
     return 0
+
+
+def _table1(quick: bool) -> list[dict]:
+    """Table I: fixed handovers on a homogeneous cluster of 4, nu ranks handing over gamma each."""
+    table1 = []
+    gammas = (0.0, 0.5, 1.0) if quick else (0.0, 0.25, 0.5, 0.75, 1.0)
+    for nu in (1,) if quick else (1, 2):
+        for method in ("broadcast-reduce", "scatter-gather"):
+            for gamma in gammas:
+                handover = tuple([gamma] * nu + [0.0] * (4 - nu))
+                r = _run({"world": 4, "epochs": 1, "steps": 12, "policy": "migrate", "handover": handover,
+                          "method": method})
+                table1.append({"nu": nu, "method": method, "gamma": gamma, "seconds_per_iteration": r["seconds_per_iteration"]})
+                print(f"table I nu {nu} {method:>16} gamma {gamma:.2f}: {r['seconds_per_iteration'] * 1e3:7.1f} ms/it", flush=True)
+    return table1
 
 
 def _find(runs, scenario, chi, policy):
@@ -259,7 +272,6 @@ def _report(result: dict, out: str) -> None:
 def _targets(result) -> list[str]:
     runs, out = result["runs"], []
     none8 = _find(runs, "round-robin", 8.0, "none")
-    free = _find(runs, "none", 1.0, "none")
 
     def check(label, ok, detail):
         out.append(f"- {'MET' if ok else 'NOT MET'}: {label} ({detail})")

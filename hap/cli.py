@@ -156,7 +156,6 @@ def _build_graph(args, devices: int, say, device: str | None = "meta"):
 
 def cmd_plan(args) -> int:
     from .cost.cluster import load_cluster
-    from .planner import PlannerConfig
     from .planners import make_plan
 
     cluster = load_cluster(args.cluster)

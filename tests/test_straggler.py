@@ -2,7 +2,6 @@
 hand-worked numbers, and on real gloo ranks migration (both methods, column- and row-parallel
 layers, uneven shares) and rebalancing train exactly like one device."""
 
-import math
 
 import pytest
 import torch

@@ -19,7 +19,6 @@ Q values (beam=1: its greedy rollout), the complete cuts priced by the table's o
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 

@@ -30,7 +30,7 @@ class PipelineSpace:
         self.config = config = config or PlannerConfig()
         self.graph, self.cluster = graph, cluster
         self.program: list[Step] = baseline_plan(graph, cluster, "dp-ev", config).steps(graph)
-        check_pipelinable(graph, self.program, runtime=False)
+        check_pipelinable(graph, self.program)
         self.classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.cost = CostModel(graph, cluster, self.classes, config.optimizer)
         self.pricer = PipelinePricer(self.cost, self.program)

@@ -32,7 +32,7 @@ from ..ir import Graph
 from ..placement import P, R, Placement
 from ..plan import Plan
 from ..rules import strategy_table
-from ..rules.local import LocalContext, run_node, substitute
+from ..rules.local import LocalContext, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..runtime.collectives import Comm, all_reduce, global_rank, run_move
@@ -40,7 +40,7 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
 from .schedule import stage_order
-from .stages import (Crossing, check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
+from .stages import (check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
                      piece_ratios, row_ranges, stage_of_nodes)
 
 
@@ -72,7 +72,6 @@ class Pipeline(nn.Module):
         self._state_keys = state_keys(model, graph)
         K, M = len(plan.stages), plan.schedule.micro_batches
         self.K, self.M, self.schedule = K, M, plan.schedule.name
-        owner = [s for s, st in enumerate(plan.stages) for _ in st.devices]
         if sorted(d for st in plan.stages for d in st.devices) != list(range(comm.world)):
             raise ValueError(f"the stages' device groups {[st.devices for st in plan.stages]} must cover the "
                              f"{comm.world} ranks once each")
@@ -126,6 +125,15 @@ class Pipeline(nn.Module):
             if comm.rank in e.devices and e.param in self._param_keys and len(e.devices) > 1:
                 self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
         self._sends, self._recvs = self._routes()
+        # Random numbers, as one device draws them: every step, from rank 0's generator, each
+        # random node's whole draw in graph order, up to this stage's last node (the earlier
+        # stages' draws only advance the generator); every micro-batch takes its rows. After the
+        # step the last stage's generator, which drew them all, is everyone's.
+        last = plan.stages[s].nodes[1]
+        self._random = any(is_random(node) for node in graph.nodes)
+        self._draws = [node for node in graph.nodes if node.index <= last and is_random(node)]
+        self._noise: dict[int, object] = {}
+        self._rng_after = plan.stages[-1].devices[0]
         self.last_step: dict[str, float] = {}
         """Seconds of the last train_step: total, compute (forward and backward), waiting."""
         self.tracing = False
@@ -191,6 +199,8 @@ class Pipeline(nn.Module):
                                  f"{tuple(self.graph.tensors[name].shape)}")
         t0 = time.perf_counter()
         self._computed = 0.0
+        if self._random:
+            self._draw()
         inputs = self._inputs_now = dict(zip(self.graph.inputs, batch))
         saved: dict[int, tuple] = {}
         pending: list[dist.Work] = []
@@ -206,10 +216,30 @@ class Pipeline(nn.Module):
             work.wait()
         with self._span("hap move gradient sync (all_reduce)"):
             self._sync_gradients()
+        if self._random:
+            self._noise = {}
+            self._share_rng(self._rng_after)
         total = all_reduce(loss.to(torch.float64), self.comm).to(loss.dtype)
         wall = time.perf_counter() - t0
         self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
         return total
+
+    def _draw(self) -> None:
+        """This step's random numbers: rank 0's generator, then every random node's whole draw
+        up to this stage's end, in graph order; this stage's own are kept for its micro-batches."""
+        self._share_rng(0)
+        mine = range(self.plan.stages[self.s].nodes[0], self.plan.stages[self.s].nodes[1] + 1)
+        with self._span("hap random draws"):
+            for node in self._draws:
+                drawn = whole_noise(node, self.graph)
+                if node.index in mine:
+                    self._noise[node.index] = drawn
+
+    def _share_rng(self, src: int) -> None:
+        """Every rank's CPU generator set to rank src's (a collective)."""
+        state = torch.get_rng_state()
+        dist.broadcast(state, src=global_rank(self.comm, src), group=self.comm.group)
+        torch.set_rng_state(state)
 
     def _forward(self, m: int, inputs: dict[str, torch.Tensor], pending: list) -> tuple:
         """Micro-batch m's forward on this rank's piece: (its partial loss on the last stage,
@@ -219,7 +249,7 @@ class Pipeline(nn.Module):
         j, J = m * len(self.devices) + self.d, self.M * len(self.devices)
         split = self.pieces[self.s]
         ctx = LocalContext(device=j, world=J, split=lambda t, dim: self.classes.split_sizes(t, dim, split),
-                           all_reduce=self._piece_sum)
+                           all_reduce=self._piece_sum, noise=lambda node: self._noise[node.index])
         piece = Comm(rank=j, world=J)
         held: dict[tuple[str, Placement], torch.Tensor] = {}
         for ci, value in received.items():

@@ -10,9 +10,11 @@ gradients summed over them to its gradients. A micro-batch on one device of a st
 
 What crosses a cut is a *crossing*: a tensor one stage produces and a later one reads, split
 on a dim (its rows travel between the devices that hold them) or replicated (the first device
-of the micro-batch sends it whole). Some programs cannot be pipelined, and say so in one line:
-random ops (each micro-batch would draw its own numbers), buffers the forward updates
-(BatchNorm's statistics are over the whole batch), and partial sums crossing a cut.
+of the micro-batch sends it whole). Random ops stay exact: each node's random numbers are
+drawn once per step, whole, in one device's order, and every piece takes its rows
+(pipeline/runtime.py). Some programs cannot be pipelined, and say so in one line: buffers the
+forward updates (BatchNorm's statistics are over the whole batch), and partial sums crossing
+a cut.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Sequence
 
 from ..ir import Graph
 from ..placement import R, Placement
-from ..rules.local import is_random
 from ..rules.units import ShardClasses, round_sizes
 from ..search.program import Step
 
@@ -56,13 +57,10 @@ def stage_ranges(cuts: Sequence[int], nodes: int) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1] - 1) for k in range(len(bounds) - 1)]
 
 
-def check_pipelinable(graph: Graph, program: Sequence[Step], runtime: bool = True) -> None:
-    """ValueError, in one line, where micro-batches would change the mathematics (runtime:
-    also what the planner may price but the runtime cannot run yet)."""
-    for node in graph.nodes if runtime else ():
-        if is_random(node):
-            raise ValueError(f"node {node.name} ({node.op}) draws random numbers: a pipeline's micro-batches would draw "
-                             "others than one device does (set dropout to 0 to pipeline this model)")
+def check_pipelinable(graph: Graph, program: Sequence[Step]) -> None:
+    """ValueError, in one line, where micro-batches would change the mathematics. (Random ops
+    do not: the runtime draws each node's random numbers once per step, whole, in one device's
+    order, and gives every micro-batch its rows.)"""
     if graph.buffer_updates:
         name = next(iter(graph.buffer_updates))
         raise ValueError(f"the forward updates buffer {graph.tensors[name].target or name} (BatchNorm's statistics are "

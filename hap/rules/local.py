@@ -36,6 +36,10 @@ class LocalContext:
     """Per-device sizes of a sharded (tensor, dim)."""
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
     """Sum of a tensor over all devices (a collective: every device must call it)."""
+    noise: Callable[[Node], object] | None = None
+    """A random node's whole draw (`whole_noise`), drawn earlier; None: draw it now from
+    torch's generator. A pipeline draws each once per step, in one device's order, for all
+    its micro-batches."""
 
     def offset(self, tensor: str, dim: int) -> int:
         """Where this device's shard of (tensor, dim) starts."""
@@ -226,17 +230,30 @@ def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> 
     return whole.narrow(p.dim, ctx.offset(tensor, p.dim), ctx.split(tensor, p.dim)[ctx.device])
 
 
+def whole_noise(node: Node, graph: Graph):
+    """The random numbers one device draws for a random node, whole, from torch's generator:
+    a dropout's noise (mask / (1 - p); native_dropout: and its mask), the values of rand_like,
+    randn_like or bernoulli, attention's noise over every (batch, head, query, key)."""
+    if node.op == ATTENTION:
+        q_shape, k_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
+        whole = torch.ones((*q_shape[:-1], k_shape[-2]), dtype=getattr(torch, graph.tensors[node.inputs[0]].dtype))
+        return torch.ops.aten.dropout.default(whole, attention_dropout(node.args, node.kwargs), True)
+    x = graph.tensors[node.inputs[0]]
+    whole = torch.ones(x.shape, dtype=getattr(torch, x.dtype))  # the shape one device draws for
+    return node.target(whole, *node.args[1:], **node.kwargs)  # the arguments after the input are constants
+
+
 def _random(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalContext, graph: Graph):
     out_name, out_p = node.outputs[0], st.outputs[0]
     x = args[0]
-    whole = torch.ones(graph.tensors[node.inputs[0]].shape, dtype=x.dtype)  # the shape one device draws for
+    drawn = ctx.noise(node) if ctx.noise else whole_noise(node, graph)
     if node.op not in DROPOUTS:  # rand_like, randn_like, bernoulli: the values depend on the shape only
-        return _part(node.target(whole, *args[1:], **kwargs), out_name, out_p, ctx)
+        return _part(drawn, out_name, out_p, ctx)
     if node.op == "aten.native_dropout.default":
-        noise, mask = node.target(whole, *args[1:], **kwargs)  # noise = mask / (1 - p)
+        noise, mask = drawn  # noise = mask / (1 - p)
         return x * _part(noise, out_name, out_p, ctx), _part(mask, node.outputs[1], st.outputs[1], ctx)
     # dropout is linear in x for a fixed mask, so a partial-sum x takes the whole mask too
-    return x * _part(node.target(whole, *args[1:], **kwargs), out_name, out_p, ctx)
+    return x * _part(drawn, out_name, out_p, ctx)
 
 
 def attention_dropout(args: tuple, kwargs: dict) -> float:
@@ -259,7 +276,5 @@ def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict,
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = torch.softmax(scores, dim=-1)
-    q_shape, k_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
-    whole = torch.ones((*q_shape[:-1], k_shape[-2]), dtype=q.dtype)  # every score's noise
-    noise = torch.ops.aten.dropout.default(whole, a["dropout_p"], True)
+    noise = ctx.noise(node) if ctx.noise else whole_noise(node, graph)  # every score's noise
     return _part(noise, node.inputs[0], st.inputs[0], ctx).mul(weights) @ v

@@ -422,7 +422,7 @@ class _Space:
         frame = frame or Frame(graph, strategies, cost, segment_of)
         assert frame.graph is graph and frame.strategies is strategies and frame.segment_of == list(segment_of)
         self.frame, self.graph, self.cost, self.segment_of, self.ratios = frame, graph, cost, segment_of, ratios
-        self.n = n = len(graph.nodes)
+        self.n = len(graph.nodes)
         if restriction:
             for dst in (D, P, Placement("S", 0)):
                 for mv in moves_between(R, dst, True):

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from ..placement import P, R
 from ..runtime.collectives import all_reduce, global_rank
 from .linear import Meter, Site, TPLinear, Work, _Ctx
-from .migrate import Handover, Method, handover, receivers_of
+from .migrate import Method, handover, receivers_of
 from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound, rebalance_pays,
                      rebalanced_time, semi_beta, stragglers, unmitigated)
-from .prune import Lineage, PrioritySelector, RandomSelector, pruned_count
+from .prune import Lineage, PrioritySelector, RandomSelector
 from .schedule import Schedule
 
 log = logging.getLogger("hap")

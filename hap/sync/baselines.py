@@ -24,7 +24,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.model import CostModel
 from ..search.program import Estimate
 from .price import backward_clock
 from .strategy import PartSync, SyncStrategy, Variables, VarSync
