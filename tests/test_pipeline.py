@@ -337,6 +337,53 @@ def vit_space():
     return PipelineSpace(capture(model, inputs), load_cluster("paper-hetero-8"), PlannerConfig())
 
 
+def test_group_layouts_are_consecutive_and_nearest_to_equal_speed_first():
+    from hap.pipeline.partition import equal_groups, group_layouts
+    speeds = [3.0, 3.0, 1, 1, 1, 1, 1, 1]
+    for K in (1, 2, 3, 4, 8):
+        layouts = group_layouts(speeds, K)
+        assert 1 <= len(layouts) <= 6
+        for layout in layouts:
+            assert len(layout) == K and all(layout) and sum(layout, []) == list(range(8))
+        if 8 % K == 0:
+            assert layouts[0] == equal_groups(8, K)
+    # 3 stages: (0 | 1, 2 | 3..7) has group speeds 3 / 4 / 5 (largest over smallest 5/3), as
+    # has (0 | 1, 2, 3 | 4..7) with 3 / 5 / 4, the ties broken by group sizes; every other split
+    # into consecutive ranks is farther from equal (e.g. 0, 1 | 2, 3, 4 | 5, 6, 7: 6 / 3 / 3)
+    spread = lambda layout: max(sum(speeds[i] for i in g) for g in layout) / min(sum(speeds[i] for i in g) for g in layout)
+    assert group_layouts(speeds, 3)[:2] == [[[0], [1, 2], [3, 4, 5, 6, 7]], [[0], [1, 2, 3], [4, 5, 6, 7]]]
+    assert spread(group_layouts(speeds, 3)[0]) == 5 / 3 == min(spread(lay) for lay in group_layouts(speeds, 3, limit=100))
+    # 2 stages on (3, 3, 1 x 6): 2 | 6 devices balance 6 against 6
+    assert group_layouts(speeds, 2)[1] == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="cannot each have a device"):
+        group_layouts(speeds, 9)
+
+
+def test_pp_exact_gives_a_fast_device_a_group_of_its_own_and_runs_any_stage_count():
+    """On one fast device and three slow ones, two stages of one and three devices beat two
+    of two (the exact cut of each layout, compared); three stages on four devices are planned
+    (they used to be refused: 3 does not divide 4)."""
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.models import build
+    from hap.pipeline.partition import exact_partition
+    from hap.pipeline.plan import PipelineSpace, exact_plan
+    from hap.planner import PlannerConfig
+    cluster = local_cluster((4.0, 1.0, 1.0, 1.0), "fast-and-slow")
+    model, inputs = build("vit", layers=2, devices=4, device="meta")
+    graph = capture(model, inputs)
+    config = PlannerConfig(pipeline_stages=2)
+    space = PipelineSpace(graph, cluster, config)
+    equal = min(exact_partition(space.table(2, M, [[0, 1], [2, 3]])).seconds for M in space.micro_batch_counts(2))
+    plan = exact_plan(graph, cluster, config)
+    assert [st.devices for st in plan.stages] == [[0], [1, 2, 3]]
+    assert plan.estimated_iteration_seconds < equal * 0.99
+    three = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=3))
+    assert len(three.stages) == 3 and sorted(len(st.devices) for st in three.stages) == [1, 1, 2]
+    with pytest.raises(ValueError, match="need 2 to 4"):
+        exact_plan(graph, cluster, PlannerConfig(pipeline_stages=5))
+
+
 def test_exact_partition_equals_brute_force(vit_space):
     from hap.pipeline.partition import brute_force, exact_partition
     for K, M in ((2, 4), (4, 8), (4, 2)):
@@ -410,8 +457,8 @@ def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     from hap.plan import Plan
     again = Plan.from_json(plan.to_json())
     assert again.digest == plan.digest and again.schedule == plan.schedule
-    with pytest.raises(ValueError, match="pipeline stages"):
-        make_plan("pp-exact", graph, load_cluster("paper-hetero-8"), PlannerConfig(pipeline_stages=3))
+    with pytest.raises(ValueError, match="9 pipeline stages: need 2 to 8"):  # a stage without a device
+        make_plan("pp-exact", graph, load_cluster("paper-hetero-8"), PlannerConfig(pipeline_stages=9))
     with pytest.raises(ValueError, match="micro-batches do not fit"):
         make_plan("pp-exact", graph, local_cluster((1.0,) * 2, "local"), PlannerConfig(pipeline_stages=2, micro_batches=13))
 

@@ -3,8 +3,9 @@
 - Pivots: the node boundaries a stage may start at: layer boundaries (ir.chunk_cuts) where
   only batch-split or replicated tensors cross, thinned to at most `limit` evenly by compute
   (the paper's coarsening to 128).
-- Device groups: K groups of equal size in rank order; the cut, not the group, adapts to a
-  group's speed (a fast group takes a longer stage), and inside a group the devices split each
+- Device groups: K groups of consecutive ranks (`group_layouts`: equal sizes where K divides
+  the devices, and the groups nearest to equal total speed); the cut also adapts to a group's
+  speed (a fast group takes a longer stage), and inside a group the devices split each
   micro-batch in proportion to their speed.
 - exact_partition: the cuts minimizing PipelinePricer's L over all choices of K - 1 pivots,
   by dynamic programming over (stages placed, pivot) with Pareto sets of (sum of stage
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,6 +53,31 @@ def equal_groups(devices: int, stages: int) -> list[list[int]]:
         raise ValueError(f"{stages} pipeline stages do not divide {devices} devices into equal groups")
     per = devices // stages
     return [list(range(k * per, (k + 1) * per)) for k in range(stages)]
+
+
+def group_layouts(speeds: Sequence[float], stages: int, limit: int = 6) -> list[list[list[int]]]:
+    """Ways to give K stages groups of consecutive ranks (every rank once, every group
+    non-empty), at most `limit`: equal groups first where K divides the devices, then the
+    layouts whose groups' total speeds are nearest to equal (least largest over smallest), so a
+    group of slow devices may be larger than one of fast devices."""
+    m = len(speeds)
+    if not 1 <= stages <= m:
+        raise ValueError(f"{stages} pipeline stages cannot each have a device of the {m}")
+    layouts = []
+    for bounds in itertools.combinations(range(1, m), stages - 1):
+        edges = (0, *bounds, m)
+        layouts.append([list(range(a, b)) for a, b in zip(edges, edges[1:])])
+
+    def spread(layout):
+        total = [sum(speeds[i] for i in g) for g in layout]
+        return max(total) / min(total), [len(g) for g in layout]
+
+    layouts.sort(key=spread)
+    if m % stages == 0:
+        equal = equal_groups(m, stages)
+        layouts.remove(equal)
+        layouts.insert(0, equal)
+    return layouts[:limit]
 
 
 def speed_ratios(cost: CostModel, group: Sequence[int]) -> list[float]:
@@ -149,7 +176,6 @@ def _pareto(items: list[tuple]) -> list[tuple]:
 
 def brute_force(table: StageTable) -> tuple[tuple[int, ...], float]:
     """Every choice of cuts (tests only: exponential)."""
-    import itertools
     K, Q = len(table.groups), len(table.positions)
     best = (None, float("inf"))
     for cuts in itertools.combinations(range(1, Q - 1), K - 1):
@@ -159,5 +185,5 @@ def brute_force(table: StageTable) -> tuple[tuple[int, ...], float]:
     return best
 
 
-__all__ = ["pivots", "equal_groups", "speed_ratios", "StageTable", "exact_partition", "Partition", "brute_force",
+__all__ = ["pivots", "equal_groups", "group_layouts", "speed_ratios", "StageTable", "exact_partition", "Partition", "brute_force",
            "stage_of_nodes", "crossings"]

@@ -17,7 +17,7 @@ from ..planner import PlannerConfig, baseline_plan
 from ..rules import has_rule, strategy_table
 from ..rules.units import ShardClasses
 from ..search.program import Step
-from .partition import StageTable, equal_groups, exact_partition, pivots, speed_ratios
+from .partition import StageTable, exact_partition, group_layouts, pivots, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
 from .stages import check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes, stage_ranges
 
@@ -41,11 +41,16 @@ class PipelineSpace:
     def stage_counts(self) -> list[int]:
         K = self.config.pipeline_stages
         if K:
-            if K < 2 or self.cluster.size % K or K - 1 > len(self.pivots):
-                raise ValueError(f"{K} pipeline stages: need 2 or more that divide the {self.cluster.size} devices, "
-                                 f"with at most {len(self.pivots) + 1} (the model's cut points)")
+            if K < 2 or K > self.cluster.size or K - 1 > len(self.pivots):
+                raise ValueError(f"{K} pipeline stages: need 2 to {min(self.cluster.size, len(self.pivots) + 1)} "
+                                 f"({self.cluster.size} devices, {len(self.pivots)} cut points in the model)")
             return [K]
         return [k for k in (2, 4, 8) if self.cluster.size % k == 0 and k - 1 <= len(self.pivots)]
+
+    def layouts(self, K: int) -> list[list[list[int]]]:
+        """The device groups pp-exact tries for K stages (partition.group_layouts); the first
+        is the one the other pipeline planners use."""
+        return group_layouts([1.0 / x for x in self.cost.inv_speed], K)
 
     def micro_batch_counts(self, K: int) -> list[int]:
         M = self.config.micro_batches
@@ -54,16 +59,18 @@ class PipelineSpace:
             return [M]
         return sorted({min(x, self.granules) for x in (K, 2 * K, 4 * K)})
 
-    def groups_and_ratios(self, K: int) -> tuple[list[list[int]], list[list[float]]]:
-        groups = equal_groups(self.cluster.size, K)
+    def groups_and_ratios(self, K: int, groups: Sequence[Sequence[int]] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """K device groups (default: the first layout) and each group's shares of a micro-batch."""
+        groups = [list(g) for g in groups] if groups is not None else self.layouts(K)[0]
         return groups, [speed_ratios(self.cost, g) for g in groups]
 
-    def table(self, K: int, M: int) -> StageTable:
-        groups, ratios = self.groups_and_ratios(K)
+    def table(self, K: int, M: int, groups: Sequence[Sequence[int]] | None = None) -> StageTable:
+        groups, ratios = self.groups_and_ratios(K, groups)
         return StageTable(self.pricer, self.pivots, groups, ratios, M, self.config.schedule)
 
-    def plan(self, cuts: Sequence[int], K: int, M: int, seconds: float, search: dict) -> Plan:
-        groups, ratios = self.groups_and_ratios(K)
+    def plan(self, cuts: Sequence[int], K: int, M: int, seconds: float, search: dict,
+             groups: Sequence[Sequence[int]] | None = None) -> Plan:
+        groups, ratios = self.groups_and_ratios(K, groups)
         return assemble(self, cuts, groups, ratios, M, seconds, search)
 
 
@@ -112,21 +119,27 @@ def breakdown(est: PipelineEstimate, M: int) -> dict[str, float]:
 
 def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
                progress: Callable[[str], None] | None = None) -> Plan:
-    """The pipeline of least estimated time over stage counts, micro-batch counts and cuts
-    (exact_partition for each)."""
+    """The pipeline of least estimated time over stage counts, device groups
+    (PipelineSpace.layouts), micro-batch counts and cuts (exact_partition for each)."""
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
-    best = None
+    best, unfit = None, None
     for K in space.stage_counts():
-        for M in space.micro_batch_counts(K):
-            part = exact_partition(space.table(K, M))
-            if progress:
-                progress(f"pp-exact: K={K} M={M}: {part.seconds * 1e3:.2f} ms")
-            if best is None or part.seconds < best[0].seconds:
-                best = (part, K, M)
+        for groups in space.layouts(K):
+            sizes = "/".join(str(len(g)) for g in groups)
+            for M in space.micro_batch_counts(K):
+                try:
+                    part = exact_partition(space.table(K, M, groups))
+                except ValueError as e:  # no cut of this layout fits memory; another may
+                    unfit = e
+                    continue
+                if progress:
+                    progress(f"pp-exact: K={K} groups {sizes} M={M}: {part.seconds * 1e3:.2f} ms")
+                if best is None or part.seconds < best[0].seconds:
+                    best = (part, K, M, groups)
     if best is None:
-        raise ValueError(f"{graph.model_name} cannot be cut into a pipeline on {cluster.size} devices")
-    part, K, M = best
+        raise unfit or ValueError(f"{graph.model_name} cannot be cut into a pipeline on {cluster.size} devices")
+    part, K, M, groups = best
     return space.plan(part.cuts, K, M, time.perf_counter() - t0,
-                      {"planner": "pp-exact", "winner": f"pipeline K={K} M={M}", "exhaustive": True,
-                       "pivots": len(space.pivots), "explored": part.explored})
+                      {"planner": "pp-exact", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
+                       "exhaustive": True, "pivots": len(space.pivots), "explored": part.explored}, groups)
