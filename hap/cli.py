@@ -247,9 +247,8 @@ def cmd_train(args) -> int:
           f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
     if args.trace:
         result.to_json(os.path.join(args.trace, "plan.json"))
-        explained = f" (hap explain {args.trace}/plan.json --trace {args.trace})" if len(result.stages) == 1 else ""
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
-              f"{args.trace}/plan.json{explained}")
+              f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
     return 0
 
 

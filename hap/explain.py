@@ -12,6 +12,11 @@ stages in order (each opens with its collectives, then every device computes its
 backward runs them in reverse (computation, then the backward of the stage's opening
 collectives); the gradient buckets are all-reduced one after another as the backward makes
 them ready, on their own lane; the loss's all-reduce ends the step.
+
+A pipeline plan's timeline is its schedule as the cost model runs it (pipeline/schedule.simulate
+on the stage times its estimate states): every micro-batch's forward and backward on each
+stage's devices, the transfers between stages, each stage's gradient all-reduce after its last
+backward, then the loss's all-reduce.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import Plan, size_text
+from .pipeline.schedule import simulate
+from .plan import Plan, PlanStage, size_text
 
 COMPUTE, COMM, SYNC = "compute", "collectives", "gradient sync"
 
@@ -72,23 +78,67 @@ def estimated_events(plan: Plan) -> tuple[list[Event], float]:
     return events, t
 
 
+def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
+    """A pipeline's estimated iteration as events per device, and its length in seconds."""
+    tl, sched = plan.timeline["pipeline"], plan.schedule
+    K, send = len(plan.stages), tl["send"]
+    runs = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send)
+    events: list[Event] = []
+    for (kind, s, m), (start, end) in sorted(runs.items(), key=lambda item: item[1]):
+        devices = plan.stages[s].devices
+        events += [Event(j, COMPUTE, f"{'forward' if kind == 'F' else 'backward'} micro-batch {m} (stage {s})",
+                         start, end - start) for j in devices]
+        if kind == "F" and s < K - 1 and send[s] > 0:  # asynchronous: the stage goes on computing
+            events += [Event(j, COMM, f"micro-batch {m}'s activations to stage {s + 1}", end, send[s]) for j in devices]
+        if kind == "B" and s > 0 and send[s - 1] > 0:
+            events += [Event(j, COMM, f"micro-batch {m}'s gradients to stage {s - 1}", end, send[s - 1]) for j in devices]
+    flushed = max(end for _, end in runs.values())
+    t = flushed
+    for s, stage in enumerate(plan.stages):
+        last = max(end for (_, k, _), (_, end) in runs.items() if k == s)
+        if tl["sync"][s] > 0:
+            events += [Event(j, SYNC, f"all-reduce stage {s}'s gradients", last, tl["sync"][s]) for j in stage.devices]
+        t = max(t, last + tl["sync"][s])
+    loss_sync = tl["simulated"] - flushed - max(tl["sync"])  # what the estimate adds after the flush and sync
+    if loss_sync > 1e-12:
+        events += [Event(j, COMM, "loss all-reduce", t, loss_sync) for j in range(len(plan.devices))]
+        t += loss_sync
+    return events, t
+
+
 def layouts(plan: Plan) -> list[str]:
-    """Every tensor's placements in the program (in order of first appearance) with its sizes
-    per device where sharded, and how each parameter's gradient is synchronized."""
+    """Every tensor's placements in each stage's program (in order of first appearance) with
+    its sizes per device where sharded, and how each parameter's gradient is synchronized."""
+    synced = {e.param: (e.bucket, e.devices) for e in plan.sync}
+    if len(plan.stages) == 1:
+        return _stage_layouts(plan.stage, synced)
+    lines = []
+    for k, stage in enumerate(plan.stages):
+        lines.append(f"stage {k}: nodes {stage.nodes[0]}-{stage.nodes[1]} on devices {stage.devices} "
+                     f"(micro-batch shares {', '.join(f'{r:.3f}' for r in stage.ratios[0])}; sizes per piece: "
+                     "micro-batch by micro-batch, device by device)")
+        lines += ["  " + line for line in _stage_layouts(stage, synced)]
+    return lines
+
+
+def _stage_layouts(stage: PlanStage, synced: dict) -> list[str]:
     places: dict[str, list[str]] = {}
-    for ins in plan.program:
+    for ins in stage.program:
         for t, p in (*ins.loads, *ins.outputs, *((mv.tensor, mv.dst) for mv in ins.moves)):
             if p not in places.setdefault(t, []):
                 places[t].append(p)
     sizes: dict[str, list[str]] = {}
-    for sh in plan.stage.shards:
+    for sh in stage.shards:
         sizes.setdefault(sh.tensor, []).append(f"dim {sh.dim} seg {sh.segment}: {'/'.join(map(str, sh.sizes))}")
-    synced = {e.param: e.bucket for e in plan.sync}
     width = max((len(t) for t in places), default=0)
     lines = []
     for t, ps in places.items():
         extra = f"   [{'; '.join(sizes[t])}]" if t in sizes else ""
-        sync = f"   gradient: all-reduce in bucket {synced[t]}" if t in synced else ""
+        sync = ""
+        if t in synced:
+            bucket, devices = synced[t]
+            sync = f"   gradient: all-reduce in bucket {bucket}" + (
+                f" over devices {list(devices)}" if list(devices) != list(stage.devices) else "")
         lines.append(f"{t:<{width}}  {', '.join(ps)}{extra}{sync}")
     return lines
 
@@ -98,6 +148,8 @@ def where_time_goes(plan: Plan, top: int = 5) -> list[str]:
     lines = [f"estimated iteration {total * 1e3:.2f} ms on {plan.cluster['name']} ({len(plan.devices)} devices)"]
     for key, value in plan.breakdown.items():
         lines.append(f"  {key.replace('_', ' '):<26} {value * 1e3:9.2f} ms  {100 * value / total if total else 0:5.1f}%")
+    if len(plan.stages) > 1:
+        return lines + _pipeline_time(plan)
     stages = plan.timeline["stages"]
     dear = sorted(range(len(stages)), key=lambda i: -(stages[i]["comm"] + max(stages[i]["fwd"]) + max(stages[i]["bwd"])))
     lines.append(f"  dearest stages (of {len(stages)}):")
@@ -107,6 +159,24 @@ def where_time_goes(plan: Plan, top: int = 5) -> list[str]:
         what = ", ".join(st["collectives"]) or "computation only"
         lines.append(f"    stage {i}: {(st['comm'] + max(st['fwd']) + max(st['bwd'])) * 1e3:.2f} ms  ({what}; "
                      f"slowest device {slowest} ({plan.devices[slowest]}))")
+    return lines
+
+
+def _pipeline_time(plan: Plan) -> list[str]:
+    tl, sched = plan.timeline["pipeline"], plan.schedule
+    K = len(plan.stages)
+    t = tl["stage_seconds"]
+    pace = max(range(K), key=lambda s: t[s])
+    lines = [f"  a pipeline of {K} stages, {sched.micro_batches} micro-batches, {sched.name}; the schedule "
+             f"simulated: {tl['simulated'] * 1e3:.2f} ms",
+             f"  stage {pace} sets the pace ({sched.micro_batches - 1} more micro-batches of its "
+             f"{t[pace] * 1e3:.2f} ms); per micro-batch:"]
+    for s, stage in enumerate(plan.stages):
+        names = ", ".join(sorted({plan.devices[j] for j in stage.devices}))
+        after = f", {tl['send'][s] * 1e3:.2f} ms to send on" if s < K - 1 else ""
+        lines.append(f"    stage {s}: nodes {stage.nodes[0]}-{stage.nodes[1]} on devices {stage.devices} ({names}): "
+                     f"forward {tl['fwd'][s] * 1e3:.2f} ms, backward {tl['bwd'][s] * 1e3:.2f} ms{after}; "
+                     f"gradient sync {tl['sync'][s] * 1e3:.2f} ms")
     return lines
 
 
@@ -192,16 +262,16 @@ def draw(estimated: list[Event], total: float, measured: list[Event], plan: Plan
 
 def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None) -> list[str]:
     """Write timeline.png, timeline.json and layouts.txt under out_dir; return the text report."""
-    if len(plan.stages) > 1:
-        raise ValueError(f"hap explain draws one-stage plans; this is a pipeline of {len(plan.stages)} stages "
-                         "(its Chrome traces from `hap train --trace` open in chrome://tracing or ui.perfetto.dev)")
     os.makedirs(out_dir, exist_ok=True)
-    estimated, total = estimated_events(plan)
+    estimated, total = (pipeline_events if len(plan.stages) > 1 else estimated_events)(plan)
     measured, steps = measured_events(trace_dir, len(plan.devices)) if trace_dir else ([], [])
     Path(out_dir, "timeline.json").write_text(json.dumps(chrome_trace(estimated, measured, plan)))
     Path(out_dir, "layouts.txt").write_text("\n".join(layouts(plan)) + "\n")
     draw(estimated, total, measured, plan, Path(out_dir, "timeline.png"))
     report = where_time_goes(plan)
+    if len(plan.stages) > 1:
+        report.append(f"  drawn: {total * 1e3:.2f} ms (each stage's gradient sync starts when its own last backward "
+                      "ends, as the runtime runs it; the estimates wait for the whole flush)")
     if steps:
         report.append(f"  measured step (last traced, per rank): {', '.join(f'{s * 1e3:.2f}' for s in steps)} ms; "
                       f"estimate {total * 1e3:.2f} ms")

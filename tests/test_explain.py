@@ -7,7 +7,7 @@ import torch
 
 from hap import capture, load_cluster, plan
 from hap.cli import main
-from hap.explain import SYNC, estimated_events, layouts
+from hap.explain import SYNC, estimated_events, layouts, where_time_goes
 from hap.models import build
 
 torch.set_num_threads(1)
@@ -39,6 +39,39 @@ def test_layouts_name_every_parameter_and_its_sync(vit_plan):
     for e in vit_plan.sync:
         assert f"gradient: all-reduce in bucket {e.bucket}" in text and e.param in text
     assert "S(0)   [dim 0 seg 0: " in text  # the batch split, with its rows per device
+
+
+def test_a_pipelines_drawn_iteration_is_its_simulated_schedule():
+    """A pp-exact plan of 3 stages on paper-hetero-8 (groups of unequal sizes): every device
+    runs each micro-batch's forward and backward once, never two at a time; a stage's forward
+    of a micro-batch starts after the stage before it finished it and sent it on; and the drawn
+    iteration ends no later than the estimate's simulation, which waits for the slowest
+    gradient sync after the whole flush."""
+    from hap.explain import COMPUTE, pipeline_events
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    cluster = load_cluster("paper-hetero-8")
+    model, inputs = build("vit", layers=4, devices=cluster.gpus, device="meta")
+    p = make_plan("pp-exact", capture(model, inputs), cluster, PlannerConfig(pipeline_stages=3))
+    tl, M = p.timeline["pipeline"], p.schedule.micro_batches
+    events, total = pipeline_events(p)
+    assert max(tl["sync"]) > 0 and total <= tl["simulated"] + 1e-12
+    assert total >= tl["simulated"] - max(tl["sync"]) - 1e-12
+    ends = {}
+    for s, stage in enumerate(p.stages):
+        for j in stage.devices:
+            mine = sorted((e for e in events if e.device == j and e.lane == COMPUTE), key=lambda e: e.start)
+            assert sorted(e.name for e in mine) == sorted(f"{kind} micro-batch {m} (stage {s})"
+                                                          for kind in ("forward", "backward") for m in range(M))
+            for a, b in zip(mine, mine[1:]):
+                assert b.start >= a.start + a.seconds - 1e-12
+            ends.update({(s, e.name.split(" (")[0]): e for e in mine})
+    for s in range(1, len(p.stages)):
+        for m in range(M):
+            before, after = ends[(s - 1, f"forward micro-batch {m}")], ends[(s, f"forward micro-batch {m}")]
+            assert after.start >= before.start + before.seconds + tl["send"][s - 1] - 1e-12
+    assert "a pipeline of 3 stages" in "\n".join(where_time_goes(p))
+    assert layouts(p)[0].startswith("stage 0: nodes 0-")
 
 
 def test_explain_a_trained_plan_beside_its_traces(tmp_path, capsys):

@@ -305,7 +305,7 @@ def test_clipping_a_pipeline_is_one_devices_clipping(norm_type, tmp_path):
 
 def test_cli_trains_a_pipeline_with_clipping_and_traces(tmp_path, capfd):
     """hap train --clip --trace with a pipeline plan (dropout on): a Chrome trace per rank with hap's step,
-    node and transfer spans; hap explain refuses a pipeline plan in one line."""
+    node and transfer spans; hap explain draws the pipeline's schedule beside the measured step."""
     import json
 
     from hap.cli import main
@@ -319,9 +319,23 @@ def test_cli_trains_a_pipeline_with_clipping_and_traces(tmp_path, capfd):
         names = [e["name"] for e in json.loads((traces / f"rank{r}.json").read_text())["traceEvents"] if e.get("ph") == "X"]
         assert sum(n.startswith("hap step ") for n in names) == 3
         assert any(n.startswith("hap node ") for n in names) and any(n.startswith("hap move receive") for n in names)
-    assert main(["explain", str(traces / "plan.json"), "-o", str(tmp_path / "explained")]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("hap: error: hap explain draws one-stage plans; this is a pipeline of 2")
+    out_dir = tmp_path / "explained"
+    assert main(["explain", str(traces / "plan.json"), "-o", str(out_dir), "--trace", str(traces)]) == 0
+    out = capfd.readouterr().out
+    assert "a pipeline of 2 stages" in out and "measured step" in out
+    assert (out_dir / "timeline.png").stat().st_size > 0
+    layouts = (out_dir / "layouts.txt").read_text()
+    assert layouts.startswith("stage 0: nodes 0-") and "\nstage 1: nodes " in layouts
+    events = json.loads((out_dir / "timeline.json").read_text())["traceEvents"]
+    estimated = [e for e in events if e["pid"].startswith("estimated")]
+    measured = [e for e in events if e["pid"].startswith("measured")]
+    assert measured and any(e["name"].startswith("hap node ") for e in measured)
+    plan = json.loads((traces / "plan.json").read_text())
+    M = plan["schedule"]["micro_batches"]
+    for device in range(2):  # one device per stage here: each runs every micro-batch's two passes
+        mine = [e for e in estimated if e["pid"].startswith(f"estimated: device {device} ") and e["tid"] == "compute"]
+        assert sorted(e["name"].split(" (")[0] for e in mine) == sorted(
+            f"{kind} micro-batch {m}" for kind in ("forward", "backward") for m in range(M))
 
 
 # -- pricing, the exact partition, the DQN's environment -------------------------------------------

@@ -45,19 +45,20 @@ def in_flight(name: ScheduleName, stages: int, micro_batches: int, stage: int) -
     return peak
 
 
-def makespan(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: Sequence[float],
-             send: Sequence[float] = (), send_back: Sequence[float] = ()) -> float:
-    """Seconds from the first forward to the last backward when stage s takes fwd[s] per
-    micro-batch forward and bwd[s] per backward, and handing a micro-batch's activations from
-    stage s to s + 1 takes send[s] (its gradients back, send_back[s]; default 0). A transfer
-    overlaps the sender's next pass (asynchronous sends); the receiver waits for it."""
+def simulate(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: Sequence[float],
+             send: Sequence[float] = (), send_back: Sequence[float] = ()) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """When every pass runs, (pass, stage, micro-batch) -> (start, end) seconds, when stage s
+    takes fwd[s] per micro-batch forward and bwd[s] per backward, and handing a micro-batch's
+    activations from stage s to s + 1 takes send[s] (its gradients back, send_back[s]; default
+    send). A transfer overlaps the sender's next pass (asynchronous sends); the receiver waits
+    for it."""
     K, M = len(fwd), micro_batches
     send = list(send) or [0.0] * (K - 1)
     send_back = list(send_back) or list(send)
     if len(bwd) != K or len(send) != K - 1 or len(send_back) != K - 1:
         raise ValueError(f"{K} stages need {K} backward times and {K - 1} transfer times")
     orders = [stage_order(name, K, M, s) for s in range(K)]
-    done: dict[tuple[str, int, int], float] = {}  # (pass, stage, micro-batch) -> end time
+    runs: dict[tuple[str, int, int], tuple[float, float]] = {}
     free = [0.0] * K
     nxt = [0] * K
     remaining = sum(len(o) for o in orders)
@@ -67,20 +68,27 @@ def makespan(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: 
             while nxt[s] < len(orders[s]):
                 kind, m = orders[s][nxt[s]]
                 if kind == "F":
-                    dep = 0.0 if s == 0 else done.get(("F", s - 1, m))
+                    dep = 0.0 if s == 0 else runs.get(("F", s - 1, m), (0.0, None))[1]
                     ready = None if dep is None else dep + (send[s - 1] if s else 0.0)
                     took = fwd[s]
                 else:
-                    own = done.get(("F", s, m))
-                    dep = own if s == K - 1 else done.get(("B", s + 1, m))
+                    own = runs.get(("F", s, m), (0.0, None))[1]
+                    dep = own if s == K - 1 else runs.get(("B", s + 1, m), (0.0, None))[1]
                     ready = None if dep is None or own is None else max(own, dep + (send_back[s] if s < K - 1 else 0.0))
                     took = bwd[s]
                 if ready is None:
                     break
-                free[s] = max(free[s], ready) + took
-                done[(kind, s, m)] = free[s]
+                start = max(free[s], ready)
+                free[s] = start + took
+                runs[(kind, s, m)] = (start, free[s])
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "pipeline schedule deadlocks"
-    return max(free)
+    return runs
+
+
+def makespan(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: Sequence[float],
+             send: Sequence[float] = (), send_back: Sequence[float] = ()) -> float:
+    """Seconds from the first forward to the last backward (`simulate`'s last end)."""
+    return max(end for _, end in simulate(name, micro_batches, fwd, bwd, send, send_back).values())
