@@ -279,7 +279,7 @@ class Plan:
         lines = [f"model {self.model} on {self.cluster['name']} ({len(self.devices)} devices)",
                  f"  synthesis {self.synthesis_seconds:.2f} s, {self.search.get('rounds', '?')} Q/B rounds, winner: {self.search.get('winner', '?')}"
                  + ("" if self.search.get("exhaustive", True) else " (width-limited search: best found, not proven optimal"
-                    + (f"; each search's program within {self.search['gap']:.0%} of its optimum" if self.search.get("gap") is not None else "")
+                    + (f"; each of its searches' programs within {self.search['gap']:.0%} of that search's optimum" if self.search.get("gap") is not None else "")
                     + ")"),
                  f"  estimated iteration {self.estimated_iteration_seconds * 1e3:.1f} ms  ("
                  + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms" for k, v in self.breakdown.items()) + ")"]

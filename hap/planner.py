@@ -234,8 +234,10 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
         if res.program not in known:
             known.append(res.program)
         stats["exhaustive"] = stats["exhaustive"] and res.exhaustive
-        # the most a search's program may cost beyond its optimum (None: unbounded)
-        stats["gap"] = None if stats["gap"] is None or not math.isfinite(res.gap) else max(stats["gap"], res.gap)
+        # the most one of hap's own (unrestricted) searches' programs may cost beyond its optimum
+        # (None: unbounded); a baseline family's search bounds only that family
+        if restriction is None:
+            stats["gap"] = None if stats["gap"] is None or not math.isfinite(res.gap) else max(stats["gap"], res.gap)
         stats["expanded"] += res.expanded
         stats["generated"] += res.generated
         if res.exhaustive:  # only a proven optimum stands for another search

@@ -1,6 +1,7 @@
 """A* synthesis: optimal against exhaustive enumeration, consistent with the exact pricing."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -398,3 +399,13 @@ def test_astar_matches_uniform_cost_search_across_segments(attention, cut, r, lo
     informed = synthesize(graph, strategies, cost, seg, ratios, layer_bounds=layer_bounds, frame=frame)
     blind = synthesize(graph, strategies, cost, seg, ratios, heuristic=False, frame=frame)
     assert informed.cost == pytest.approx(blind.cost, rel=1e-9)
+
+
+def test_a_plan_states_how_far_its_width_limited_searches_may_be_from_optimal(graphs):
+    from hap.planner import PlannerConfig, plan
+    cluster = make_cluster((3e9, 1e9), 1e5)
+    full = plan(graphs["two_layer"], cluster)
+    assert full.search["exhaustive"] and full.search["gap"] == 0.0
+    narrow = plan(graphs["two_layer"], cluster, PlannerConfig(width=1, width_after=0.0))
+    assert not narrow.search["exhaustive"] and 0.0 < narrow.search["gap"] < math.inf
+    assert "within" in narrow.summary() and "of that search's optimum" in narrow.summary()
