@@ -55,14 +55,16 @@ def run_case(space: PipelineSpace, K: int, episodes: int, budget: float, online:
     part = exact_partition(table)
     exact_s = time.perf_counter() - t0 + built
     _, inferred, infer_s = infer_cuts(table)
+    _, network, _ = infer_cuts(table, polished=False)
     case = {"task": "PP", "K": K, "M": M, "exact_estimate": part.seconds, "exact_seconds": exact_s,
             "exact_cuts": list(part.cuts), "pivots": len(space.pivots), "inference_estimate": inferred,
-            "inference_seconds": infer_s, "inference_gap": inferred / part.seconds - 1}
+            "inference_seconds": infer_s, "inference_gap": inferred / part.seconds - 1,
+            "inference_unpolished_gap": network / part.seconds - 1}
     if online:
         res = search_cuts(table, episodes=episodes, budget_s=budget)
         case.update({"dqn_estimate": res.seconds, "dqn_greedy_estimate": res.greedy_seconds,
                      "dqn_seconds": res.search_seconds + built, "episodes": res.episodes, "dqn_cuts": list(res.cuts),
-                     "gap": res.seconds / part.seconds - 1})
+                     "gap": res.seconds / part.seconds - 1, "unpolished_gap": res.raw_seconds / part.seconds - 1})
     return case
 
 
@@ -224,27 +226,33 @@ def main(argv=None) -> int:
     name = "automap-inference" if args.inference_only else "automap"
     (out / f"{name}.json").write_text(json.dumps({"cases": cases}, indent=1, default=str))
     lines = ["# Auto-MAP pipeline DQN vs the exact cut", "",
-             "| model | cluster | K | M | exact (ms) | DQN (ms) | gap | DQN greedy (ms) | exact search (s) | DQN search (s) | episodes "
-             "| inference (ms) | inference gap | inference (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "DQN and inference: the cut found, then polished by a local search (pipeline/partition.polish); "
+             "'unpolished': the DQN's or the network's own cut.", "",
+             "| model | cluster | K | M | exact (ms) | DQN (ms) | gap | unpolished gap | DQN greedy (ms) | exact search (s) "
+             "| DQN search (s) | episodes | inference (ms) | inference gap | unpolished | inference (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         if c["task"] != "PP":
             continue
         if "refused" in c:
-            lines.append(f"| {c['model']} | {c['cluster']} | - | - | refused: {c['refused']} | | | | | | |")
+            lines.append(f"| {c['model']} | {c['cluster']} | - | - | refused: {c['refused']} | | | | | | | | | | |")
             continue
-        online = (f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['dqn_greedy_estimate'] * 1e3:.2f} | "
-                  f"{c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']}") if "gap" in c else \
-            f"- | - | - | {c['exact_seconds']:.2f} | - | -"
+        online = (f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['unpolished_gap'] * 100:.2f}% | "
+                  f"{c['dqn_greedy_estimate'] * 1e3:.2f} | {c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']}") \
+            if "gap" in c else f"- | - | - | - | {c['exact_seconds']:.2f} | - | -"
         lines.append(f"| {c['model']} | {c['cluster']} | {c['K']} | {c['M']} | {c['exact_estimate'] * 1e3:.2f} | {online} | "
-                     f"{c['inference_estimate'] * 1e3:.2f} | {c['inference_gap'] * 100:.2f}% | {c['inference_seconds']:.3f} |")
+                     f"{c['inference_estimate'] * 1e3:.2f} | {c['inference_gap'] * 100:.2f}% | "
+                     f"{c['inference_unpolished_gap'] * 100:.2f}% | {c['inference_seconds']:.3f} |")
     ok = [c for c in cases if "exact_estimate" in c and c["task"] == "PP"]
     within = sum(c.get("gap", 1.0) <= 0.02 for c in ok)
+    raw = sum(c.get("unpolished_gap", 1.0) <= 0.02 for c in ok)
     online = [] if args.inference_only else [
-        f"DQN within 2% of the exact optimum on {within} of {len(ok)} cases; target: all, each in at most 5 minutes."]
+        f"DQN within 2% of the exact optimum on {within} of {len(ok)} cases ({raw} before the polish); "
+        "target: all, each in at most 5 minutes."]
     lines += ["", *online,
               f"Online inference (the shipped network, no retraining) within 5% on {sum(c['inference_gap'] <= 0.05 for c in ok)} "
-              f"of {len(ok)}, at most {max((c['inference_seconds'] for c in ok), default=0):.3f} s per case; target: all, 1 s."]
+              f"of {len(ok)} ({sum(c['inference_unpolished_gap'] <= 0.05 for c in ok)} before the polish), "
+              f"at most {max((c['inference_seconds'] for c in ok), default=0):.3f} s per case; target: all, 1 s."]
     if not args.inference_only:
         lines += _opp_sections([c for c in cases if c["task"] == "OPP"], cases, args.opp_layers)
     (out / ("report-inference.md" if args.inference_only else "report.md")).write_text("\n".join(lines) + "\n")

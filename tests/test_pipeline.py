@@ -529,6 +529,33 @@ def test_a_model_too_big_for_one_device_gets_a_pipeline_that_fits():
     assert len(pp.stages) == 4 and max(pp.memory_bytes) <= 600 * 1024
 
 
+def test_polish_never_worsens_a_cut_and_needs_its_block_shifts():
+    """On 30 generated 8-stage instances, from the proportional cut (7-182% above the optimum,
+    none within 5%): the polished cut is a valid cut no dearer than its start and no cheaper
+    than the exact optimum, within 5% of it on 25 of the 30 (a local search: up to 12.5% on the
+    others); and moving one cut at a time (reach 0) leaves some where shifting a run of cuts
+    together does better (12 of the 30)."""
+    import numpy as np
+
+    from hap.automap.pipeline import CutEnvironment
+    from hap.automap.pipeline_infer import GeneratedTable
+    from hap.pipeline.partition import exact_partition, polish
+    near, start_near, blocks = 0, 0, 0
+    for seed in range(30):
+        table = GeneratedTable(np.random.default_rng(seed), K=8)
+        Q = len(table.positions)
+        start = CutEnvironment(table).proportional_cut()
+        cuts, L = polish(table, start)
+        assert list(cuts) == sorted(set(cuts)) and 1 <= cuts[0] and cuts[-1] <= Q - 2 and len(cuts) == 7
+        assert L == pytest.approx(table.objective(cuts), rel=1e-12)
+        best = exact_partition(table).seconds
+        assert best * (1 - 1e-9) <= L <= table.objective(start) * (1 + 1e-12)
+        near += L <= best * 1.05
+        start_near += table.objective(start) <= best * 1.05
+        blocks += polish(table, start, reach=0)[1] > L * (1 + 1e-9)
+    assert near >= 24 and start_near <= 2 and blocks >= 5
+
+
 def test_generated_instances_price_as_their_tables_and_the_exact_cut_is_optimal():
     import numpy as np
 

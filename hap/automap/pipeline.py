@@ -28,7 +28,7 @@ from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..plan import Plan
 from ..planner import PlannerConfig
-from ..pipeline.partition import StageTable
+from ..pipeline.partition import StageTable, polish
 from ..pipeline.plan import PipelineSpace
 from .dqn import Agent, DQNConfig
 
@@ -41,6 +41,9 @@ class DQNResult:
     cuts: tuple[int, ...]
     """Node indices where stages 1..K-1 start."""
     seconds: float
+    """L of `cuts`: the best cut the DQN met, then polished (partition.polish)."""
+    raw_seconds: float
+    """L of the best cut the DQN met, before the polish."""
     greedy_seconds: float
     """L of the trained network's own greedy cut (no exploration)."""
     episodes: int
@@ -144,7 +147,8 @@ def play_episode(env: CutEnvironment, agent: Agent, greedy: bool = False) -> tup
 
 
 def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0, seed: int = 0) -> DQNResult:
-    """Train a DQN online on one (model, cluster, K, M) and return the best cut it met."""
+    """Train a DQN online on one (model, cluster, K, M) and return the best cut it met, polished
+    by a local search (partition.polish; the result keeps the DQN's own L too)."""
     t0 = time.perf_counter()
     env = CutEnvironment(table)
     steps = episodes * (env.K - 1)
@@ -168,8 +172,9 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
     greedy_L = table.objective(tuple(greedy))
     if greedy_L < best[0]:
         best = (greedy_L, tuple(greedy))
-    cuts = tuple(int(table.positions[c]) for c in best[1])
-    return DQNResult(cuts, best[0], greedy_L, done_episodes, time.perf_counter() - t0)
+    polished, L = polish(table, best[1]) if math.isfinite(best[0]) else (best[1], best[0])
+    cuts = tuple(int(table.positions[c]) for c in polished)
+    return DQNResult(cuts, L, best[0], greedy_L, done_episodes, time.perf_counter() - t0)
 
 
 def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
@@ -192,4 +197,5 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
         raise ValueError(f"no pipeline of {K} stages the DQN met fits the devices' memory")
     return space.plan(res.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "dqn", "winner": f"pipeline K={K} M={M}", "exhaustive": False,
-                       "episodes": res.episodes, "greedy_seconds": res.greedy_seconds})
+                       "episodes": res.episodes, "greedy_seconds": res.greedy_seconds,
+                       "unpolished_seconds": res.raw_seconds})

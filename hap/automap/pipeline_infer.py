@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..pipeline.partition import polish
 from ..pipeline.price import iteration_seconds
 from .dqn import Agent, DQNConfig
 from .pipeline import MAX_STAGES, SLOTS, CutEnvironment, play_episode
@@ -114,11 +115,13 @@ def _network(weights: Path = WEIGHTS):
 
 
 @torch.no_grad()
-def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4) -> tuple[tuple[int, ...], float, float]:
+def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4,
+               polished: bool = True) -> tuple[tuple[int, ...], float, float]:
     """(cut node positions, L, seconds taken) of the shipped network on `table`: a beam search
     over the network's Q values (each step expands every kept sequence by its `branch` best cuts and
     keeps the `beam` sequences of highest Q), the complete sequences priced by the table's
-    objective. beam=1 is the greedy rollout."""
+    objective, the best then polished by a local search (partition.polish; polished=False: the
+    network's own). beam=1 is the greedy rollout."""
     t0 = time.perf_counter()
     net, env = _network(weights), CutEnvironment(table)
     frontier = [((), 0, 0.0)]  # (cuts as pivot indices, previous pivot, Q of the last choice)
@@ -133,6 +136,8 @@ def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4) 
                for v, a in zip(vals.tolist(), acts.tolist())]
         frontier = sorted(nxt, key=lambda x: -x[2])[:beam]
     best = min((table.objective(c), c) for c, _, _ in frontier)
+    if polished and np.isfinite(best[0]):
+        best = polish(table, best[1])[::-1]
     cuts = tuple(int(table.positions[c]) for c in best[1])
     return cuts, best[0], time.perf_counter() - t0
 

@@ -164,6 +164,39 @@ def exact_partition(table: StageTable) -> Partition:
     return Partition(tuple(int(table.positions[c]) for c in cuts_pos), table.objective(cuts_pos), explored)
 
 
+def polish(table: StageTable, cuts_pos: Sequence[int], reach: int = 16) -> tuple[tuple[int, ...], float]:
+    """A local search from cuts (positions into table.positions) to a cut no single move
+    improves: a move places one cut anywhere between its neighbours, or shifts a run of
+    consecutive cuts together by up to `reach` positions (the slowest stage then hands work
+    down a chain of stages, which no one cut's move can do). Returns (positions, L)."""
+    Q = len(table.positions)
+    cuts, best = list(cuts_pos), table.objective(tuple(cuts_pos))
+    K1 = len(cuts)
+
+    def moves():
+        for i in range(K1):
+            lo, hi = (cuts[i - 1] + 1 if i else 1), (cuts[i + 1] - 1 if i + 1 < K1 else Q - 2)
+            for p in range(lo, hi + 1):
+                if p != cuts[i]:
+                    yield cuts[:i] + [p] + cuts[i + 1:]
+        for i in range(K1):
+            for j in range(i + 1, K1):
+                for d in (*range(-reach, 0), *range(1, reach + 1)):
+                    trial = cuts[:i] + [c + d for c in cuts[i:j + 1]] + cuts[j + 1:]
+                    if 1 <= trial[0] and trial[-1] <= Q - 2 and all(a < b for a, b in zip(trial, trial[1:])):
+                        yield trial
+
+    improved = True
+    while improved:
+        improved = False
+        for trial in moves():
+            value = table.objective(tuple(trial))
+            if value < best * (1 - 1e-12):
+                cuts, best, improved = trial, value, True
+                break  # the neighbourhood of the new cut
+    return tuple(cuts), best
+
+
 def _pareto(items: list[tuple]) -> list[tuple]:
     """The items no other beats on all of (sum, max, sync)."""
     items.sort(key=lambda x: (x[0], x[1], x[2]))
@@ -185,5 +218,5 @@ def brute_force(table: StageTable) -> tuple[tuple[int, ...], float]:
     return best
 
 
-__all__ = ["pivots", "equal_groups", "group_layouts", "speed_ratios", "StageTable", "exact_partition", "Partition", "brute_force",
+__all__ = ["pivots", "equal_groups", "group_layouts", "speed_ratios", "StageTable", "exact_partition", "Partition", "polish", "brute_force",
            "stage_of_nodes", "crossings"]
