@@ -16,8 +16,10 @@ collective implementations in that canonical order.
 cost(Q)  = stages closed so far (communication + slowest device per stage);
 ecost(Q) = for forward and backward separately, the largest over devices of the time it
            must still compute: the open stage plus, for every remaining node, its cheapest
-           strategy on that device. This never exceeds the true remainder's computation (a sum
-           of per-stage maxima is at least the maximum of sums), and is not zero.
+           strategy on that device; or, where more, the same for the devices' speed-weighted
+           mean (a node's cheapest mean over its strategies: a maximum is at least any mean).
+           This never exceeds the true remainder's computation (a sum of per-stage maxima is at
+           least the maximum of sums), and is not zero.
            Plus the communication no completion avoids (pending moves): a node ahead that
            needs tensors Q already holds runs one of its strategies, and each input that
            strategy needs in a placement Q neither holds nor reaches for free (from R) costs a
@@ -60,7 +62,11 @@ The search (Fig. 10 from a start state to a goal node) is best-first on cost + h
 - Width: where many small tensors each have several near-equally cheap placements (MoE
   routing masks), the programs below the optimum's score multiply; an optional cap on the
   programs expanded per node index (after an exhaustive budget) keeps the search linear there,
-  and the result then says it is not a proven optimum.
+  and the result then says it is not a proven optimum, and how far from one it may be: no
+  program through a dropped one costs less than its score, so the least dropped score bounds
+  the optimum from below (SearchResult.lower_bound).
+- Incumbents: programs known before the search (data parallelism's, an earlier search's) bound
+  it from the start, as the best complete program found does (branch and bound).
 
 The state walk itself (expansion, dominance, queue) is compiled (_core.cpp); this module builds
 every number it reads: options priced by program.node_times, moves by program.move_price, the
