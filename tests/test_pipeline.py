@@ -532,9 +532,9 @@ def test_a_model_too_big_for_one_device_gets_a_pipeline_that_fits():
 def test_polish_never_worsens_a_cut_and_needs_its_block_shifts():
     """On 30 generated 8-stage instances, from the proportional cut (7-182% above the optimum,
     none within 5%): the polished cut is a valid cut no dearer than its start and no cheaper
-    than the exact optimum, within 5% of it on 25 of the 30 (a local search: up to 12.5% on the
-    others); and moving one cut at a time (reach 0) leaves some where shifting a run of cuts
-    together does better (12 of the 30)."""
+    than the exact optimum, within 5% of it on 27 of the 30 (the optimum itself on 15; a local
+    search: up to 12.5% on the others); and without shifting runs of cuts together (reach 0)
+    6 of the 30 end dearer."""
     import numpy as np
 
     from hap.automap.pipeline import CutEnvironment
@@ -553,7 +553,7 @@ def test_polish_never_worsens_a_cut_and_needs_its_block_shifts():
         near += L <= best * 1.05
         start_near += table.objective(start) <= best * 1.05
         blocks += polish(table, start, reach=0)[1] > L * (1 + 1e-9)
-    assert near >= 24 and start_near <= 2 and blocks >= 5
+    assert near >= 25 and start_near <= 2 and blocks >= 3
 
 
 def test_generated_instances_price_as_their_tables_and_the_exact_cut_is_optimal():

@@ -34,6 +34,7 @@ from .dqn import Agent, DQNConfig
 
 SLOTS = 128
 MAX_STAGES = 8
+POLISHED = 8  # the DQN's best distinct cuts that the local search starts from
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +148,10 @@ def play_episode(env: CutEnvironment, agent: Agent, greedy: bool = False) -> tup
 
 
 def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0, seed: int = 0) -> DQNResult:
-    """Train a DQN online on one (model, cluster, K, M) and return the best cut it met, polished
-    by a local search (partition.polish; the result keeps the DQN's own L too)."""
+    """Train a DQN online on one (model, cluster, K, M) and return the best cut it met after a
+    local search (partition.polish) from each of the `POLISHED` best distinct cuts it met and
+    its greedy cut (a near-best cut may lie in the better basin); the result keeps the best
+    L the DQN met itself too."""
     t0 = time.perf_counter()
     env = CutEnvironment(table)
     steps = episodes * (env.K - 1)
@@ -157,7 +160,7 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
     agent = Agent(env.state_dim, SLOTS, DQNConfig(depth=2, hidden=128, lr=1e-3, gamma=1.0,
                                                   epsilon_steps=max(1, int(0.8 * steps)),
                                                   seed=seed))
-    best = (env.reference, env.proportional_cut())
+    met = {tuple(env.proportional_cut()): env.reference}  # distinct cuts -> L, the best few kept
     done_episodes = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -165,16 +168,18 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
             if time.perf_counter() - t0 > budget_s:
                 break
             cuts, L, _ = play_episode(env, agent)
-            if L < best[0]:
-                best = (L, cuts)
+            met[tuple(cuts)] = L
+            if len(met) > 4 * POLISHED:
+                met = dict(sorted(met.items(), key=lambda kv: kv[1])[:POLISHED])
             done_episodes += 1
         greedy, _, _ = play_episode(env, agent, greedy=True)
     greedy_L = table.objective(tuple(greedy))
-    if greedy_L < best[0]:
-        best = (greedy_L, tuple(greedy))
-    polished, L = polish(table, best[1]) if math.isfinite(best[0]) else (best[1], best[0])
+    met[tuple(greedy)] = greedy_L
+    raw = min(met.values())
+    starts = sorted(met.items(), key=lambda kv: kv[1])[:POLISHED] + [(tuple(greedy), greedy_L)]
+    L, polished = min(((polish(table, c)[::-1]) if math.isfinite(v) else (v, c) for c, v in starts), key=lambda x: x[0])
     cuts = tuple(int(table.positions[c]) for c in polished)
-    return DQNResult(cuts, L, best[0], greedy_L, done_episodes, time.perf_counter() - t0)
+    return DQNResult(cuts, L, raw, greedy_L, done_episodes, time.perf_counter() - t0)
 
 
 def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,

@@ -166,9 +166,9 @@ def exact_partition(table: StageTable) -> Partition:
 
 def polish(table: StageTable, cuts_pos: Sequence[int], reach: int = 16) -> tuple[tuple[int, ...], float]:
     """A local search from cuts (positions into table.positions) to a cut no single move
-    improves: a move places one cut anywhere between its neighbours, or shifts a run of
-    consecutive cuts together by up to `reach` positions (the slowest stage then hands work
-    down a chain of stages, which no one cut's move can do). Returns (positions, L)."""
+    improves: a move takes one cut anywhere else (between its neighbours first), or shifts a
+    run of consecutive cuts together by up to `reach` positions (the slowest stage then hands
+    work down a chain of stages, which no one cut's move can do). Returns (positions, L)."""
     Q = len(table.positions)
     cuts, best = list(cuts_pos), table.objective(tuple(cuts_pos))
     K1 = len(cuts)
@@ -179,6 +179,11 @@ def polish(table: StageTable, cuts_pos: Sequence[int], reach: int = 16) -> tuple
             for p in range(lo, hi + 1):
                 if p != cuts[i]:
                     yield cuts[:i] + [p] + cuts[i + 1:]
+        for i in range(K1):  # one stage merged into its neighbour, another one split
+            rest = cuts[:i] + cuts[i + 1:]
+            for p in range(1, Q - 1):
+                if p not in cuts:
+                    yield sorted(rest + [p])
         for i in range(K1):
             for j in range(i + 1, K1):
                 for d in (*range(-reach, 0), *range(1, reach + 1)):
