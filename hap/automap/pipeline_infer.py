@@ -28,7 +28,7 @@ import torch
 from ..pipeline.partition import polish
 from ..pipeline.price import iteration_seconds
 from .dqn import Agent, DQNConfig
-from .pipeline import MAX_STAGES, SLOTS, CutEnvironment, play_episode
+from .pipeline import MAX_STAGES, POLISHED, SLOTS, CutEnvironment, play_episode
 
 WEIGHTS = Path(__file__).with_name("pp_inference.pt")
 
@@ -120,8 +120,8 @@ def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4,
     """(cut node positions, L, seconds taken) of the shipped network on `table`: a beam search
     over the network's Q values (each step expands every kept sequence by its `branch` best cuts and
     keeps the `beam` sequences of highest Q), the complete sequences priced by the table's
-    objective, the best then polished by a local search (partition.polish; polished=False: the
-    network's own). beam=1 is the greedy rollout."""
+    objective, the best few then polished by a local search (partition.polish; polished=False:
+    the network's own best). beam=1 is the greedy rollout."""
     t0 = time.perf_counter()
     net, env = _network(weights), CutEnvironment(table)
     frontier = [((), 0, 0.0)]  # (cuts as pivot indices, previous pivot, Q of the last choice)
@@ -135,9 +135,10 @@ def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4,
                for (cuts, _, _), vals, acts in zip(frontier, top.values, top.indices)
                for v, a in zip(vals.tolist(), acts.tolist())]
         frontier = sorted(nxt, key=lambda x: -x[2])[:beam]
-    best = min((table.objective(c), c) for c, _, _ in frontier)
-    if polished and np.isfinite(best[0]):
-        best = polish(table, best[1])[::-1]
+    ranked = sorted({c: table.objective(c) for c, _, _ in frontier}.items(), key=lambda kv: kv[1])
+    best = ranked[0][::-1]
+    if polished and np.isfinite(best[0]):  # the few best (distinct) sequences, as the online DQN's
+        best = min(polish(table, c)[::-1] for c, v in ranked[:POLISHED] if np.isfinite(v))
     cuts = tuple(int(table.positions[c]) for c in best[1])
     return cuts, best[0], time.perf_counter() - t0
 
