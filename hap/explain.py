@@ -274,5 +274,5 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
                       "ends, as the runtime runs it; the estimates wait for the whole flush)")
     if steps:
         report.append(f"  measured step (last traced, per rank): {', '.join(f'{s * 1e3:.2f}' for s in steps)} ms; "
-                      f"estimate {total * 1e3:.2f} ms")
+                      f"estimate {plan.estimated_iteration_seconds * 1e3:.2f} ms")
     return report
