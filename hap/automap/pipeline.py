@@ -42,7 +42,8 @@ class DQNResult:
     cuts: tuple[int, ...]
     """Node indices where stages 1..K-1 start."""
     seconds: float
-    """L of `cuts`: the best cut the DQN met, then polished (partition.polish)."""
+    """L of `cuts`: the best of the DQN's best few cuts and its greedy cut, each polished
+    (partition.polish)."""
     raw_seconds: float
     """L of the best cut the DQN met, before the polish."""
     greedy_seconds: float
