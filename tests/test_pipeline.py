@@ -4,7 +4,6 @@ uneven shares inside a stage)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
