@@ -389,7 +389,7 @@ def test_pp_exact_gives_a_fast_device_a_group_of_its_own_and_runs_any_stage_coun
     space = PipelineSpace(graph, cluster, config)
     equal = min(exact_partition(space.table(2, M, [[0, 1], [2, 3]])).seconds for M in space.micro_batch_counts(2))
     plan = exact_plan(graph, cluster, config)
-    assert [st.devices for st in plan.stages] == [[0], [1, 2, 3]]
+    assert [st.devices for st in plan.stages] == [[0], [1, 2, 3]] and plan.search["layouts"] == 3  # every 2-way split
     assert plan.estimated_iteration_seconds < equal * 0.99
     three = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=3))
     assert len(three.stages) == 3 and sorted(len(st.devices) for st in three.stages) == [1, 1, 2]

@@ -120,12 +120,15 @@ def breakdown(est: PipelineEstimate, M: int) -> dict[str, float]:
 def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
                progress: Callable[[str], None] | None = None) -> Plan:
     """The pipeline of least estimated time over stage counts, device groups
-    (PipelineSpace.layouts), micro-batch counts and cuts (exact_partition for each)."""
+    (PipelineSpace.layouts), micro-batch counts and cuts (exact_partition for each). The cut is
+    exact (search.exhaustive) for each of the `search.layouts` groupings tried, which are not
+    every way to group the devices."""
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
-    best, unfit = None, None
+    best, unfit, tried = None, None, 0
     for K in space.stage_counts():
         for groups in space.layouts(K):
+            tried += 1
             sizes = "/".join(str(len(g)) for g in groups)
             for M in space.micro_batch_counts(K):
                 try:
@@ -142,4 +145,5 @@ def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = No
     part, K, M, groups = best
     return space.plan(part.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "pp-exact", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
-                       "exhaustive": True, "pivots": len(space.pivots), "explored": part.explored}, groups)
+                       "exhaustive": True, "pivots": len(space.pivots), "explored": part.explored,
+                       "layouts": tried}, groups)
