@@ -35,7 +35,7 @@ from ..rules import strategy_table
 from ..rules.local import LocalContext, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
-from ..runtime.collectives import Comm, all_reduce, global_rank, run_move
+from ..runtime.collectives import Comm, all_reduce, broadcast, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
@@ -237,9 +237,7 @@ class Pipeline(nn.Module):
 
     def _share_rng(self, src: int) -> None:
         """Every rank's CPU generator set to rank src's (a collective)."""
-        state = torch.get_rng_state()
-        dist.broadcast(state, src=global_rank(self.comm, src), group=self.comm.group)
-        torch.set_rng_state(state)
+        torch.set_rng_state(broadcast(torch.get_rng_state(), src, self.comm))
 
     def _forward(self, m: int, inputs: dict[str, torch.Tensor], pending: list) -> tuple:
         """Micro-batch m's forward on this rank's piece: (its partial loss on the last stage,

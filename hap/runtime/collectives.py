@@ -162,6 +162,14 @@ def all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return out
 
 
+def broadcast(x: torch.Tensor, src: int, comm: Comm) -> torch.Tensor:
+    """Rank src's `x` on every rank, in place (src: a rank of comm's group)."""
+    comm.before()
+    dist.broadcast(x, src=global_rank(comm, src), group=comm.group)
+    comm.after("broadcast", _nbytes(x))
+    return x
+
+
 def reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
     """This rank's shard of the sum over ranks of the whole tensors x."""
     if comm.world == 1:  # one rank holds everything: nothing to exchange

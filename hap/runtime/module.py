@@ -36,7 +36,7 @@ from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from .collectives import Comm, WaitClock, all_reduce, global_rank
+from .collectives import Comm, WaitClock, all_reduce, broadcast
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
 from .gradsync import GradSync, Groups
@@ -217,12 +217,7 @@ class HAP(nn.Module):
         return ex
 
     def _sync_rng(self) -> None:
-        state = torch.get_rng_state()
-        self.comm.before()
-        dist.broadcast(state, src=global_rank(self.comm, 0),
-                       group=self.comm.group)
-        self.comm.after("broadcast", state.numel())
-        torch.set_rng_state(state)
+        torch.set_rng_state(broadcast(torch.get_rng_state(), 0, self.comm))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of the global gradient

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ..runtime.collectives import Comm
+from ..runtime.collectives import Comm, broadcast
 from . import migrate
 from .migrate import Handover, Method
 from .prune import Lineage
@@ -160,7 +160,7 @@ def _forward_handover(c: _Ctx, h: Handover, x, w, y, site: Site, comm: Comm, met
             buf = torch.cat(pieces)
         else:
             buf = x.new_empty(numel)
-        migrate.broadcast(buf, k, comm)
+        broadcast(buf, k, comm)
         z = None
         if part is not None:
             lo, hi = part
@@ -213,7 +213,7 @@ def _backward_handover(c: _Ctx, h: Handover, got: _Received | None, x, gy, gx, g
     if column:  # receivers need k's output gradient (row-parallel: every rank holds it already)
         if method == "broadcast-reduce":
             g_k = gy.contiguous() if me == k else gy.new_empty(*lead, n_k)
-            migrate.broadcast(g_k, k, comm)
+            broadcast(g_k, k, comm)
         else:
             copies = [gy.contiguous()] * comm.world if me == k else None
             g_k = migrate.scatter(copies, gy.new_empty(*lead, n_k), k, comm)

@@ -72,13 +72,6 @@ def handover(straggler: int, columns: int, fraction: float, receivers: tuple[int
     return Handover(straggler=straggler, start=columns - count, count=count, receivers=receivers)
 
 
-def broadcast(t: torch.Tensor, src: int, comm: Comm) -> torch.Tensor:
-    comm.before()
-    dist.broadcast(t, src=global_rank(comm, src), group=comm.group)
-    comm.after("broadcast", t.numel() * t.element_size())
-    return t
-
-
 def reduce(t: torch.Tensor, dst: int, comm: Comm) -> torch.Tensor:
     """Sum `t` over ranks into rank dst's `t` (in place there), as a gather and a sum at dst:
     gloo's reduce costs 3-4x a gather of as many bytes here (about as much as an all-reduce)."""
