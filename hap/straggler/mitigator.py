@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..placement import P, R
-from ..runtime.collectives import all_reduce, global_rank
+from ..runtime.collectives import all_reduce, broadcast, global_rank
+from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
 from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound, rebalance_pays,
@@ -326,13 +327,13 @@ class Mitigator:
             omega2.append(time.perf_counter() - t0)
             dist.barrier(group=self.comm.group)
             t0 = time.perf_counter()
-            src = global_rank(self.comm, 0)
             for _, _, s in layers:  # rank 0's sizes: the same numbers on every rank
                 cols = max(1, round(s.columns[0] * f))
                 moved = s.out_sizes[0] * cols + (tokens * cols if s.kind == "row" else 0)
                 for numel in (moved, tokens * s.out_sizes[0]):  # send the columns, collect the results
-                    dist.broadcast(torch.zeros(numel, device=self.device), src=src, group=self.comm.group)
-                    dist.reduce(torch.zeros(numel, device=self.device), dst=src, group=self.comm.group)
+                    # migration's own collectives (its reduce is a gather and a sum at the straggler)
+                    broadcast(torch.zeros(numel, device=self.device), 0, self.comm)
+                    migrate.reduce(torch.zeros(numel, device=self.device), 0, self.comm)
             phi.append(time.perf_counter() - t0)
         agreed = all_reduce(torch.tensor([omega1, *omega2, *phi], dtype=torch.float64, device=self.device), self.comm) / self.world
         omega1, o25, o75, p25, p75 = map(float, agreed)
