@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from gloo import run_ranks
 
 from hap.straggler.migrate import Handover, handover, receivers_of
-from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound,
-                                  rebalanced_time, semi_beta, unmitigated)
+from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds,
+                                  migration_bound, rebalanced_time, semi_beta, unmitigated)
 from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
 from hap.straggler.schedule import Schedule, parse_schedule
 
@@ -91,6 +91,22 @@ def test_eq1_keep_after_resizing():
     assert keep_after_resizing(0.5, 0.7, 0.5, 0.4) == pytest.approx(0.25)
     assert keep_after_resizing(0.5, 0.3, 0.5, 0.4) == pytest.approx(0.75)  # faster: takes columns back
     assert keep_after_resizing(0.5, 0.1, 0.5, 0.4) == 1.0
+
+
+def test_eq1_prunes_only_what_slow_multiplications_cost():
+    # rank 1 multiplies 4x slower (0.4 s for the FLOPs rank 0 does in 0.1 s): it keeps 1/4 at
+    # least, however large its excess; rank 2 multiplies as fast as rank 0 but lost 0.3 s
+    # elsewhere (noise): Eq. 1 alone would prune it to the cap, the floor keeps it whole.
+    stats = [Stats(busy=0.5, matmul=0.1, flops=1e9, own=1.0), Stats(busy=2.0, matmul=0.4, flops=1e9, own=1.0),
+             Stats(busy=0.8, matmul=0.1, flops=1e9, own=1.0)]
+    assert [matmul_floor(stats, r) for r in range(3)] == pytest.approx([1.0, 0.25, 1.0])
+    # of 4, the norm is the second fastest: rank 3's undisturbed 0.05 s does not set it
+    four = [*stats, Stats(busy=0.4, matmul=0.05, flops=1e9, own=1.0)]
+    assert [matmul_floor(four, r) for r in range(4)] == pytest.approx([1.0, 0.25, 1.0, 1.0])
+    t_avg = (0.5 + 2.0 + 0.8) / 3
+    assert keep_after_resizing(1.0, 2.0, t_avg, 0.4) == pytest.approx(0.05)  # the cap, without the floor
+    assert keep_after_resizing(1.0, 2.0, t_avg, 0.4, floor=matmul_floor(stats, 1)) == pytest.approx(0.25)
+    assert keep_after_resizing(1.0, 0.8, t_avg, 0.1, floor=matmul_floor(stats, 2)) == 1.0
 
 
 def test_balanced_migration_equalizes_straggler_and_receiver():

@@ -42,8 +42,8 @@ from ..runtime.collectives import all_reduce, broadcast, global_rank
 from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
-from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound, rebalance_pays,
-                     rebalanced_time, semi_beta, stragglers, unmitigated)
+from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds, migration_bound,
+                     rebalance_pays, rebalanced_time, semi_beta, stragglers, unmitigated)
 from .prune import Lineage, PrioritySelector, RandomSelector
 from .schedule import Schedule
 
@@ -234,9 +234,11 @@ class Mitigator:
             for r, s in enumerate(stats):
                 if policy == "zero-pridiff-e":  # the empirical ratio while it would straggle unpruned
                     unpruned = s.busy + s.matmul * (1 / self.keep[r] - 1)
-                    self.keep[r] = 1 - cfg.gamma_e if unpruned > t_avg * (1 + cfg.tolerance) else 1.0
+                    straggles = unpruned > t_avg * (1 + cfg.tolerance)
+                    self.keep[r] = max(1 - cfg.gamma_e, matmul_floor(stats, r)) if straggles else 1.0
                 elif self.keep[r] < 1 or s.busy > t_avg * (1 + cfg.tolerance):  # noise is no straggler
-                    self.keep[r] = keep_after_resizing(self.keep[r], s.busy, t_avg, s.matmul, cfg.cap)
+                    self.keep[r] = keep_after_resizing(self.keep[r], s.busy, t_avg, s.matmul, cfg.cap,
+                                                       matmul_floor(stats, r))
             return 0
         if policy in ("migrate", "rebalance"):
             slow = stragglers(stats, t_min, cfg.tolerance)
@@ -251,8 +253,8 @@ class Mitigator:
             return 0
         receivers = [r for r in range(self.world) if r not in slow]
         full = {r: stats[r].full_flops * stats[r].matmul / stats[r].flops if stats[r].flops > 0 else 0.0 for r in slow}
-        excess = {r: min(cfg.cap, max(0.0, (unmitigated(stats[r]) - t_min) / full[r])) if full[r] > 0 else 0.0
-                  for r in slow}  # Eq. 1 against T_min, as a share of all its columns
+        excess = {r: min(cfg.cap, 1.0 - matmul_floor(stats, r), max(0.0, (unmitigated(stats[r]) - t_min) / full[r]))
+                  if full[r] > 0 else 0.0 for r in slow}  # Eq. 1 against T_min, as a share of all its columns
         if len(slow) == 1:
             (k,) = slow
             self.receiving = receivers

@@ -27,14 +27,29 @@ class Stats:
     """FLOPs of its whole share of the layers (what it would multiply unmitigated)."""
 
 
-def keep_after_resizing(keep: float, busy: float, target: float, matmul: float, cap: float = 0.95) -> float:
+def keep_after_resizing(keep: float, busy: float, target: float, matmul: float, cap: float = 0.95,
+                        floor: float = 0.0) -> float:
     """Eq. 1, applied to the work a rank does now: it removes (T_i - target) / M_i of what it
     still multiplies, so its share of columns kept goes from `keep` to keep * (1 - that); a
-    rank faster than the target takes columns back. Between 1 - cap and 1."""
+    rank faster than the target takes columns back. Between max(1 - cap, floor) and 1, where
+    `floor` is `matmul_floor`'s: pruning can only win back what slow multiplications cost."""
     if matmul <= 0:
         return keep
     gamma = (busy - target) / matmul  # Eq. 1 with target = T_avg (ZERO) or T_min (SEMI)
-    return min(1.0, max(1.0 - cap, keep * (1.0 - gamma)))
+    return min(1.0, max(1.0 - cap, floor, keep * (1.0 - gamma)))
+
+
+def matmul_floor(stats: Sequence[Stats], r: int) -> float:
+    """The least share of its columns rank r need multiply: its matmul speed over a normal
+    rank's (the upper median of the ranks' speeds: the fastest of 2, the second fastest of 4;
+    one rank that happened to run undisturbed does not set the norm). Eq. 1 charges a rank's
+    whole excess to its multiplications; where the excess is elsewhere (noise in the other work
+    of ranks sharing cores, a slow collective), pruning cannot remove it, and Eq. 1 alone would
+    prune such a rank to the cap. A rank multiplying chi times slower keeps 1 / chi at least:
+    then its multiplications take a normal rank's time."""
+    speeds = matmul_speeds(stats)
+    normal = sorted(speeds, reverse=True)[(len(speeds) - 1) // 2] if speeds else 0.0
+    return min(1.0, speeds[r] / normal) if normal > 0 else 0.0
 
 
 def unmitigated(s: Stats) -> float:
