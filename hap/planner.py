@@ -200,17 +200,13 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
     candidates: list[tuple[float, str, list[Step], list[list[float]], Estimate]] = []
     stats = {"rounds": 0, "expanded": 0, "generated": 0, "exhaustive": True, "gap": 0.0}
 
-    priced: dict[tuple, Estimate] = {}  # (program, share signature) -> its replay: the alternation meets pairs again
+    frame = Frame(graph, strategies, cost, segment_of)
 
     def price(name, program, ratios):
-        key = (tuple(program), cost.share_signature(ratios))
-        if key not in priced:
-            priced[key] = replay(program, cost, segment_of, ratios)
-        est = priced[key]
+        est = frame.replay(program, ratios)  # the alternation meets pairs again; the searches priced some
         candidates.append((est.seconds, name, program, ratios, est))
         return est
 
-    frame = Frame(graph, strategies, cost, segment_of)
     found: dict[tuple, list[Step]] = {}  # (share signature, restriction) -> the program searched for
     known: list[list[Step]] = []  # every program found so far: each search starts bounded by the cheapest
 

@@ -184,3 +184,49 @@ def test_random_ops_price_the_generator_broadcast():
     assert cost_of(0.5, devices).rng_sync == pytest.approx(1e-3 + 5056 / 1e8)
     assert cost_of(0.5, devices).step_overhead == pytest.approx(cost_of(0.5, devices).loss_sync + 1e-3 + 5056 / 1e8)
     assert cost_of(0.0, devices).rng_sync == 0.0 and cost_of(0.5, devices[:1]).rng_sync == 0.0
+
+
+class Lookup(nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.table = nn.Embedding(100, 8, sparse=sparse)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.table(ids)).sum()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_whole_parameters_cost_their_bytes_whatever_the_share(sparse):
+    from hap.search.program import Load, NumericShares, price_node
+
+    graph = capture(Lookup(sparse), (torch.randint(0, 100, (10,)),))
+    devs = tuple(Device(name=f"d{i}", flops=1e12, memory=2**34, mem_bandwidth=1e9) for i in range(2))
+    cl = Cluster(name="t", devices=devs, collectives=fits_from_network(2, 1e9, 0.0))
+    table = strategy_table(graph)
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(table)))
+    alg = NumericShares(cost, [[0.6, 0.4]])  # 10 rows: 6 and 4
+    for op, weight_bytes in (("aten.linear.default", 8 * 4 * 4), ("aten.embedding.default", 100 * 8 * 4)):
+        k = node(graph, op).index
+        n = graph.nodes[k]
+        params = [t for t in n.inputs if graph.tensors[t].kind == "param"]
+        # the batch split 60/40, every parameter whole
+        st = next(s for s in table[k] if cost.work_shard(n, s) is not None
+                  and all(p.kind == "R" for t, p in zip(n.inputs, s.inputs) if t in params))
+        loads = [Load(t, p) for t, p in zip(n.inputs, st.inputs) if t in params]
+        fwd, bwd = price_node(cost, alg, k, st, loads, 0)
+        base_f, base_b = cost.base_times(n)
+        wb = sum(graph.tensors[t].nbytes for t in params)
+        assert weight_bytes <= wb  # the bias, too, for the linear
+        if op == "aten.linear.default":
+            # each device reads every weight once forward, and again backward with its gradient written
+            assert fwd == pytest.approx([0.6 * base_f[0] + wb / 1e9, 0.4 * base_f[1] + wb / 1e9])
+            assert bwd == pytest.approx([0.6 * base_b[0] + 2 * wb / 1e9, 0.4 * base_b[1] + 2 * wb / 1e9])
+        else:
+            # the lookup reads its rows only (with the work); the dense gradient is table-sized, a sparse one is not
+            written = 0 if sparse else wb
+            assert fwd == pytest.approx([0.6 * base_f[0], 0.4 * base_f[1]])
+            assert bwd == pytest.approx([0.6 * base_b[0] + written / 1e9, 0.4 * base_b[1] + written / 1e9])
+        # the work itself no longer counts the parameter bytes
+        moved = n.bytes_moved - wb
+        assert base_f[0] == pytest.approx(n.flops / 1e12 + moved / 1e9)

@@ -420,6 +420,19 @@ def test_estimate_is_the_formula_and_a_faster_group_gets_the_longer_stage(vit_sp
     assert sum(flops[: part.cuts[0]]) > 0.5 * sum(flops)
 
 
+def test_each_micro_batch_after_the_first_adds_its_gradients(vit_space):
+    # per micro-batch: work / M + fixed + (M - 1) / M * 3 * gradient bytes / memory bandwidth
+    pricer, cost = vit_space.pricer, vit_space.cost
+    n = len(vit_space.graph.nodes)
+    grads = sum(t.nbytes for t in vit_space.graph.tensors.values() if t.kind == "param" and t.requires_grad)
+    bw = cost.cluster.devices[0].mem_bandwidth * cost.cluster.devices[0].gpus
+    assert bw > 0
+    work, fixed = pricer.work_b[n, 0], pricer.fixed_b[n, 0]
+    for M in (1, 4):
+        _, b = pricer.stage_times(0, n - 1, [0], [1.0], M)
+        assert b == pytest.approx(work / M + fixed + (M - 1) / M * 3 * grads / bw)
+
+
 def test_memory_that_does_not_fit_is_never_chosen(vit_space):
     import dataclasses
 

@@ -59,6 +59,7 @@ class CostModel:
         devs = cluster.devices
         self._comm: dict[tuple[str, float], CommCost] = {}  # the collectives' prices, asked for often
         self._base: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # base_times per node
+        self._param_seconds: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # per (node, parameter(s))
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
         self.overhead = tuple(d.op_overhead for d in devs)
@@ -177,11 +178,50 @@ class CostModel:
             fwd = tuple(self.timing.fwd[node.index] * k[0] for k in self.timing_scale)
             bwd = tuple(self.timing.bwd[node.index] * k[2] for k in self.timing_scale)
             return fwd, (bwd if needs_bwd else (0.0,) * self.m)
-        fwd = tuple(node.flops * s + node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
+        moved = node.bytes_moved - sum(self.graph.tensors[t].nbytes for t in self.params_of(node))  # activations
+        fwd = tuple(node.flops * s + moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         if not needs_bwd:
             return fwd, (0.0,) * self.m
-        bwd = tuple(node.bwd_flops * s + 2 * node.bytes_moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
+        bwd = tuple(node.bwd_flops * s + 2 * moved * b for s, b in zip(self.inv_speed, self.inv_mem_bw))
         return fwd, bwd
+
+    def params_of(self, node: Node) -> list[str]:
+        """The node's parameter inputs, each once."""
+        return list(dict.fromkeys(t for t in node.inputs if self.graph.tensors[t].kind == "param"))
+
+    def param_seconds(self, node: Node, name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Forward and backward seconds per device that parameter `name`, held whole, costs
+        node `node` whatever the node's share of the batch (a shard of it costs its fraction): a
+        matmul reads the whole weight in the forward, and in the backward reads it again and
+        writes its whole gradient; an embedding reads only the rows it looks up (its output,
+        priced with the work) but writes a dense gradient as large as the table, and none when
+        its gradient is sparse. Zero where node times are measured: they include it."""
+        found = self._param_seconds.get((node.index, name))
+        if found is not None:
+            return found
+        t = self.graph.tensors[name]
+        lookup = node.op == "aten.embedding.default"
+        passes_fwd = 0 if lookup or self.timing is not None else 1
+        needs_bwd = any(self.graph.tensors[x].requires_grad for x in node.inputs) and self.timing is None
+        writes_grad = t.requires_grad and name not in self.sparse_rows
+        passes_bwd = (int(writes_grad) + (0 if lookup else 1)) if needs_bwd else 0
+        found = self._param_seconds[(node.index, name)] = (tuple(passes_fwd * t.nbytes * b for b in self.inv_mem_bw),
+                                                          tuple(passes_bwd * t.nbytes * b for b in self.inv_mem_bw))
+        return found
+
+    def whole_params_seconds(self, node: Node, names: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """param_seconds summed over parameters `names` (held whole) of `node`."""
+        found = self._param_seconds.get((node.index, names))
+        if found is None:
+            each = [self.param_seconds(node, name) for name in dict.fromkeys(names)]
+            found = self._param_seconds[(node.index, names)] = (tuple(map(sum, zip(*(f for f, _ in each)))),
+                                                               tuple(map(sum, zip(*(b for _, b in each)))))
+        return found
+
+    def accumulate_seconds(self, nbytes: float) -> tuple[float, ...]:
+        """Seconds per device to add a gradient of nbytes into one already held (reads two,
+        writes one): a pipeline's micro-batches after the first pay it per parameter."""
+        return tuple(3 * nbytes * b for b in self.inv_mem_bw)
 
     def fixed_times(self, node: Node, shares: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds per device that do not shrink with the node's share

@@ -4,11 +4,12 @@ DQN is rewarded by and a pipeline plan's estimate states.
 Stage k (nodes [a, b] on device group G_k, which splits each micro-batch by ratios r) takes
 per micro-batch, forward plus backward,
 
-    t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] ) + send_k
+    t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] + (M - 1) / M * acc_i[a..b] ) + send_k
 
 where work_i is the batch-proportional time of the nodes on device i (the cost model's node
 times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
-nodes on replicated tensors), and send_k the transfer of what crosses the cut after stage k,
+nodes on replicated tensors, reading the whole weights and writing their gradients: every
+micro-batch pays it), acc_i adding a micro-batch's gradients into those held, and send_k the transfer of what crosses the cut after stage k,
 forward and back, over the slowest link between the two groups. An iteration of M
 micro-batches (GPipe or 1F1B: the same bubble) then takes
 
@@ -74,6 +75,10 @@ class PipelinePricer:
             (work_b if split else fixed_b)[node.index] += b
             fixed_f[node.index] += xf
             fixed_b[node.index] += xb
+            for name in cost.params_of(node):  # whole in a stage, read (and its gradient written) per micro-batch
+                pf, pb = cost.param_seconds(node, name)
+                fixed_f[node.index] += pf
+                fixed_b[node.index] += pb
         cum = lambda a: np.vstack([np.zeros((1, m)), np.cumsum(a, axis=0)])  # noqa: E731
         self.work_f, self.work_b, self.fixed_f, self.fixed_b = cum(work_f), cum(work_b), cum(fixed_f), cum(fixed_b)
         params = np.zeros(n)
@@ -92,6 +97,7 @@ class PipelinePricer:
                                                                  and graph.tensors[x].consumers[0] == node.index)
                                                              for node in graph.nodes])])
         self.cut_bytes = _cut_bytes(graph)  # [c]: bytes crossing a cut before node c (whole batch)
+        self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
 
     # -- pieces of the formula -----------------------------------------------------------------
 
@@ -101,6 +107,8 @@ class PipelinePricer:
         r = np.asarray(ratios, dtype=float) / M
         f = r * (self.work_f[b + 1, g] - self.work_f[a, g]) + (self.fixed_f[b + 1, g] - self.fixed_f[a, g])
         bw = r * (self.work_b[b + 1, g] - self.work_b[a, g]) + (self.fixed_b[b + 1, g] - self.fixed_b[a, g])
+        # micro-batches after the first add their gradients into the held ones: (M - 1) / M per micro-batch
+        bw = bw + (M - 1) / M * float(self.grad_params[b + 1] - self.grad_params[a]) * self.add_per_byte[g]
         return float(f.max()), float(bw.max())
 
     def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> float:

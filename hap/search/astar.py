@@ -90,7 +90,7 @@ from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
-from .program import Load, MoveStep, NumericShares, Step, move_price, price_node, replay
+from .program import Estimate, Load, MoveStep, NumericShares, Step, move_price, price_node, replay
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -181,7 +181,7 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     t0 = time.perf_counter()
     with paused_gc():
         space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
-        known = min(((replay(p, cost, segment_of, ratios).seconds - cost.step_overhead, i) for i, p in enumerate(incumbents)
+        known = min(((space.frame.replay(p, ratios).seconds - cost.step_overhead, i) for i, p in enumerate(incumbents)
                      if restriction is None or restriction.admits(p, graph)), default=(math.inf, -1))
         found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n), upper=known[0])
     if found is None and known[1] >= 0:
@@ -300,6 +300,7 @@ class Frame:
         self.shared_configs = _shared_configs(self.choices)
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
+        self._replayed: dict[tuple, Estimate] = {}
         self._first: tuple[Sequence[Sequence[float]], list, list] | None = None  # the first ratios priced, and their prices
         # per option of each price class, per move of each move class: the (granule count,
         # segment) shares its price reads
@@ -315,6 +316,15 @@ class Frame:
             self._chunk_class = {lo: keys.setdefault(self._chunk_key(lo, hi), len(keys))
                                  for lo, hi in zip(self.bounds, self.bounds[1:])}
         return self._chunk_class
+
+    def replay(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> Estimate:
+        """program.replay, once per program and share signature (ratios that round alike price
+        alike): the planner prices its candidates, and each search its incumbents, through it."""
+        key = (tuple(program), self.cost.share_signature(ratios))
+        found = self._replayed.get(key)
+        if found is None:
+            found = self._replayed[key] = replay(program, self.cost, self.segment_of, ratios)
+        return found
 
     def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
         """Per price class the (forward, backward) seconds of each option, and per move class

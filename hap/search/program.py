@@ -222,6 +222,24 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
         fixed_fwd, fixed_bwd = cost.fixed_times(node, active)
         fwd = [a + c for a, c in zip(fwd, fixed_fwd)]
         bwd = [a + c for a, c in zip(bwd, fixed_bwd)]
+    if cost.timing is None and any(cost.inv_mem_bw):
+        whole = []
+        for ld in loads:
+            if graph.tensors[ld.tensor].kind != "param":
+                continue
+            if ld.placement.is_shard:  # each device reads and writes its shard
+                pf, pb = cost.param_seconds(node, ld.tensor)
+                held = alg.of(ld.tensor, ld.placement.dim, seg)
+                fwd = [a + c * h for a, c, h in zip(fwd, pf, held)]
+                bwd = [a + c * h for a, c, h in zip(bwd, pb, held)]
+            else:
+                whole.append(ld.tensor)
+        if whole:  # whole on every device that computes a share of the node
+            pf, pb = cost.whole_params_seconds(node, tuple(whole))
+            if active is not None:
+                pf, pb = [c if a else 0.0 for c, a in zip(pf, active)], [c if a else 0.0 for c, a in zip(pb, active)]
+            fwd = [a + c for a, c in zip(fwd, pf)]
+            bwd = [a + c for a, c in zip(bwd, pb)]
     if any(cost.intra_grad):
         for ld in loads:
             t = graph.tensors[ld.tensor]
