@@ -5,8 +5,11 @@ its byte size (numel * itemsize), never its element count.
 
 Computation (HAP section 3.2): a node that shards an iteration dim runs the fraction
 share_j of its work on device j, otherwise all of it; time on device j is
-    share_j * (flops / (gpus_j * flops_j) + bytes_moved / (gpus_j * mem_bandwidth_j)) + op_overhead_j,
-the last term being what a node costs whatever its size (dispatch, launch: `hap profile`).
+    share_j * (flops / (gpus_j * flops_j) + activation bytes / (gpus_j * mem_bandwidth_j))
+      + weight bytes / (gpus_j * mem_bandwidth_j) + op_overhead_j,
+the weight bytes being those of the parameters it holds whole, which every device computing a
+share reads whatever the share (`param_seconds`; a shard costs its fraction), and the last term
+what a node costs whatever its size (dispatch, launch: `hap profile`).
 The backward is costed with its own FLOPs from torch's flop counter (2x for matmuls) and twice
 the memory traffic. A machine of several GPUs also all-reduces its local parameter gradients
 over its internal links: 2(k-1)/k * bytes / intra_bandwidth, added to its backward time.

@@ -4,14 +4,16 @@ DQN is rewarded by and a pipeline plan's estimate states.
 Stage k (nodes [a, b] on device group G_k, which splits each micro-batch by ratios r) takes
 per micro-batch, forward plus backward,
 
-    t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] + (M - 1) / M * acc_i[a..b] ) + send_k
+    t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] + (M - 1) / M * acc_i[a..b] )
+          + send_k
 
 where work_i is the batch-proportional time of the nodes on device i (the cost model's node
 times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
 nodes on replicated tensors, reading the whole weights and writing their gradients: every
-micro-batch pays it), acc_i adding a micro-batch's gradients into those held, and send_k the transfer of what crosses the cut after stage k,
-forward and back, over the slowest link between the two groups. An iteration of M
-micro-batches (GPipe or 1F1B: the same bubble) then takes
+micro-batch pays it), acc_i adding a micro-batch's gradients into those held, and send_k the
+transfer of what crosses the cut after stage k, forward and back, over the slowest link
+between the two groups. An iteration of M micro-batches (GPipe or 1F1B: the same bubble) then
+takes
 
     L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + loss_sync
 
