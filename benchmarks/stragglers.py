@@ -14,9 +14,9 @@ linear-layer matmuls chi times (the paper's testbed). Writes into --out:
     fig11.png         several stragglers: SEMI with lambda of them migrating (lambda forced), and as it decides
 
 Scenarios: round-robin (one straggler moving every epoch, 2 ranks; round-robin-4 on 4 ranks),
-persistent (rank 1 from the first step, 2 ranks), multi (chi 8 and 4 on ranks 0 and 1 of 4). Seconds per iteration are
-medians over the run's steps; accuracy is on the held-out 20%. 2 ranks on this 2-core machine
-time best; 4 ranks share the cores and are noisier.
+persistent (rank 1 from the first step, 2 ranks), multi (chi 8 and 4 on ranks 0 and 1 of 4).
+Seconds per iteration are medians over the run's steps; accuracy is on the held-out 20%. 2
+ranks on this 2-core machine time best; 4 ranks share the cores and are noisier.
 """
 
 from __future__ import annotations
