@@ -1,20 +1,80 @@
-"""The GPU tier: the equivalence of test_runtime.py on NCCL, each rank on its own GPU.
+"""The GPU tier: training equals one device with every rank's tensors on a GPU.
 
-Skipped where this machine has fewer than two CUDA devices (CI's CPU machines); run on a GPU
-machine with `pytest tests/test_gpu.py`.
+With a GPU per rank the ranks talk NCCL; on a machine with fewer GPUs than ranks (one GPU, say)
+they share the GPUs and talk gloo, which moves CUDA tensors through host memory: the runtime's
+every tensor still lives on the GPU, so a tensor made on the wrong device fails here. The
+references train on GPU 0 in this process. Skipped where there is no CUDA device (CI's CPU
+machines); run on a GPU machine with `pytest tests/test_gpu.py -v`.
 """
 
 import pytest
 import torch
-from gloo import run_ranks
+from gloo import run_ranks, to_device
 
-from test_runtime import CASES, worker
+import test_module
+import test_pipeline
+import test_runtime
+import test_sync_runtime
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL tier)")
+GPUS = torch.cuda.device_count()
+pytestmark = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device (the GPU tier)")
 
 
-@pytest.mark.parametrize("world", [w for w in (2, 3) if w <= torch.cuda.device_count()])
-def test_programs_train_like_one_device_on_nccl(world, tmp_path):
-    reports = run_ranks(worker, world, tmp_path, "cuda", backend="nccl")
+def backend(world: int) -> str:
+    return "nccl" if world <= GPUS else "gloo"
+
+
+def on_gpu(setup):
+    model, batches = setup()
+    dev = torch.device("cuda", 0)
+    return model.to(dev), [to_device(b, dev) for b in batches]
+
+
+def assert_state(got: dict, model: torch.nn.Module, what):
+    """Every parameter the ranks trained equals the reference's (and any buffer they report)."""
+    assert {n for n, _ in model.named_parameters()} <= set(got), what
+    for name, value in model.state_dict().items():
+        if name in got:
+            assert torch.allclose(torch.tensor(got[name]), value.detach().cpu(), rtol=1e-4, atol=1e-5), (what, name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_programs_train_like_one_device_on_gpus(world, tmp_path):
+    reports = run_ranks(test_runtime.worker, world, tmp_path, "cuda", backend=backend(world))
     assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
-    assert len(reports[0]["programs"]) == len(CASES[world])
+    assert len(reports[0]["programs"]) == len(test_runtime.CASES[world])
+    assert len(set(reports[0]["moves"])) >= 4  # several kinds of collective ran
+
+
+def test_hap_trains_vit_like_one_device_on_gpus(tmp_path):
+    reports = run_ranks(test_module.train_hap, 2, tmp_path, "cuda", backend=backend(2))
+    model, batches = on_gpu(test_module.small_vit)
+    losses = test_module.train(model, batches)
+    for got in reports:
+        assert got["ratios"][0][0] > got["ratios"][0][1]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert_state(got["params"], model, "hap")
+
+
+@pytest.mark.parametrize("name", ["ar-groups", "servers", "hierarchical"])
+def test_exact_sync_strategies_on_gpus(name, tmp_path):
+    reports = run_ranks(test_sync_runtime.train_with, 3, tmp_path, name, "cuda", backend=backend(3))
+    model, batches = on_gpu(test_sync_runtime.data)
+    losses = test_sync_runtime.train(model, batches)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert_state(got["params"], model, name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_trains_like_one_device_on_gpus(schedule, tmp_path):
+    from hap.capture import capture
+    model, batches = test_pipeline._vit_setup()
+    n = len(capture(model, batches[0]).nodes)
+    reports = run_ranks(test_pipeline.pipelined, 3, tmp_path, "vit", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]],
+                        3, schedule, "cuda", backend=backend(3))
+    model, batches = on_gpu(test_pipeline._vit_setup)
+    losses = test_module.train(model, batches)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert_state(got["state"], model, schedule)

@@ -81,3 +81,9 @@ def test_a_collective_that_times_out_ends_the_run(tmp_path):
         "rank 0: collective timed out after 3 s waiting for rank 1 (stuck, slow, or in a different collective)"
     assert "all_reduce" in str(error)  # rank 0's traceback: where it waited
     assert 3 < took < 20  # the sleeping rank is killed, not waited for
+
+
+def test_nccl_with_more_ranks_than_gpus_is_refused_before_starting():
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"nccl needs a GPU per rank: {n + 1} ranks, {n} CUDA devices"):
+        spawn(boom, n + 1, backend="nccl")

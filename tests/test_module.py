@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from gloo import run_ranks
+from gloo import rank_device, run_ranks, to_device
 
 import hap
 from hap.cost import model as cost_model
@@ -42,8 +42,10 @@ def train(model, batches):
     return losses
 
 
-def train_hap(rank, world):
+def train_hap(rank, world, device="cpu"):
+    dev = rank_device(rank, device)
     model, batches = small_vit()
+    model, batches = model.to(dev), [to_device(b, dev) for b in batches]
     dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
     losses = train(dmodel, batches)
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}

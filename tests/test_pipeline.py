@@ -10,7 +10,7 @@ import torch
 from hap.pipeline.schedule import in_flight, makespan, stage_order
 from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
 
-from gloo import run_ranks
+from gloo import rank_device, run_ranks, to_device
 from test_module import train
 
 STEPS = 3
@@ -92,14 +92,16 @@ def _reference(setup) -> tuple[list[float], dict]:
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def pipelined(rank, world, setup_name, cuts, groups, ratios, micro_batches, schedule):
+def pipelined(rank, world, setup_name, cuts, groups, ratios, micro_batches, schedule, device="cpu"):
     import hap
     from hap.capture import capture
     from hap.cost.cluster import local_cluster
     from hap.pipeline.plan import PipelineSpace, assemble
     from hap.planner import PlannerConfig
 
+    dev = rank_device(rank, device)
     model, batches = SETUPS[setup_name]()
+    model, batches = model.to(dev), [to_device(b, dev) for b in batches]
     cluster = local_cluster((1.0,) * world, "local")
     space = PipelineSpace(capture(model, batches[0]), cluster, PlannerConfig(schedule=schedule))
     plan = assemble(space, cuts, groups, ratios, micro_batches, 0.0, {})

@@ -5,7 +5,7 @@ that use different collectives."""
 import pytest
 import torch
 import torch.nn as nn
-from gloo import run_ranks
+from gloo import rank_device, run_ranks
 
 from hap.capture import capture
 from hap.cost.cluster import Cluster, Device, fits_from_network
@@ -75,9 +75,9 @@ STEPS = 3
 
 
 def worker(rank, world, device="cpu"):
-    """device "cuda": every rank on its own GPU (the NCCL tier, test_gpu.py)."""
+    """device "cuda": the GPU tier (test_gpu.py)."""
     comm = Comm.default()
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = rank_device(rank, device)
     torch.manual_seed(0)
     model = MLP().to(dev)
     batches = [torch.randn(20, 12).to(dev) for _ in range(STEPS)]

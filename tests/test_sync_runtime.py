@@ -5,7 +5,7 @@ one device; fp16 and PowerSGD do what their definitions say."""
 import pytest
 import torch
 import torch.nn as nn
-from gloo import run_ranks
+from gloo import rank_device, run_ranks, to_device
 
 import hap
 from hap.capture import capture
@@ -85,8 +85,10 @@ def train(model, batches, lr=0.1):
     return losses
 
 
-def train_with(rank, world, name):
+def train_with(rank, world, name, device="cpu"):
+    dev = rank_device(rank, device)
     model, batches = data()
+    model, batches = model.to(dev), [to_device(b, dev) for b in batches]
     cl = cluster()
     graph = capture(model, (batches[0],))
     plan = baseline_plan(graph, cl, "dp-ev", ratios=RATIOS)

@@ -38,6 +38,7 @@ from ..rules.units import ShardClasses
 from ..runtime.collectives import Comm, all_reduce, broadcast, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
+from ..runtime import wire
 from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import (check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
@@ -65,6 +66,8 @@ class Pipeline(nn.Module):
         self.comm, self.cluster = comm, cluster
         self.emulation = Emulation.for_rank(cluster, comm.rank)
         object.__setattr__(self, "model", model)  # not a submodule: parameters() are this stage's only
+        # where this rank computes: the model's device (received activations, draws and sums go there)
+        self.device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
         self.plan = plan = agree_plan(plan, comm)
         if len(plan.stages) < 2 or plan.schedule is None:
             raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")
@@ -204,7 +207,7 @@ class Pipeline(nn.Module):
         inputs = self._inputs_now = dict(zip(self.graph.inputs, batch))
         saved: dict[int, tuple] = {}
         pending: list[dist.Work] = []
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         for kind, m in stage_order(self.schedule, self.K, self.M, self.s):
             if kind == "F":
                 saved[m] = self._forward(m, inputs, pending)
@@ -231,7 +234,7 @@ class Pipeline(nn.Module):
         mine = range(self.plan.stages[self.s].nodes[0], self.plan.stages[self.s].nodes[1] + 1)
         with self._span("hap random draws"):
             for node in self._draws:
-                drawn = whole_noise(node, self.graph)
+                drawn = whole_noise(node, self.graph, self.device)
                 if node.index in mine:
                     self._noise[node.index] = drawn
 
@@ -280,7 +283,7 @@ class Pipeline(nn.Module):
             x = held[(c.tensor, c.placement)]
             if tr.length >= 0:
                 x = x.narrow(c.placement.dim, tr.start, tr.length)
-            pending.append(dist.isend(x.detach().contiguous(), tr.peer, tag=tr.tag))
+            pending.append(wire.isend(x.detach().contiguous(), tr.peer, tag=tr.tag))
             if c.requires_grad:  # its gradient comes back (zeros where this piece has no path)
                 outputs.append((tr, x))
         leaves = [(tr, leaf) for ci, (_, parts) in received.items() for tr, leaf in parts if self.crossings[ci].requires_grad]
@@ -292,7 +295,7 @@ class Pipeline(nn.Module):
         works = []
         for tr, x in outputs:
             g = torch.empty_like(x, memory_format=torch.contiguous_format)
-            works.append(dist.irecv(g, tr.peer, tag=tr.tag + 1))
+            works.append(wire.irecv(g, tr.peer, tag=tr.tag + 1))
             grads.append(g)
         for w in works:
             w.wait()
@@ -306,7 +309,7 @@ class Pipeline(nn.Module):
         self._settle()
         for tr, leaf in leaves:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            pending.append(dist.isend(g.contiguous(), tr.peer, tag=tr.tag + 1))
+            pending.append(wire.isend(g.contiguous(), tr.peer, tag=tr.tag + 1))
 
     def _receive(self, m: int) -> dict[int, tuple[torch.Tensor, list]]:
         """Micro-batch m's crossings into this rank: crossing -> (its local value, [(transfer,
@@ -318,8 +321,8 @@ class Pipeline(nn.Module):
             shape = list(t.shape)
             if tr.length >= 0:
                 shape[c.placement.dim] = tr.length
-            buf = torch.empty(shape, dtype=getattr(torch, t.dtype))
-            works.append(dist.irecv(buf, tr.peer, tag=tr.tag))
+            buf = torch.empty(shape, dtype=getattr(torch, t.dtype), device=self.device)
+            works.append(wire.irecv(buf, tr.peer, tag=tr.tag))
             parts.setdefault(tr.crossing, []).append((tr, buf))
         with self._span(f"hap move receive micro-batch {m} (gloo)"):
             for w in works:
@@ -335,7 +338,7 @@ class Pipeline(nn.Module):
             t = self.graph.tensors[c.tensor]
             shape = list(t.shape)
             shape[c.placement.dim] = 0
-            out[ci] = (torch.empty(shape, dtype=getattr(torch, t.dtype)), [])
+            out[ci] = (torch.empty(shape, dtype=getattr(torch, t.dtype), device=self.device), [])
         return out
 
     def _empty_crossings(self, m: int, got: dict) -> list[int]:
@@ -414,7 +417,7 @@ class Pipeline(nn.Module):
             if not params:
                 continue
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self._groups[devices])
+            wire.all_reduce(flat, group=self._groups[devices])
             for p, part in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(part.view_as(p.grad))
 

@@ -173,9 +173,10 @@ def _empty_outputs(node: Node, st: Strategy, values: dict[str, torch.Tensor], gr
     # Partial sums over a contracted dim this device holds none of are zeros (an empty sum);
     # torch would instead contract nothing into a wrongly shaped result.
     ties = [x.sum() * 0 for x in values.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+    device = next((x.device for x in values.values() if isinstance(x, torch.Tensor)), None)
     outs = []
     for name, shape in zip(node.outputs, shapes):
-        out = torch.zeros(shape, dtype=getattr(torch, graph.tensors[name].dtype))
+        out = torch.zeros(shape, dtype=getattr(torch, graph.tensors[name].dtype), device=device)
         if ties and out.is_floating_point():
             out = out + sum(ties)
         outs.append(out)
@@ -230,10 +231,16 @@ def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> 
     return whole.narrow(p.dim, ctx.offset(tensor, p.dim), ctx.split(tensor, p.dim)[ctx.device])
 
 
-def whole_noise(node: Node, graph: Graph):
+def whole_noise(node: Node, graph: Graph, device: torch.device | str = "cpu"):
     """The random numbers one device draws for a random node, whole, from torch's generator:
     a dropout's noise (mask / (1 - p); native_dropout: and its mask), the values of rand_like,
-    randn_like or bernoulli, attention's noise over every (batch, head, query, key)."""
+    randn_like or bernoulli, attention's noise over every (batch, head, query, key). Drawn from
+    the CPU generator, which the ranks share, and moved to `device`: on GPUs the draws are those
+    one CPU device makes, not those of one GPU's generator."""
+    return _to(_noise_on_host(node, graph), device)
+
+
+def _noise_on_host(node: Node, graph: Graph):
     if node.op == ATTENTION:
         q_shape, k_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
         whole = torch.ones((*q_shape[:-1], k_shape[-2]), dtype=getattr(torch, graph.tensors[node.inputs[0]].dtype))
@@ -243,10 +250,14 @@ def whole_noise(node: Node, graph: Graph):
     return node.target(whole, *node.args[1:], **node.kwargs)  # the arguments after the input are constants
 
 
+def _to(drawn, device):
+    return tuple(_to(d, device) for d in drawn) if isinstance(drawn, tuple) else drawn.to(device)
+
+
 def _random(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalContext, graph: Graph):
     out_name, out_p = node.outputs[0], st.outputs[0]
     x = args[0]
-    drawn = ctx.noise(node) if ctx.noise else whole_noise(node, graph)
+    drawn = ctx.noise(node) if ctx.noise else whole_noise(node, graph, x.device)
     if node.op not in DROPOUTS:  # rand_like, randn_like, bernoulli: the values depend on the shape only
         return _part(drawn, out_name, out_p, ctx)
     if node.op == "aten.native_dropout.default":
@@ -271,10 +282,10 @@ def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict,
     scale = a.get("scale") or q.shape[-1] ** -0.5
     scores = q @ k.transpose(-2, -1) * scale  # [.., L, S]
     if a.get("is_causal"):
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = torch.softmax(scores, dim=-1)
-    noise = ctx.noise(node) if ctx.noise else whole_noise(node, graph)  # every score's noise
+    noise = ctx.noise(node) if ctx.noise else whole_noise(node, graph, q.device)  # every score's noise
     return _part(noise, node.inputs[0], st.inputs[0], ctx).mul(weights) @ v

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..placement import R
 from ..search.moves import AG_GROUPED, Move
+from . import wire
 from .emulate import Emulation
 
 Gather = Literal["padded", "grouped"]
@@ -130,7 +131,7 @@ def gather_padded(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -
     padded.narrow(dim, 0, x.shape[dim]).copy_(x)
     parts = [torch.empty_like(padded) for _ in range(comm.world)]
     comm.before()
-    dist.all_gather(parts, padded, group=comm.group)
+    wire.all_gather(parts, padded, group=comm.group)
     comm.after("all_gather", comm.world * _nbytes(padded))
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
 
@@ -145,7 +146,7 @@ def gather_grouped(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) 
         part = x.contiguous() if owner == comm.rank else x.new_empty(_with_length(x.shape, dim, n))
         if n:
             comm.before()
-            dist.broadcast(part, src=global_rank(comm, owner), group=comm.group)
+            wire.broadcast(part, src=global_rank(comm, owner), group=comm.group)
             comm.after("broadcast", _nbytes(part))
         parts.append(part)
     return torch.cat(parts, dim)
@@ -157,7 +158,7 @@ def all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
         return x.clone()
     out = x.contiguous().clone()
     comm.before()
-    dist.all_reduce(out, group=comm.group)
+    wire.all_reduce(out, group=comm.group)
     comm.after("all_reduce", _nbytes(out))
     return out
 
@@ -165,7 +166,7 @@ def all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 def broadcast(x: torch.Tensor, src: int, comm: Comm) -> torch.Tensor:
     """Rank src's `x` on every rank, in place (src: a rank of comm's group)."""
     comm.before()
-    dist.broadcast(x, src=global_rank(comm, src), group=comm.group)
+    wire.broadcast(x, src=global_rank(comm, src), group=comm.group)
     comm.after("broadcast", _nbytes(x))
     return x
 
@@ -179,7 +180,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) 
     parts = [p.contiguous() for p in x.split(list(sizes), dim)]
     out = x.new_empty(_with_length(x.shape, dim, sizes[comm.rank]))
     comm.before()
-    dist.reduce_scatter(out, parts, group=comm.group)
+    wire.reduce_scatter(out, parts, group=comm.group)
     comm.after("reduce_scatter", comm.world * max(_nbytes(p) for p in parts))
     return out
 
@@ -229,7 +230,7 @@ def _exchange(x: torch.Tensor, send: list[torch.Tensor], recv_shapes: list, cat_
     out = x.new_empty(sum(counts))
     flat = torch.cat(send) if send else x.new_empty(0)
     comm.before()
-    dist.all_to_all_single(out, flat, output_split_sizes=counts, input_split_sizes=[b.numel() for b in send],
+    wire.all_to_all_single(out, flat, output_split_sizes=counts, input_split_sizes=[b.numel() for b in send],
                            group=comm.group)
     comm.after("all_to_all", comm.world * max(_nbytes(flat), _nbytes(out)))
     return torch.cat([b.reshape(s) for b, s in zip(out.split(counts), recv_shapes)], cat_dim)

@@ -32,6 +32,7 @@ from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
 from ..search.program import Step, kept_placements
 from .collectives import Comm, all_reduce, gather_padded, resplit, run_move
+from . import wire
 
 
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -399,7 +400,7 @@ class Executor:
                                     for name, p in zip(node.inputs[1:], st.inputs[1:]))
             count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
             self.comm.launching()
-            self._early[node.index] = (count, dist.all_reduce(count, group=self.comm.group, async_op=True))
+            self._early[node.index] = (count, wire.all_reduce(count, group=self.comm.group, async_op=True))
 
     def _early_count_ok(self, node, st) -> bool:
         """The loss counts early when it is such a mean and its labels (and weights) are leaves

@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from ..plan import SyncEntry
 from .collectives import Comm
+from . import wire
 
 Lane = tuple[tuple[int, ...], int]  # (devices, lane): a process group
 
@@ -279,7 +280,7 @@ class _AllReduce(_Synchronizer):
     def plan(self, flat, parts):
         g = self.groups.group(self.lane)
         message = flat.half() if self.half else flat
-        return message, [Step(self.lane, "all_reduce", lambda t: dist.all_reduce(t, group=g, async_op=True))], flat.dtype
+        return message, [Step(self.lane, "all_reduce", lambda t: wire.all_reduce(t, group=g, async_op=True))], flat.dtype
 
     def result(self, message, dtype):
         return message.to(dtype)
@@ -301,19 +302,19 @@ class _Rooted(_Synchronizer):
              if lane in groups.made}
         if len(machine) > 1:  # inside the machine, to its leader
             steps.append(Step((machine, 0), "reduce",
-                              lambda t, g=g[(machine, 0)]: dist.reduce(t, dst=leader, group=g, async_op=True)))
+                              lambda t, g=g[(machine, 0)]: wire.reduce(t, dst=leader, group=g, async_op=True)))
         if comm.rank == leader and len(leaders) > 1:  # across machines, one device each
             if root is None:
                 steps.append(Step((leaders, 0), "all_reduce",
-                                  lambda t, g=g[(leaders, 0)]: dist.all_reduce(t, group=g, async_op=True)))
+                                  lambda t, g=g[(leaders, 0)]: wire.all_reduce(t, group=g, async_op=True)))
             else:
                 steps.append(Step((leaders, 0), "reduce",
-                                  lambda t, g=g[(leaders, 0)]: dist.reduce(t, dst=root, group=g, async_op=True)))
+                                  lambda t, g=g[(leaders, 0)]: wire.reduce(t, dst=root, group=g, async_op=True)))
                 steps.append(Step((leaders, 1), "broadcast",
-                                  lambda t, g=g[(leaders, 1)]: dist.broadcast(t, src=root, group=g, async_op=True)))
+                                  lambda t, g=g[(leaders, 1)]: wire.broadcast(t, src=root, group=g, async_op=True)))
         if len(machine) > 1:  # back inside the machine
             steps.append(Step((machine, 1), "broadcast",
-                              lambda t, g=g[(machine, 1)]: dist.broadcast(t, src=leader, group=g, async_op=True)))
+                              lambda t, g=g[(machine, 1)]: wire.broadcast(t, src=leader, group=g, async_op=True)))
         self.steps = steps
 
     def lanes(self, parts):
@@ -349,8 +350,8 @@ class _PowerSGD(_Synchronizer):
         if self.error is None:
             self.error = [torch.zeros_like(g) for g in grads]
             gen = torch.Generator().manual_seed(1_000_003 * self.bucket)
-            self.q = [torch.randn(g.shape[1], self.r, generator=gen, dtype=g.dtype) if min(g.shape) > self.r else None
-                      for g in grads]
+            self.q = [torch.randn(g.shape[1], self.r, generator=gen, dtype=g.dtype).to(g.device)
+                      if min(g.shape) > self.r else None for g in grads]
         ms = [g + e for g, e in zip(grads, self.error)]
         compressed = [(m, q) for m, q in zip(ms, self.q) if q is not None]
         plain = [m.reshape(-1) for m, q in zip(ms, self.q) if q is None]
@@ -364,9 +365,9 @@ class _PowerSGD(_Synchronizer):
             state.update(p_hat=p_hat, q_local=q_local, plain_sum=msg[sum(sizes):].clone())
             return torch.cat([q.reshape(-1) for q in q_local]) if q_local else msg.new_zeros(0)
 
-        steps = [Step(self.lanes_all[0], "all_reduce", lambda t: dist.all_reduce(t, group=self.g[0], async_op=True))]
+        steps = [Step(self.lanes_all[0], "all_reduce", lambda t: wire.all_reduce(t, group=self.g[0], async_op=True))]
         if compressed:
-            steps.append(Step(self.lanes_all[1], "all_reduce", lambda t: dist.all_reduce(t, group=self.g[1], async_op=True),
+            steps.append(Step(self.lanes_all[1], "all_reduce", lambda t: wire.all_reduce(t, group=self.g[1], async_op=True),
                               before=factor_q))
         else:
             state.update(p_hat=[], q_local=[])
@@ -419,10 +420,11 @@ class _Sparse(_Synchronizer):
 
     def plan(self, grad, parts):
         rows = _pack(grad.coalesce())  # [k, h + width]
-        state = {"rows": rows, "shape": grad.shape, "counts": [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]}
+        counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(self.world)]
+        state = {"rows": rows, "shape": grad.shape, "counts": counts}
         g0, g1 = self.g
-        count = torch.tensor([rows.shape[0]], dtype=torch.int64)
-        steps = [Step(self.lanes_all[0], "all_gather", lambda t: dist.all_gather(state["counts"], t, group=g0, async_op=True),
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+        steps = [Step(self.lanes_all[0], "all_gather", lambda t: wire.all_gather(state["counts"], t, group=g0, async_op=True),
                       bytes=lambda t: 8.0 * self.world)]
 
         def padded(_):  # to the most rows any rank has (at least one)
@@ -435,11 +437,11 @@ class _Sparse(_Synchronizer):
         gathered = lambda t: t.numel() * t.element_size() * self.world  # noqa: E731  all_gather's volume V
         if self.server is None:
             steps.append(Step(self.lanes_all[1], "all_gather", before=padded, bytes=gathered,
-                              run=lambda t: dist.all_gather(state["gathered"], t, group=g1, async_op=True)))
+                              run=lambda t: wire.all_gather(state["gathered"], t, group=g1, async_op=True)))
         else:
             mine = self.rank == self.server
             steps.append(Step(self.lanes_all[1], "all_gather", before=padded, bytes=gathered,  # a gather: V to one
-                              run=lambda t: dist.gather(t, state["gathered"] if mine else None, dst=self.server,
+                              run=lambda t: wire.gather(t, state["gathered"] if mine else None, dst=self.server,
                                                         group=g1, async_op=True)))
 
             def summed(_):  # on the server the coalesced sum, elsewhere room for it: every row sent, at most the table
@@ -452,7 +454,7 @@ class _Sparse(_Synchronizer):
                 return out
 
             steps.append(Step(self.lanes_all[1], "broadcast", before=summed,
-                              run=lambda t: dist.broadcast(t, src=self.server, group=g1, async_op=True)))
+                              run=lambda t: wire.broadcast(t, src=self.server, group=g1, async_op=True)))
         return count, steps, state
 
     def write_back(self, parts, message, state):
@@ -476,7 +478,7 @@ def _padding(k: int, like: torch.Tensor) -> torch.Tensor:
     """k message rows of index -1."""
     h = 8 // like.element_size()
     out = like.new_zeros(k, like.shape[1])
-    out[:, :h] = torch.full((k,), -1, dtype=torch.int64).view(like.dtype).reshape(k, h)
+    out[:, :h] = torch.full((k,), -1, dtype=torch.int64, device=like.device).view(like.dtype).reshape(k, h)
     return out
 
 

@@ -52,6 +52,9 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, 
     all and raises RankFailed naming it."""
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
+    if backend == "nccl" and world > torch.cuda.device_count():
+        raise ValueError(f"nccl needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} CUDA devices "
+                         f"(gloo lets ranks share a GPU)")
     with tempfile.TemporaryDirectory(prefix="hap-ranks-") as reports:
         # torch starts the ranks (and has each die with the parent); the joining is ours: torch's
         # ProcessContext.join blames whichever failure it sees first (often a peer's "Connection

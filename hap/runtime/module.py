@@ -37,6 +37,7 @@ from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
 from .collectives import Comm, WaitClock, all_reduce, broadcast
+from . import wire
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
 from .gradsync import GradSync, Groups
@@ -315,7 +316,7 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     if math.isinf(norm_type):
         total = torch.stack([g.abs().max() for g in counted if g.numel()] or [torch.zeros(())]).max().reshape(1)
         comm.before()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.group)
+        wire.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.group)
         comm.after("all_reduce", 4)
         total = total[0]
     else:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..runtime.collectives import Comm, global_rank
+from ..runtime import wire
 
 Method = Literal["broadcast-reduce", "scatter-gather"]
 METHODS: tuple[Method, ...] = ("broadcast-reduce", "scatter-gather")
@@ -85,7 +85,7 @@ def scatter(chunks: list[torch.Tensor] | None, like: torch.Tensor, src: int, com
     """Rank src's chunks[r] to each rank r (all of `like`'s shape); returns this rank's."""
     out = torch.empty_like(like)
     comm.before()
-    dist.scatter(out, chunks if comm.rank == src else None, src=global_rank(comm, src), group=comm.group)
+    wire.scatter(out, chunks if comm.rank == src else None, src=global_rank(comm, src), group=comm.group)
     comm.after("scatter", out.numel() * out.element_size() * comm.world)
     return out
 
@@ -94,6 +94,6 @@ def gather(t: torch.Tensor, dst: int, comm: Comm) -> list[torch.Tensor] | None:
     """Every rank's `t` (same shape) at rank dst, in rank order; None elsewhere."""
     out = [torch.empty_like(t) for _ in range(comm.world)] if comm.rank == dst else None
     comm.before()
-    dist.gather(t.contiguous(), out, dst=global_rank(comm, dst), group=comm.group)
+    wire.gather(t.contiguous(), out, dst=global_rank(comm, dst), group=comm.group)
     comm.after("gather", t.numel() * t.element_size() * comm.world)
     return out

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..placement import P, R
 from ..runtime.collectives import all_reduce, broadcast, global_rank
+from ..runtime import wire
 from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
@@ -219,7 +220,7 @@ class Mitigator:
                              device=self.device)
         every = [torch.empty_like(local) for _ in range(self.world)]
         self.comm.before()
-        dist.all_gather(every, local, group=self.comm.group)
+        wire.all_gather(every, local, group=self.comm.group)
         self.comm.after("all_gather", local.numel() * 8 * self.world)
         return [Stats(*map(float, t)) for t in every]
 
@@ -369,7 +370,7 @@ class Mitigator:
         self.reshard_to(ratios[0])
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         self.comm.before()
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=self.comm.group)  # one cost, the same on every rank
+        wire.all_reduce(took, op=dist.ReduceOp.MAX, group=self.comm.group)  # one cost, the same on every rank
         self.comm.after("all_reduce", 8)
         self.reshard_seconds = float(took[0])
         return 1

@@ -1,0 +1,161 @@
+"""Every tensor collective of hap's runtime, on tensors its backend takes.
+
+gloo moves GPU tensors in all_reduce and broadcast only (torch.distributed's backend table);
+its all_gather, gather, scatter, reduce, reduce_scatter, all_to_all and send/recv take host
+tensors. NCCL takes GPU tensors only, also for the small host tensors hap shares (the random
+generator's state, label counts). Where a tensor's device and the group's backend disagree,
+the collective runs on staged copies (host memory for gloo, the current GPU for NCCL) and the
+results are copied back (on wait(), for asynchronous ones). So ranks that share a GPU (fewer
+GPUs than ranks: NCCL refuses two ranks on one GPU) run the same program over gloo as ranks
+with a GPU each over NCCL. Where nothing disagrees each function is torch.distributed's own.
+
+    work = wire.all_gather(parts, x, group=g, async_op=True)  # parts, x: CUDA tensors, g: gloo
+    work.wait()                                                # parts now hold the result
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Staged:
+    """A collective run on staged copies: wait() waits for it, then copies each result back to
+    its own tensor. The same interface as torch.distributed's Work, as far as hap uses it."""
+
+    def __init__(self, work, back: list[tuple[torch.Tensor, torch.Tensor]], keep: torch.Tensor | None = None):
+        self.work, self.back, self.done = work, back, False
+        self.keep = keep  # a staged copy being sent: alive until the work completes
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        if self.work is not None:
+            self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.done:
+            for own, staged in self.back:
+                own.copy_(staged)
+            self.done = True
+        return True
+
+
+def staging(group, tensors: Sequence[torch.Tensor | None], gloo_takes_gpu: bool = False) -> torch.device | None:
+    """The device a collective of these tensors must run on over this group; None: where they are."""
+    held = [t for t in tensors if t is not None]
+    backend = dist.get_backend(group)
+    if backend == "gloo" and not gloo_takes_gpu and any(t.device.type != "cpu" for t in held):
+        return torch.device("cpu")
+    if backend == "nccl" and any(t.device.type == "cpu" for t in held):
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return t.detach().to(dev, copy=True)
+
+
+def _room(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=dev)
+
+
+def _finish(work, back: list, async_op: bool):
+    staged = Staged(work, back)
+    if async_op:
+        return staged
+    staged.wait()
+    return None
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """In place."""
+    dev = staging(group, [t], gloo_takes_gpu=True)
+    if dev is None:
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    staged = _copy(t, dev)
+    return _finish(dist.all_reduce(staged, op=op, group=group, async_op=async_op), [(t, staged)], async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """In place (src: a global rank)."""
+    dev = staging(group, [t], gloo_takes_gpu=True)
+    if dev is None:
+        return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    staged = _copy(t, dev)
+    return _finish(dist.broadcast(staged, src=src, group=group, async_op=async_op), [(t, staged)], async_op)
+
+
+def reduce(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
+    """In place: the sum lands in t on dst (elsewhere t is left as the backend leaves it)."""
+    dev = staging(group, [t])
+    if dev is None:
+        return dist.reduce(t, dst=dst, group=group, async_op=async_op)
+    staged = _copy(t, dev)
+    return _finish(dist.reduce(staged, dst=dst, group=group, async_op=async_op), [(t, staged)], async_op)
+
+
+def all_gather(outs: list[torch.Tensor], x: torch.Tensor, group=None, async_op: bool = False):
+    dev = staging(group, [x, *outs])
+    if dev is None:
+        return dist.all_gather(outs, x, group=group, async_op=async_op)
+    staged = [_room(o, dev) for o in outs]
+    work = dist.all_gather(staged, _copy(x, dev), group=group, async_op=async_op)
+    return _finish(work, list(zip(outs, staged)), async_op)
+
+
+def gather(x: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group=None, async_op: bool = False):
+    dev = staging(group, [x, *(outs or [])])
+    if dev is None:
+        return dist.gather(x, outs, dst=dst, group=group, async_op=async_op)
+    staged = [_room(o, dev) for o in outs] if outs is not None else None
+    work = dist.gather(_copy(x, dev), staged, dst=dst, group=group, async_op=async_op)
+    return _finish(work, list(zip(outs, staged)) if outs is not None else [], async_op)
+
+
+def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, group=None, async_op: bool = False):
+    dev = staging(group, [out, *(chunks or [])])
+    if dev is None:
+        return dist.scatter(out, chunks, src=src, group=group, async_op=async_op)
+    staged = _room(out, dev)
+    work = dist.scatter(staged, [_copy(c, dev) for c in chunks] if chunks is not None else None, src=src,
+                        group=group, async_op=async_op)
+    return _finish(work, [(out, staged)], async_op)
+
+
+def reduce_scatter(out: torch.Tensor, parts: list[torch.Tensor], group=None, async_op: bool = False):
+    dev = staging(group, [out, *parts])
+    if dev is None:
+        return dist.reduce_scatter(out, parts, group=group, async_op=async_op)
+    staged = _room(out, dev)
+    work = dist.reduce_scatter(staged, [_copy(p, dev) for p in parts], group=group, async_op=async_op)
+    return _finish(work, [(out, staged)], async_op)
+
+
+def all_to_all_single(out: torch.Tensor, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                      group=None, async_op: bool = False):
+    dev = staging(group, [out, x])
+    if dev is None:
+        return dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,
+                                      input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+    staged = _room(out, dev)
+    work = dist.all_to_all_single(staged, _copy(x, dev), output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+    return _finish(work, [(out, staged)], async_op)
+
+
+def isend(x: torch.Tensor, dst: int, tag: int = 0, group=None):
+    dev = staging(group, [x])
+    if dev is None:
+        return dist.isend(x, dst, group=group, tag=tag)
+    staged = _copy(x, dev)
+    return Staged(dist.isend(staged, dst, group=group, tag=tag), [], keep=staged)
+
+
+def irecv(buf: torch.Tensor, src: int, tag: int = 0, group=None):
+    dev = staging(group, [buf])
+    if dev is None:
+        return dist.irecv(buf, src, group=group, tag=tag)
+    staged = _room(buf, dev)
+    return Staged(dist.irecv(staged, src, group=group, tag=tag), [(buf, staged)])
