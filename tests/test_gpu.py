@@ -78,3 +78,11 @@ def test_pipeline_trains_like_one_device_on_gpus(schedule, tmp_path):
     for got in reports:
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert_state(got["state"], model, schedule)
+
+
+def test_wire_collectives_on_gpus(tmp_path):
+    import test_wire
+    reports = run_ranks(test_wire.wire_worker, 3, tmp_path, "cuda", backend=backend(3))
+    assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
+    # gloo's ranks staged their GPU tensors through the host; NCCL's took them as they are
+    assert all(r["staged"] == ("cpu" if backend(3) == "gloo" else None) for r in reports)
