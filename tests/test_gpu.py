@@ -1,8 +1,8 @@
 """The GPU tier: training equals one device with every rank's tensors on a GPU.
 
 With a GPU per rank the ranks talk NCCL; on a machine with fewer GPUs than ranks (one GPU, say)
-they share the GPUs and talk gloo, which moves CUDA tensors through host memory: the runtime's
-every tensor still lives on the GPU, so a tensor made on the wrong device fails here. The
+they share the GPUs and talk gloo (wire.py sends its messages through host memory): the
+runtime's every tensor still lives on the GPU, so a tensor made on the wrong device fails here. The
 references train on GPU 0 in this process. Skipped where there is no CUDA device (CI's CPU
 machines); run on a GPU machine with `pytest tests/test_gpu.py -v`.
 """
@@ -84,5 +84,5 @@ def test_wire_collectives_on_gpus(tmp_path):
     import test_wire
     reports = run_ranks(test_wire.wire_worker, 3, tmp_path, "cuda", backend=backend(3))
     assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
-    # gloo's ranks staged their GPU tensors through the host; NCCL's took them as they are
+    # gloo's ranks sent their GPU messages through the host; NCCL's took them as they are
     assert all(r["staged"] == ("cpu" if backend(3) == "gloo" else None) for r in reports)

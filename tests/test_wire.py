@@ -1,7 +1,7 @@
 """wire.py's collectives on real ranks give torch.distributed's results, uneven sizes included,
 synchronous and asynchronous. On the CPU (here, gloo) nothing is staged; test_gpu.py runs the
-same worker with GPU tensors, where gloo's ranks stage through host memory (and NCCL's host
-tensors through the GPU)."""
+same worker with GPU tensors, where gloo's ranks stage their messages through host memory (and
+NCCL's ranks their host tensors through the GPU)."""
 
 import torch
 from gloo import rank_device, run_ranks
@@ -63,7 +63,7 @@ def wire_worker(rank, world, device="cpu"):
     recv.wait()
     send.wait()
     check("isend/irecv", buf, full(src + 2, src, "cpu"))
-    staged = wire.staging(None, [full(1, 0, dev)])
+    staged = wire.staging(None, [full(1, 0, dev)], message=True)  # where a message of this rank's tensors goes
     return {"failures": failures, "staged": None if staged is None else staged.type}
 
 

@@ -1,16 +1,17 @@
-"""Every tensor collective of hap's runtime, on tensors its backend takes.
+"""Every tensor collective and message of hap's runtime, on tensors its backend takes.
 
-gloo moves GPU tensors in all_reduce and broadcast only (torch.distributed's backend table);
-its all_gather, gather, scatter, reduce, reduce_scatter, all_to_all and send/recv take host
-tensors. NCCL takes GPU tensors only, also for the small host tensors hap shares (the random
-generator's state, label counts). Where a tensor's device and the group's backend disagree,
-the collective runs on staged copies (host memory for gloo, the current GPU for NCCL) and the
-results are copied back (on wait(), for asynchronous ones). So ranks that share a GPU (fewer
-GPUs than ranks: NCCL refuses two ranks on one GPU) run the same program over gloo as ranks
-with a GPU each over NCCL. Where nothing disagrees each function is torch.distributed's own.
+NCCL takes GPU tensors only, also for the small host tensors hap shares (the random generator's
+state, label counts, clipping norms). gloo's collectives take GPU tensors (copying them through
+host memory itself: seen on torch 2.11 with CUDA tensors, all_gather, gather, scatter, reduce,
+reduce_scatter and all_to_all_single gave the right values), but its send and recv hand the GPU
+pointer to the socket ("writev: Bad address"). Where a tensor's device and the backend disagree,
+the call runs on staged copies (host memory for gloo's messages, the current GPU for NCCL) and
+the results are copied back (on wait(), for asynchronous ones). So ranks that share a GPU
+(fewer GPUs than ranks: NCCL refuses two ranks on one GPU) run the same program over gloo as
+ranks with a GPU each over NCCL. Where nothing disagrees each function is torch.distributed's.
 
-    work = wire.all_gather(parts, x, group=g, async_op=True)  # parts, x: CUDA tensors, g: gloo
-    work.wait()                                                # parts now hold the result
+    work = wire.irecv(buf, src, tag=3)  # buf: a CUDA tensor, the default group: gloo
+    work.wait()                         # buf now holds the message
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class Staged:
         return True
 
 
-def staging(group, tensors: Sequence[torch.Tensor | None], gloo_takes_gpu: bool = False) -> torch.device | None:
-    """The device a collective of these tensors must run on over this group; None: where they are."""
+def staging(group, tensors: Sequence[torch.Tensor | None], message: bool = False) -> torch.device | None:
+    """The device a collective (or, `message`, a send or receive) of these tensors must run on
+    over this group; None: where they are."""
     held = [t for t in tensors if t is not None]
     backend = dist.get_backend(group)
-    if backend == "gloo" and not gloo_takes_gpu and any(t.device.type != "cpu" for t in held):
+    if backend == "gloo" and message and any(t.device.type != "cpu" for t in held):
         return torch.device("cpu")
     if backend == "nccl" and any(t.device.type == "cpu" for t in held):
         return torch.device("cuda", torch.cuda.current_device())
@@ -71,7 +73,7 @@ def _finish(work, back: list, async_op: bool):
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
     """In place."""
-    dev = staging(group, [t], gloo_takes_gpu=True)
+    dev = staging(group, [t])
     if dev is None:
         return dist.all_reduce(t, op=op, group=group, async_op=async_op)
     staged = _copy(t, dev)
@@ -80,7 +82,7 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     """In place (src: a global rank)."""
-    dev = staging(group, [t], gloo_takes_gpu=True)
+    dev = staging(group, [t])
     if dev is None:
         return dist.broadcast(t, src=src, group=group, async_op=async_op)
     staged = _copy(t, dev)
@@ -146,7 +148,7 @@ def all_to_all_single(out: torch.Tensor, x: torch.Tensor, output_split_sizes: li
 
 
 def isend(x: torch.Tensor, dst: int, tag: int = 0, group=None):
-    dev = staging(group, [x])
+    dev = staging(group, [x], message=True)
     if dev is None:
         return dist.isend(x, dst, group=group, tag=tag)
     staged = _copy(x, dev)
@@ -154,7 +156,7 @@ def isend(x: torch.Tensor, dst: int, tag: int = 0, group=None):
 
 
 def irecv(buf: torch.Tensor, src: int, tag: int = 0, group=None):
-    dev = staging(group, [buf])
+    dev = staging(group, [buf], message=True)
     if dev is None:
         return dist.irecv(buf, src, group=group, tag=tag)
     staged = _room(buf, dev)
