@@ -71,6 +71,7 @@ def main() -> int:
                           "baselines": base, "speedup_over_best_baseline": best_base / r["best"]["measured_seconds"],
                           "best_trial_over_best_baseline": best_base / r["best_trial"]["measured_seconds"]
                           if r["best_trial"] else None,
+                          "confirmed": r["confirmed"],
                           "ranking_accuracy": r["ranking_accuracy"], "search_seconds": r["search_seconds"],
                           "best_strategy": r["best"]["text"]})
             (out / "autosync.json").write_text(json.dumps({"cases": cases}, indent=1))
@@ -85,13 +86,18 @@ def _report(out: Path, cases: list[dict], seconds: float, trials: int) -> None:
              f"{len(cases)} cases, {trials} trials each, {seconds:.0f} s. Milliseconds per training step, measured "
              "(mean of 5 steps after 2 warm-up steps, the slowest rank). The last column: the best baseline's time "
              "over the search's best trial (above 1: the search found a faster strategy).", "",
-             "| model | space | cluster | trials | AutoSync best trial | " + " | ".join(names) + " | best trial vs best baseline |",
-             "|---|---|---|---|---|" + "---|" * len(names) + "---|"]
+             "| model | space | cluster | trials | AutoSync best trial | " + " | ".join(names)
+             + " | best trial vs best baseline | confirmed: trial, baseline (median of 3) |",
+             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
     for c in cases:
         trial = f"{c['best_trial_seconds'] * 1e3:.1f}" if c["best_trial_seconds"] else "-"
+        k = c.get("confirmed")
+        again = (f"{k['trial']['median'] * 1e3:.1f}, {k['baseline']['name']} {k['baseline']['median'] * 1e3:.1f} "
+                 f"({k['trial_over_baseline']:.2f}x)") if k else "-"
         lines.append(f"| {c['model']} | {c['space']} | {c['cluster']} | {c['trials']} | {trial} | "
                      + " | ".join(f"{c['baselines'][n] * 1e3:.1f}" for n in names)
-                     + (f" | {c['best_trial_over_best_baseline']:.2f}x |" if c["best_trial_over_best_baseline"] else " | - |"))
+                     + (f" | {c['best_trial_over_best_baseline']:.2f}x" if c["best_trial_over_best_baseline"] else " | -")
+                     + f" | {again} |")
     lines += ["", "Pairwise ranking accuracy on each case's measured strategies, a random 30% held out (the "
               "learned simulators trained on the rest); forecast: trained on the first 70% measured, tested on the "
               "last 30% (the strategies the search itself picked):", "",

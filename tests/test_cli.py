@@ -81,13 +81,18 @@ def test_sync_searches_resumes_and_its_plan_trains(tmp_path, capfd):
     assert main([*args, "--trials", "5"]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["trials"] == 5 and set(result["baselines"]) == {"hap", "ddp", "tuned-ps", "horovod"}
-    assert result["best"]["measured_seconds"] == min(
-        [b["measured_seconds"] for b in result["baselines"].values()] + [result["best_trial"]["measured_seconds"]])
+    # the best trial and the best baseline measured 3 more times each; best: the lower median
+    confirmed = result["confirmed"]
+    assert len(confirmed["trial"]["seconds"]) == len(confirmed["baseline"]["seconds"]) == 3
+    assert confirmed["trial"]["strategy"] == result["best_trial"]["strategy"]
+    assert result["best"]["measured_seconds"] == min(confirmed["trial"]["median"], confirmed["baseline"]["median"])
     rows = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
     assert sum(r["kind"] == "trial" for r in rows) == 5 and all(r["seconds"] > 0 for r in rows)
+    assert sum(r["kind"].startswith("confirm:") for r in rows) == 6
     assert main([*args, "--trials", "7"]) == 0  # resumes: the baselines from the log, 2 more trials
     rows2 = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
-    assert rows2[:len(rows)] == rows and [r["kind"] for r in rows2[len(rows):]] == ["trial", "trial"]
+    assert rows2[:len(rows)] == rows and [r["kind"] for r in rows2[len(rows):len(rows) + 2]] == ["trial", "trial"]
+    assert len({json.dumps(r["strategy"]) for r in rows2 if r["kind"] == "trial"}) == 7  # no trial repeated
     plan = Plan.from_json(out / "plan.json")
     assert sum(e.sparse for e in plan.sync) == 4  # the four embedding tables
     assert "best:" in capfd.readouterr().out

@@ -16,7 +16,7 @@ from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 from hap.search.program import replay
 from hap.sync import baselines, price
-from hap.sync.sampler import SpaceConfig, _balance_servers, sample, similarity
+from hap.sync.sampler import SpaceConfig, _balance_servers, neighbour, sample, similarity
 from hap.sync.select import select
 from hap.sync.simulators import MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
 from hap.sync.strategy import PartSync, SyncStrategy, Variable, Variables, VarSync
@@ -167,6 +167,26 @@ def test_sampler_draws_uniform_and_compressed_strategies_only_when_asked(setting
     kinds = [{(p.kind, p.hierarchical) for vs in s.vars for p in vs.parts} for s in strategies]
     assert {(AR, True)} in kinds and {(PS, False)} in kinds  # all-hierarchical all-reduce, all plain servers
     assert any(not s.exact for s in (sample(variables, [1.0] * 3, rng, SpaceConfig(compress=True)) for _ in range(50)))
+
+
+def test_neighbours_change_one_parameter_and_stay_valid(setting):
+    *_, cost, est, variables = setting
+    rng = random.Random(3)
+    space = SpaceConfig(part_bytes=256, max_parts=4)
+    moved = set()
+    for _ in range(200):
+        parent = sample(variables, [1.0, 3.0, 3.0], rng, space)
+        child = neighbour(parent, variables, [1.0, 3.0, 3.0], rng, space)
+        changed = [i for i, (a, b) in enumerate(zip(parent.vars, child.vars)) if a != b]
+        assert len(changed) <= 1 and [v.param for v in child.vars] == [v.param for v in parent.vars]
+        if changed and len(parent.vars[changed[0]].parts) == len(child.vars[changed[0]].parts):
+            diff = [(a, b) for a, b in zip(parent.vars[changed[0]].parts, child.vars[changed[0]].parts) if a != b]
+            if len(diff) == 1:  # one part changed (else the parameter was re-drawn)
+                a, b = diff[0]
+                moved |= {f for f in ("kind", "server", "group", "hierarchical") if getattr(a, f) != getattr(b, f)}
+        check_sync(variables.entries(child), 3)
+        assert price.overlapped(variables.entries(child), variables, cost, est) > 0
+    assert moved == {"kind", "server", "group", "hierarchical"}  # every kind of move was made
 
 
 def test_similarity_counts_shared_choices(setting):

@@ -6,7 +6,10 @@ The loop (AutoSync, main paper Fig. 1): sample candidates under the knowledge co
 (sampler.py) -> predict their times with the current simulator -> select K by Eq. 11
 (select.py) -> run them on the cluster (trials.py) -> retrain the learned simulators -> again,
 until the trial budget is spent. Before enough trials to learn from, hap's own overlap-aware
-price of a strategy (price.overlapped) is the simulator. Every trial is one JSON line in
+price of a strategy (price.overlapped) is the simulator. Beyond AutoSync, half of each round's
+candidates are neighbours (one choice changed) of the best strategies measured so far,
+baselines included, and no strategy is measured twice as a trial; at the end the best trial
+and the best baseline are measured again, alternately, and the lower median wins. Every trial is one JSON line in
 DIR/trials.jsonl (model, cluster, strategy, measured seconds), so a search resumes where it
 stopped and the data set grows across runs (trials of other models and clusters in the file
 train the simulators too). The baselines (baselines.py) are measured in the same runs.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +43,7 @@ from ..rules import strategy_table
 from ..rules.units import ShardClasses
 from ..search.program import replay
 from . import baselines, price
-from .sampler import SpaceConfig, bandwidths, sample, similarity
+from .sampler import SpaceConfig, bandwidths, neighbour, sample, similarity
 from .select import select
 from .simulators import KINDS, Domain, Sample, Simulator, features, ranking_accuracy
 from .strategy import SyncStrategy, Variables, with_strategy
@@ -68,6 +72,14 @@ class AutoSyncConfig:
     """Timed training steps per trial (after 2 warm-up steps)."""
     horovod_samples: int = 20
     baselines: bool = True
+    local: float = 0.5
+    """Share of each round's candidates drawn one choice away (sampler.neighbour) from the best
+    strategies measured so far, baselines included (hap's addition; 0: AutoSync's sampler only)."""
+    parents: int = 3
+    """How many of the best measured strategies the local candidates are drawn around."""
+    confirm: int = 3
+    """At the end, the best trial and the best baseline are measured again this many times each,
+    alternately, and `best` is the one of lower median (one fast step is often noise)."""
     seed: int = 0
 
 
@@ -117,7 +129,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
         while sum(1 for t in history if t["domain"] == key and t["kind"] == "trial") < config.trials:
             done = sum(1 for t in history if t["domain"] == key and t["kind"] == "trial")
             simulator = _trained(history, key, domain, variables, config, simulator, done)
-            pool = [sample(variables, bw, rng, config.space) for _ in range(config.candidates)]
+            pool = _candidates(history, key, variables, bw, rng, config)
             samples = [_sample(domain, s) for s in pool]
             if simulator is None:
                 predicted = [price.overlapped(variables.entries(s), variables, cost, est) for s in pool]
@@ -132,7 +144,8 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
             best = min(t["seconds"] for t in history if t["domain"] == key)
             say(f"[autosync] trials {done + k}/{config.trials}: {', '.join(f'{s * 1e3:.1f}' for s in seconds)} ms; "
                 f"best so far {best * 1e3:.1f} ms")
-    result = _result(history, key, domain, variables, plan, base, config, time.perf_counter() - t_start, out)
+        confirmed = _confirm(history, key, measure, config, say)
+    result = _result(history, key, domain, variables, plan, base, config, time.perf_counter() - t_start, confirmed)
     best = SyncStrategy.from_json(result["best"]["strategy"])
     best_plan = with_strategy(plan, variables, best)
     best_plan = _with_estimate(best_plan, graph, cluster, variables, cost, est)
@@ -143,6 +156,46 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
         + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in result["baselines"].items())
         + f"; wrote {out / 'result.json'}, {out / 'plan.json'}")
     return result
+
+
+def _candidates(history, key, variables, bw, rng, config: AutoSyncConfig) -> list[SyncStrategy]:
+    """A round's candidates: AutoSync's samples and neighbours of the best measured strategies,
+    none measured before (a repeat would spend a trial on what is known)."""
+    measured = sorted((t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")),
+                      key=lambda t: t["seconds"])
+    parents = [SyncStrategy.from_json(t["strategy"]) for t in measured[:config.parents]]
+    local = int(config.local * config.candidates) if parents else 0
+    pool = [sample(variables, bw, rng, config.space) for _ in range(config.candidates - local)]
+    pool += [neighbour(rng.choice(parents), variables, bw, rng, config.space) for _ in range(local)]
+    seen = {json.dumps(t["strategy"]) for t in measured}
+    fresh = []
+    for s in pool:
+        text = json.dumps(s.to_json())
+        if text not in seen:
+            seen.add(text)
+            fresh.append(s)
+    return fresh or pool
+
+
+def _confirm(history, key, measure, config: AutoSyncConfig, say) -> dict | None:
+    """The best trial and the best baseline measured again, alternately, config.confirm times each."""
+    rows = [t for t in history if t["domain"] == key]
+    trials = [t for t in rows if t["kind"] == "trial"]
+    base = [t for t in rows if t["kind"].startswith("baseline:")]
+    if config.confirm <= 0 or not trials or not base:
+        return None
+    trial, baseline = min(trials, key=lambda t: t["seconds"]), min(base, key=lambda t: t["seconds"])
+    name = baseline["kind"].split(":", 1)[1]
+    pair = [("confirm:trial", SyncStrategy.from_json(trial["strategy"])),
+            (f"confirm:baseline:{name}", SyncStrategy.from_json(baseline["strategy"]))]
+    seconds = measure(pair * config.confirm)
+    t_s, b_s = seconds[0::2], seconds[1::2]
+    out = {"trial": {"strategy": trial["strategy"], "seconds": t_s, "median": statistics.median(t_s)},
+           "baseline": {"name": name, "strategy": baseline["strategy"], "seconds": b_s, "median": statistics.median(b_s)}}
+    out["trial_over_baseline"] = out["baseline"]["median"] / out["trial"]["median"]
+    say(f"[autosync] confirmed (median of {config.confirm}): best trial {out['trial']['median'] * 1e3:.1f} ms, "
+        f"baseline {name} {out['baseline']['median'] * 1e3:.1f} ms ({out['trial_over_baseline']:.2f}x)")
+    return out
 
 
 def _domain_key(model: str, knobs: dict, cluster: Cluster, plan: Plan) -> str:
@@ -229,10 +282,15 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
     return out
 
 
-def _result(history, key, domain: Domain, variables, plan, base, config: AutoSyncConfig, seconds: float, out) -> dict:
-    mine = [t for t in history if t["domain"] == key]
+def _result(history, key, domain: Domain, variables, plan, base, config: AutoSyncConfig, seconds: float,
+            confirmed: dict | None) -> dict:
+    mine = [t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")]
     trials = [t for t in mine if t["kind"] == "trial"]
     best = min(mine, key=lambda t: t["seconds"])
+    if confirmed is not None:  # the confirmed winner, at its median
+        won = "trial" if confirmed["trial"]["median"] <= confirmed["baseline"]["median"] else "baseline"
+        kind = "trial" if won == "trial" else f"baseline:{confirmed['baseline']['name']}"
+        best = {"seconds": confirmed[won]["median"], "kind": kind, "strategy": confirmed[won]["strategy"]}
     best_trial = min(trials, key=lambda t: t["seconds"]) if trials else None
     return {
         "model": mine[0]["model"], "knobs": mine[0]["knobs"], "cluster": mine[0]["cluster"],
@@ -244,6 +302,7 @@ def _result(history, key, domain: Domain, variables, plan, base, config: AutoSyn
         "baselines": {n: {k: v for k, v in b.items() if k != "strategy"} for n, b in base.items()},
         "ranking_accuracy": _held_out(mine, domain, config),
         "best_so_far": _best_so_far(trials),
+        "confirmed": confirmed,
         "search_seconds": seconds,
     }
 

@@ -21,6 +21,7 @@ fields are then filled by the constraints:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -75,6 +76,42 @@ def sample(variables: Variables, bandwidth: list[float], rng: random.Random, con
     _balance_servers(variables, drafts, bandwidth, rng)
     _merge_adjacent(variables, drafts, rng.randint(1, config.max_groups))
     return SyncStrategy(tuple(VarSync(variables.vars[i].param, tuple(PartSync(**d) for d in draft)) for i, draft in drafts))
+
+
+def neighbour(strategy: SyncStrategy, variables: Variables, bandwidth: list[float], rng: random.Random,
+              config: SpaceConfig | None = None) -> SyncStrategy:
+    """A strategy one choice away from `strategy` (hap's addition to AutoSync's sampler, to
+    search around the best strategies measured): one parameter re-drawn (parts and
+    synchronizers, from a fresh sample), or one part changed: all-reduce <-> parameter server
+    (the server drawn by bandwidth, the group its neighbour's), another server, the next or the
+    previous fusion group (merging into or splitting from a neighbour), hierarchy toggled."""
+    config = config or SpaceConfig()
+    vars_ = list(strategy.vars)
+    i = rng.randrange(len(vars_))
+    var, vs = variables.vars[i], vars_[i]
+    if rng.random() < 0.25:  # re-draw the parameter whole
+        vars_[i] = sample(variables, bandwidth, rng, config).vars[i]
+        return SyncStrategy(tuple(vars_))
+    j = rng.randrange(len(vs.parts))
+    part = vs.parts[j]
+    hierarchical_possible = any(len(m) > 1 for m in variables.machines) and not var.sparse and part.exact
+    moves = ["kind", "hierarchical" if hierarchical_possible else "kind"]
+    moves += ["server"] if part.kind == "ps" and len(bandwidth) > 1 else ["group-up", "group-down"]
+    move = rng.choice(moves)
+    if move == "kind" and part.kind == "all_reduce":
+        server = rng.choices(range(len(bandwidth)), weights=bandwidth)[0]
+        new = PartSync(kind="ps", server=server, hierarchical=part.hierarchical)
+    elif move == "kind":
+        groups = [p.group for v in vars_ for p in v.parts if p.kind == "all_reduce"]
+        new = PartSync(kind="all_reduce", group=groups[0] if groups else 0, hierarchical=part.hierarchical)
+    elif move == "server":
+        new = dataclasses.replace(part, server=rng.choice([d for d in range(len(bandwidth)) if d != part.server]))
+    elif move == "hierarchical":
+        new = dataclasses.replace(part, hierarchical=not part.hierarchical)
+    else:
+        new = dataclasses.replace(part, group=max(0, part.group + (1 if move == "group-up" else -1)))
+    vars_[i] = VarSync(vs.param, vs.parts[:j] + (new,) + vs.parts[j + 1:])
+    return SyncStrategy(tuple(vars_))
 
 
 def _part_size(variables: Variables, i: int, parts: int) -> float:
