@@ -4,7 +4,7 @@ With a GPU per rank the ranks talk NCCL; on a machine with fewer GPUs than ranks
 they share the GPUs and talk gloo (wire.py sends its messages through host memory): the
 runtime's every tensor still lives on the GPU, so a tensor made on the wrong device fails here. The
 references train on GPU 0 in this process. Skipped where there is no CUDA device (CI's CPU
-machines); run on a GPU machine with `pytest tests/test_gpu.py -v`.
+machines); run on a GPU machine with `bash benchmarks/gpu_tier.sh` (or `pytest tests/test_gpu.py`).
 """
 
 import pytest

@@ -73,29 +73,25 @@ def _finish(work, back: list, async_op: bool):
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
     """In place."""
-    dev = staging(group, [t])
-    if dev is None:
-        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
-    staged = _copy(t, dev)
-    return _finish(dist.all_reduce(staged, op=op, group=group, async_op=async_op), [(t, staged)], async_op)
+    return _in_place(dist.all_reduce, t, group, async_op, op=op)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     """In place (src: a global rank)."""
-    dev = staging(group, [t])
-    if dev is None:
-        return dist.broadcast(t, src=src, group=group, async_op=async_op)
-    staged = _copy(t, dev)
-    return _finish(dist.broadcast(staged, src=src, group=group, async_op=async_op), [(t, staged)], async_op)
+    return _in_place(dist.broadcast, t, group, async_op, src=src)
 
 
 def reduce(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
     """In place: the sum lands in t on dst (elsewhere t is left as the backend leaves it)."""
+    return _in_place(dist.reduce, t, group, async_op, dst=dst)
+
+
+def _in_place(collective, t: torch.Tensor, group, async_op: bool, **how):
     dev = staging(group, [t])
     if dev is None:
-        return dist.reduce(t, dst=dst, group=group, async_op=async_op)
+        return collective(t, group=group, async_op=async_op, **how)
     staged = _copy(t, dev)
-    return _finish(dist.reduce(staged, dst=dst, group=group, async_op=async_op), [(t, staged)], async_op)
+    return _finish(collective(staged, group=group, async_op=async_op, **how), [(t, staged)], async_op)
 
 
 def all_gather(outs: list[torch.Tensor], x: torch.Tensor, group=None, async_op: bool = False):
