@@ -9,9 +9,9 @@ until the trial budget is spent. Before enough trials to learn from, hap's own o
 price of a strategy (price.overlapped) is the simulator. Beyond AutoSync, half of each round's
 candidates are neighbours (one choice changed) of the best strategies measured so far,
 baselines included, and no strategy is measured twice as a trial; at the end the best trial
-and the best baseline are measured again, alternately, and the lower median wins. Every trial is one JSON line in
-DIR/trials.jsonl (model, cluster, strategy, measured seconds), so a search resumes where it
-stopped and the data set grows across runs (trials of other models and clusters in the file
+and the best baseline are measured again, alternately, and the lower median wins. Every
+measurement is one JSON line in DIR/trials.jsonl (model, cluster, strategy, measured seconds),
+so a search resumes where it stopped and the data set grows across runs (trials of other models and clusters in the file
 train the simulators too). The baselines (baselines.py) are measured in the same runs.
 
 DIR/result.json holds the best strategy measured and its seconds, each baseline's seconds, the

@@ -83,8 +83,9 @@ def neighbour(strategy: SyncStrategy, variables: Variables, bandwidth: list[floa
     """A strategy one choice away from `strategy` (hap's addition to AutoSync's sampler, to
     search around the best strategies measured): one parameter re-drawn (parts and
     synchronizers, from a fresh sample), or one part changed: all-reduce <-> parameter server
-    (the server drawn by bandwidth, the group its neighbour's), another server, the next or the
-    previous fusion group (merging into or splitting from a neighbour), hierarchy toggled."""
+    (the server drawn by bandwidth; the group of the first all-reduce part), another server, the
+    next or the previous fusion group (merging into or splitting from a neighbour), hierarchy
+    toggled."""
     config = config or SpaceConfig()
     vars_ = list(strategy.vars)
     i = rng.randrange(len(vars_))
