@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, help="trial budget per case (default 50, quick 15)")
     ap.add_argument("--clusters", nargs="+", metavar="NAME", help="cluster files under benchmarks/clusters "
                     "(default autosync-b9 autosync-b12; quick autosync-b9)")
+    ap.add_argument("--models", nargs="+", metavar="NAME", help="only these models (vgg19, bert, ncf-sparse, ncf)")
     args = ap.parse_args()
     from hap.cost.cluster import load_cluster
     from hap.sync import AutoSyncConfig, SpaceConfig, run
@@ -55,6 +56,8 @@ def main() -> int:
     for cluster_name in clusters:
         cluster = load_cluster(HERE / "clusters" / f"{cluster_name}.yaml")
         for model, knobs, compress in (MODELS[:3] if args.quick else MODELS):
+            if args.models and model not in args.models:
+                continue
             case_dir = out / f"{model}{'-compress' if compress else ''}-{cluster_name}"
             if case_dir.exists():
                 shutil.rmtree(case_dir)  # a benchmark measures afresh (hap sync itself resumes)
@@ -84,7 +87,7 @@ def _report(out: Path, cases: list[dict], seconds: float, trials: int) -> None:
     names = sorted({n for c in cases for n in c["baselines"]})
     lines = ["# AutoSync on the emulated mixed clusters", "",
              f"{len(cases)} cases, {trials} trials each, {seconds:.0f} s. Milliseconds per training step, measured "
-             "(mean of 5 steps after 2 warm-up steps, the slowest rank). The last column: the best baseline's time "
+             "(mean of at least 5 steps and 0.5 s, after 2 warm-up steps, the slowest rank). The last column: the best baseline's time "
              "over the search's best trial (above 1: the search found a faster strategy).", "",
              "| model | space | cluster | trials | AutoSync best trial | " + " | ".join(names)
              + " | best trial vs best baseline | confirmed: trial, baseline (median of 3) |",

@@ -69,7 +69,9 @@ class AutoSyncConfig:
     epochs: int = 60
     space: SpaceConfig = field(default_factory=SpaceConfig)
     steps: int = 5
-    """Timed training steps per trial (after 2 warm-up steps)."""
+    """Timed training steps per trial (after 2 warm-up steps) ..."""
+    min_timed_seconds: float = 0.5
+    """... and as many more, in blocks of `steps`, until the timed steps took this long."""
     horovod_samples: int = 20
     baselines: bool = True
     local: float = 0.5
@@ -110,7 +112,8 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
         f"{sum(v.nbytes for v in variables.vars) / 2**20:.1f} MiB; {len(mine)} trials already in {log}")
 
     bw = bandwidths(variables, cost)
-    workload = Workload(model=model, knobs=knobs, cluster=cluster.to_dict(), plan=plan.to_dict(), steps=config.steps)
+    workload = Workload(model=model, knobs=knobs, cluster=cluster.to_dict(), plan=plan.to_dict(), steps=config.steps,
+                        min_seconds=config.min_timed_seconds)
     t_start = time.perf_counter()
     with TrialCluster(workload) as trials:
         def measure(named: list[tuple[str, SyncStrategy]], tried: list[dict] | None = None) -> list[float]:

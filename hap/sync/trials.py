@@ -3,7 +3,9 @@ emulated as the cluster file says), by training steps of the real model.
 
 The ranks stay up for all the trials of a search: they build the model and hap.HAP once (the
 base plan), and for each strategy switch their gradient sync to it (HAP.resync), run `warmup`
-steps, then time `steps` steps. A trial's time is the slowest rank's mean step.
+steps, then time `steps` steps, and `steps` more until `min_seconds` have passed (a fast step's
+time varies by about itself: more of them average the noise out). A trial's time is the
+slowest rank's mean step.
 
     with TrialCluster(workload) as cluster:
         seconds = cluster.measure([entries_a, entries_b])   # plan.SyncEntry lists
@@ -36,6 +38,8 @@ class Workload:
     """Plan.to_dict(): the program the strategies synchronize the gradients of."""
     steps: int = 5
     warmup: int = 2
+    min_seconds: float = 0.0
+    """Time at least this long (in blocks of `steps` steps, at most 20 blocks)."""
 
 
 class TrialsFailed(RuntimeError):
@@ -138,12 +142,16 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
                 for _ in range(w.warmup):
                     step()
                 dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(w.steps):
-                    step()
-                took = torch.tensor([(time.perf_counter() - t0) / w.steps])
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                measured.append(took.item())
+                t0, done = time.perf_counter(), 0
+                while True:  # every rank decides alike: on the slowest rank's time
+                    for _ in range(w.steps):
+                        step()
+                    done += w.steps
+                    took = torch.tensor([time.perf_counter() - t0])
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                    if took.item() >= w.min_seconds or done >= 20 * w.steps:
+                        break
+                measured.append(took.item() / done)
             if rank == 0:
                 results.put(("measured", measured))
         dist.barrier()
