@@ -213,12 +213,13 @@ class CostModel:
         return found
 
     def whole_params_seconds(self, node: Node, names: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """param_seconds summed over parameters `names` (held whole) of `node`."""
+        """param_seconds summed over parameters `names` (held whole) of `node` (none: zeros)."""
         found = self._param_seconds.get((node.index, names))
         if found is None:
             each = [self.param_seconds(node, name) for name in dict.fromkeys(names)]
-            found = self._param_seconds[(node.index, names)] = (tuple(map(sum, zip(*(f for f, _ in each)))),
-                                                               tuple(map(sum, zip(*(b for _, b in each)))))
+            found = self._param_seconds[(node.index, names)] = (
+                tuple(sum(f[j] for f, _ in each) for j in range(self.m)),
+                tuple(sum(b[j] for _, b in each) for j in range(self.m)))
         return found
 
     def accumulate_seconds(self, nbytes: float) -> tuple[float, ...]:

@@ -77,10 +77,10 @@ class PipelinePricer:
             (work_b if split else fixed_b)[node.index] += b
             fixed_f[node.index] += xf
             fixed_b[node.index] += xb
-            for name in cost.params_of(node):  # whole in a stage, read (and its gradient written) per micro-batch
-                pf, pb = cost.param_seconds(node, name)
-                fixed_f[node.index] += pf
-                fixed_b[node.index] += pb
+            # its parameters, whole in a stage, read (and their gradients written) per micro-batch
+            pf, pb = cost.whole_params_seconds(node, tuple(cost.params_of(node)))
+            fixed_f[node.index] += pf
+            fixed_b[node.index] += pb
         cum = lambda a: np.vstack([np.zeros((1, m)), np.cumsum(a, axis=0)])  # noqa: E731
         self.work_f, self.work_b, self.fixed_f, self.fixed_b = cum(work_f), cum(work_b), cum(fixed_f), cum(fixed_b)
         params = np.zeros(n)
