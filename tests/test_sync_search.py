@@ -15,7 +15,7 @@ from hap.planner import baseline_plan
 from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 from hap.search.program import replay
-from hap.sync import baselines, price
+from hap.sync import AutoSyncConfig, baselines, price
 from hap.sync.sampler import SpaceConfig, _balance_servers, neighbour, sample, similarity
 from hap.sync.select import select
 from hap.sync.simulators import MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
@@ -398,3 +398,15 @@ def test_sparse_rows_pack_and_unpack_exactly(dtype, rows):
     message = torch.cat([_pack(grad), _padding(2, _pack(grad))])  # padded by two rows of index -1
     back = _unpack(message, grad.shape).coalesce()
     assert torch.equal(back.indices(), grad.indices()) and torch.equal(back.values(), grad.values())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("per_round", 0, "AutoSyncConfig.per_round must be at least 1, got 0"),  # the loop would never end
+    ("candidates", 0, "AutoSyncConfig.candidates must be at least 1, got 0"),
+    ("local", 1.5, r"AutoSyncConfig.local must be in \[0, 1\], got 1.5"),
+    ("confirm", -1, "AutoSyncConfig.confirm must be at least 0, got -1"),
+    ("min_timed_seconds", -0.1, "AutoSyncConfig.min_timed_seconds must be at least 0, got -0.1"),
+])
+def test_bad_autosync_config_gets_one_line(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AutoSyncConfig(**{field: value})

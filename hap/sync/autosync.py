@@ -84,6 +84,16 @@ class AutoSyncConfig:
     alternately, and `best` is the one of lower median (one fast step is often noise)."""
     seed: int = 0
 
+    def __post_init__(self):
+        # per_round 0 or candidates 0 would never finish the loop; the others make no sense
+        for name, ok, want in (("trials", self.trials >= 0, "at least 0"), ("per_round", self.per_round >= 1, "at least 1"),
+                               ("candidates", self.candidates >= 1, "at least 1"), ("local", 0 <= self.local <= 1, "in [0, 1]"),
+                               ("parents", self.parents >= 1, "at least 1"), ("confirm", self.confirm >= 0, "at least 0"),
+                               ("steps", self.steps >= 1, "at least 1"),
+                               ("min_timed_seconds", self.min_timed_seconds >= 0, "at least 0")):
+            if not ok:
+                raise ValueError(f"AutoSyncConfig.{name} must be {want}, got {getattr(self, name)!r}")
+
 
 def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: AutoSyncConfig | None = None,
         plan: Plan | None = None, say: Callable[[str], None] = print) -> dict:
