@@ -105,13 +105,16 @@ def test_calibration_measures_each_device_in_the_runtime():
     assert calibrated.fwd == timing.fwd and calibrated.device_scale is not None
     assert all(len(f) == 4 and min(f) >= 0 for f in calibrated.device_scale)
 
-    def whole(j, k):  # device j's calibrated pass k (0 forward, 1 backward) at share 1
+    def half(j, k):  # device j's calibrated pass k (0 forward, 1 backward) at share 1/2
         work, fixed = calibrated.device_scale[j][2 * k: 2 * k + 2]
-        return work * sum((timing.fwd, timing.bwd)[k]) + fixed * sum((timing.fwd_fixed, timing.bwd_fixed)[k])
+        return work * sum((timing.fwd, timing.bwd)[k]) / 2 + fixed * sum((timing.fwd_fixed, timing.bwd_fixed)[k])
 
-    # Only a lower bound: on a tiny model the emulated device's stretched bookkeeping per node
-    # and its backward, charged twice the node's forward, make the ratio anything from 3 to 20.
-    assert whole(1, 0) / whole(0, 0) > 1.5 and whole(1, 1) / whole(0, 1) > 1.5, calibrated.device_scale
+    # At share 1/2, which both devices ran (the second calibration plan), the fit passes through
+    # the measured medians; at share 1 the slow device's fit (from shares 0.1 and 0.5)
+    # extrapolates and a noisy machine can make it anything. Only a lower bound: on a tiny
+    # model the emulated device's stretched bookkeeping per node and its backward, charged twice
+    # the node's forward, make the ratio anything from 3 to 20.
+    assert half(1, 0) / half(0, 0) > 1.5 and half(1, 1) / half(0, 1) > 1.5, calibrated.device_scale
 
 
 def test_calibration_refuses_a_batch_too_small_to_split():
