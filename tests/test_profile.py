@@ -41,7 +41,9 @@ def test_emulated_debt_is_slept_before_the_next_collective():
     t0 = time.perf_counter()
     emu.settle()
     slept = time.perf_counter() - t0
-    assert 0.06 <= slept < 0.2 and abs(emu.debt) < 0.02  # oversleep is credited, not lost
+    # oversleep is credited, not lost (the bound on `slept` only catches unit errors: a busy
+    # machine may oversleep by any amount)
+    assert 0.06 <= slept < 1.0 and emu.debt == pytest.approx(0.06 - slept, abs=5e-3)
 
 
 def test_emulated_links_cost_their_modelled_time():
@@ -52,7 +54,7 @@ def test_emulated_links_cost_their_modelled_time():
     emu = Emulation.for_rank(cluster, 0)
     t0 = time.perf_counter()
     emu.communicated("broadcast", 2e6)  # 1 ms latency + 2 MB at 100 MB/s = 21 ms (+ launch overhead)
-    assert 0.021 <= time.perf_counter() - t0 < 0.2
+    assert 0.021 <= time.perf_counter() - t0 < 1.0  # the upper bound only catches unit errors
     assert cluster_from_dict(cluster.to_dict()).emulated_network == (1e8, 1e-3)  # the file form round-trips
 
 
