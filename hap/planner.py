@@ -242,7 +242,10 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
 
     # Data parallelism's program first: as an incumbent it bounds every search from the start,
     # so a search expands only programs that may beat it.
-    _baseline_program(search, [list(cluster.even()) for _ in range(g)], _dp())
+    # (the baselines' own restriction object: the search memo knows restrictions by identity,
+    # so the dp_ev baseline below finds this search's program instead of searching again)
+    families = _baselines(graph, cluster)
+    _baseline_program(search, [list(cluster.even()) for _ in range(g)], families[0][1])
     starts = {"cp": cluster.compute_proportional(), "ev": cluster.even()}
     seen = set()  # programs already balanced, by any chain: balancing again would repeat its work
     for start_name, start in starts.items():
@@ -267,7 +270,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
     searched = len(candidates)  # the alternation's candidates come first
     baselines = {}
     if config.baselines:
-        for name, restriction, ratios in _baselines(graph, cluster):
+        for name, restriction, ratios in families:
             rs = [list(ratios) for _ in range(g)]
             program = _baseline_program(search, rs, restriction)
             est = price(name, program, rs)

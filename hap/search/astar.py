@@ -301,7 +301,7 @@ class Frame:
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
         self._replayed: dict[tuple, Estimate] = {}
-        self._first: tuple[Sequence[Sequence[float]], list, list] | None = None  # the first ratios priced, and their prices
+        self._priced: list[tuple[Sequence[Sequence[float]], list, list]] = []  # ratios priced, and their prices
         # per option of each price class, per move of each move class: the (granule count,
         # segment) shares its price reads
         self._option_deps: list[list[frozenset]] = []
@@ -334,29 +334,31 @@ class Frame:
         if found is None:
             cost, alg = self.cost, NumericShares(self.cost, ratios)
             # A price reads the shares of a few granule counts only (noted at the first ratios
-            # priced): where none of those rounds differently from the first ratios, it is that
-            # price again.
-            first = self._first
-            changed = set() if first is None else cost.changed_shares(first[0], ratios)
+            # priced): where none of those rounds differently from the nearest ratios priced
+            # already (the fewest shares changed: a balanced round's ratios are near its input's),
+            # it is that price again.
+            base, changed = None, set()
+            if self._priced:
+                base, changed = min(((p, cost.changed_shares(p[0], ratios)) for p in self._priced),
+                                    key=lambda pc: len(pc[1]))
             options = self._price_rows(
-                [[(k, c) for c in self.choices[k]] for k in self.alike_node], None if first is None else first[1],
+                [[(k, c) for c in self.choices[k]] for k in self.alike_node], None if base is None else base[1],
                 self._option_deps, changed, alg,
                 lambda kc: _core.Price(*price_node(cost, alg, kc[0], kc[1].strategy, kc[1].loads, self.segment_of[kc[0]])))
             moves = self._price_rows(
                 [[(name, seg, mv) for _, mv in self.moves[m]] for m, (name, seg) in enumerate(self.move_tensor)],
-                None if first is None else first[2], self._move_deps, changed, alg,
+                None if base is None else base[2], self._move_deps, changed, alg,
                 lambda item: move_price(cost, alg, item[0], item[2], item[1], item[1]))
             found = self._prices[key] = (options, moves)
-            if self._first is None:
-                self._first = (tuple(map(tuple, ratios)), options, moves)
+            self._priced.append((tuple(map(tuple, ratios)), options, moves))
         return found
 
     @staticmethod
     def _price_rows(rows: list[list], first: list[list] | None, deps: list[list[frozenset]], changed: set,
                     alg: NumericShares, price: Callable) -> list[list]:
-        """price(item) for every item of every row; from the second ratios priced on, the first
-        ratios' price (`first`) where none of the shares it read (`deps`, noted at the first
-        ratios: alg.read) rounds differently now (`changed`)."""
+        """price(item) for every item of every row; from the second ratios priced on, the price
+        under earlier ratios (`first`) where none of the shares it read (`deps`, noted at the
+        first ratios: alg.read) rounds differently now (`changed`)."""
         out = []
         for r, items in enumerate(rows):
             row, read = [], [] if first is None else deps[r]
