@@ -171,11 +171,15 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     return result
 
 
+def _searched(history, key) -> list[dict]:
+    """This domain's trials and baselines, without the confirmation's repeated measurements."""
+    return [t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")]
+
+
 def _candidates(history, key, variables, bw, rng, config: AutoSyncConfig) -> list[SyncStrategy]:
     """A round's candidates: AutoSync's samples and neighbours of the best measured strategies,
     none measured before (a repeat would spend a trial on what is known)."""
-    measured = sorted((t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")),
-                      key=lambda t: t["seconds"])
+    measured = sorted(_searched(history, key), key=lambda t: t["seconds"])
     parents = [SyncStrategy.from_json(t["strategy"]) for t in measured[:config.parents]]
     local = int(config.local * config.candidates) if parents else 0
     pool = [sample(variables, bw, rng, config.space) for _ in range(config.candidates - local)]
@@ -297,7 +301,7 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
 
 def _result(history, key, domain: Domain, variables, plan, base, config: AutoSyncConfig, seconds: float,
             confirmed: dict | None) -> dict:
-    mine = [t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")]
+    mine = _searched(history, key)
     trials = [t for t in mine if t["kind"] == "trial"]
     best = min(mine, key=lambda t: t["seconds"])
     if confirmed is not None:  # the confirmed winner, at its median
