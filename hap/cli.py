@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                         "up to --steps in all")
     t.add_argument("--straggler", metavar="POLICY", choices=_straggler_policies(), default="none",
                    help="react to slow ranks in the tensor-parallel linear layers (a plan that splits linear weights: "
-                        "--planner megatron): " + ", ".join(_straggler_policies()) + " (default none: no mitigator)")
+                        "--planner megatron): " + ", ".join(_straggler_policies()) + " (default none: no mitigator); "
+                        "with a pipeline plan, rebalance re-plans the pipeline for the measured speeds (exact)")
     t.add_argument("--straggler-schedule", metavar="TEXT", default="none",
                    help="emulated stragglers: round-robin:chi=8,every=5, multi:chi=8/6/4/2, persistent:chi=8,rank=1 "
                         "(also start=N), or none (the default)")
@@ -256,10 +257,9 @@ def _check_pipeline(args, graph, plan) -> None:
     """What hap train cannot do with a pipeline plan, said before any rank starts."""
     from .pipeline.stages import check_pipelinable
 
-    for flag in ("straggler",):
-        value = getattr(args, flag)
-        if value and value != "none":
-            raise UserError(f"--{flag} does not run with a pipeline plan ({len(plan.stages)} stages) yet")
+    if args.straggler not in ("none", "rebalance"):
+        raise UserError(f"--straggler {args.straggler} prunes or migrates the columns of tensor-parallel layers; a "
+                        f"pipeline plan's stages are data parallel: use --straggler rebalance (or none)")
     try:
         check_pipelinable(graph, [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)])
     except ValueError as e:
@@ -487,21 +487,55 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
     from .pipeline.runtime import Pipeline
     from .runtime import checkpoint
 
+    def make_optimizer(params):  # a stage may have no parameters (the loss alone, say)
+        return torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
+
     pipe = Pipeline(model, load_cluster(args["cluster"]), batch, plan)
-    params = list(pipe.parameters())  # a stage may have none (the loss alone, say)
-    opt = torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
+    opt = make_optimizer(list(pipe.parameters()))
     start = checkpoint.load(pipe, opt, args["checkpoint"])[0] if args["resume"] else 0
-    run = _TrainLoop(rank, args, start, pipe, opt, lambda: setattr(pipe, "tracing", True))
+    reb = _rebalancer(args, pipe, opt, batch, make_optimizer)
+    run = _TrainLoop(rank, args, start, pipe, opt, lambda: setattr(run.dmodel, "tracing", True))
+    moves = []
     for step in range(start, args["steps"]):
         t0 = time.perf_counter()
         with run.step(step):
+            if reb is not None:
+                reb.begin_step(step)
             loss = pipe.train_step(*batch)
             norm = pipe.clip_grad_norm_(args["clip"]) if args["clip"] else None
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        run.done(step, time.perf_counter() - t0, loss, norm)
-    run.finish(times_path)
+            moved = reb.end_step()["moved"] if reb is not None else None
+        seconds = time.perf_counter() - t0
+        if moved is not None:  # a new pipeline holds the state now
+            pipe, opt = run.dmodel, run.opt = reb.pipe, reb.opt
+            moves.append(step + 1)
+            if run.progress is not None:
+                run.progress.note(f"after step {step + 1}: re-planned for the measured speeds and moved in "
+                                  f"{moved['seconds']:.2f} s to {moved['to']} "
+                                  f"(estimated {moved['estimate'] * 1e3:.1f} ms)")
+        run.done(step, seconds, loss, norm)
+    summary = None
+    if reb is not None and rank == 0:
+        speeds = ", ".join(f"{s:.2f}" for s in reb.speeds)
+        summary = (f"pipeline straggler {reb.config.policy}: measured relative speeds {speeds}; re-planned and "
+                   f"moved {len(moves)} time{'s' if len(moves) != 1 else ''}"
+                   + (f" (after step{'s' if len(moves) > 1 else ''} {', '.join(map(str, moves))})" if moves else ""))
+    run.finish(times_path, summary)
+
+
+def _rebalancer(args: dict, pipe, opt, batch, make_optimizer):
+    """A pipeline's straggler controller, as --straggler (none or rebalance) and
+    --straggler-schedule ask (None: neither)."""
+    from .pipeline.rebalance import RebalanceConfig, Rebalancer
+    from .straggler import parse_schedule
+
+    if args["straggler"] == "none" and args["straggler_schedule"] == "none":
+        return None
+    config = RebalanceConfig(policy=args["straggler"], schedule=parse_schedule(args["straggler_schedule"], pipe.comm.world),
+                             directory=args["checkpoint"] or None)
+    return Rebalancer(pipe, opt, batch, config, make_optimizer)
 
 
 class _TrainLoop:

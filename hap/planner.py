@@ -399,16 +399,26 @@ def rebalanced_ratios(graph: Graph, cluster: Cluster, plan: Plan, speeds: Sequen
     speeds are now `speeds` (relative, one per device: 0.125 for one running at an eighth of
     the others): each device's compute and memory throughput scaled by its speed over the
     fastest. What runtime straggler mitigation reshards to when a slowdown persists."""
-    if len(speeds) != cluster.size or min(speeds) <= 0:
-        raise ValueError(f"speeds must be {cluster.size} positive numbers, got {list(speeds)}")
-    top = max(speeds)
-    devices = tuple(dataclasses.replace(d, flops=d.flops * s / top, mem_bandwidth=d.mem_bandwidth * s / top)
-                    for d, s in zip(cluster.devices, speeds))
-    slowed = dataclasses.replace(cluster, devices=devices)
+    slowed = slowed_cluster(cluster, speeds)
     classes = ShardClasses(graph, enumerate(strategy_table(graph)))
     cost = CostModel(graph, slowed, classes, (config or PlannerConfig()).optimizer)
     segment_of = plan.segment_of
-    return balance(plan.steps(graph), cost, segment_of, len(plan.segments), [d.memory for d in devices]).ratios
+    return balance(plan.steps(graph), cost, segment_of, len(plan.segments), [d.memory for d in slowed.devices]).ratios
+
+
+def slowed_cluster(cluster: Cluster, speeds: Sequence[float], overheads: bool = False) -> Cluster:
+    """`cluster` with each device's compute and memory throughput scaled by its relative speed
+    (`speeds`, one per device, the fastest standing for its nominal speed): what the planners
+    see of devices measured running slower than their cluster file says. overheads=True also
+    stretches each device's cost per node, for speeds measured over all of a device's
+    computing (a pipeline's), not its multiplications alone."""
+    if len(speeds) != cluster.size or min(speeds) <= 0:
+        raise ValueError(f"speeds must be {cluster.size} positive numbers, got {list(speeds)}")
+    top = max(speeds)
+    devices = tuple(dataclasses.replace(d, flops=d.flops * s / top, mem_bandwidth=d.mem_bandwidth * s / top,
+                                        op_overhead=d.op_overhead * (top / s if overheads else 1.0))
+                    for d, s in zip(cluster.devices, speeds))
+    return dataclasses.replace(cluster, devices=devices)
 
 
 def _baseline_program(search, ratios, restriction: Restriction) -> list[Step]:

@@ -6,5 +6,6 @@ micro-batches in a GPipe or 1F1B schedule, exact.
 - price.py: the cost model's price of a pipeline;
 - partition.py: pivots, device groups, the exact optimal cut;
 - plan.py: pipeline Plans (`hap plan --planner pp-exact`);
-- runtime.py: hap.Pipeline, which trains one.
+- runtime.py: hap.Pipeline, which trains one;
+- rebalance.py: re-planning a running pipeline for devices measured slower (exact).
 """

@@ -1,0 +1,227 @@
+"""Exact rebalancing of a running pipeline when a device slows down for good (or recovers).
+
+    reb = Rebalancer(pipe, opt, batch, RebalanceConfig(schedule=parse_schedule("persistent:chi=4,rank=1", 2)),
+                     make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    for it in range(steps):
+        reb.begin_step(it)                 # this rank's emulated slowdown at `it` (all of its computing)
+        loss = reb.pipe.train_step(*batch)
+        if reb.opt is not None:
+            reb.opt.step(); reb.opt.zero_grad()
+        reb.end_step()                     # measure; maybe re-plan and move: reb.pipe and reb.opt are new
+
+Detection: every step the ranks all-gather their busy seconds (Pipeline.last_step["compute"]:
+forward and backward, an emulated device's sleep included, waiting not). A rank's reference is
+the median of its first `window` steps under the current plan; when the median of its last
+`window` steps is off it by more than `threshold`, its relative speed is divided by that
+ratio and the references start again.
+
+Decision, the same on every rank: rank 0 runs pp-exact (the plan's stage count, micro-batches
+and schedule) on the cluster at those speeds (planner.slowed_cluster) and prices the current
+plan there too. The new plan is pending when it is faster by `gain`; it is taken once the time
+lost since (each step's seconds times the fraction the new plan saves) has paid for the move
+(ski rental: the last move's measured seconds; before any, the cluster's price of sending the
+parameters and optimizer state once).
+
+The move: a checkpoint (hap.runtime.checkpoint) of this pipeline and its optimizer, loaded
+into a Pipeline of the new plan, whose cuts, device groups and shares may all differ. Exact, as
+resuming is: loss, gradients and parameters stay one device's. The checkpoint goes through a
+directory every rank reads (`directory`, else a temporary one: local ranks only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..plan import Plan
+from ..straggler.schedule import Schedule
+
+
+@dataclass(kw_only=True, slots=True)
+class RebalanceConfig:
+    policy: Literal["none", "rebalance"] = "rebalance"
+    """"none": emulate and measure only."""
+    schedule: Schedule = field(default_factory=Schedule)
+    """Emulated slowdowns (a pipeline's straggler is slowed in all of its computing)."""
+    window: int = 3
+    """Steps whose median busy time is compared with the reference (and makes it)."""
+    threshold: float = 0.25
+    """A rank's speed is re-measured when its busy time moved by more than this fraction."""
+    gain: float = 0.10
+    """A new plan must be estimated faster than the current one by this fraction."""
+    directory: str | None = None
+    """Where the move's checkpoint is written (None: a temporary directory)."""
+
+    def __post_init__(self):
+        if self.policy not in ("none", "rebalance"):
+            raise ValueError(f"a pipeline's straggler policy is none or rebalance, got {self.policy!r}")
+        if self.window < 1 or not self.threshold > 0 or self.gain < 0:
+            raise ValueError("window must be at least 1, threshold positive and gain non-negative")
+
+
+def changed_speeds(speeds: Sequence[float], reference: Sequence[float], recent: Sequence[float],
+                   threshold: float) -> list[float] | None:
+    """New relative speeds where a rank's recent busy seconds are off its reference by more than
+    `threshold` (busy twice as long: half the speed), else None."""
+    ratios = [now / ref if ref > 0 else 1.0 for now, ref in zip(recent, reference)]
+    if all(abs(r - 1.0) <= threshold for r in ratios):
+        return None
+    return [s / r if abs(r - 1.0) > threshold else s for s, r in zip(speeds, ratios)]
+
+
+class Rebalancer:
+    """The per-step controller a pipeline's training loop calls (module docstring)."""
+
+    def __init__(self, pipe, opt: torch.optim.Optimizer | None, example_inputs: Sequence[torch.Tensor],
+                 config: RebalanceConfig, make_optimizer: Callable[[list], torch.optim.Optimizer]):
+        self.pipe, self.opt, self.config, self.make_optimizer = pipe, opt, config, make_optimizer
+        self.inputs = tuple(example_inputs)
+        self.comm = pipe.comm
+        self.static = pipe.emulation.slowdown  # the cluster file's emulated slowdown of this rank
+        self.speeds = [1.0] * self.comm.world
+        self.busy: list[list[float]] = []  # per step since the references started: every rank's busy seconds
+        self.reference: list[float] | None = None
+        self.pending: tuple[Plan, float] | None = None  # a plan faster by this fraction, waiting to pay
+        self.lost = 0.0
+        self.move_seconds: float | None = None
+        self._first_cost: float | None = None
+        self.history: list[dict] = []
+        self.iteration = 0
+        self._fresh = True
+
+    def begin_step(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.pipe.emulation.slowdown = self.static * self.config.schedule.slowdown(self.comm.rank, iteration,
+                                                                                      self.comm.world)
+        self._t0 = time.perf_counter()
+
+    def end_step(self) -> dict:
+        """Measure the step; re-plan or move when it is time. Returns this step's record (the
+        same `moved` on every rank)."""
+        seconds = time.perf_counter() - self._t0
+        mine = torch.tensor([self.pipe.last_step["compute"]], dtype=torch.float64)
+        found = [torch.zeros_like(mine) for _ in range(self.comm.world)]
+        dist.all_gather(found, mine, group=self.comm.group)
+        busy = [float(x) for x in found]
+        if self._fresh:  # the first step under a plan allocates and warms caches: not its speed
+            self._fresh = False
+        else:
+            self.busy.append(busy)
+        record = {"iteration": self.iteration, "busy": busy, "speeds": list(self.speeds), "moved": None}
+        window = self.config.window
+        if self.reference is None and len(self.busy) >= window:
+            self.reference = _medians(self.busy[-window:])
+        elif self.reference is not None and len(self.busy) >= 2 * window:
+            speeds = changed_speeds(self.speeds, self.reference, _medians(self.busy[-window:]), self.config.threshold)
+            if speeds is not None:
+                self.speeds, self.reference, self.busy = speeds, None, []
+                record["speeds"] = list(speeds)
+                if self.config.policy == "rebalance":
+                    self._replan()
+        if self.pending is not None:
+            plan, saves = self.pending
+            self.lost += seconds * saves
+            if self.lost >= self._move_cost():
+                record["moved"] = self._move(plan)
+        self.history.append(record)
+        return record
+
+    # -- deciding --------------------------------------------------------------------------------
+
+    def _replan(self) -> None:
+        """pp-exact at the measured speeds, on rank 0; pending when it beats the current plan."""
+        box = [self._plan_at_speeds() if self.comm.rank == 0 else None]
+        dist.broadcast_object_list(box, src=self._rank0(), group=self.comm.group)
+        text, current, better = box[0]
+        self.pending, self.lost = None, 0.0
+        if better < current * (1 - self.config.gain):
+            self.pending = (Plan.from_json(text), 1 - better / current)
+
+    def _plan_at_speeds(self) -> tuple[str, float, float]:
+        from ..planner import PlannerConfig, slowed_cluster
+        from .plan import PipelineSpace, exact_plan
+
+        plan, graph = self.pipe.plan, self.pipe.graph
+        config = PlannerConfig(pipeline_stages=len(plan.stages), micro_batches=plan.schedule.micro_batches,
+                               schedule=plan.schedule.name)
+        slowed = slowed_cluster(self.pipe.cluster, self.speeds, overheads=True)
+        space = PipelineSpace(graph, slowed, config)
+        current = space.pricer.estimate([st.nodes[0] for st in plan.stages[1:]], [st.devices for st in plan.stages],
+                                        [st.ratios[0] for st in plan.stages], plan.schedule.micro_batches,
+                                        plan.schedule.name).seconds
+        better = exact_plan(graph, slowed, config)
+        return better.to_json(), current, better.estimated_iteration_seconds
+
+    def _move_cost(self) -> float:
+        """Seconds a move takes: the last one's, measured; before any, the cluster's price of
+        sending every parameter and its optimizer state once."""
+        if self.move_seconds is not None:
+            return self.move_seconds
+        if self._first_cost is None:
+            self._first_cost = self._send_state_seconds()
+        return self._first_cost
+
+    def _send_state_seconds(self) -> float:
+        params = sum(p.numel() * p.element_size() for p in self.pipe.parameters())
+        states = sum(t.numel() * t.element_size() for s in (self.opt.state.values() if self.opt else ())
+                     for t in s.values() if torch.is_tensor(t))
+        nbytes = torch.tensor([float(params + states)], dtype=torch.float64)
+        dist.all_reduce(nbytes, group=self.comm.group)
+        return self.pipe.cluster.fit("broadcast").time(float(nbytes))
+
+    # -- moving ----------------------------------------------------------------------------------
+
+    def _move(self, plan: Plan) -> dict:
+        """This pipeline's state, through a checkpoint, into a Pipeline of `plan` (a collective)."""
+        from ..runtime import checkpoint
+        from .runtime import Pipeline
+
+        t0 = time.perf_counter()
+        box = [self._new_directory() if self.comm.rank == 0 else None]
+        dist.broadcast_object_list(box, src=self._rank0(), group=self.comm.group)
+        directory = box[0]
+        checkpoint.save(self.pipe, self.opt, directory, self.iteration + 1)
+        pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm)
+        params = list(pipe.parameters())
+        opt = self.make_optimizer(params) if params else None
+        checkpoint.load(pipe, opt, directory)
+        dist.barrier(group=self.comm.group)  # every rank has read it
+        if self.comm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        pipe.tracing = self.pipe.tracing
+        old = self.pipe.plan
+        self.pipe, self.opt, self.pending, self.lost = pipe, opt, None, 0.0
+        self.reference, self.busy, self._fresh = None, [], True
+        self.move_seconds = time.perf_counter() - t0
+        return {"from": _layout(old), "to": _layout(plan), "seconds": self.move_seconds,
+                "estimate": plan.estimated_iteration_seconds}
+
+    def _new_directory(self) -> str:
+        if self.config.directory is None:
+            return tempfile.mkdtemp(prefix="hap-rebalance-")
+        path = os.path.join(self.config.directory, f"rebalance-{self.iteration + 1}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def _rank0(self) -> int:
+        from ..runtime.collectives import global_rank
+
+        return global_rank(self.comm, 0)
+
+
+def _medians(rows: list[list[float]]) -> list[float]:
+    return [statistics.median(col) for col in zip(*rows)]
+
+
+def _layout(plan: Plan) -> str:
+    """Stages as `nodes a-b on ranks [..] at shares (..)`, for the log."""
+    return "; ".join(f"nodes {st.nodes[0]}-{st.nodes[1]} on {st.devices} at "
+                     f"({', '.join(f'{r:.2f}' for r in st.ratios[0])})" for st in plan.stages)

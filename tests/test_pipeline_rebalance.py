@@ -1,0 +1,119 @@
+"""Exact rebalancing of a running pipeline (hap/pipeline/rebalance.py): the speed rule (unit),
+and on 2 gloo ranks a persistent straggler that makes the pipeline re-cut itself mid-run while
+training stays one device's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hap.pipeline.rebalance import RebalanceConfig, changed_speeds
+
+from gloo import run_ranks
+from test_module import train
+
+STEPS = 9
+
+
+def test_a_rank_busy_four_times_longer_runs_at_a_quarter_of_its_speed():
+    # rank 1: 0.1 s -> 0.4 s (4x: speed 1 -> 0.25); rank 0 0.1 -> 0.11 (within 25%: kept)
+    assert changed_speeds([1.0, 1.0], [0.1, 0.1], [0.11, 0.4], 0.25) == pytest.approx([1.0, 0.25])
+    # a slow rank that recovers (0.4 s -> 0.1 s at a known speed of 0.25) is back at 1
+    assert changed_speeds([1.0, 0.25], [0.1, 0.4], [0.1, 0.1], 0.25) == pytest.approx([1.0, 1.0])
+    # noise within the threshold, either way, changes nothing
+    assert changed_speeds([1.0, 0.5], [0.1, 0.2], [0.124, 0.16], 0.25) is None
+
+
+def test_config_refuses_what_a_pipeline_cannot_do():
+    with pytest.raises(ValueError, match="none or rebalance, got 'zero-pri'"):
+        RebalanceConfig(policy="zero-pri")
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        RebalanceConfig(window=0)
+
+
+def _setup():
+    from hap.models.vit import ViT, ViTConfig
+    torch.manual_seed(0)
+    model = ViT(ViTConfig(layers=2, hidden=32, heads=4, mlp=64, image=16, patch=4, classes=10))
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(12, 3, 16, 16, generator=gen), torch.randint(0, 10, (12,), generator=gen))
+    return model, batch
+
+
+def rebalanced(rank, world, chi):
+    """Train STEPS steps of a 2-stage pipeline cut in the middle, rank 1 `chi` times slower from
+    step 3 on, under the rebalance policy."""
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.pipeline.rebalance import Rebalancer
+    from hap.planner import PlannerConfig
+    from hap.straggler import parse_schedule
+
+    torch.set_num_threads(1)
+    model, batch = _setup()
+    cluster = local_cluster((1.0,) * world, "local")
+    graph = capture(model, batch)
+    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
+    plan = assemble(space, [len(graph.nodes) // 2], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
+    pipe = hap.Pipeline(model, cluster, batch, plan)
+
+    def make(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    config = RebalanceConfig(schedule=parse_schedule(f"persistent:chi={chi},rank=1,start=3", world), window=2)
+    reb = Rebalancer(pipe, make(list(pipe.parameters())), batch, config, make)
+    losses, moves = [], []
+    for it in range(STEPS):
+        reb.begin_step(it)
+        losses.append(reb.pipe.train_step(*batch).item())
+        if reb.opt is not None:  # a stage may hold no parameters (the loss alone)
+            reb.opt.step()
+            reb.opt.zero_grad()
+        record = reb.end_step()
+        if record["moved"] is not None:
+            moves.append((it, record["moved"]))
+    state = reb.pipe.full_state_dict()
+    return {"losses": losses, "moves": moves, "state": {k: v.tolist() for k, v in state.items()},
+            "cuts": [[st.nodes for st in p.stages] for p in (plan, reb.pipe.plan)], "speeds": reb.speeds}
+
+
+def test_a_persistent_straggler_recuts_the_pipeline_and_training_stays_exact(tmp_path):
+    """Rank 1 slowed 6x from step 3: its speed is measured, pp-exact re-cuts the model so that
+    rank 1's stage is smaller, the parameters and momentum move through a checkpoint, and after
+    all the steps loss and parameters equal one device's."""
+    reports = run_ranks(rebalanced, 2, tmp_path, 6.0)
+    model, batch = _setup()
+    losses = train(model, [batch] * STEPS)
+    ref = {k: v.detach() for k, v in model.state_dict().items()}
+    for got in reports:
+        assert len(got["moves"]) == 1, got["moves"]
+        assert [(it, m["to"]) for it, m in got["moves"]] == [(it, m["to"]) for it, m in reports[0]["moves"]]
+        assert got["moves"][0][0] >= 3  # not before the slowdown
+        assert got["speeds"][1] < 0.5 * got["speeds"][0], got["speeds"]  # measured: several times slower
+        (before_0, before_1), (after_0, after_1) = got["cuts"]
+        assert after_1[1] - after_1[0] < before_1[1] - before_1[0], got["cuts"]  # the slow rank's stage shrank
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+PIPE = ["train", "--model", "vit", "--scale", "small", "--cluster", "local-homo", "--planner", "pp-exact",
+        "--pipeline-stages", "2"]
+
+
+def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd):  # capfd: the ranks print
+    from hap.cli import main
+
+    assert main([*PIPE, "--steps", "12", "--straggler", "rebalance",
+                 "--straggler-schedule", "persistent:chi=6,rank=1,start=3"]) == 0
+    out, err = capfd.readouterr()
+    assert "rank 1 persistently 6x slower from iteration 3; mitigated by rebalance (exact)" in err
+    moved = [line for line in out.splitlines() if line.startswith("after step ")]
+    assert len(moved) == 1 and "re-planned for the measured speeds and moved" in moved[0], out
+    summary = [line for line in out.splitlines() if line.startswith("pipeline straggler rebalance: ")]
+    assert len(summary) == 1 and "moved 1 time (after step" in summary[0], out
+    assert main([*PIPE, "--steps", "2", "--straggler", "zero-pri"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hap: error: --straggler zero-pri prunes or migrates") and "rebalance" in err[-1], err
