@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import Plan
+from ..runtime import wire
 from ..straggler.schedule import Schedule
 
 
@@ -109,7 +110,7 @@ class Rebalancer:
         seconds = time.perf_counter() - self._t0
         mine = torch.tensor([self.pipe.last_step["compute"]], dtype=torch.float64)
         found = [torch.zeros_like(mine) for _ in range(self.comm.world)]
-        dist.all_gather(found, mine, group=self.comm.group)
+        wire.all_gather(found, mine, group=self.comm.group)
         busy = [float(x) for x in found]
         if self._fresh:  # the first step under a plan allocates and warms caches: not its speed
             self._fresh = False
@@ -174,7 +175,7 @@ class Rebalancer:
         states = sum(t.numel() * t.element_size() for s in (self.opt.state.values() if self.opt else ())
                      for t in s.values() if torch.is_tensor(t))
         nbytes = torch.tensor([float(params + states)], dtype=torch.float64)
-        dist.all_reduce(nbytes, group=self.comm.group)
+        wire.all_reduce(nbytes, group=self.comm.group)
         return self.pipe.cluster.fit("broadcast").time(float(nbytes))
 
     # -- moving ----------------------------------------------------------------------------------
