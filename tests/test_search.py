@@ -260,17 +260,20 @@ def test_width_applies_only_after_the_exhaustive_budget(graphs):
 @settings(max_examples=30, deadline=None)
 @given(name=hs.sampled_from(["two_layer", "residual"]),
        first=hs.lists(hs.floats(0.05, 1.0), min_size=3, max_size=3),
+       other=hs.lists(hs.floats(-0.03, 0.03), min_size=3, max_size=3),
        nudge=hs.lists(hs.floats(-0.03, 0.03), min_size=3, max_size=3))
-def test_prices_reused_from_other_ratios_are_the_prices(graphs, name, first, nudge):
-    # Frame.prices keeps a price from the first ratios it priced where none of the shares the
-    # price reads rounds differently; nearby ratios (the balanced ratios searched again) reuse
-    # most. Every price must equal the one a fresh frame computes.
+def test_prices_reused_from_other_ratios_are_the_prices(graphs, name, first, other, nudge):
+    # Frame.prices keeps a price from the nearest ratios it priced already (the fewest shares
+    # rounding differently) where none of the shares the price reads rounds differently; nearby
+    # ratios (the balanced ratios searched again) reuse most. Every price must equal the one a
+    # fresh frame computes, whichever ratios were priced before and in what order.
     graph = graphs[name]
     strategies, cost, segment_of = setup(graph, make_cluster((3e9, 2e9, 1e9), 1e8))
     a = [x / sum(first) for x in first]
-    b = [max(0.01, x + d) for x, d in zip(a, nudge)]
-    b = [x / sum(b) for x in b]
+    b, c = ([max(0.01, x + d) for x, d in zip(a, delta)] for delta in (nudge, other))  # both near a
+    b, c = [x / sum(b) for x in b], [x / sum(c) for x in c]
     warm = Frame(graph, strategies, cost, segment_of)
+    warm.prices([c])
     warm.prices([a])
     fresh = Frame(graph, strategies, cost, segment_of)
     (opt_w, mov_w), (opt_f, mov_f) = warm.prices([b]), fresh.prices([b])
