@@ -40,9 +40,12 @@ def _setup():
     return model, batch
 
 
-def rebalanced(rank, world, chi):
+def rebalanced(rank, world, chi, memory=None):
     """Train STEPS steps of a 2-stage pipeline cut in the middle, rank 1 `chi` times slower from
-    step 3 on, under the rebalance policy."""
+    step 3 on, under the rebalance policy (devices of `memory` bytes, where given, for the
+    planner)."""
+    import dataclasses
+
     import hap
     from hap.capture import capture
     from hap.cost.cluster import local_cluster
@@ -54,6 +57,8 @@ def rebalanced(rank, world, chi):
     torch.set_num_threads(1)
     model, batch = _setup()
     cluster = local_cluster((1.0,) * world, "local")
+    if memory is not None:
+        cluster = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=memory) for d in cluster.devices))
     graph = capture(model, batch)
     space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
     plan = assemble(space, [len(graph.nodes) // 2], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
@@ -97,6 +102,18 @@ def test_a_persistent_straggler_recuts_the_pipeline_and_training_stays_exact(tmp
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+def test_no_pipeline_fitting_at_the_new_speeds_keeps_the_current_one(tmp_path):
+    """Devices of 1 KiB: no cut fits, so the re-plan at the measured speeds finds none; every
+    rank hears it, nobody hangs, and training goes on under the current plan, exactly."""
+    reports = run_ranks(rebalanced, 2, tmp_path, 6.0, 1024)
+    model, batch = _setup()
+    losses = train(model, [batch] * STEPS)
+    for got in reports:
+        assert got["moves"] == [] and got["cuts"][0] == got["cuts"][1]
+        assert got["speeds"][1] < 0.5 * got["speeds"][0], got["speeds"]  # the slowdown was measured
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 PIPE = ["train", "--model", "vit", "--scale", "small", "--cluster", "local-homo", "--planner", "pp-exact",

@@ -30,6 +30,7 @@ directory every rank reads (`directory`, else a temporary one: local ranks only)
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import statistics
@@ -44,6 +45,8 @@ import torch.distributed as dist
 from ..plan import Plan
 from ..runtime import wire
 from ..straggler.schedule import Schedule
+
+log = logging.getLogger("hap")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,10 +142,19 @@ class Rebalancer:
 
     def _replan(self) -> None:
         """pp-exact at the measured speeds, on rank 0; pending when it beats the current plan."""
-        box = [self._plan_at_speeds() if self.comm.rank == 0 else None]
+        found = None
+        if self.comm.rank == 0:
+            try:
+                found = self._plan_at_speeds()
+            except ValueError as e:  # no pipeline fits at these speeds: keep the current one (every rank hears it)
+                found = str(e)
+        box = [found]
         dist.broadcast_object_list(box, src=self._rank0(), group=self.comm.group)
-        text, current, better = box[0]
         self.pending, self.lost = None, 0.0
+        if isinstance(box[0], str):
+            log.warning("hap pipeline rebalance: no new plan at speeds %s: %s", self.speeds, box[0])
+            return
+        text, current, better = box[0]
         if better < current * (1 - self.config.gain):
             self.pending = (Plan.from_json(text), 1 - better / current)
 
