@@ -14,7 +14,11 @@ linear-layer matmuls chi times (the paper's testbed). Writes into --out:
     fig11.png         several stragglers: SEMI with lambda of them migrating (lambda forced), and as it decides
 
 Scenarios: round-robin (one straggler moving every epoch, 2 ranks; round-robin-4 on 4 ranks),
-persistent (rank 1 from the first step, 2 ranks), multi (chi 8 and 4 on ranks 0 and 1 of 4).
+persistent (rank 1 from the first step, 2 ranks), multi (chi 8 and 4 on ranks 0 and 1 of 4);
+pipeline (the same ViT as a 2-stage pipeline, pp-exact, rank 1 8x slower in all of its
+computing from step 3 on: none and the pipeline's rebalance, which detects a change of speed)
+and pipeline-free (no straggler).
+`--pipeline-only` adds just the pipeline rows to an earlier run's results.
 Seconds per iteration are medians over the run's steps; accuracy is on the held-out 20%. 2
 ranks on this 2-core machine time best; 4 ranks share the cores and are noisier.
 """
@@ -48,6 +52,32 @@ def _run(spec_kw: dict) -> dict:
     return r
 
 
+def _record(base: dict, scenario: str, chi: float, policy: str, **kw) -> dict:
+    r = _run({**base, "policy": policy, **kw})
+    r.update(scenario=scenario, chi=chi)
+    return r
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['scenario']:>13} chi {r['chi']:g} {r['policy']:>15}: {r['seconds_per_iteration'] * 1e3:7.1f} ms/it  "
+          f"accuracy {r['test_accuracy']:.3f}  ({r['wall_seconds']:.0f} s)", flush=True)
+
+
+def _pipeline_rows(base: dict, say) -> list[dict]:
+    """The ViT as a 2-stage pipeline (pp-exact): straggler-free, and rank 1 persistently 8x slower
+    unmitigated and under the pipeline's rebalance (hap/pipeline/rebalance.py)."""
+    rows = []
+    for scenario, chi, policy in (("pipeline-free", 1.0, "none"), ("pipeline", 8.0, "none"), ("pipeline", 8.0, "rebalance")):
+        _, schedule = _scenario(scenario, chi)
+        rows.append(_record(base, scenario, chi, policy, schedule=schedule, pipeline=True))
+        say(rows[-1])
+    return rows
+
+
+def _strip(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("step_seconds", "parameters", "losses")}
+
+
 def _max_diff(a_path: str, b_path: str) -> float:
     a, b = torch.load(a_path), torch.load(b_path)
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -57,7 +87,8 @@ def _scenario(name: str, chi: float) -> tuple[int, str]:
     """(ranks, schedule) of a scenario by its name in the results."""
     rr = f"round-robin:chi={chi:g},every=22"
     return {"none": (2, "none"), "round-robin": (2, rr), "none-4": (4, "none"), "round-robin-4": (4, rr),
-            "persistent": (2, f"persistent:chi={chi:g},rank=1"), "multi": (4, "multi:chi=8/4")}[name]
+            "persistent": (2, f"persistent:chi={chi:g},rank=1"), "multi": (4, "multi:chi=8/4"),
+            "pipeline-free": (2, "none"), "pipeline": (2, f"persistent:chi={chi:g},rank=1,start=3")}[name]
 
 
 def _exactness_sgd(round_robin: str, persistent: str) -> dict:
@@ -86,6 +117,9 @@ def main() -> int:
                     help="run one case again into DIR/stragglers.json from an earlier run (e.g. persistent:8:rebalance)")
     ap.add_argument("--exactness-only", action="store_true",
                     help="run only the SGD exactness check, into DIR/stragglers.json from an earlier run, and redo the report")
+    ap.add_argument("--pipeline-only", action="store_true",
+                    help="run only the pipeline rows (2 stages, persistent chi 8: none and rebalance, and "
+                         "straggler-free), into DIR/stragglers.json from an earlier run, and redo the report")
     ap.add_argument("--table1-only", action="store_true",
                     help="measure only Table I (with --quick: one straggler, 3 gammas), into DIR/stragglers.json "
                          "from an earlier run, and redo the report")
@@ -101,7 +135,8 @@ def main() -> int:
             result = json.load(f)
         scenario, chi, policy = args.rerun.split(":")
         world, schedule = _scenario(scenario, float(chi))
-        r = _run({"epochs": result["epochs"], "lr": 1e-3, "world": world, "policy": policy, "schedule": schedule})
+        r = _run({"epochs": result["epochs"], "lr": 1e-3, "world": world, "policy": policy, "schedule": schedule,
+                  "pipeline": scenario.startswith("pipeline")})
         r.update(scenario=scenario, chi=float(chi))
         print(f"rerun {args.rerun}: {r['seconds_per_iteration'] * 1e3:.1f} ms/it, accuracy {r['test_accuracy']:.3f}, "
               f"{r['reshards']} reshards", flush=True)
@@ -112,12 +147,16 @@ def main() -> int:
             json.dump(result, f, indent=1)
         _report(result, args.out)
         return 0
-    if args.exactness_only or args.table1_only:
+    if args.exactness_only or args.table1_only or args.pipeline_only:
         path = os.path.join(args.out, "stragglers.json")
         if not os.path.exists(path):
-            raise SystemExit(f"{path} not found: --exactness-only and --table1-only add to an earlier run's results")
+            raise SystemExit(f"{path} not found: --exactness-only, --table1-only and --pipeline-only add to an "
+                             "earlier run's results")
         with open(path) as f:
             result = json.load(f)
+        if args.pipeline_only:
+            rows = [_strip(r) for r in _pipeline_rows({"epochs": result["epochs"], "lr": 1e-3, "world": 2}, print_row)]
+            result["runs"] = [r for r in result["runs"] if not r["scenario"].startswith("pipeline")] + rows
         if args.table1_only:
             result["table1"] = _table1(args.quick)
         if args.exactness_only:
@@ -133,13 +172,9 @@ def main() -> int:
     runs: list[dict] = []
 
     def record(scenario: str, chi: float, policy: str, **kw) -> dict:
-        spec = {**base, "policy": policy, **kw}
-        r = _run(spec)
-        r.update(scenario=scenario, chi=chi)
+        r = _record(base, scenario, chi, policy, **kw)
         runs.append(r)
-        print(f"{scenario:>12} chi {chi:g} {policy:>15}{' ' + kw.get('method', '') if 'method' in kw else ''}: "
-              f"{r['seconds_per_iteration'] * 1e3:7.1f} ms/it  accuracy {r['test_accuracy']:.3f}  "
-              f"({r['wall_seconds']:.0f} s)", flush=True)
+        print_row(r)
         return r
 
     free = record("none", 1.0, "none", schedule="none")
@@ -163,6 +198,8 @@ def main() -> int:
         for policy in ("none", "zero-pridiff-r", "migrate", "semi"):
             record("multi", 8.0, policy, **multi)
 
+    runs += _pipeline_rows(base, print_row)
+
     exact_sgd = _exactness_sgd(rr(8.0), persistent)
 
     # exactness: migrate and rebalance against the straggler-free run (Adam, the whole run)
@@ -174,8 +211,7 @@ def main() -> int:
 
     table1 = _table1(args.quick)
 
-    result = {"epochs": epochs, "runs": [{k: v for k, v in r.items() if k not in ("step_seconds", "parameters", "losses")}
-                                         for r in runs],
+    result = {"epochs": epochs, "runs": [_strip(r) for r in runs],
               "table1": table1, "exactness_max_abs_diff": exact, "exactness_sgd": exact_sgd}
     with open(os.path.join(args.out, "stragglers.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -216,7 +252,9 @@ def _report(result: dict, out: str) -> None:
              "(planner megatron); a straggler's linear-layer matmuls run chi times slower. "
              f"Straggler-free: {free['seconds_per_iteration'] * 1e3:.1f} ms/iteration, test accuracy {free['test_accuracy']:.3f}.", "",
              "Pruning and migrating: the share of rank-steps (a rank in a step) that pruned or handed columns over. "
-             "SEMI beta: the mean share of the excess Eq. 2 sent to migration (single straggler).", "",
+             "SEMI beta: the mean share of the excess Eq. 2 sent to migration (single straggler). "
+             "Rows pipeline*: the same ViT as a 2-stage pipeline (pp-exact), the straggler slowed in all of its "
+             "computing; rebalance re-plans the pipeline for the measured speeds (a move counts as a reshard).", "",
              "| scenario | ranks | chi | policy | ms / iteration | speedup vs none | test accuracy | vs straggler-free (points) | pruning | max pruned | migrating | reshards | SEMI beta |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     free4 = _find(runs, "none-4", 1.0, "none")

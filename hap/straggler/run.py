@@ -1,5 +1,6 @@
 """A training run under a straggler policy on local ranks: the small ViT on the bundled digits,
-tensor parallel (every linear weight split, planner "megatron"), one process per rank.
+tensor parallel (every linear weight split, planner "megatron"), or with pipeline=True a
+pipeline (pp-exact), one process per rank.
 
     from hap.straggler.run import RunSpec, run
     result = run(RunSpec(policy="zero-pri", schedule="round-robin:chi=8,every=22", epochs=10))
@@ -14,6 +15,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,6 +42,10 @@ class RunSpec:
     """Stop after this many steps (None: all epochs)."""
     handover: tuple[float, ...] | None = None
     """Policy "migrate" with these fixed shares handed over per rank (Table I)."""
+    pipeline: bool = False
+    """Train the ViT as a pipeline of `world` stages (pp-exact's cut) instead of tensor parallel;
+    policies none and rebalance (hap/pipeline/rebalance.py), a straggler slowed in all of its
+    computing."""
     timeout_s: float = 300.0
 
 
@@ -76,6 +82,8 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
     cluster = local_cluster((1.0,) * world, f"local-{world}")
     from ..capture import capture
 
+    if spec.get("pipeline"):
+        return _pipeline_rank(rank, spec, out, model, example, cluster, train, test)
     plan = baseline_plan(capture(model, example), cluster, "megatron")
     dmodel = HAP(model, cluster, example, plan=plan)
     if spec.get("optimizer", "adam") == "sgd":
@@ -112,5 +120,63 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
                   "mean_seconds_per_iteration": sum(times[1:]) / max(1, len(times) - 1),
                   "test_accuracy": accuracy(model, test), "final_loss": losses[-1], "losses": losses,
                   "history": histories, "ratios": dmodel.plan.ratios}
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+def _pipeline_rank(rank: int, spec: dict, out: str, model, example, cluster, train, test) -> None:
+    """_rank_main for RunSpec(pipeline=True): pp-exact's pipeline of `world` stages, trained under
+    the pipeline rebalancer; its records in the mitigator's form (nothing pruned or migrated; a
+    move counts as a reshard)."""
+    import torch.distributed as dist
+
+    from ..capture import capture
+    from ..models.digits import accuracy, epoch_batches
+    from ..pipeline.plan import exact_plan
+    from ..pipeline.rebalance import RebalanceConfig, Rebalancer
+    from ..pipeline.runtime import Pipeline
+    from ..planner import PlannerConfig
+    from .schedule import parse_schedule
+
+    world = spec["world"]
+    plan = exact_plan(capture(model, example), cluster, PlannerConfig(pipeline_stages=world))
+
+    def make(params):
+        if spec.get("optimizer", "adam") == "sgd":
+            return torch.optim.SGD(params, lr=spec["lr"], momentum=0.9)
+        return torch.optim.Adam(params, lr=spec["lr"])
+
+    pipe = Pipeline(model, cluster, example, plan)
+    reb = Rebalancer(pipe, make(list(pipe.parameters())), example,
+                     RebalanceConfig(policy=spec["policy"], schedule=parse_schedule(spec["schedule"], world)), make)
+    times, losses, records, it = [], [], [], 0
+    for epoch in range(spec["epochs"]):
+        for images, labels in epoch_batches(train, spec["batch"], epoch, spec["seed"]):
+            if spec["steps"] is not None and it >= spec["steps"]:
+                break
+            t0 = time.perf_counter()
+            reb.begin_step(it)
+            loss = reb.pipe.train_step(images, labels)
+            if reb.opt is not None:
+                reb.opt.step()
+                reb.opt.zero_grad(set_to_none=True)
+            moved = reb.end_step()["moved"]
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+            records.append({"iteration": it, "rank": rank, "wall": times[-1], "pruned": 0.0, "migrated": 0.0,
+                            "resharded": int(moved is not None), "beta": None, "moved": moved})
+            it += 1
+    state = reb.pipe.full_state_dict()
+    histories = [None] * world
+    dist.all_gather_object(histories, records)
+    if rank == 0:
+        model.load_state_dict(state)
+        torch.save(state, os.path.join(out, "state.pt"))
+        result = {"policy": spec["policy"], "schedule": spec["schedule"], "method": spec["method"],
+                  "seconds_per_iteration": statistics.median(times[1:] or times), "step_seconds": times,
+                  "mean_seconds_per_iteration": sum(times[1:]) / max(1, len(times) - 1),
+                  "test_accuracy": accuracy(model, test), "final_loss": losses[-1], "losses": losses,
+                  "history": histories, "speeds": reb.speeds,
+                  "stages": [[st.nodes, st.devices] for st in reb.pipe.plan.stages]}
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
