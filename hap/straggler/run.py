@@ -64,10 +64,8 @@ def run(spec: RunSpec) -> dict:
 
 
 def _rank_main(rank: int, spec: dict, out: str) -> None:
-    import torch.distributed as dist
-
     from ..cost.cluster import local_cluster
-    from ..models.digits import accuracy, digits_split, epoch_batches, vit_for_digits
+    from ..models.digits import digits_split, epoch_batches, vit_for_digits
     from ..planner import baseline_plan
     from ..runtime.module import HAP
     from .mitigator import Mitigator, StragglerConfig
@@ -109,9 +107,20 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
             times.append(record["wall"])
             losses.append(float(loss.detach()))
             it += 1
-    state = dmodel.full_state_dict()
-    histories = [None] * world
-    dist.all_gather_object(histories, mit.history)
+    _write_result(rank, spec, out, model, dmodel.full_state_dict(), test, times, losses, mit.history,
+                  ratios=dmodel.plan.ratios)
+
+
+def _write_result(rank: int, spec: dict, out: str, model, state: dict, test, times: list[float], losses: list[float],
+                  history: list[dict], **extra) -> None:
+    """Every rank's history gathered; on rank 0 the final whole state (state.pt) and
+    result.json: run()'s fields and `extra`. A collective."""
+    import torch.distributed as dist
+
+    from ..models.digits import accuracy
+
+    histories = [None] * spec["world"]
+    dist.all_gather_object(histories, history)
     if rank == 0:
         model.load_state_dict(state)
         torch.save(state, os.path.join(out, "state.pt"))
@@ -119,7 +128,7 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
                   "seconds_per_iteration": statistics.median(times[1:] or times), "step_seconds": times,
                   "mean_seconds_per_iteration": sum(times[1:]) / max(1, len(times) - 1),
                   "test_accuracy": accuracy(model, test), "final_loss": losses[-1], "losses": losses,
-                  "history": histories, "ratios": dmodel.plan.ratios}
+                  "history": histories, **extra}
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
 
@@ -128,10 +137,8 @@ def _pipeline_rank(rank: int, spec: dict, out: str, model, example, cluster, tra
     """_rank_main for RunSpec(pipeline=True): pp-exact's pipeline of `world` stages, trained under
     the pipeline rebalancer; its records in the mitigator's form (nothing pruned or migrated; a
     move counts as a reshard)."""
-    import torch.distributed as dist
-
     from ..capture import capture
-    from ..models.digits import accuracy, epoch_batches
+    from ..models.digits import epoch_batches
     from ..pipeline.plan import exact_plan
     from ..pipeline.rebalance import RebalanceConfig, Rebalancer
     from ..pipeline.runtime import Pipeline
@@ -166,17 +173,5 @@ def _pipeline_rank(rank: int, spec: dict, out: str, model, example, cluster, tra
             records.append({"iteration": it, "rank": rank, "wall": times[-1], "pruned": 0.0, "migrated": 0.0,
                             "resharded": int(moved is not None), "beta": None, "moved": moved})
             it += 1
-    state = reb.pipe.full_state_dict()
-    histories = [None] * world
-    dist.all_gather_object(histories, records)
-    if rank == 0:
-        model.load_state_dict(state)
-        torch.save(state, os.path.join(out, "state.pt"))
-        result = {"policy": spec["policy"], "schedule": spec["schedule"], "method": spec["method"],
-                  "seconds_per_iteration": statistics.median(times[1:] or times), "step_seconds": times,
-                  "mean_seconds_per_iteration": sum(times[1:]) / max(1, len(times) - 1),
-                  "test_accuracy": accuracy(model, test), "final_loss": losses[-1], "losses": losses,
-                  "history": histories, "speeds": reb.speeds,
-                  "stages": [[st.nodes, st.devices] for st in reb.pipe.plan.stages]}
-        with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump(result, f)
+    _write_result(rank, spec, out, model, reb.pipe.full_state_dict(), test, times, losses, records, speeds=reb.speeds,
+                  stages=[[st.nodes, st.devices] for st in reb.pipe.plan.stages])
