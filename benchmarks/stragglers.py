@@ -58,19 +58,19 @@ def _record(base: dict, scenario: str, chi: float, policy: str, **kw) -> dict:
     return r
 
 
-def print_row(r: dict) -> None:
+def _print_row(r: dict) -> None:
     print(f"{r['scenario']:>13} chi {r['chi']:g} {r['policy']:>15}: {r['seconds_per_iteration'] * 1e3:7.1f} ms/it  "
           f"accuracy {r['test_accuracy']:.3f}  ({r['wall_seconds']:.0f} s)", flush=True)
 
 
-def _pipeline_rows(base: dict, say) -> list[dict]:
+def _pipeline_rows(base: dict) -> list[dict]:
     """The ViT as a 2-stage pipeline (pp-exact): straggler-free, and rank 1 persistently 8x slower
     unmitigated and under the pipeline's rebalance (hap/pipeline/rebalance.py)."""
     rows = []
     for scenario, chi, policy in (("pipeline-free", 1.0, "none"), ("pipeline", 8.0, "none"), ("pipeline", 8.0, "rebalance")):
         _, schedule = _scenario(scenario, chi)
         rows.append(_record(base, scenario, chi, policy, schedule=schedule, pipeline=True))
-        say(rows[-1])
+        _print_row(rows[-1])
     return rows
 
 
@@ -155,7 +155,7 @@ def main() -> int:
         with open(path) as f:
             result = json.load(f)
         if args.pipeline_only:
-            rows = [_strip(r) for r in _pipeline_rows({"epochs": result["epochs"], "lr": 1e-3, "world": 2}, print_row)]
+            rows = [_strip(r) for r in _pipeline_rows({"epochs": result["epochs"], "lr": 1e-3, "world": 2})]
             result["runs"] = [r for r in result["runs"] if not r["scenario"].startswith("pipeline")] + rows
         if args.table1_only:
             result["table1"] = _table1(args.quick)
@@ -174,7 +174,7 @@ def main() -> int:
     def record(scenario: str, chi: float, policy: str, **kw) -> dict:
         r = _record(base, scenario, chi, policy, **kw)
         runs.append(r)
-        print_row(r)
+        _print_row(r)
         return r
 
     free = record("none", 1.0, "none", schedule="none")
@@ -198,7 +198,7 @@ def main() -> int:
         for policy in ("none", "zero-pridiff-r", "migrate", "semi"):
             record("multi", 8.0, policy, **multi)
 
-    runs += _pipeline_rows(base, print_row)
+    runs += _pipeline_rows(base)
 
     exact_sgd = _exactness_sgd(rr(8.0), persistent)
 

@@ -97,7 +97,6 @@ class Rebalancer:
         self.lost = 0.0
         self.move_seconds: float | None = None
         self._first_cost: float | None = None
-        self.history: list[dict] = []
         self.iteration = 0
         self._fresh = True
 
@@ -135,7 +134,6 @@ class Rebalancer:
             self.lost += seconds * saves
             if self.lost >= self._move_cost():
                 record["moved"] = self._move(plan)
-        self.history.append(record)
         return record
 
     # -- deciding --------------------------------------------------------------------------------

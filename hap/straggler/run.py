@@ -84,10 +84,7 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
         return _pipeline_rank(rank, spec, out, model, example, cluster, train, test)
     plan = baseline_plan(capture(model, example), cluster, "megatron")
     dmodel = HAP(model, cluster, example, plan=plan)
-    if spec.get("optimizer", "adam") == "sgd":
-        opt = torch.optim.SGD(dmodel.parameters(), lr=spec["lr"], momentum=0.9)
-    else:
-        opt = torch.optim.Adam(dmodel.parameters(), lr=spec["lr"])
+    opt = _optimizer(spec, list(dmodel.parameters()))
     schedule = parse_schedule(spec["schedule"], world)
     steps_per_epoch = len(epoch_batches(train, spec["batch"], 0, spec["seed"]))
     mit = Mitigator(dmodel, StragglerConfig(policy=spec["policy"], schedule=schedule, method=spec["method"],
@@ -109,6 +106,13 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
             it += 1
     _write_result(rank, spec, out, model, dmodel.full_state_dict(), test, times, losses, mit.history,
                   ratios=dmodel.plan.ratios)
+
+
+def _optimizer(spec: dict, params: list) -> torch.optim.Optimizer:
+    """The run's optimizer: Adam, or "sgd" (momentum 0.9)."""
+    if spec.get("optimizer", "adam") == "sgd":
+        return torch.optim.SGD(params, lr=spec["lr"], momentum=0.9)
+    return torch.optim.Adam(params, lr=spec["lr"])
 
 
 def _write_result(rank: int, spec: dict, out: str, model, state: dict, test, times: list[float], losses: list[float],
@@ -148,10 +152,8 @@ def _pipeline_rank(rank: int, spec: dict, out: str, model, example, cluster, tra
     world = spec["world"]
     plan = exact_plan(capture(model, example), cluster, PlannerConfig(pipeline_stages=world))
 
-    def make(params):
-        if spec.get("optimizer", "adam") == "sgd":
-            return torch.optim.SGD(params, lr=spec["lr"], momentum=0.9)
-        return torch.optim.Adam(params, lr=spec["lr"])
+    def make(params):  # a stage may hold no parameters (the loss alone)
+        return _optimizer(spec, params) if params else None
 
     pipe = Pipeline(model, cluster, example, plan)
     reb = Rebalancer(pipe, make(list(pipe.parameters())), example,
