@@ -323,7 +323,7 @@ def _targets(result) -> list[str]:
             ranks = pri["world"]
             check(f"ZERO-Pri >= 2.5x faster than no mitigation ({ranks} ranks)", s >= 2.5, f"{s:.2f}x")
             check(f"ZERO-Pri loses <= 1.5 points of accuracy ({ranks} ranks)", loss <= 1.5,
-                  f"{loss:+.1f} points vs straggler-free")
+                  f"{-loss:+.1f} points vs straggler-free")
     semi = _find(runs, "round-robin", 8.0, "semi")
     if none8 and semi:
         s = none8["seconds_per_iteration"] / semi["seconds_per_iteration"]
