@@ -261,7 +261,8 @@ def _check_pipeline(args, graph, plan) -> None:
         raise UserError(f"--straggler {args.straggler} prunes or migrates the columns of tensor-parallel layers; a "
                         f"pipeline plan's stages are data parallel: use --straggler rebalance (or none)")
     try:
-        check_pipelinable(graph, [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)])
+        check_pipelinable(graph, [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)],
+                          plan.schedule.micro_batches)
     except ValueError as e:
         raise UserError(str(e)) from None
 

@@ -151,7 +151,29 @@ def _vit_dropout_setup():
     return _vit_setup(dropout=0.25)
 
 
-SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup}
+class BatchNormCNN(torch.nn.Module):
+    """Two conv / BatchNorm / ReLU blocks and a linear head: running statistics in both stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.block1 = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.BatchNorm2d(6), torch.nn.ReLU())
+        self.block2 = torch.nn.Sequential(torch.nn.Conv2d(6, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        h = self.block2(self.block1(x))  # [B, 8, 6, 6]
+        return torch.nn.functional.cross_entropy(self.head(h.mean((2, 3))), y)
+
+
+def _bn_setup():
+    torch.manual_seed(0)
+    model = BatchNormCNN()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(10, 3, 6, 6, generator=gen), torch.randint(0, 5, (10,), generator=gen)) for _ in range(STEPS)]
+    return model, batches
+
+
+SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -198,6 +220,74 @@ def test_tied_embedding_on_first_and_last_stage_trains_like_one_device(tmp_path)
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
+def _second_batch_norm(graph) -> int:
+    return [n.index for n in graph.nodes if "batch_norm" in n.op][1]
+
+
+def test_batch_norm_trains_in_a_pipeline_of_one_micro_batch_like_one_device(tmp_path):
+    # stage 0 (block 1 and block 2's conv) on ranks 0 and 1 at 60/40: its BatchNorm sums its
+    # statistics over both; stage 1 (block 2's BatchNorm and the head) on rank 2. Loss after
+    # every step, parameters and running statistics (and the step counters) at the end are
+    # one device's.
+    from hap.capture import capture
+    model, batches = _bn_setup()
+    cut = _second_batch_norm(capture(model, batches[0]))
+    reports = run_ranks(pipelined, 3, tmp_path, "bn", [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 1, "1f1b")
+    losses, ref = _reference(_bn_setup)
+    assert any("running_mean" in k for k in ref)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
+
+
+@pytest.mark.parametrize("before,after", [(([[0, 1], [2]], [[0.6, 0.4], [1.0]], 1), "dp"),
+                                          ("dp", ([[0], [1]], [[1.0], [1.0]], 1))])
+def test_batch_norm_statistics_move_through_checkpoints_with_a_pipeline(before, after, tmp_path):
+    """Two steps, a checkpoint (running statistics from the stage that updates them), the last
+    step under the other layout: one device's parameters and statistics."""
+    directory = str(tmp_path / "ckpt")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_ranks(checkpointed, _world(before), tmp_path / "a", before, directory, 0, 2, "bn")
+    reports = run_ranks(checkpointed, _world(after), tmp_path / "b", after, directory, 2, 3, "bn")
+    _, ref = _reference(_bn_setup)
+    for got in reports:
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
+
+
+def test_batch_norm_refuses_several_micro_batches_and_the_planners_use_one():
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.pipeline.stages import check_pipelinable
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    model, batches = _bn_setup()
+    graph = capture(model, batches[0])
+    cluster = local_cluster((1.0, 1.0, 0.5), "local")
+    with pytest.raises(ValueError, match=r"sums over the whole batch in its pass \(BatchNorm's statistics\): a pipeline "
+                                         r"runs it exactly with 1 micro-batch only, not 2"):
+        PipelineSpace(graph, cluster, PlannerConfig(micro_batches=2))
+    space = PipelineSpace(graph, cluster)
+    assert space.micro_batch_counts(2) == [1]
+    plan = assemble(space, [_second_batch_norm(graph)], [[0, 1], [2]], [[0.5, 0.5], [1.0]], 1, 0.0, {})
+    program = [st for k in range(2) for st in plan.steps(graph, k)]
+    check_pipelinable(graph, program, 1)
+    with pytest.raises(ValueError, match="1 micro-batch only, not 3"):  # what hap.Pipeline and hap train check
+        check_pipelinable(graph, program, 3)
+    for planner in ("pp-exact", "dqn"):
+        found = make_plan(planner, graph, cluster, PlannerConfig(pipeline_stages=2))
+        assert found.schedule.micro_batches == 1
+    # the stage of two devices pays its BatchNorms' all-reduces (forward and backward) per pass
+    pricer = space.pricer
+    bn = [n.index for n in graph.nodes if "batch_norm" in n.op]
+    assert pricer.inner_seconds(0, bn[0], [0, 1]) == pytest.approx(2 * space.cost.group_collective("all_reduce", 2 * 6 * 8, [0, 1]))
+    assert pricer.inner_seconds(0, bn[0], [2]) == 0.0
+    assert pricer.inner_seconds(0, bn[0] - 1, [0, 1]) == 0.0
+
+
 def _pipeline(model, batches, world, cuts, groups, ratios, micro_batches):
     import hap
     from hap.capture import capture
@@ -210,17 +300,18 @@ def _pipeline(model, batches, world, cuts, groups, ratios, micro_batches):
     return hap.Pipeline(model, cluster, batches[0], assemble(space, cuts, groups, ratios, micro_batches, 0.0, {}))
 
 
-def checkpointed(rank, world, layout, directory, first, last):
-    """Train steps [first, last) of the tied model under `layout` ("dp": hap.HAP, data parallel
-    at 60/40; else (cut at the layer norm, groups, ratios, micro-batches): hap.Pipeline), from
-    the checkpoint in `directory` when first > 0, and save there at `last`."""
+def checkpointed(rank, world, layout, directory, first, last, setup="tied"):
+    """Train steps [first, last) of the tied model (or `setup`) under `layout` ("dp": hap.HAP,
+    data parallel at 60/40; else (groups, ratios, micro-batches of a cut at the tied model's
+    layer norm or the second BatchNorm): hap.Pipeline), from the checkpoint in `directory` when
+    first > 0, and save there at `last`."""
     import hap
     from hap.capture import capture
     from hap.cost.cluster import local_cluster
     from hap.planner import baseline_plan
     from hap.runtime import checkpoint
 
-    model, batches = _tied_setup()
+    model, batches = SETUPS[setup]()
     if layout == "dp":
         cluster = local_cluster((1.0,) * world, "local")
         plan = baseline_plan(capture(model, batches[0]), cluster, "dp-cp", ratios=[0.6, 0.4])
@@ -228,7 +319,8 @@ def checkpointed(rank, world, layout, directory, first, last):
         step_fn = lambda b: dmodel(*b).backward()  # noqa: E731
     else:
         graph = capture(model, batches[0])
-        cut = next(n.index for n in graph.nodes if n.op == "aten.layer_norm.default")
+        cut = _second_batch_norm(graph) if setup == "bn" else \
+            next(n.index for n in graph.nodes if n.op == "aten.layer_norm.default")
         groups, ratios, micro_batches = layout
         dmodel = _pipeline(model, batches, world, [cut], groups, ratios, micro_batches)
         step_fn = lambda b: dmodel.train_step(*b)  # noqa: E731

@@ -19,7 +19,8 @@ from ..rules.units import ShardClasses
 from ..search.program import Step
 from .partition import StageTable, exact_partition, group_layouts, pivots, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
-from .stages import check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes, stage_ranges
+from .stages import (check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes, stage_ranges,
+                     whole_batch_reason)
 
 
 class PipelineSpace:
@@ -30,7 +31,9 @@ class PipelineSpace:
         self.config = config = config or PlannerConfig()
         self.graph, self.cluster = graph, cluster
         self.program: list[Step] = baseline_plan(graph, cluster, "dp-ev", config).steps(graph)
-        check_pipelinable(graph, self.program)
+        check_pipelinable(graph, self.program, config.micro_batches or None)
+        self.whole_batch = whole_batch_reason(graph, self.program)
+        """Why every pipeline of this program runs 1 micro-batch (BatchNorm), or None."""
         self.classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.cost = CostModel(graph, cluster, self.classes, config.optimizer)
         self.pricer = PipelinePricer(self.cost, self.program)
@@ -54,6 +57,8 @@ class PipelineSpace:
 
     def micro_batch_counts(self, K: int) -> list[int]:
         M = self.config.micro_batches
+        if self.whole_batch:
+            return [1]
         if M:
             micro_batch_granules(self.granules, M)  # a clear error where it cannot split
             return [M]

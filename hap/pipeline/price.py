@@ -5,12 +5,13 @@ Stage k (nodes [a, b] on device group G_k, which splits each micro-batch by rati
 per micro-batch, forward plus backward,
 
     t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] + (M - 1) / M * acc_i[a..b] )
-          + send_k
+          + inner_k + send_k
 
 where work_i is the batch-proportional time of the nodes on device i (the cost model's node
 times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
 nodes on replicated tensors, reading the whole weights and writing their gradients: every
-micro-batch pays it), acc_i adding a micro-batch's gradients into those held, and send_k the
+micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
+collectives nodes make inside themselves over G_k (a synchronized batch norm's sums), and send_k the
 transfer of what crosses the cut after stage k, forward and back, over the slowest link
 between the two groups. An iteration of M micro-batches (GPipe or 1F1B: the same bubble) then
 takes
@@ -31,6 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from ..cost.model import CostModel
+from ..rules.local import variant_collectives
 from ..search.program import Step
 from .schedule import ScheduleName, in_flight, makespan
 
@@ -98,6 +100,10 @@ class PipelinePricer:
                                                                  if graph.tensors[x].kind == "param" and graph.tensors[x].requires_grad
                                                                  and graph.tensors[x].consumers[0] == node.index)
                                                              for node in graph.nodes])])
+        # collectives inside nodes (a synchronized batch norm's sums), over a stage's group
+        self._inner = [(step.node, variant_collectives(graph.nodes[step.node], step.strategy, graph)) for step in program]
+        self._inner = [(k, found) for k, found in self._inner if found]
+        self._inner_cum: dict[tuple[int, ...], np.ndarray] = {}
         self.cut_bytes = _cut_bytes(graph)  # [c]: bytes crossing a cut before node c (whole batch)
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
 
@@ -111,7 +117,21 @@ class PipelinePricer:
         bw = r * (self.work_b[b + 1, g] - self.work_b[a, g]) + (self.fixed_b[b + 1, g] - self.fixed_b[a, g])
         # micro-batches after the first add their gradients into the held ones: (M - 1) / M per micro-batch
         bw = bw + (M - 1) / M * float(self.grad_params[b + 1] - self.grad_params[a]) * self.add_per_byte[g]
-        return float(f.max()), float(bw.max())
+        return float(f.max()), float(bw.max()) + self.inner_seconds(a, b, g)
+
+    def inner_seconds(self, a: int, b: int, group: Sequence[int]) -> float:
+        """Seconds of the collectives that nodes a..b make inside themselves over the group
+        (forward and backward, per micro-batch; the walk's variant_comm, on a stage's devices)."""
+        if not self._inner or len(group) < 2:
+            return 0.0
+        key = tuple(group)
+        cum = self._inner_cum.get(key)
+        if cum is None:
+            per = np.zeros(len(self.graph.nodes))
+            for k, found in self._inner:
+                per[k] += sum(self.cost.group_collective(kind, nbytes, key) for kind, nbytes in found)
+            cum = self._inner_cum[key] = np.concatenate([[0.0], np.cumsum(per)])
+        return float(cum[b + 1] - cum[a])
 
     def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> float:
         """Seconds to send one micro-batch's crossing bytes over the cut before node `cut`: each

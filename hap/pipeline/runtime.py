@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -88,7 +89,7 @@ class Pipeline(nn.Module):
             raise ValueError("the plan's stages do not cover the model's nodes in order")
         programs = [plan.steps(graph, k) for k in range(K)]
         whole_program = [step for prog in programs for step in prog]
-        check_pipelinable(graph, whole_program)
+        check_pipelinable(graph, whole_program, M)
         self.steps = programs[s]
         self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.crossings = crossings(graph, whole_program, stage_of)
@@ -116,6 +117,11 @@ class Pipeline(nn.Module):
                            if t.kind == "buffer" and name in values}
         loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
         whole = set().union(*loads)
+        # the buffers this stage keeps current (and a checkpoint takes from it): those it loads
+        # (the forward of the stage that reads BatchNorm's running statistics updates them),
+        # and those no stage loads, alike everywhere
+        self._kept_buffers = [name for name in self._constants if name in loads[s] or name not in whole]
+        self._updates = [(buf, new) for buf, new in graph.buffer_updates.items() if buf in loads[s]]
         self._model_leaves = [name for name, t in graph.tensors.items()
                               if (t.kind == "param" and name in whole) or name in self._constants]
         # the parameters whose gradients this rank counts in a global norm: each by the first
@@ -250,7 +256,7 @@ class Pipeline(nn.Module):
         j, J = m * len(self.devices) + self.d, self.M * len(self.devices)
         split = self.pieces[self.s]
         ctx = LocalContext(device=j, world=J, split=lambda t, dim: self.classes.split_sizes(t, dim, split),
-                           all_reduce=self._piece_sum, noise=lambda node: self._noise[node.index])
+                           all_reduce=self._stage_sum, noise=lambda node: self._noise[node.index])
         piece = Comm(rank=j, world=J)
         held: dict[tuple[str, Placement], torch.Tensor] = {}
         for ci, value in received.items():
@@ -263,13 +269,17 @@ class Pipeline(nn.Module):
                                                           self._sizes(ms.tensor, ms.move.src), self._sizes(ms.tensor, ms.move.dst))
             for ld in step.loads:
                 held[(ld.tensor, ld.placement)] = self._load(ld.tensor, ld.placement, inputs, piece)
-            self._counting = node if counts_early(node, step.strategy, self.graph) else None
+            node_ctx = ctx
+            if counts_early(node, step.strategy, self.graph):
+                node_ctx = dataclasses.replace(ctx, all_reduce=functools.partial(self._label_count, node))
             local = {name: held[(name, p)] for name, p in zip(node.inputs, step.strategy.inputs)}
             with self._span(f"hap node {node.name} {node.op.removeprefix('aten.')} [{step.strategy.name}]"):
-                outs = run_node(node, step.strategy, local, self.graph, ctx)
+                outs = run_node(node, step.strategy, local, self.graph, node_ctx)
             for name, p, out in zip(node.outputs, step.strategy.outputs, outs):
                 held[(name, p)] = out
         self._charge(time.perf_counter() - t0)
+        for buf, new in self._updates:  # one micro-batch (check_pipelinable): the step's statistics
+            self._constants[buf] = next(v for (name, p), v in held.items() if name == new and not p.is_shard).detach()
         part = None
         if self.s == self.K - 1:
             loss_p = next(p for (name, p) in held if name == self.graph.loss)
@@ -368,14 +378,19 @@ class Pipeline(nn.Module):
             raise ValueError(f"a pipeline stage loads parameter {tensor} as {p}; its program must keep parameters whole")
         return value if piece.rank == 0 else torch.zeros_like(value)  # P: one piece holds it
 
-    def _piece_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """A local variant's sum over every piece of the batch: only a mean's count of its
-        labels can be had (from the whole labels, which every rank computes from the whole
-        batch it holds); any other is an error."""
-        node = self._counting
-        if node is None:
-            raise ValueError("a node of this stage sums over the whole batch inside the forward (sync-batch "
-                             "statistics): micro-batches cannot run it")
+    def _stage_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A local variant's sum over every piece of the batch (BatchNorm's statistics, forward
+        and backward): over the stage's devices, whose pieces are the whole batch where such a
+        node runs (one micro-batch: check_pipelinable)."""
+        assert self.M == 1, "check_pipelinable lets a sum over the batch run with 1 micro-batch only"
+        out = x.detach().clone()
+        if len(self.devices) > 1:
+            wire.all_reduce(out, group=self._groups[tuple(self.devices)])
+        return out
+
+    def _label_count(self, node, x: torch.Tensor) -> torch.Tensor:
+        """A mean's count of its labels over every piece of the batch: from the whole labels,
+        which every rank computes from the whole batch it holds (no collective)."""
         whole = _Missing({name: self._whole(name) for name in node.inputs[1:]})
         return label_count(substitute(node.args, whole), substitute(node.kwargs, whole)).to(x.dtype)
 
@@ -450,6 +465,7 @@ class Pipeline(nn.Module):
         mine = {}
         if self.d == 0:
             mine = {n: self.params[k].detach().clone() for n, k in self._param_keys.items()}
+            mine.update({n: self._constants[n].clone() for n in self._kept_buffers})
         found: list = [None] * self.comm.world
         dist.all_gather_object(found, mine, group=self.comm.group)
         whole = {n: v for part in found for n, v in part.items()}
@@ -460,12 +476,13 @@ class Pipeline(nn.Module):
 
 class _StageState:
     """A pipeline stage's state with the executor's interface that checkpoint.py uses: every
-    parameter this stage loads and every buffer, each kept whole (R) on each of its devices."""
+    parameter this stage loads and the buffers it keeps current (Pipeline._kept_buffers), each
+    whole (R) on each of its devices."""
 
     def __init__(self, pipe: Pipeline):
         self.params = {name: pipe.params[key] for name, key in pipe._param_keys.items()}
         self.buffers = pipe._constants  # the pipeline's own: a load replaces its values
-        self.stored = {name: (R, 0) for name in [*self.params, *self.buffers]}
+        self.stored = {name: (R, 0) for name in [*self.params, *pipe._kept_buffers]}
         self.model_stored = {name: (R, 0) for name in pipe._model_leaves}
 
     def value_of(self, name: str) -> torch.Tensor:

@@ -12,9 +12,11 @@ What crosses a cut is a *crossing*: a tensor one stage produces and a later one 
 on a dim (its rows travel between the devices that hold them) or replicated (the first device
 of the micro-batch sends it whole). Random ops stay exact: each node's random numbers are
 drawn once per step, whole, in one device's order, and every piece takes its rows
-(pipeline/runtime.py). Some programs cannot be pipelined, and say so in one line: buffers the
-forward updates (BatchNorm's statistics are over the whole batch), and partial sums crossing
-a cut.
+(pipeline/runtime.py). A node that sums over the whole batch inside its pass (BatchNorm's
+statistics, which its forward also writes into running statistics) is exact with one
+micro-batch only: the stage's devices then hold the whole batch between them and sum over their
+group, as data parallelism does. Some programs cannot be pipelined, and say so in one line:
+such a node under several micro-batches, and partial sums crossing a cut.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Sequence
 
 from ..ir import Graph
 from ..placement import R, Placement
+from ..rules.nn import sums_in_pass
 from ..rules.units import ShardClasses, round_sizes
 from ..search.program import Step
 
@@ -57,14 +60,33 @@ def stage_ranges(cuts: Sequence[int], nodes: int) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1] - 1) for k in range(len(bounds) - 1)]
 
 
-def check_pipelinable(graph: Graph, program: Sequence[Step]) -> None:
-    """ValueError, in one line, where micro-batches would change the mathematics. (Random ops
-    do not: the runtime draws each node's random numbers once per step, whole, in one device's
-    order, and gives every micro-batch its rows.)"""
+def whole_batch_reason(graph: Graph, program: Sequence[Step]) -> str | None:
+    """Why the program needs the whole batch in one pass (a pipeline of one micro-batch), or None."""
+    for step in program:
+        node = graph.nodes[step.node]
+        if sums_in_pass(node, step.strategy, graph):
+            what = "BatchNorm's statistics" if step.strategy.local == "sync_batch_norm" else "the loss's denominator"
+            return f"{node.name} sums over the whole batch in its pass ({what})"
     if graph.buffer_updates:
         name = next(iter(graph.buffer_updates))
-        raise ValueError(f"the forward updates buffer {graph.tensors[name].target or name} (BatchNorm's statistics are "
-                         "over the whole batch): it cannot be pipelined in micro-batches")
+        return f"the forward updates buffer {graph.tensors[name].target or name} from the whole batch"
+    return None
+
+
+def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int | None = None) -> None:
+    """ValueError, in one line, where micro-batches would change the mathematics (with
+    micro_batches None: whatever their count). (Random ops do not: the runtime draws each node's
+    random numbers once per step, whole, in one device's order, and gives every micro-batch its
+    rows.)"""
+    why = whole_batch_reason(graph, program)
+    if why is not None and micro_batches is not None and micro_batches > 1:
+        raise ValueError(f"{why}: a pipeline runs it exactly with 1 micro-batch only, not {micro_batches}")
+    placed = {name: p for step in program
+              for name, p in zip(graph.nodes[step.node].outputs, step.strategy.outputs)}
+    for buf, new in graph.buffer_updates.items():
+        if new in placed and not (placed[new] == R or placed[new].kind == "D"):
+            raise ValueError(f"the program computes buffer {graph.tensors[buf].target or buf}'s new value in "
+                             f"{placed[new]}: a pipeline stage keeps its buffers whole")
     for step in program:
         for ms in step.moves:
             if ms.move.communicates:

@@ -484,6 +484,16 @@ def label_count(args: tuple, kwargs: dict) -> torch.Tensor:
     return (weight[target.masked_fill(ignore, 0)] * ~ignore).sum().double()
 
 
+def sums_in_pass(node: Node, st: Strategy, graph: Graph) -> bool:
+    """Whether running the node under `st` sums over every device's rows of the batch inside
+    the forward or backward (ctx.all_reduce): a synchronized batch norm's statistics, a class
+    loss's denominator that `counts_early` cannot take from the targets alone."""
+    if st.local == "sync_batch_norm":
+        return True
+    return (st.local == "loss_mean" and node.op in _CLASS_LOSSES and not _is_float(graph, node.inputs[1])
+            and not counts_early(node, st, graph))
+
+
 def counts_early(node: Node, st: Strategy, graph: Graph) -> bool:
     """Whether the node's only all-reduce is label_count's (a mean over class-index targets),
     so that a runtime may start it as soon as the target is loaded."""
