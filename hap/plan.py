@@ -275,9 +275,16 @@ class Plan:
 
     # -- text ----------------------------------------------------------------------------------
 
+    def _how(self) -> str:
+        """' (planner, Q/B rounds)' as far as the search record says."""
+        parts = [str(self.search["planner"])] if "planner" in self.search else []
+        if "rounds" in self.search:
+            parts.append(f"{self.search['rounds']} Q/B rounds")
+        return f" ({', '.join(parts)})" if parts else ""
+
     def summary(self) -> str:
         lines = [f"model {self.model} on {self.cluster['name']} ({len(self.devices)} devices)",
-                 f"  synthesis {self.synthesis_seconds:.2f} s, {self.search.get('rounds', '?')} Q/B rounds, winner: {self.search.get('winner', '?')}"
+                 f"  synthesis {self.synthesis_seconds:.2f} s{self._how()}, winner: {self.search.get('winner', '?')}"
                  + ("" if self.search.get("exhaustive", True) else " (width-limited search: best found, not proven optimal"
                     + (f"; each of its searches' programs within {self.search['gap']:.0%} of that search's optimum" if self.search.get("gap") is not None else "")
                     + ")"),
