@@ -60,7 +60,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {_first_line(e)}") from e
     finally:
         model.train(was_training)
-    graph = graph_from_exported(ep, name or type(model).__name__, _aliases(model, ep))
+    frozen = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
+    graph = graph_from_exported(ep, name or type(model).__name__, _aliases(model, ep), frozen)
     _count_flops(graph)
     graph.experts = _expert_params(model, graph)
     return graph
@@ -125,9 +126,12 @@ def _expert_params(model: torch.nn.Module, graph: Graph) -> list[str]:
     return [p for p in graph.params if graph.tensors[p].target in targets]
 
 
-def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] | None = None) -> Graph:
+def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] | None = None,
+                        frozen: frozenset[str] = frozenset()) -> Graph:
     """The Graph of an exported program; `aliases` names placeholders that hold the same tensor
-    as an earlier one (see _aliases): their uses read that one, which is a single leaf."""
+    as an earlier one (see _aliases): their uses read that one, which is a single leaf.
+    `frozen`: the targets (state-dict names) of parameters that do not train (requires_grad
+    False in the model), which hap keeps so: no gradient, no sync, no optimizer step."""
     aliases = aliases or {}
     kinds, targets = {}, {}
     mutated: dict[str, str] = {}  # output position -> buffer target, for the buffers forward mutates
@@ -208,7 +212,7 @@ def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] 
     constants = {n: ep.constants[targets[n]].detach().clone() for n, kind in kinds.items() if kind == "constant"}
     graph = Graph(nodes=nodes, tensors=tensors, inputs=inputs, params=params, loss=loss, model_name=name,
                   buffer_updates=buffer_updates, constants=constants)
-    _mark_requires_grad(graph)
+    _mark_requires_grad(graph, frozen)
     return graph
 
 
@@ -245,10 +249,10 @@ def _scope(fx) -> str:
     return path if isinstance(path, str) else ""
 
 
-def _mark_requires_grad(graph: Graph) -> None:
+def _mark_requires_grad(graph: Graph, frozen: frozenset[str]) -> None:
     for p in graph.params:
         t = graph.tensors[p]
-        t.requires_grad = _is_float(t.dtype)
+        t.requires_grad = _is_float(t.dtype) and t.target not in frozen
     for n in graph.nodes:
         flows = any(graph.tensors[i].requires_grad for i in n.inputs)
         for k, o in enumerate(n.outputs):

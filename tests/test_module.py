@@ -137,6 +137,44 @@ def test_an_idle_rank_0_draws_dropout_masks_like_one_device(tmp_path):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
 
 
+def frozen_vit():
+    """The small ViT with its patch embedding and first block's attention frozen
+    (requires_grad False), as for fine-tuning."""
+    model, batches = small_vit()
+    for name, p in model.named_parameters():
+        if name.startswith("patch_emb") or name.startswith("blocks.0.attn"):
+            p.requires_grad_(False)
+    return model, batches
+
+
+def train_frozen(rank, world, planner):
+    model, batches = frozen_vit()
+    graph = hap.capture(model, batches[0])
+    cluster = hap.load_cluster("local")
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, planner, ratios=[0.6, 0.4]))
+    losses = train(dmodel, batches)
+    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
+def test_frozen_parameters_stay_frozen(planner, tmp_path):
+    # data parallel (frozen weights whole, never synced) and Megatron (frozen weights sharded)
+    # at 60/40: the frozen weights do not move, and training is one device's
+    model, batches = frozen_vit()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and len(frozen) < len(list(model.parameters()))
+    graph = hap.capture(model, batches[0])
+    assert sorted(graph.tensors[p].target for p in graph.params if not graph.tensors[p].requires_grad) == sorted(frozen)
+    losses = train(model, batches)
+    for got in run_ranks(train_frozen, 2, tmp_path, planner):
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
+        for name, before in frozen.items():
+            assert torch.equal(torch.tensor(got["params"][name]), before), name
+
+
 class Wide(torch.nn.Module):
     def __init__(self, d=16, h=48):
         super().__init__()
