@@ -18,9 +18,11 @@ from hap.runtime.launch import RankFailed
 
 
 def batches():
-    """llama-style decoder batches: the planned 8 x 16, then 5 x 16, 1 x 16 and 8 x 8 tokens."""
+    """llama-style decoder batches: the planned 8 x 16, then 5 x 16, 1 x 16, 8 x 8 and 3 x 16
+    tokens (rank 1's part of the planned batch is 3 x 16 too: given whole on both ranks, it is a
+    global batch; rank 1 alone could not tell)."""
     gen = torch.Generator().manual_seed(3)
-    shapes = [(8, 16), (5, 16), (1, 16), (8, 8), (8, 16)]
+    shapes = [(8, 16), (5, 16), (1, 16), (8, 8), (3, 16), (8, 16)]
     return [(ids, ids.clone()) for ids in (torch.randint(0, zoo.VOCAB, s, generator=gen) for s in shapes)]
 
 
@@ -42,8 +44,9 @@ def test_other_batch_shapes_train_like_one_device(tmp_path):
     reports = run_ranks(train_ranks, 2, tmp_path, plan.to_json())
     want_losses = train(model, data)
     for got in reports:
-        assert [s[0] for s in got["shapes"]] == [[[5, 16], [5, 16]], [[1, 16], [1, 16]], [[8, 8], [8, 8]]]  # once each
-        assert [s[1].startswith("the plan's program") for s in got["shapes"]] == [True, False, True]
+        assert [s[0] for s in got["shapes"]] == [[[5, 16], [5, 16]], [[1, 16], [1, 16]], [[8, 8], [8, 8]],
+                                                 [[3, 16], [3, 16]]]  # once each
+        assert [s[1].startswith("the plan's program") for s in got["shapes"]] == [True, False, True, True]
         assert got["losses"] == pytest.approx(want_losses, rel=1e-5)
         for key, value in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][key], dtype=value.dtype), value, rtol=1e-4, atol=1e-6), key

@@ -105,9 +105,9 @@ class HAP(nn.Module):
         is given whole: the plan's program runs it at the plan's ratios (captured once per
         shape, reported in `shapes`).
 
-        part: whether the inputs are this rank's part of the planned batch; None: told by their
-        shapes, which must then not also fit a global batch that every rank could be given
-        (equal parts on every rank: say part=True or part=False)."""
+        part: whether the inputs are this rank's part of the planned batch; None: told by every
+        rank's shapes together (a small collective where they are not the planned batch's; with
+        equal parts on every rank they could be either: say part=True or part=False)."""
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
@@ -148,12 +148,23 @@ class HAP(nn.Module):
             if key != mine:
                 raise ValueError(f"inputs of shape {key} are not this rank's part {mine} of the planned batch")
             return self.executor, frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
-        parts = self._given_as_part(batch) if part is None else None
-        if parts and len({self._part_shapes(r) for r in range(self.comm.world)}) == 1:
+        planned = _shapes_of(self.graph)
+        if key == planned:
+            return self.executor, frozenset()
+        # Not the planned batch: this rank's part, or a global batch of another shape (a last,
+        # smaller batch), which may be the same shape. The ranks decide together, from every
+        # rank's shapes, so that all run the same collectives next.
+        seen: list = [None] * self.comm.world
+        dist.all_gather_object(seen, key, group=self.comm.group)
+        parts = part is None and all(k == self._part_shapes(r) for r, k in enumerate(seen))
+        if parts and len(set(seen)) == 1:
             raise ValueError(f"inputs of shape {key} are every rank's part of the planned batch and could be a "
                              "global batch too: call dmodel(*batch, part=True) or part=False")
         if parts:
-            return self.executor, frozenset(parts)
+            return self.executor, frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
+        if len(set(seen)) > 1:
+            raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))}: give every rank the "
+                             f"whole batch, or each rank its part of the planned {planned} (part=True)")
         found = self._by_shape.get(key)
         if found is None:
             found = self._by_shape[key] = self._reuse_plan(batch, key)
@@ -174,25 +185,13 @@ class HAP(nn.Module):
         self._parts[rank] = tuple(out)
         return self._parts[rank]
 
-    def _given_as_part(self, batch: Sequence[torch.Tensor]) -> list[str] | None:
-        """The inputs given as this rank's part of the planned batch, or None where the inputs
-        are not the planned batch nor this rank's part of it."""
-        mine = self._part_shapes(self.comm.rank)
-        if tuple(tuple(x.shape) for x in batch) != mine or mine == _shapes_of(self.graph):
-            return None
-        return [name for name, x in zip(self.graph.inputs, batch) if tuple(x.shape) != tuple(self.graph.tensors[name].shape)]
-
     def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple) -> Executor:
-        """Run a batch of another shape (the global batch, on every rank) with the plan's
+        """Run a batch of another shape (the global batch, on every rank: _executor_for checked
+        that every rank was given this shape) with the plan's
         program at the plan's ratios: captured at this shape once, its shards cut by the same
         shares, parameters and buffers shared with the planned executor. Where the program
         cannot run this shape (the model's graph changes with it), a one-line ValueError."""
         planned = _shapes_of(self.graph)
-        seen: list = [None] * self.comm.world
-        dist.all_gather_object(seen, key, group=self.comm.group)
-        if len(set(seen)) > 1:
-            raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))}: a batch of a shape other "
-                             f"than the planned {planned} must be given whole (the global batch) on every rank")
         inputs = tuple(x.to("meta") for x in batch) if self._meta else tuple(batch)
         base = self.executor
         try:
