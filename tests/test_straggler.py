@@ -268,3 +268,28 @@ def test_rebalance_reshards_mid_run_and_trains_like_one_device(tmp_path):
     for got in reports:
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+def pretesting(rank, world, shares):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+    from hap.straggler import Mitigator, StragglerConfig
+
+    model, batches = _setup()
+    cluster = local_cluster((1.0,) * world, "local")
+    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=shares)
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    mit = Mitigator(dmodel, StragglerConfig(policy="semi"), torch.optim.SGD(dmodel.parameters(), lr=0.1))
+    ex = dmodel.executor
+    empty = sum(ex.params[s.weight].shape[1] == 0 for s in mit.sites)
+    return {"pretest": {k: list(v) if isinstance(v, tuple) else v for k, v in mit._pretest().items()}, "empty": int(empty)}
+
+
+def test_semi_pretest_runs_where_a_rank_holds_no_columns(tmp_path):
+    # rank 1's share is 0: none of its layers has a column to prune (it crashed the pre-test)
+    reports = run_ranks(pretesting, 2, tmp_path, (1.0, 0.0))
+    assert reports[1]["empty"] > 0
+    assert reports[0]["pretest"] == reports[1]["pretest"]  # the ranks agree on the mean
+    assert reports[0]["pretest"]["omega1"] >= 0

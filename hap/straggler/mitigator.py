@@ -322,6 +322,8 @@ class Mitigator:
         for f in (0.25, 0.75):
             t0 = time.perf_counter()
             for w, x, _ in layers:
+                if w.shape[1] == 0:  # no columns here to prune
+                    continue
                 kept = torch.arange(max(1, round(w.shape[1] * (1 - f))), device=self.device)
                 lin = Lineage.of("", "", kept, w.shape[1])
                 for _ in range(2):  # forward and backward
