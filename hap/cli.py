@@ -36,9 +36,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipeline-stages", type=int, default=0, metavar="K",
+    p.add_argument("--pipeline-stages", type=int, metavar="K",
                    help="pipeline planners (pp-exact, dqn, auto): stages (default: the best of 2, 4, 8)")
-    p.add_argument("--micro-batches", type=int, default=0, metavar="M",
+    p.add_argument("--micro-batches", type=int, metavar="M",
                    help="pipeline planners: micro-batches per iteration (default: the best of K, 2K, 4K)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline planners: the schedule")
 
@@ -47,10 +47,10 @@ def _planner_config(args):
     from .planner import PlannerConfig
 
     for flag in ("pipeline_stages", "micro_batches"):
-        if getattr(args, flag) < 0:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages,
-                         micro_batches=args.micro_batches, schedule=args.schedule)
+    return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages or 0,
+                         micro_batches=args.micro_batches or 0, schedule=args.schedule)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,13 +163,14 @@ def cmd_plan(args) -> int:
     _check_planner(args.planner)
     if args.segments < 1:
         raise UserError(f"--segments must be at least 1, got {args.segments}")
+    config = _planner_config(args)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     graph = _build_graph(args, cluster.gpus, say)
     say(f"{graph.summary()} (captured in {time.perf_counter() - t0:.1f} s)")
     say(cluster.describe())
     try:
-        result = make_plan(args.planner, graph, cluster, _planner_config(args), progress=say)
+        result = make_plan(args.planner, graph, cluster, config, progress=say)
     except ValueError as e:  # a baseline this graph has not (ep without experts)
         raise UserError(f"--planner {args.planner}: {e}") from None
     print(result.summary())
@@ -194,6 +195,11 @@ def cmd_train(args) -> int:
     cluster = load_cluster(args.cluster)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    if args.clip is not None and not args.clip > 0:
+        raise UserError(f"--clip must be a positive norm, got {args.clip}")
+    if not args.lr > 0:
+        raise UserError(f"--lr must be positive, got {args.lr}")
+    config = _planner_config(args)
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
@@ -217,10 +223,11 @@ def cmd_train(args) -> int:
         graph.timing = _calibrated(args, graph, cluster, say)
     if args.plan is not None:
         result = _plan_file(args.plan, cluster)
+        _check_plan_fits(args.plan, result, graph)
         planner = f"the plan in {args.plan}"
     else:
         try:
-            result = make_plan(planner, graph, cluster, _planner_config(args), progress=say)
+            result = make_plan(planner, graph, cluster, config, progress=say)
         except ValueError as e:  # a baseline this graph has not (ep without experts)
             raise UserError(f"--planner {planner}: {e}") from None
     print(result.summary())
@@ -265,6 +272,32 @@ def _check_pipeline(args, graph, plan) -> None:
                           plan.schedule.micro_batches)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def _check_plan_fits(path: str, plan, graph) -> None:
+    """The plan must be of this model at this batch: its nodes, and the sizes it splits
+    tensors into (which change with the batch), said here once rather than by every rank."""
+    from .pipeline.stages import batch_granules, micro_batch_granules, piece_ratios
+    from .rules import strategy_table
+    from .rules.units import ShardClasses
+
+    try:
+        programs = [plan.steps(graph, k) for k in range(len(plan.stages))]
+        classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+        micro = None
+        if plan.schedule is not None:  # a pipeline stage's shards are its pieces' (pipeline/stages.py)
+            micro = micro_batch_granules(batch_granules(graph, classes, [st for prog in programs for st in prog]),
+                                         plan.schedule.micro_batches)
+    except ValueError as e:
+        raise UserError(f"--plan {path}: {e} (a plan made for another model or batch?)") from None
+    for stage in plan.stages:
+        for sh in stage.shards:
+            ratios = stage.ratios[sh.segment] if micro is None else piece_ratios(micro, stage.ratios[0])
+            mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
+            if mine is None or list(mine) != list(sh.sizes):
+                raise UserError(f"--plan {path} splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "
+                                f"{'has no ' + sh.tensor if mine is None else 'into ' + str(list(mine))}: a plan made "
+                                "for another model or batch")
 
 
 def _plan_file(path: str, cluster):
@@ -726,6 +759,32 @@ def cmd_cluster(args) -> int:
     return 0
 
 
+# where each command writes: (command, argument, "file" or "dir"); checked before any work
+_OUTPUTS = [("plan", "json", "file"), ("train", "trace", "dir"), ("train", "checkpoint", "dir"),
+            ("sync", "out", "dir"), ("explain", "output", "dir"), ("profile", "output", "file")]
+
+
+def _check_outputs(args) -> None:
+    """Every output path the command will write can be written (its folder made now), so that a
+    run does not end in a traceback after all its work."""
+    import os
+
+    for command, name, kind in _OUTPUTS:
+        path = getattr(args, name, None) if args.command == command else None
+        if path is None:
+            continue
+        flag = "-o" if name == "output" else f"--{name}"
+        folder = path if kind == "dir" else (os.path.dirname(path) or ".")
+        if kind == "file" and os.path.isdir(path):
+            raise UserError(f"{flag} {path} is a directory; give a file name")
+        if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
+            raise UserError(f"{flag} {path} is a file; give a directory")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{flag} {path}: cannot make the folder {folder}: {e.strerror or e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from .balance.lp import BalanceError
     from .capture import CaptureError
@@ -737,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"plan": cmd_plan, "train": cmd_train, "profile": cmd_profile, "clusters": cmd_clusters,
                 "cluster": cmd_cluster, "explain": cmd_explain, "sync": cmd_sync}
     try:
+        _check_outputs(args)
         return handlers[args.command](args)
     except (UserError, ClusterError, CaptureError, BalanceError) as e:
         print(f"hap: error: {e}", file=sys.stderr)

@@ -100,3 +100,51 @@ def test_sync_searches_resumes_and_its_plan_trains(tmp_path, capfd):
                  "--plan", str(out / "plan.json"), "--steps", "2"]) == 0
     cap = capfd.readouterr()
     assert f"with the plan in {out / 'plan.json'}" in cap.out + cap.err and "per-iteration time: measured" in cap.out
+
+
+def _one_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    small = ["--model", "vit", "--scale", "small", "--cluster", "local"]
+    cases = [
+        (["train", *small, "--clip", "0"], "--clip must be a positive norm, got 0.0"),  # was ignored
+        (["train", *small, "--clip", "-1"], "--clip must be a positive norm, got -1.0"),  # reversed the gradients
+        (["train", *small, "--lr", "-0.1"], "--lr must be positive, got -0.1"),
+        (["plan", *small, "--planner", "pp-exact", "--pipeline-stages", "0"], "--pipeline-stages must be positive, got 0"),
+        (["plan", *small, "--micro-batches", "0"], "--micro-batches must be positive, got 0"),
+        (["train", *small, "--trace", str(afile)], f"--trace {afile} is a file; give a directory"),
+        (["train", *small, "--checkpoint", str(afile)], f"--checkpoint {afile} is a file; give a directory"),
+        (["plan", *small, "--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file name"),
+        (["plan", *small, "--json", str(afile / "p.json")], f"--json {afile / 'p.json'}: cannot make the folder {afile}"),
+        (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
+    ]
+    for argv, says in cases:
+        assert _one_error(capsys, argv).startswith(f"hap: error: {says}")
+        assert not (tmp_path / "explain").exists()
+
+
+def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp_path, capsys):
+    small = ["--scale", "small", "--cluster", "local", "--quiet"]
+    assert main(["plan", "--model", "ncf", *small, "--json", str(tmp_path / "ncf.json")]) == 0
+    assert main(["plan", "--model", "vit", "--batch", "16", *small, "--json", str(tmp_path / "b16.json")]) == 0
+    capsys.readouterr()
+    train = ["train", "--model", "vit", "--scale", "small", "--cluster", "local", "--steps", "1", "--plan"]
+
+    def refused(path) -> str:  # progress lines, then the error, and no rank started
+        assert main([*train, str(path)]) == 2
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert "training" not in err and "Traceback" not in err and not out
+        assert lines[-1].startswith("hap: error: ") and all(line.startswith("[hap]") for line in lines[:-1])
+        return lines[-1]
+
+    assert "plan does not match the model: node" in refused(tmp_path / "ncf.json")
+    assert refused(tmp_path / "b16.json").endswith(
+        "splits images dim 0 into [16, 0], this model into [8, 0]: a plan made for another model or batch")

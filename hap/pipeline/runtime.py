@@ -29,7 +29,6 @@ import torch.nn as nn
 
 from ..capture import capture
 from ..cost.cluster import Cluster
-from ..ir import Graph
 from ..placement import P, R, Placement
 from ..plan import Plan
 from ..rules import strategy_table
@@ -42,7 +41,7 @@ from ..runtime.executor import leaf_values
 from ..runtime import wire
 from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
 from .schedule import stage_order
-from .stages import (check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
+from .stages import (batch_granules, check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
                      piece_ratios, row_ranges, stage_of_nodes)
 
 
@@ -93,7 +92,7 @@ class Pipeline(nn.Module):
         self.steps = programs[s]
         self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.crossings = crossings(graph, whole_program, stage_of)
-        self.micro = micro_batch_granules(_batch_granules(graph, classes, whole_program), M)
+        self.micro = micro_batch_granules(batch_granules(graph, classes, whole_program), M)
         self.pieces = [piece_ratios(self.micro, st.ratios[0]) for st in plan.stages]
         check_aligned(graph, classes, self.crossings, self.pieces, M)
         for sh in plan.stages[s].shards:
@@ -498,12 +497,3 @@ class _StageState:
 class _Missing(dict):
     def __missing__(self, key):
         return None
-
-
-def _batch_granules(graph: Graph, classes: ShardClasses, program) -> int:
-    """Granules of the batch: of the first data input the program loads split."""
-    for step in program:
-        for ld in step.loads:
-            if ld.tensor in graph.inputs and ld.placement.is_shard:
-                return classes.granule_count(ld.tensor, ld.placement.dim)
-    raise ValueError("no data input is split on its batch: a pipeline needs a data-parallel program to cut")

@@ -170,3 +170,12 @@ def overlaps(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> 
             if hi > lo:
                 out.append((i, j, lo, hi - lo))
     return out
+
+
+def batch_granules(graph: Graph, classes: ShardClasses, program) -> int:
+    """Granules of the batch: of the first data input the program loads split."""
+    for step in program:
+        for ld in step.loads:
+            if ld.tensor in graph.inputs and ld.placement.is_shard:
+                return classes.granule_count(ld.tensor, ld.placement.dim)
+    raise ValueError("no data input is split on its batch: a pipeline needs a data-parallel program to cut")
