@@ -217,6 +217,10 @@ def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] 
 
 
 def _tensor(name, val: torch.Tensor, kind, target, producer=-1) -> Tensor:
+    if any(isinstance(s, torch.SymInt) for s in val.shape):  # known only when it runs
+        raise CaptureError(f"{name} has a shape that depends on the data ({tuple(val.shape)}), as boolean-mask "
+                           "indexing, nonzero or unique give: hap needs shapes known before the data (torch.where, "
+                           "a mask multiplied in)")
     return Tensor(name=name, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype).removeprefix("torch."),
                   itemsize=val.element_size(), kind=kind, target=target, producer=producer)
 

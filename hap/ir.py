@@ -212,3 +212,11 @@ def chunk_of(graph: Graph) -> list[int]:
         c += k in cuts
         out.append(c)
     return out
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the unit that fits: 812 KiB, 3.4 MiB, 15.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .ir import Graph
+from .ir import Graph, size_text  # noqa: F401 (size_text: plan.size_text too)
 from .placement import parse
 from .rules import Strategy
 from .rules.units import ShardClasses
@@ -365,14 +365,6 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
             if start != end or length <= 0:
                 raise ValueError(f"sync of {param}: its parts {sorted(rows)} do not cover dim 0 once, in order")
             end = start + length
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes in the unit that fits: 812 KiB, 3.4 MiB, 15.2 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def _stage_from_dict(d: dict) -> PlanStage:

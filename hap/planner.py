@@ -28,7 +28,7 @@ from typing import Callable, Literal, Sequence
 from .balance.lp import BalanceError, balance
 from .cost.cluster import Cluster
 from .cost.model import CostModel
-from .ir import Graph
+from .ir import Graph, size_text
 from .placement import Placement
 from .plan import Plan, PlanStage, SyncEntry, instructions, shard_sizes
 from .rules import has_rule, strategy_table
@@ -313,8 +313,8 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
     if not feasible:
         worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
         j = max(range(len(capacity)), key=lambda j: worst[4].memory[j] / capacity[j])
-        raise BalanceError(f"out of memory: the most frugal program found needs {worst[4].memory[j] / 2**30:.2f} GiB on "
-                           f"device {j} ({cluster.devices[j].name}), which has {capacity[j] / 2**30:.2f} GiB")
+        raise BalanceError(f"out of memory: the most frugal program found needs {size_text(worst[4].memory[j])} on "
+                           f"device {j} ({cluster.devices[j].name}), which has {size_text(capacity[j])}")
     seconds, winner, program, ratios, est = min(feasible, key=lambda c: c[0])
     return _assemble(cost, segment_of, program, ratios, est, baselines, time.perf_counter() - t0,
                      {**stats, "winner": winner, "candidates": len(candidates)})

@@ -90,6 +90,22 @@ def test_control_flow_is_a_one_line_error_naming_op_and_module():
     assert "\n" not in text and "higher-order op cond" in text, text
 
 
+def test_a_data_dependent_shape_is_a_one_line_error():
+    class PositiveSum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h[h > 0].sum()  # as many elements as are positive: known only from the data
+
+    with pytest.raises(CaptureError) as err:
+        capture(PositiveSum(), (torch.randn(8, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "has a shape that depends on the data" in text, text
+
+
 def test_buffer_mutation_and_input_mutation():
     class Counts(nn.Module):
         def __init__(self):

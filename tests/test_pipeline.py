@@ -574,6 +574,7 @@ def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     plan = make_plan("pp-exact", graph, local_cluster((1.0,) * 4, "local"), PlannerConfig(pipeline_stages=2, micro_batches=3))
     assert len(plan.stages) == 2 and plan.schedule.micro_batches == 3
     assert plan.estimated_iteration_seconds > 0
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.estimated_iteration_seconds)  # its terms, once each
     from hap.plan import Plan
     again = Plan.from_json(plan.to_json())
     assert again.digest == plan.digest and again.schedule == plan.schedule

@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from ..cost.model import CostModel
+from ..ir import size_text
 from . import _highs
 from ..search.program import Step, memory_terms, walk
 
@@ -217,7 +218,7 @@ def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float
     status, x, value, words = _highs.solve(c, rows, lower, upper, col_upper)
     if status == "infeasible":
         raise BalanceError("out of memory: no sharding ratios fit this program in the devices' memory "
-                           f"({', '.join(f'{c / 2**30:.1f} GiB' for c in caps)})")
+                           f"({', '.join(size_text(c) for c in caps)})")
     if status != "optimal":
         raise BalanceError(f"ratio LP failed (HiGHS: {words})")
     ratios = []
@@ -245,7 +246,7 @@ def _memory_rows(lp: _Program, B, program, cost: CostModel, segment_of, caps: li
     for j in range(m):
         if mem_const[j] > caps[j]:
             dev = cost.cluster.devices[j]
-            raise BalanceError(f"out of memory: device {j} ({dev.name}) needs {mem_const[j] / 2**30:.2f} GiB for the "
-                               f"replicated part of this program alone but has {caps[j] / 2**30:.2f} GiB")
+            raise BalanceError(f"out of memory: device {j} ({dev.name}) needs {size_text(mem_const[j])} for the "
+                               f"replicated part of this program alone but has {size_text(caps[j])}")
         if mem_rows[j]:
             lp.le(mem_rows[j], caps[j] - mem_const[j])

@@ -43,6 +43,7 @@ from typing import Literal
 
 import yaml
 
+from ..ir import size_text
 from .topology import ALGORITHMS, Link, Machine, Topology, uniform
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
@@ -153,7 +154,7 @@ class Cluster:
             else:
                 groups.append([d, 1])
         parts = [f"{n} x {d.name} ({d.gpus} GPU{'s' if d.gpus > 1 else ''}, {d.flops / 1e12:.2f} TFLOP/s, "
-                 f"{d.memory / 2**30:.0f} GiB)" for d, n in groups]
+                 f"{size_text(d.memory)})" for d, n in groups]
         return f"{self.name}: {self.size} devices, {self.gpus} GPUs: " + ", ".join(parts)
 
     def to_dict(self) -> dict:

@@ -116,10 +116,12 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
 
 
 def breakdown(est: PipelineEstimate, M: int) -> dict[str, float]:
+    """The estimate's terms (price.iteration_seconds), which add up to it: every stage's pass of
+    one micro-batch (fill and drain), M - 1 more of the slowest (steady state), the gradient
+    all-reduce after the flush and the loss's. Transfers are inside the stage times."""
     busy = sum(est.stage_seconds)
-    bubble_free = (M - 1) * max(est.stage_seconds)
-    return {"pipeline_fill_and_drain": busy, "pipeline_steady": bubble_free, "gradient_sync": max(est.sync),
-            "transfers": 2 * M * sum(est.send)}
+    steady = (M - 1) * max(est.stage_seconds)
+    return {"pipeline_fill_and_drain": busy, "pipeline_steady": steady, "gradient_sync": est.seconds - busy - steady}
 
 
 def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
