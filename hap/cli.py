@@ -32,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, help="sequence length (bert, bert-moe)")
     p.add_argument("--experts", type=int, help="experts per MoE layer (bert-moe; default 2 per GPU)")
     p.add_argument("--scale", choices=["paper", "small"], default="paper", help="paper size or a tiny CPU variant")
-    p.add_argument("--dropout", type=float, help="dropout probability (default: the model's; a pipeline runs 0 only)")
+    p.add_argument("--dropout", type=float, help="dropout probability (default: the model's)")
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -325,6 +325,9 @@ def cmd_sync(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     knobs = {k: getattr(args, k) for k in ("layers", "hidden", "batch", "seq", "experts", "scale") if getattr(args, k) is not None}
     plan = _plan_file(args.plan, cluster) if args.plan else None
+    if plan is not None and len(plan.stages) > 1:
+        raise UserError(f"--plan {args.plan} is a pipeline of {len(plan.stages)} stages: hap sync searches the gradient "
+                        "synchronization of a one-stage plan (a pipeline's stages all-reduce once, after the flush)")
     config = AutoSyncConfig(trials=args.trials, per_round=args.per_round, candidates=args.candidates,
                             simulator=args.simulator, space=SpaceConfig(compress=args.compress), seed=args.seed)
     try:

@@ -213,6 +213,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict):
+            raise ValueError(f"malformed plan: a JSON object is expected, not a {type(d).__name__}")
         version = d.get("version")
         if version == 1:
             raise ValueError("this is a version-1 plan (before stages and per-parameter sync): plan the model again "
@@ -225,9 +227,27 @@ class Plan:
             d["sync"] = [SyncEntry(**{**e, "devices": tuple(e["devices"]),
                                       "rows": tuple(e["rows"]) if e.get("rows") is not None else None}) for e in d["sync"]]
             d["schedule"] = Schedule(**d["schedule"]) if d.get("schedule") else None
-            return cls(**d)
-        except (KeyError, TypeError) as e:
+            plan = cls(**d)
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed plan: {e}") from None
+        plan._check_devices()
+        return plan
+
+    def _check_devices(self) -> None:
+        """The stages' device groups split the plan's devices once each, every stage has a share
+        per device of its group, and sync groups name the plan's devices: a ValueError otherwise."""
+        n = len(self.devices)
+        groups = [list(st.devices) for st in self.stages]
+        if sorted(d for g in groups for d in g) != list(range(n)):
+            raise ValueError(f"malformed plan: the stages' device groups {groups} do not split its {n} devices once each")
+        for k, st in enumerate(self.stages):
+            if any(len(row) != len(st.devices) for row in st.ratios):
+                raise ValueError(f"malformed plan: stage {k} has {len(st.devices)} devices but ratios {st.ratios}")
+        bad = next((e for e in self.sync if not set(e.devices) <= set(range(n))), None)
+        if bad is not None:
+            raise ValueError(f"malformed plan: {bad.param} is synchronized over devices {list(bad.devices)} of {n}")
+        if len(self.memory_bytes) not in (0, n):
+            raise ValueError(f"malformed plan: memory_bytes has {len(self.memory_bytes)} entries for {n} devices")
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "Plan":

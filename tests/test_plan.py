@@ -240,6 +240,14 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     assert len(str(e.value).splitlines()) == 1
     with pytest.raises(ValueError, match="malformed plan"):
         Plan.from_dict({k: v for k, v in data.items() if k != "stages"})
+    with pytest.raises(ValueError, match="malformed plan: a JSON object is expected, not a list"):
+        Plan.from_dict([1, 2])
+    n = len(data["devices"])
+    with pytest.raises(ValueError, match=f"do not split its {n - 1} devices once each"):  # a device dropped by hand
+        Plan.from_dict({**data, "devices": data["devices"][:-1]})
+    stage = {**data["stages"][0], "ratios": [row[:-1] for row in data["stages"][0]["ratios"]]}
+    with pytest.raises(ValueError, match=f"stage 0 has {n} devices but ratios"):
+        Plan.from_dict({**data, "stages": [stage]})
     with pytest.raises(ValueError, match="needs a pipeline schedule"):
         dataclasses.replace(result, stages=result.stages * 2)
     pipeline = dataclasses.replace(result, stages=result.stages * 2, schedule=hap_schedule())

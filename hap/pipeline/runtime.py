@@ -5,9 +5,10 @@ a step are one device's (pipeline/stages.py says why).
 
     dist.init_process_group("gloo")                    # or hap.runtime.launch.spawn(...)
     pipe = hap.Pipeline(model, cluster, example_inputs, plan)   # a plan of K stages
-    opt = torch.optim.Adam(pipe.parameters())           # this stage's parameters, whole
+    params = list(pipe.parameters())                    # this stage's parameters, whole
+    opt = torch.optim.Adam(params) if params else None  # a stage may have none (the loss alone)
     loss = pipe.train_step(*batch)                     # forward and backward, gradients summed
-    opt.step(); opt.zero_grad()
+    if opt: opt.step(); opt.zero_grad()
 
 Inside a stage the devices split every micro-batch by the stage's ratios (data parallelism,
 uneven shares allowed); a parameter's gradient is summed over every device of every stage
