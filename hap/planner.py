@@ -290,6 +290,9 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                     est = price(f"hap: {name} program balanced", program, balanced)
                     say(f"  {name} program balanced: {est.seconds * 1e3:.2f} ms")
 
+    if g > 1:  # one segment's plan, every segment at its ratios, is in this space: never do worse
+        one = _plan(graph, cluster, dataclasses.replace(config, segments=1, baselines=False), None)
+        price("hap with one ratio set for every segment", one.steps(graph), [list(one.ratios[0]) for _ in range(g)])
     feasible = [c for c in candidates if c[4].fits(capacity)]
     if not any(c[4].fits(capacity) for c in candidates[:searched]):
         # The search minimises time and ignores memory. When none of its programs fits (a

@@ -157,6 +157,11 @@ class LPShares:
     def live(self, tensor: str, dim: int, seg: int) -> int:
         return sum(self.active(tensor, dim, seg))
 
+    def same_split(self, tensor: str, dim: int, seg_a: int, seg_b: int) -> bool:
+        """Segments' shares are separate variables: a rebalance between them is priced as if
+        they differed (an upper bound where the LP makes them equal)."""
+        return seg_a == seg_b
+
     def largest(self, sharded) -> Lin:
         segs = sorted({s for _, _, s in sharded})
         if len(segs) == 1:

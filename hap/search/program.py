@@ -152,6 +152,14 @@ class NumericShares:
     def live(self, tensor: str, dim: int, seg: int) -> int:
         return sum(1 for s in self.of(tensor, dim, seg) if s > 0)
 
+    def same_split(self, tensor: str, dim: int, seg_a: int, seg_b: int) -> bool:
+        """Whether two segments split the tensor's dim into the same sizes (the runtime's re-split
+        then moves nothing). Continuous shares answer as the LP does (lp.LPShares.same_split),
+        whose relaxation they price."""
+        if seg_a == seg_b:
+            return True
+        return not self.continuous and list(self.of(tensor, dim, seg_a)) == list(self.of(tensor, dim, seg_b))
+
     def largest(self, sharded: Sequence[tuple[str, int, int]]) -> float:
         return max(self._largest_one(t, d, s) for t, d, s in sharded)
 
@@ -178,6 +186,8 @@ def move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_ds
 
     Collectives on a shard are priced by the largest share involved; a grouped all-gather
     (one broadcast per device holding rows) by how many devices hold rows."""
+    if mv.name == "rebalance" and alg.same_split(tensor, mv.src.dim, seg_src, seg_dst):
+        return 0.0, 0.0  # both segments split the tensor alike: nothing moves (collectives.resplit)
     nbytes = cost.graph.tensors[tensor].nbytes
     return (_collective_seconds(cost, alg, tensor, nbytes, mv.fwd, mv.src, mv.dst, seg_src, seg_dst),
             _collective_seconds(cost, alg, tensor, nbytes, mv.bwd, mv.dst, mv.src, seg_dst, seg_src))
