@@ -322,6 +322,12 @@ class Plan:
             for s, r in enumerate(self.ratios):
                 lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
         lines.append(f"  memory per GPU: {' '.join(size_text(b) for b in self.memory_bytes)}")
+        caps = [d.get("memory") for d in self.cluster.get("devices", [])]
+        over = [j for j, (b, cap) in enumerate(zip(self.memory_bytes, caps)) if cap and b > cap]
+        if over:
+            j = max(over, key=lambda j: self.memory_bytes[j] / caps[j])
+            lines.append(f"  DOES NOT FIT: device {j} needs {size_text(self.memory_bytes[j])} of its {size_text(caps[j])} "
+                         f"({len(over)} device{'s' if len(over) > 1 else ''} over)")
         kinds: dict[str, int] = {}
         for ins in (ins for st in self.stages for ins in st.program):
             kinds[ins.strategy] = kinds.get(ins.strategy, 0) + 1

@@ -127,8 +127,12 @@ def test_memory_infeasible_is_an_error(graph):
                                          Device(name="b", flops=1e12, memory=1000.0)),
                    collectives=fits_from_network(2, 1e9, 1e-5))
     from hap.balance.lp import BalanceError
-    with pytest.raises(BalanceError, match="out of memory"):
+    from hap.planner import baseline_plan
+    with pytest.raises(BalanceError, match=r"out of memory: .* needs [\d.]+ KiB on device \d \([ab]\), which has 1000 B"):
         plan(graph, tiny)
+    # a baseline asked for by name is planned anyway, and says it does not fit
+    assert "  DOES NOT FIT: device 0 needs" in baseline_plan(graph, tiny, "dp-ev").summary()
+    assert "DOES NOT FIT" not in plan(graph, load_cluster("local")).summary()
 
 
 @pytest.mark.parametrize("argv,message", [
