@@ -308,6 +308,9 @@ def opp_plan(graph: Graph, cluster: Cluster, optimizer: str = "adam", episodes: 
     from ..planner import assemble_one
     t0 = time.perf_counter()
     env = OperatorEnvironment(graph, cluster, reward="cost")
+    if progress:
+        progress(f"dqn-opp: training the DQN on {graph.model_name}'s parameter dims for up to {episodes} episodes or "
+                 f"{budget_s:.0f} s (each layout it meets priced by A*)")
     found = search_layout(env, episodes, budget_s)
     if not math.isfinite(found.seconds):
         raise ValueError(f"{graph.model_name}: no operator-partitioning layout the DQN met has a program")
