@@ -147,7 +147,7 @@ class HAP(nn.Module):
         if part:
             if key != mine:
                 raise ValueError(f"inputs of shape {key} are not this rank's part {mine} of the planned batch")
-            return self.executor, frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
+            return self.executor, self._sliced(batch)
         planned = _shapes_of(self.graph)
         if key == planned:
             return self.executor, frozenset()
@@ -161,7 +161,7 @@ class HAP(nn.Module):
             raise ValueError(f"inputs of shape {key} are every rank's part of the planned batch and could be a "
                              "global batch too: call dmodel(*batch, part=True) or part=False")
         if parts:
-            return self.executor, frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
+            return self.executor, self._sliced(batch)
         if len(set(seen)) > 1:
             raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))}: give every rank the "
                              f"whole batch, or each rank its part of the planned {planned} (part=True)")
@@ -185,12 +185,16 @@ class HAP(nn.Module):
         self._parts[rank] = tuple(out)
         return self._parts[rank]
 
+    def _sliced(self, batch: Sequence[torch.Tensor]) -> frozenset[str]:
+        """The inputs given as this rank's rows (not of their planned whole shape)."""
+        return frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
+
     def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple) -> Executor:
-        """Run a batch of another shape (the global batch, on every rank: _executor_for checked
-        that every rank was given this shape) with the plan's
-        program at the plan's ratios: captured at this shape once, its shards cut by the same
-        shares, parameters and buffers shared with the planned executor. Where the program
-        cannot run this shape (the model's graph changes with it), a one-line ValueError."""
+        """Run a batch of another shape (the global batch, given to every rank: _executor_for
+        checked) with the plan's program at the plan's ratios: captured at this shape once, its
+        shards cut by the same shares, parameters and buffers shared with the planned executor.
+        Where the program cannot run this shape (the model's graph changes with it), a one-line
+        ValueError."""
         planned = _shapes_of(self.graph)
         inputs = tuple(x.to("meta") for x in batch) if self._meta else tuple(batch)
         base = self.executor
