@@ -150,8 +150,12 @@ class LayoutPricer:
     """Iteration time of the best hap program for given parameter layouts, in the family OPP
     searches (data whole, derivation moves only): one cost model, one A* frame, a cache."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, optimizer: str = "adam"):
+    def __init__(self, graph: Graph, cluster: Cluster, optimizer: str = "adam", width: int | None = None,
+                 width_after: float = 30.0):
         self.graph, self.cluster = graph, cluster
+        # A*'s width cap after width_after expansions per node (PlannerConfig's); None: exhaustive,
+        # however long a layout's search takes
+        self.width, self.width_after = width, width_after
         self.strategies = strategy_table(graph)
         self.cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(self.strategies)), optimizer)
         self.segment_of = [0] * len(graph.nodes)
@@ -175,7 +179,8 @@ class LayoutPricer:
         if key not in self.cache:
             try:
                 res = synthesize(self.graph, self.strategies, self.cost, self.segment_of, [self.ratios],
-                                 self.restriction(layout), layer_bounds=False, width=None, frame=self.frame)
+                                 self.restriction(layout), layer_bounds=False, width=self.width,
+                                 width_after=self.width_after, frame=self.frame)
             except SearchError:
                 self.cache[key] = (math.inf, False, None, True)
             else:
@@ -187,12 +192,13 @@ class LayoutPricer:
 class OperatorEnvironment(DecisionEnvironment):
     """OPP: decisions over the trainable parameters' dims, data whole."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, reward: Literal["paper", "cost"] = "cost", linkage: bool = True):
+    def __init__(self, graph: Graph, cluster: Cluster, reward: Literal["paper", "cost"] = "cost", linkage: bool = True,
+                 width: int | None = None):
         params = [p for p in graph.params if graph.tensors[p].requires_grad]
         super().__init__(Propagation(graph, cluster.size, params, data=graph.inputs), params, linkage)
         self.params = params
         self.reward_kind = reward
-        self.pricer = LayoutPricer(graph, cluster)
+        self.pricer = LayoutPricer(graph, cluster, width=width)
         self.replicated = self.pricer.price({p: WHOLE for p in params})[0]
 
     def layout(self, ep: Episode) -> dict[str, int]:
@@ -305,9 +311,11 @@ def opp_plan(graph: Graph, cluster: Cluster, optimizer: str = "adam", episodes: 
              progress=None):
     """hap plan --planner dqn-opp: the operator-partitioning plan the cost-rewarded DQN finds,
     as a Plan the runtime runs (data whole, parameters split as found, derivation moves only)."""
-    from ..planner import assemble_one
+    from ..planner import PlannerConfig, assemble_one
     t0 = time.perf_counter()
-    env = OperatorEnvironment(graph, cluster, reward="cost")
+    # each layout's A* width-capped as the planner's searches are: an exhaustive search of a hard
+    # layout could outlast the whole budget (the benchmark, comparing with A*'s optimum, keeps it)
+    env = OperatorEnvironment(graph, cluster, reward="cost", width=PlannerConfig().width)
     if progress:
         progress(f"dqn-opp: training the DQN on {graph.model_name}'s parameter dims for up to {episodes} episodes or "
                  f"{budget_s:.0f} s (each layout it meets priced by A*)")
