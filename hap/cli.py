@@ -277,22 +277,21 @@ def _check_pipeline(args, graph, plan) -> None:
 def _check_plan_fits(path: str, plan, graph) -> None:
     """The plan must be of this model at this batch: its nodes, and the sizes it splits
     tensors into (which change with the batch), said here once rather than by every rank."""
-    from .pipeline.stages import batch_granules, micro_batch_granules, piece_ratios
+    from .pipeline.stages import stage_pieces
     from .rules import strategy_table
     from .rules.units import ShardClasses
 
     try:
-        programs = [plan.steps(graph, k) for k in range(len(plan.stages))]
+        program = [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)]
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
-        micro = None
-        if plan.schedule is not None:  # a pipeline stage's shards are its pieces' (pipeline/stages.py)
-            micro = micro_batch_granules(batch_granules(graph, classes, [st for prog in programs for st in prog]),
-                                         plan.schedule.micro_batches)
+        pieces = None
+        if plan.schedule is not None:  # a pipeline stage's shards are its pieces'
+            pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in plan.stages], plan.schedule.micro_batches)
     except ValueError as e:
         raise UserError(f"--plan {path}: {e} (a plan made for another model or batch?)") from None
-    for stage in plan.stages:
+    for k, stage in enumerate(plan.stages):
         for sh in stage.shards:
-            ratios = stage.ratios[sh.segment] if micro is None else piece_ratios(micro, stage.ratios[0])
+            ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]
             mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
             if mine is None or list(mine) != list(sh.sizes):
                 raise UserError(f"--plan {path} splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "

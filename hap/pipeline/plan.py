@@ -19,8 +19,8 @@ from ..rules.units import ShardClasses
 from ..search.program import Step
 from .partition import StageTable, exact_partition, group_layouts, pivots, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
-from .stages import (check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes, stage_ranges,
-                     whole_batch_reason)
+from .stages import (batch_granules, check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes,
+                     stage_ranges, whole_batch_reason)
 
 
 class PipelineSpace:
@@ -38,8 +38,7 @@ class PipelineSpace:
         self.cost = CostModel(graph, cluster, self.classes, config.optimizer)
         self.pricer = PipelinePricer(self.cost, self.program)
         self.pivots = pivots(self.cost, self.program, pivot_limit)
-        first = next(ld for st in self.program for ld in st.loads if ld.tensor in graph.inputs and ld.placement.is_shard)
-        self.granules = self.classes.granule_count(first.tensor, first.placement.dim)
+        self.granules = batch_granules(graph, self.classes, self.program)
 
     def stage_counts(self) -> list[int]:
         K = self.config.pipeline_stages

@@ -42,8 +42,7 @@ from ..runtime.executor import leaf_values
 from ..runtime import wire
 from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
 from .schedule import stage_order
-from .stages import (batch_granules, check_aligned, check_pipelinable, crossings, micro_batch_granules, overlaps,
-                     piece_ratios, row_ranges, stage_of_nodes)
+from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,8 +92,7 @@ class Pipeline(nn.Module):
         self.steps = programs[s]
         self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.crossings = crossings(graph, whole_program, stage_of)
-        self.micro = micro_batch_granules(batch_granules(graph, classes, whole_program), M)
-        self.pieces = [piece_ratios(self.micro, st.ratios[0]) for st in plan.stages]
+        self.pieces = stage_pieces(graph, classes, whole_program, [st.ratios[0] for st in plan.stages], M)
         check_aligned(graph, classes, self.crossings, self.pieces, M)
         for sh in plan.stages[s].shards:
             mine = classes.split_sizes(sh.tensor, sh.dim, self.pieces[s])

@@ -179,3 +179,11 @@ def batch_granules(graph: Graph, classes: ShardClasses, program) -> int:
             if ld.tensor in graph.inputs and ld.placement.is_shard:
                 return classes.granule_count(ld.tensor, ld.placement.dim)
     raise ValueError("no data input is split on its batch: a pipeline needs a data-parallel program to cut")
+
+
+def stage_pieces(graph: Graph, classes: ShardClasses, program: Sequence[Step], stage_ratios: Sequence[Sequence[float]],
+                 micro_batches: int) -> list[list[float]]:
+    """Per stage, the shares of its pieces (piece_ratios), which its shards are cut by: the
+    batch (batch_granules of the whole `program`) in `micro_batches`, each split by the stage's ratios."""
+    micro = micro_batch_granules(batch_granules(graph, classes, program), micro_batches)
+    return [piece_ratios(micro, ratios) for ratios in stage_ratios]
