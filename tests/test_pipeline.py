@@ -491,6 +491,32 @@ def test_pp_exact_gives_a_fast_device_a_group_of_its_own_and_runs_any_stage_coun
         exact_plan(graph, cluster, PlannerConfig(pipeline_stages=5))
 
 
+def test_dqn_places_its_cuts_on_the_screened_device_layout():
+    """The DQN planner tries the layouts pp-exact tries, screened by their speed-proportional
+    cut (polished): on one fast device and three slow ones it gives the fast one a stage of its
+    own, as pp-exact does, where it used to take the equal layout. With 2 stages the polish
+    tries every single cut, so its plan is pp-exact's (same M)."""
+    from hap.automap.pipeline import dqn_plan, screened_table
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.models import build
+    from hap.pipeline.partition import exact_partition
+    from hap.pipeline.plan import PipelineSpace, exact_plan
+    from hap.planner import PlannerConfig
+    cluster = local_cluster((4.0, 1.0, 1.0, 1.0), "fast-and-slow")
+    model, inputs = build("vit", layers=2, devices=4, device="meta")
+    graph = capture(model, inputs)
+    config = PlannerConfig(pipeline_stages=2, micro_batches=4)
+    space = PipelineSpace(graph, cluster, config)
+    assert space.layouts(2)[0] == [[0, 1], [2, 3]] and screened_table(space, 2, 4).groups == [[0], [1, 2, 3]]
+    equal = exact_partition(space.table(2, 4, [[0, 1], [2, 3]])).seconds
+    plan = dqn_plan(graph, cluster, config, episodes=100, budget_s=30)
+    assert [st.devices for st in plan.stages] == [[0], [1, 2, 3]] and "groups [1, 3]" in plan.search["winner"]
+    assert plan.estimated_iteration_seconds < equal * 0.99
+    assert plan.estimated_iteration_seconds == pytest.approx(exact_plan(graph, cluster, config).estimated_iteration_seconds,
+                                                             rel=1e-9)
+
+
 def test_exact_partition_equals_brute_force(vit_space):
     from hap.pipeline.partition import brute_force, exact_partition
     for K, M in ((2, 4), (4, 8), (4, 2)):

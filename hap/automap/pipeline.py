@@ -183,9 +183,24 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
     return DQNResult(cuts, L, raw, greedy_L, done_episodes, time.perf_counter() - t0)
 
 
+def screened_table(space: PipelineSpace, K: int, M: int) -> StageTable:
+    """The table of the device layout (of those pp-exact tries, PipelineSpace.layouts) whose
+    speed-proportional cut, after the local search (partition.polish), is least: the grouping
+    the DQN then places its cuts for. A cheap screen (a table and a polish per layout), not a
+    proof: the DQN's cut may do better on a layout whose proportional cut did worse."""
+    best = None
+    for groups in space.layouts(K):
+        table = space.table(K, M, groups)
+        _, seconds = polish(table, CutEnvironment(table).proportional_cut())
+        if best is None or seconds < best[0]:
+            best = (seconds, table)
+    return best[1]
+
+
 def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
              progress: Callable[[str], None] | None = None, episodes: int = 3000, budget_s: float = 240.0) -> Plan:
-    """The best pipeline the DQN finds over stage and micro-batch counts (hap plan --planner dqn)."""
+    """The best pipeline the DQN finds over stage and micro-batch counts (hap plan --planner dqn),
+    each on the device layout screened for it (screened_table)."""
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
     choices = [(K, M) for K in space.stage_counts() for M in space.micro_batch_counts(K)]
@@ -193,15 +208,19 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
         raise ValueError(f"{graph.model_name} cannot be cut into a pipeline on {cluster.size} devices")
     best = None
     for K, M in choices:
-        res = search_cuts(space.table(K, M), episodes, budget_s / len(choices))
+        table = screened_table(space, K, M)
+        budget = (budget_s - (time.perf_counter() - t0)) / (len(choices) - choices.index((K, M)))
+        res = search_cuts(table, episodes, budget)
+        sizes = "/".join(str(len(g)) for g in table.groups)
         if progress:
-            progress(f"dqn: K={K} M={M}: {res.seconds * 1e3:.2f} ms after {res.episodes} episodes ({res.search_seconds:.1f} s)")
+            progress(f"dqn: K={K} groups {sizes} M={M}: {res.seconds * 1e3:.2f} ms after {res.episodes} episodes "
+                     f"({res.search_seconds:.1f} s)")
         if best is None or res.seconds < best[0].seconds:
-            best = (res, K, M)
-    res, K, M = best
+            best = (res, K, M, table.groups)
+    res, K, M, groups = best
     if not math.isfinite(res.seconds):
         raise ValueError(f"no pipeline of {K} stages the DQN met fits the devices' memory")
     return space.plan(res.cuts, K, M, time.perf_counter() - t0,
-                      {"planner": "dqn", "winner": f"pipeline K={K} M={M}", "exhaustive": False,
-                       "episodes": res.episodes, "greedy_seconds": res.greedy_seconds,
-                       "unpolished_seconds": res.raw_seconds})
+                      {"planner": "dqn", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
+                       "exhaustive": False, "episodes": res.episodes, "greedy_seconds": res.greedy_seconds,
+                       "unpolished_seconds": res.raw_seconds}, groups)

@@ -50,8 +50,8 @@ class PipelineSpace:
         return [k for k in (2, 4, 8) if self.cluster.size % k == 0 and k - 1 <= len(self.pivots)]
 
     def layouts(self, K: int) -> list[list[list[int]]]:
-        """The device groups pp-exact tries for K stages (partition.group_layouts); the first
-        is the one the other pipeline planners use."""
+        """The device groups the pipeline planners try for K stages (partition.group_layouts):
+        pp-exact every one, the DQN the one it screens (automap.pipeline.screened_table)."""
         return group_layouts([1.0 / x for x in self.cost.inv_speed], K)
 
     def micro_batch_counts(self, K: int) -> list[int]:
