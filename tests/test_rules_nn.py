@@ -318,6 +318,19 @@ def _check_op(target, *args, **kwargs):
     return check_ops(graph, values, {str(target)})[str(target)]
 
 
+def test_a_number_added_to_a_partial_sum_is_not_linear():
+    """x + eps on a partial x would add eps once per device (RMSNorm's mean(x^2) + eps under
+    tensor parallelism: wrong gradients, found on Hugging Face Llama): offered for 0 only;
+    x * c and x / c stay linear, c / x is not."""
+    x = _param(5, 6)
+    for target, args, linear in ((aten.add.Tensor, (x, 0.1), False), (aten.sub.Tensor, (x, 0.1), False),
+                                 (aten.add.Tensor, (0.1, x), False), (aten.add.Tensor, (x, 0.0), True),
+                                 (aten.add.Tensor, (x, x * 2), True), (aten.mul.Tensor, (x, 3.0), True),
+                                 (aten.div.Tensor, (x, 3.0), True), (aten.div.Tensor, (3.0, x), False)):
+        found = _check_op(target, *args)
+        assert any(st.name == "partial" for st in found) == linear, (target, args)
+
+
 def test_embedding_variants():
     ids = torch.tensor([[0, 3, 9, 3], [5, 0, 1, 9], [2, 2, 8, 4]])
     weight = _param(VOCAB, 6)

@@ -6,11 +6,13 @@ and an operand that broadcasts along d (absent there, or of length 1) is needed 
 every device. Linear ops also pass partial sums through:
     neg(A1 + A2) = neg(A1) + neg(A2);  (A1 + A2) + (B1 + B2) = (A1 + B1) + (A2 + B2);
     (A1 + A2) * c = A1 * c + A2 * c   for c replicated.
+but a number added to a partial sum is not: (A1 + c) + (A2 + c) = A + 2c, so x + eps (RMSNorm's
+mean(x^2) + eps) passes partial sums only for c = 0.
 """
 
 from __future__ import annotations
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, TensorRef
 from . import P, R, S, Strategy, register
 
 UNARY = [
@@ -49,11 +51,12 @@ def broadcast_strategies(node: Node, graph: Graph) -> list[Strategy]:
     n_in = len(node.inputs)
     # Partial sums pass through linear ops. Operands that broadcast would be added once per
     # device, so they must not broadcast (a + b with b smaller is only linear if b is partial too).
-    if node.op in LINEAR_ALL and all(graph.tensors[t].shape == out_shape for t in node.inputs) and n_in >= 1:
+    if (node.op in LINEAR_ALL and all(graph.tensors[t].shape == out_shape for t in node.inputs) and n_in >= 1
+            and not _adds_a_number(node)):
         cond = node.op == "aten.where.self"
         ins = tuple(R if (cond and i == 0) else P for i in range(n_in))
         found.append(Strategy(ins, tuple(P for _ in node.outputs), "partial"))
-    if node.op in LINEAR_ONE and n_in == 1:  # times a Python scalar
+    if node.op in LINEAR_ONE and n_in == 1 and isinstance(node.args[0], TensorRef):  # x * c or x / c, not c / x
         found.append(Strategy((P,), (P,), "partial"))
     if node.op in LINEAR_ONE and n_in == 2:
         for i in ((0, 1) if node.op == "aten.mul.Tensor" else (0,)):
@@ -61,6 +64,13 @@ def broadcast_strategies(node: Node, graph: Graph) -> list[Strategy]:
                 ins = tuple(P if k == i else R for k in range(n_in))
                 found.append(Strategy(ins, (P,), "partial"))
     return found
+
+
+def _adds_a_number(node: Node) -> bool:
+    """Whether an addition has a nonzero number for an operand (x + 1e-6): each device would add
+    it to its summand. (where's number branches are where.ScalarOther, never linear here.)"""
+    return node.op in ("aten.add.Tensor", "aten.sub.Tensor") and any(
+        not isinstance(a, TensorRef) and a != 0 for a in node.args[:2])
 
 
 def _register_all():
