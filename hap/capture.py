@@ -62,9 +62,17 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
         model.train(was_training)
     frozen = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     graph = graph_from_exported(ep, name or type(model).__name__, _aliases(model, ep), frozen)
-    _count_flops(graph)
+    # counting FLOPs runs random ops (torch.rand) for real: the generators are left as they were,
+    # so that training after capture draws what one device draws
+    with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)):
+        _count_flops(graph)
     graph.experts = _expert_params(model, graph)
     return graph
+
+
+def _cuda_devices(model: torch.nn.Module, example_inputs: tuple) -> list[int]:
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in example_inputs if isinstance(x, torch.Tensor))]
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
 
 def _aliases(model: torch.nn.Module, ep: ExportedProgram) -> dict[str, str]:

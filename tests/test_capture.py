@@ -131,3 +131,22 @@ def test_buffer_mutation_and_input_mutation():
 
     with pytest.raises(CaptureError, match="forward mutates its input x in place"):
         capture(Scribbles(), (torch.randn(3, 4),))
+
+
+def test_capture_leaves_the_random_generator_as_it_was():
+    """Counting FLOPs runs torch.rand for real: capture must not advance the generator, or
+    training after hap.HAP(...) would draw other numbers than one device does."""
+    class StochasticDepth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (x + self.fc(x) * (torch.rand(x.shape[0], 1) > 0.5)).sum()
+
+    torch.manual_seed(3)
+    model, x = StochasticDepth(), torch.randn(6, 4)
+    before = torch.get_rng_state()
+    graph = capture(model, (x,))
+    assert "aten.rand.default" in {n.op for n in graph.nodes}
+    assert torch.equal(torch.get_rng_state(), before)

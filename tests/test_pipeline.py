@@ -173,7 +173,32 @@ def _bn_setup():
     return model, batches
 
 
-SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup}
+class DropPathMLP(torch.nn.Module):
+    """Residual blocks with stochastic depth as timm and Swin write it: a per-row mask from
+    torch.rand(rows, 1), a factory, not an op on a tensor (aten.rand.default)."""
+
+    def __init__(self, p: float = 0.4):
+        super().__init__()
+        self.p = p
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.GELU()) for _ in range(4))
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            keep = (torch.rand(x.shape[0], 1) >= self.p).to(x.dtype) / (1 - self.p)  # [B, 1]
+            x = x + block(x) * keep
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+def _drop_path_setup(p: float = 0.4):
+    torch.manual_seed(0)
+    model = DropPathMLP(p)
+    gen = torch.Generator().manual_seed(1)
+    return model, [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen)) for _ in range(STEPS)]
+
+
+SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+          "drop-path": _drop_path_setup}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -636,6 +661,22 @@ def test_a_pipeline_with_dropout_trains_like_one_device(schedule, cuts, groups, 
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), (schedule, k)
+
+
+def test_a_pipeline_with_stochastic_depth_trains_like_one_device(tmp_path):
+    """torch.rand(rows, 1) makes a random tensor from nothing: the pipeline draws it once per
+    step, whole, in one device's order, like dropout (it used to draw it per micro-batch, so
+    Swin's losses differed from the first step)."""
+    from hap.capture import capture
+    graph = capture(*_drop_path_setup()[0:1], _drop_path_setup()[1][0])
+    cut = [n.index for n in graph.nodes if n.op == "aten.rand.default"][2]  # two blocks a stage
+    reports = run_ranks(pipelined, 3, tmp_path, "drop-path", [cut], [[0], [1, 2]], [[1.0], [0.6, 0.4]], 2, "1f1b")
+    losses, ref = _reference(_drop_path_setup)
+    assert losses != pytest.approx(_reference(lambda: _drop_path_setup(0.0))[0], rel=1e-3)  # the draws matter
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
 def test_a_model_too_big_for_one_device_gets_a_pipeline_that_fits():

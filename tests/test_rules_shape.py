@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as hs
 
 from hap.capture import capture
-from hap.placement import P, R, S
+from hap.placement import D, P, R, S
 from hap.rules import strategies_for
 from hap.rules.check import check_strategy
 from hap.rules.units import ShardClasses
@@ -115,6 +116,21 @@ def test_slice_select_narrow_split():
     assert ((P,), (P, P, P)) in offered(ops["aten.split.Tensor"][0], g)
 
 
+def test_pad_keeps_the_padded_dims_whole():
+    """Hugging Face's causal LM loss pads its labels (F.pad(labels, (0, 1), value=-100)): the
+    batch dim is carried, so the model stays data parallel; a nonzero fill is not linear."""
+    def fn(y):  # y: [10, 12, 4]
+        return ((F.pad(y, (0, 0, 1, 2)) ** 2).sum() + (F.pad(y, (1, 1), value=0.5) ** 2).sum()
+                + (F.pad(y, (2, 0), mode="reflect") ** 2).sum())
+
+    g = graph_of(fn, (10, 12, 4))
+    found = check_ops(g, ["aten.pad.default"])["aten.pad.default"]
+    zero, fill, reflect = (offered(n, g) - {((R,), (R,)), ((D,), (D,))} for n in found)
+    assert set(zero) == {((S(0),), (S(0),)), ((S(2),), (S(2),)), ((P,), (P,))}  # dim 1 padded
+    assert set(fill) == {((S(0),), (S(0),)), ((S(1),), (S(1),))}  # dim 2 padded; 0.5 + 0.5 is no 0.5
+    assert set(reflect) == {((S(0),), (S(0),)), ((S(1),), (S(1),)), ((P,), (P,))}  # copies elements: linear
+
+
 @pytest.mark.parametrize("op, args", [
     ("reshape", ((10, 6, 4), (20, 3, 4))), ("flatten", ((10, 6, 4), 1)), ("unflatten", ((10, 24), 1, (2, 12))),
     ("mT", ((10, 6, 4),)), ("expand_as", ((10, 1, 4), (10, 6, 4))), ("narrow", ((10, 12, 4), 2, 1, 2)),
@@ -142,6 +158,29 @@ def test_cat_stack():
     assert ((S(0),) * 3, (S(0),)) in cat and ((P,) * 3, (P,)) in cat
     assert not any(outs == (S(1),) for _, outs in cat)
     assert ((S(1), S(1)), (S(2),)) in offered(ops["aten.stack.default"][0], g)
+
+
+def test_roll_keeps_the_rolled_dims_whole():
+    def fn(y):  # y: [10, 12, 4]
+        return (torch.roll(y, shifts=(3, -1), dims=(1, 2)) ** 2).sum() + (torch.roll(y, 5) ** 2).sum()
+
+    g = graph_of(fn, (10, 12, 4))
+    some, flat = (offered(n, g) - {((R,), (R,)), ((D,), (D,))} for n in check_ops(g, ["aten.roll.default"])["aten.roll.default"])
+    assert some == {((S(0),), (S(0),)), ((P,), (P,))} and flat == {((P,), (P,))}
+
+
+def test_cat_skips_a_legacy_empty_operand():
+    """A key-value cache's first step concatenates an empty (0,) tensor with the keys
+    (Hugging Face's DynamicCache): torch.cat skips it, and so does the rule, which used to
+    offer nothing, leaving data parallelism no program for Llama's cache."""
+    def fn(y):  # y: [10, 12, 4]
+        return (torch.cat([y.new_zeros(0), y * 2], dim=-2) ** 2).sum()
+
+    g = graph_of(fn, (10, 12, 4))
+    node = check_ops(g, ["aten.cat.default"])["aten.cat.default"][0]
+    cat = offered(node, g)
+    assert ((R, S(0)), (S(0),)) in cat and ((R, S(2)), (S(2),)) in cat and ((R, P), (P,)) in cat
+    assert not any(outs == (S(1),) for _, outs in cat)
 
 
 def test_indexing():

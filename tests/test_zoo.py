@@ -162,3 +162,31 @@ def _print_table(cluster_name, rows):
     for r in rows:
         print(f"  {r['model']:9s} {r['capture_s']:5.2f} {r['plan_s']:6.2f}  {r['ratios']}  {r['plan']:10s} "
               f"{r['loss']:.1e} {r['grad']:.1e} {r['param']:.1e} {r['buffer']:.1e}")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_causal_lms_are_data_parallel_and_pipeline(name):
+    """Hugging Face's causal LM loss pads its labels (aten.pad) and the key-value cache starts
+    with an empty tensor (a legacy cat): data parallelism has a program for both, with no
+    collective on activations (before, its width-capped search dead-ended and the fallback
+    all-gathered activations, so the pipeline planners refused the model), and pp-exact cuts it."""
+    from hap.pipeline.plan import exact_plan
+    from hap.planner import PlannerConfig
+    model, batches = zoo.build(name, 1)
+    graph = hap.capture(model, batches[0])
+    cluster = hap.cost.cluster.local_cluster((1.0, 1.5), "uneven")
+    dp = baseline_plan(graph, cluster, "dp-ev")
+    assert not [ms.tensor for st in dp.steps(graph) for ms in st.moves if ms.move.communicates]
+    plan = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=2))
+    assert [st.devices for st in plan.stages] == [[0], [1]]
+
+
+def test_a_model_without_a_data_parallel_program_is_refused_a_pipeline_naming_why():
+    """Mixtral's routing (histc over the batch's tokens, a custom grouped matmul) has no
+    data-parallel program: the pipeline planners say so and name the ops without a rule."""
+    from hap.pipeline.plan import PipelineSpace
+    model, batches = zoo.build("mixtral", 1)
+    graph = hap.capture(model, batches[0])
+    with pytest.raises(ValueError, match=r"data parallelism cannot run this model without moving activations between "
+                                         r"devices \(ops without a rule: .*aten.histc.default.*\): a pipeline"):
+        PipelineSpace(graph, hap.cost.cluster.local_cluster((1.0, 1.5), "uneven"))

@@ -31,6 +31,11 @@ class PipelineSpace:
         self.config = config = config or PlannerConfig()
         self.graph, self.cluster = graph, cluster
         self.program: list[Step] = baseline_plan(graph, cluster, "dp-ev", config).steps(graph)
+        if any(ms.move.communicates for step in self.program for ms in step.moves):
+            unknown = sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)})
+            raise ValueError("data parallelism cannot run this model without moving activations between devices"
+                             + (f" (ops without a rule: {', '.join(unknown)})" if unknown else "")
+                             + ": a pipeline cuts a data-parallel program")
         check_pipelinable(graph, self.program, config.micro_batches or None)
         self.whole_batch = whole_batch_reason(graph, self.program)
         """Why every pipeline of this program runs 1 micro-batch (BatchNorm), or None."""

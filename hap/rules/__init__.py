@@ -49,7 +49,8 @@ RULES: dict[str, RuleFn] = {}
 # Ops whose output depends on a random generator: replicated compute needs the same seed on
 # every device and sharded compute a mask drawn for the whole tensor (the runtime's job).
 RANDOM_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.bernoulli.p",
-              "aten.rand_like.default", "aten.randn_like.default", "aten.feature_dropout.default"}
+              "aten.rand_like.default", "aten.randn_like.default", "aten.feature_dropout.default",
+              "aten.rand.default", "aten.randn.default"}  # the last two make a tensor (stochastic depth's mask)
 
 
 def register(*ops: str) -> Callable[[RuleFn], RuleFn]:

@@ -245,6 +245,8 @@ def _noise_on_host(node: Node, graph: Graph):
         q_shape, k_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
         whole = torch.ones((*q_shape[:-1], k_shape[-2]), dtype=getattr(torch, graph.tensors[node.inputs[0]].dtype))
         return torch.ops.aten.dropout.default(whole, attention_dropout(node.args, node.kwargs), True)
+    if not node.inputs:  # a factory (rand, randn): its arguments are constants
+        return node.target(*node.args, **{**node.kwargs, "device": "cpu"})
     x = graph.tensors[node.inputs[0]]
     whole = torch.ones(x.shape, dtype=getattr(torch, x.dtype))  # the shape one device draws for
     return node.target(whole, *node.args[1:], **node.kwargs)  # the arguments after the input are constants
@@ -256,9 +258,10 @@ def _to(drawn, device):
 
 def _random(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalContext, graph: Graph):
     out_name, out_p = node.outputs[0], st.outputs[0]
-    x = args[0]
-    drawn = ctx.noise(node) if ctx.noise else whole_noise(node, graph, x.device)
-    if node.op not in DROPOUTS:  # rand_like, randn_like, bernoulli: the values depend on the shape only
+    x = args[0]  # a factory's: its size
+    device = x.device if node.inputs else kwargs.get("device") or "cpu"
+    drawn = ctx.noise(node) if ctx.noise else whole_noise(node, graph, device)
+    if node.op not in DROPOUTS:  # rand_like, randn_like, bernoulli, rand, randn: the values depend on the shape only
         return _part(drawn, out_name, out_p, ctx)
     if node.op == "aten.native_dropout.default":
         noise, mask = drawn  # noise = mask / (1 - p)

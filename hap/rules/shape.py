@@ -178,6 +178,31 @@ def slice_(node: Node, graph: Graph) -> list[Strategy]:
     return along((k, k) for k in range(rank) if k != dim or whole) + [partial()]
 
 
+@_register_new("aten.pad.default", "aten.constant_pad_nd.default")
+def pad(node: Node, graph: Graph) -> list[Strategy]:
+    # The padded (or cropped) dims, the last len(pad) / 2, stay whole; the others are carried.
+    # Padding with zeros, like reflect, replicate and circular padding, which copy elements, is
+    # linear; a nonzero fill is not (every device's summand would carry it).
+    rank = ndim(graph, node.inputs[0])
+    amounts = arg(node, 1, "pad")
+    padded = {rank - 1 - i for i in range(len(amounts) // 2) if amounts[2 * i] or amounts[2 * i + 1]}
+    if node.op == "aten.pad.default":
+        mode, fill = arg(node, 2, "mode", "constant"), arg(node, 3, "value", None)
+    else:
+        mode, fill = "constant", arg(node, 2, "value", 0)
+    return along((k, k) for k in range(rank) if k not in padded) + ([partial()] if mode != "constant" or not fill else [])
+
+
+@_register_new("aten.roll.default")
+def roll(node: Node, graph: Graph) -> list[Strategy]:
+    # The rolled dims stay whole (Swin's shifted windows roll height and width); the others
+    # are carried. Without dims, roll works on the flattened tensor: nothing is carried.
+    rank = ndim(graph, node.inputs[0])
+    dims = arg(node, 2, "dims", [])
+    rolled = {norm_dim(d, rank) for d in dims} if dims else set(range(rank))
+    return along((k, k) for k in range(rank) if k not in rolled) + [partial()]
+
+
 @_register_new("aten.narrow.default")
 def narrow(node: Node, graph: Graph) -> list[Strategy]:
     rank = ndim(graph, node.inputs[0])
@@ -224,11 +249,16 @@ def scatter_region(node: Node, graph: Graph) -> list[Strategy]:
 
 @_register_new("aten.cat.default")
 def cat(node: Node, graph: Graph) -> list[Strategy]:
-    ranks = {ndim(graph, t) for t in node.inputs}
-    if len(ranks) != 1:
-        return []  # legacy cat with empty 1-D operands: replicated only
-    rank, n_in = ranks.pop(), len(node.inputs)
-    return along(_except(norm_dim(arg(node, 1, "dim", 0), rank), rank), n_in=n_in) + [partial(n_in=n_in)]
+    # torch.cat skips legacy empty 1-D operands of other ranks (a key-value cache's first
+    # step: cat([empty (0,), keys [B, H, S, D]])): they hold nothing, so they stay replicated.
+    ranks = [ndim(graph, t) for t in node.inputs]
+    rank = max(ranks)
+    skipped = [r != rank and shape_of(graph, t) == (0,) for t, r in zip(node.inputs, ranks)]
+    if any(r != rank and not sk for r, sk in zip(ranks, skipped)):
+        return []
+    dim = norm_dim(arg(node, 1, "dim", 0), rank)
+    return [Strategy(tuple(R if sk else p for sk, p in zip(skipped, st.inputs)), st.outputs, st.name)
+            for st in along(_except(dim, rank), n_in=len(ranks)) + [partial(n_in=len(ranks))]]
 
 
 @_register_new("aten.stack.default")

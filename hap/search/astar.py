@@ -184,6 +184,12 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
         known = min(((space.frame.replay(p, ratios).seconds - cost.step_overhead, i) for i, p in enumerate(incumbents)
                      if restriction is None or restriction.admits(p, graph)), default=(math.inf, -1))
         found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n), upper=known[0])
+        exhaustive = space.core.exhaustive
+        if found is None and known[1] < 0 and not exhaustive:
+            # the cap kept only programs that dead-end (a restricted family's, say, that can
+            # neither communicate nor compute what the dropped ones could): search them all
+            found = space.run(0, (), True, space.n, True, max_expansions, None, 0, upper=known[0])
+            exhaustive = True
     if found is None and known[1] >= 0:
         found = list(incumbents[known[1]]), known[0]
     if found is None:
@@ -194,7 +200,7 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     total = best_cost + cost.step_overhead
     lower = min(best_cost, space.dropped) + cost.step_overhead
     return SearchResult(program, total, space.core.expanded, space.core.generated, time.perf_counter() - t0,
-                        space.core.exhaustive, lower)
+                        exhaustive, lower)
 
 
 class Frame:
