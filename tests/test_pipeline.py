@@ -679,6 +679,42 @@ def test_a_pipeline_with_stochastic_depth_trains_like_one_device(tmp_path):
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
+def accumulated(rank, world, cut):
+    """Two train_steps (two batches) per SGD step on a pipeline: parameters after two steps."""
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    model, batches = _vit_setup()
+    cluster = local_cluster((1.0,) * world, "local")
+    space = PipelineSpace(capture(model, batches[0]), cluster)
+    pipe = hap.Pipeline(model, cluster, batches[0], assemble(space, [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, 0.0, {}))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for pair in ((batches[0], batches[1]), (batches[2], batches[0])):
+        for batch in pair:
+            pipe.train_step(*batch)
+        opt.step()
+        opt.zero_grad()
+    return {"state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
+
+
+def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
+    """train_step twice before the optimizer's step sums both batches' gradients once each (an
+    earlier step's, summed over the stage's devices already, used to be summed again)."""
+    from hap.capture import capture
+    model, batches = _vit_setup()
+    n = len(capture(model, batches[0]).nodes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for pair in ((batches[0], batches[1]), (batches[2], batches[0])):
+        for batch in pair:
+            model(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(accumulated, 3, tmp_path, n // 2):
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
 def test_a_model_too_big_for_one_device_gets_a_pipeline_that_fits():
     """Devices of 600 KiB: ViT-small's replica (parameters, Adam state, activations) needs about
     700 KiB, so data parallelism and hap's synthesis find nothing that fits; a 4-stage

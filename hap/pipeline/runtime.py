@@ -206,6 +206,10 @@ class Pipeline(nn.Module):
                                  f"{tuple(self.graph.tensors[name].shape)}")
         t0 = time.perf_counter()
         self._computed = 0.0
+        # gradients of an earlier train_step (accumulation) are summed already: set aside, added back after this sum
+        earlier = {key: p.grad for key, p in self.params.items() if p.grad is not None}
+        for key in earlier:
+            self.params[key].grad = None
         if self._random:
             self._draw()
         inputs = self._inputs_now = dict(zip(self.graph.inputs, batch))
@@ -223,6 +227,9 @@ class Pipeline(nn.Module):
             work.wait()
         with self._span("hap move gradient sync (all_reduce)"):
             self._sync_gradients()
+        for key, g in earlier.items():  # as one device accumulates: earlier + this step's
+            p = self.params[key]
+            p.grad = g if p.grad is None else g.add_(p.grad)
         if self._random:
             self._noise = {}
             self._share_rng(self._rng_after)

@@ -37,6 +37,7 @@ longer than r is sent uncompressed (its factors would be no smaller).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -148,8 +149,11 @@ class GradSync:
                 self.buckets_of.setdefault(pid, []).append(i)
         self._reset()
         self.hooks = []
+        self.earlier: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        """Gradients of earlier backwards (accumulation), summed already, set aside for this one's sum."""
         if self.comm.world > 1:
             for p in {id(part.param): part.param for bucket in self.buckets for part in bucket}.values():
+                self.hooks.append(p.register_hook(functools.partial(self._arriving, p)))
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._arrived))
 
     def close(self) -> None:
@@ -162,6 +166,15 @@ class GradSync:
         self.missing = [len(w) for w in self.waiting_on]
         self.flights: list[_Flight] = []
         self.carried = {lane: 0 for lane in self.lane_queue}  # per process group: collectives started
+
+    def _arriving(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A backward's gradient is about to be added to p.grad. Where p.grad holds an earlier
+        backward's (gradient accumulation), that one is summed over the ranks already: summing
+        it again would count it once per rank. It waits aside and is added back after this
+        backward's own sum."""
+        if p.grad is not None:
+            self.earlier[id(p)] = (p, p.grad)
+            p.grad = None
 
     def _arrived(self, p: nn.Parameter) -> None:
         for i in self.buckets_of[id(p)]:
@@ -177,6 +190,9 @@ class GradSync:
             self._progress(block=True)
             for i, flight in enumerate(self.flights):
                 self.synchronizers[i].write_back(self.buckets[i], flight.message, flight.state)
+            for p, earlier in self.earlier.values():  # as one device accumulates: earlier + this backward's
+                p.grad = earlier + p.grad if earlier.is_sparse else earlier.add_(p.grad)
+            self.earlier.clear()
             self._reset()
 
     def _progress(self, block: bool) -> None:

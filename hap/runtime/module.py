@@ -324,7 +324,8 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
         total = total[0]
     else:
         local = sum((g.double().abs().pow(norm_type).sum() for g in counted), torch.zeros((), dtype=torch.float64))
-        total = all_reduce(local.reshape(1), comm)[0].pow(1.0 / norm_type).float()
+        dtype = next((g.dtype for g in grads if g.is_floating_point()), torch.float32)  # as torch's: the gradients'
+        total = all_reduce(local.reshape(1), comm)[0].pow(1.0 / norm_type).to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef)
