@@ -42,13 +42,16 @@ class CaptureError(ValueError):
     """The model cannot be captured; the message says why."""
 
 
-def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | None = None) -> Graph:
-    """Capture `model` (forward returns the scalar training loss) on `example_inputs`."""
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | None = None,
+            training: bool = True) -> Graph:
+    """Capture `model` (forward returns the scalar training loss) on `example_inputs`, in
+    training mode (or with training=False in eval mode: no dropout, BatchNorm's running
+    statistics read, not updated); the model's own mode is left as it was."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}")
     example_inputs = tuple(example_inputs)
     was_training = model.training
-    model.train()
+    model.train(training)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)

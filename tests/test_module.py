@@ -216,6 +216,64 @@ def test_gradient_accumulation_sums_each_backward_once(planner, tmp_path):
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
+class DropoutBatchNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn = torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24)
+        self.drop, self.fc2 = torch.nn.Dropout(0.5), torch.nn.Linear(24, 12)
+
+    def forward(self, x, y):
+        return (self.fc2(self.drop(torch.relu(self.bn(self.fc1(x))))) - y).pow(2).mean()
+
+
+def train_and_validate(model, batches, val):
+    """Training steps with a validation pass (eval mode, no_grad; twice, and on a batch of
+    another size) after each: training and validation losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for batch in batches:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            losses += [loss.item(), model(*batch).item(), model(*batch).item(), model(*val).item()]
+        model.train()
+    return losses
+
+
+def dropout_bn():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(10, 12, generator=gen), torch.randn(10, 12, generator=gen)) for _ in range(3)]
+    return DropoutBatchNorm(), batches, (torch.randn(7, 12, generator=gen), torch.randn(7, 12, generator=gen))
+
+
+def validated(rank, world):
+    model, batches, val = dropout_bn()
+    cluster = hap.load_cluster("local")
+    plan = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp", ratios=[0.6, 0.4])
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    losses = train_and_validate(dmodel, batches, val)
+    return {"losses": losses, "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()},
+            "runs": [s["run"] for s in dmodel.shapes if not s["training"]]}
+
+
+def test_eval_mode_validates_like_one_device(tmp_path):
+    """dmodel.eval(): no dropout, BatchNorm normalizes by its running statistics and leaves
+    them; the generator is not drawn from, so training after validation draws one device's
+    masks (it used to run the training graph: dropout on, statistics updated)."""
+    model, batches, val = dropout_bn()
+    losses = train_and_validate(model, batches, val)
+    assert losses[1] == losses[2]  # no dropout in eval mode
+    for got in run_ranks(validated, 2, tmp_path):
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-6), k
+        assert len(got["runs"]) == 2  # the eval graph captured once per shape: the planned one and 7 rows
+
+
 class Wide(torch.nn.Module):
     def __init__(self, d=16, h=48):
         super().__init__()

@@ -198,6 +198,9 @@ class Pipeline(nn.Module):
         forward and backward in the schedule's order, then the gradients summed over the
         devices that share each parameter. Returns the global batch's loss on every rank
         (detached); the gradients are in this stage's parameters' .grad."""
+        if not self.training:
+            raise ValueError("hap.Pipeline runs training steps (pipe.train()); evaluate the model with hap.HAP "
+                             "in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
         for name, x in zip(self.graph.inputs, batch):

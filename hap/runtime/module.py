@@ -96,7 +96,7 @@ class HAP(nn.Module):
         self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}
         self._parts: dict[int, tuple] = {}  # rank -> its part of the planned batch (shapes)
         self.shapes: list[dict] = []
-        """Input shapes met besides the planned one, in order: {shapes, estimated_seconds}."""
+        """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
 
     def forward(self, *batch: torch.Tensor, part: bool | None = None) -> torch.Tensor:
         """The loss of the global batch. Each input is given whole (the global batch) or as this
@@ -113,7 +113,7 @@ class HAP(nn.Module):
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
-        ex, presliced = self._executor_for(batch, part)
+        ex, presliced = self._executor_for(batch, part) if self.training else self._evaluator_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
         if not self.global_loss:
             self._last_loss = weakref.ref(part)
@@ -189,17 +189,33 @@ class HAP(nn.Module):
         """The inputs given as this rank's rows (not of their planned whole shape)."""
         return frozenset(n for n, x in zip(self.graph.inputs, batch) if x.shape != self.graph.tensors[n].shape)
 
-    def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple) -> Executor:
+    def _evaluator_for(self, batch: Sequence[torch.Tensor], part: bool | None) -> tuple[Executor, frozenset[str]]:
+        """In eval mode (dmodel.eval()): the executor of the model's eval graph at these inputs'
+        shape (no dropout; BatchNorm reads its running statistics and leaves them), captured once
+        per shape, parameters and buffers shared with the training executor."""
+        if part:
+            raise ValueError("in eval mode give every rank the whole batch (part=True is for training batches)")
+        key = ("eval", tuple(tuple(x.shape) for x in batch))
+        seen: list = [None] * self.comm.world
+        if key not in self._by_shape:  # the ranks capture together: they must all be given this shape
+            dist.all_gather_object(seen, key, group=self.comm.group)
+            if len(set(seen)) > 1:
+                raise ValueError(f"ranks were given inputs of different shapes {sorted(s[1] for s in set(seen))} in "
+                                 "eval mode: give every rank the whole batch")
+            self._by_shape[key] = self._reuse_plan(batch, key[1], training=False)
+        return self._by_shape[key], frozenset()
+
+    def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple, training: bool = True) -> Executor:
         """Run a batch of another shape (the global batch, given to every rank: _executor_for
-        checked) with the plan's program at the plan's ratios: captured at this shape once, its
-        shards cut by the same shares, parameters and buffers shared with the planned executor.
-        Where the program cannot run this shape (the model's graph changes with it), a one-line
-        ValueError."""
+        checked), or in eval mode, with the plan's program at the plan's ratios: captured at
+        this shape and mode once, its shards cut by the same shares, parameters and buffers
+        shared with the planned executor. Where the program cannot run this graph, the graph
+        is planned keeping the parameters' layout; where that fails, a one-line ValueError."""
         planned = _shapes_of(self.graph)
         inputs = tuple(x.to("meta") for x in batch) if self._meta else tuple(batch)
         base = self.executor
         try:
-            graph = capture(self.model, inputs)
+            graph = capture(self.model, inputs, training=training)
             plan, how = self.plan, "the plan's program at its ratios"
             if not _runs(plan, graph):  # the graph changed with the shape: plan it, keeping the layout
                 if len(self.plan.ratios) > 1:
@@ -213,11 +229,13 @@ class HAP(nn.Module):
                 if ex.kept.get(name, (p, seg)) != (p, seg) or ex.sizes(name, p, seg) != base.sizes(name, p, seg):
                     raise ValueError(f"{self.graph.tensors[name].target} would be split otherwise")
         except (ValueError, SearchError) as e:
-            raise ValueError(f"inputs of shape {key}: the plan for {planned} cannot run them: {e}") from None
+            mode = "" if training else " in eval mode"
+            raise ValueError(f"inputs of shape {key}{mode}: the plan for {planned} cannot run them: {e}") from None
         ex.params, ex.buffers, ex.stored, ex.tracing = base.params, base.buffers, base.stored, base.tracing
         seconds = estimate(graph, self.cluster, plan).seconds
-        self.shapes.append({"shapes": key, "run": how, "estimated_seconds": seconds})
-        log.info("hap: inputs of shape %s run %s (estimated %.1f ms per step)", key, how, seconds * 1e3)
+        self.shapes.append({"shapes": key, "run": how, "estimated_seconds": seconds, "training": training})
+        log.info("hap: inputs of shape %s%s run %s (estimated %.1f ms per step)", key, "" if training else " in eval mode",
+                 how, seconds * 1e3)
         return ex
 
     def _sync_rng(self) -> None:
