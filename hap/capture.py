@@ -18,6 +18,8 @@ work.
 from __future__ import annotations
 
 import operator
+import os
+import re
 import warnings
 from typing import Any, Sequence
 
@@ -95,8 +97,15 @@ def _aliases(model: torch.nn.Module, ep: ExportedProgram) -> dict[str, str]:
 
 
 def _first_line(e: Exception) -> str:
+    """torch's first line, and where in the model's code torch says the error arose (a data-
+    dependent branch: `if labels.max() >= vocab`), which its message gives further down."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    first = text.splitlines()[0] if text else type(e).__name__
+    where = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]+(\S[^\n]*))?', text)
+    if where:
+        path, line, fn, code = where.groups()
+        first += f" (at {os.path.basename(path)}:{line} in {fn}" + (f": {code.strip()}" if code else "") + ")"
+    return first
 
 
 def _functional(ep: ExportedProgram) -> ExportedProgram:

@@ -150,3 +150,23 @@ def test_capture_leaves_the_random_generator_as_it_was():
     graph = capture(model, (x,))
     assert "aten.rand.default" in {n.op for n in graph.nodes}
     assert torch.equal(torch.get_rng_state(), before)
+
+
+class LabelCheck(nn.Module):
+    """Input validation as many library heads do it: a branch on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        if labels.max() >= 5:  # data-dependent: export cannot capture it
+            raise ValueError("label out of range")
+        return nn.functional.cross_entropy(self.lin(x), labels)
+
+
+def test_a_data_dependent_branch_is_refused_naming_its_line():
+    """torch's message gives the offending line further down; the one-line error keeps it."""
+    with pytest.raises(CaptureError, match=r"could not capture LabelCheck: .*\(at test_capture\.py:\d+ in forward: "
+                                           r"if labels\.max\(\) >= 5:"):
+        capture(LabelCheck(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])))
