@@ -3,7 +3,8 @@ init, tiny configs) are captured, planned on `local` (2 ranks) and `local-4` (4 
 trained 2 SGD-with-momentum steps on real gloo ranks. Loss, every gradient (each step),
 parameters and buffers after the steps equal one device's. Where hap's plan leaves a device
 idle (tiny models often run on one device), data parallelism at skewed ratios is run too, so
-every model also trains on every device with uneven shards.
+every model also trains on every device with uneven shards; on 2 ranks Megatron-style tensor
+parallelism at 60/40 too.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -s tests/test_zoo.py    # -s: the table
 
@@ -79,7 +80,8 @@ def train_ranks(rank, world, cluster_name, jobs):
 
 
 def plans_for(name, cluster_name):
-    """hap's plan, plus skewed data parallelism where hap's plan leaves a device idle; and the
+    """hap's plan, plus skewed data parallelism where hap's plan leaves a device idle, plus (2 ranks)
+    Megatron at 60/40; and the
     seconds capture and planning took."""
     model, batches = zoo.build(name, STEPS)
     t0 = time.perf_counter()
@@ -91,6 +93,8 @@ def plans_for(name, cluster_name):
     jobs = [("hap", plan)]
     if min(plan.ratios[0]) == 0:
         jobs.append(("dp-skewed", baseline_plan(graph, cluster, "dp-cp", ratios=SKEW[cluster.size])))
+    if cluster.size == 2:  # tensor parallelism at 60/40: hidden dims split (RMSNorm's mean(x^2) + eps partial)
+        jobs.append(("megatron", baseline_plan(graph, cluster, "megatron", ratios=SKEW[2])))
     return jobs, {"capture_s": t1 - t0, "plan_s": t2 - t1, "ratios": [round(r, 3) for r in plan.ratios[0]],
                   "winner": plan.search.get("winner")}
 
