@@ -200,17 +200,25 @@ def train_accumulating(rank, world, planner):
     cluster = hap.load_cluster("local")
     dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, planner, ratios=[0.6, 0.4]))
     losses = accumulate(dmodel, batches)
-    return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
+    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    dmodel(*batches[0]).backward()  # torch.autograd.grad afterwards leaves these gradients be
+    before = [p.grad.clone() for p in dmodel.parameters() if p.grad is not None]
+    torch.autograd.grad(dmodel(*batches[1]), [p for p in dmodel.parameters() if p.requires_grad], allow_unused=True)
+    after = [p.grad for p in dmodel.parameters() if p.grad is not None]
+    kept = len(after) == len(before) > 0 and all(torch.equal(a, b) for a, b in zip(after, before))
+    return {"losses": losses, "params": params, "kept": kept}
 
 
 @pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
 def test_gradient_accumulation_sums_each_backward_once(planner, tmp_path):
     """Gradients accumulated over backwards (two micro-batches a step, a backward run twice)
     are one device's: an earlier backward's gradient, summed over the ranks already, is not
-    summed again (it used to count once per rank: 0.55-0.89 relative off)."""
+    summed again (it used to count once per rank: 0.55-0.89 relative off); torch.autograd.grad
+    leaves .grad as it was."""
     model, batches = small_vit()
     losses = accumulate(model, batches)
     for got in run_ranks(train_accumulating, 2, tmp_path, planner):
+        assert got["kept"]
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
@@ -256,8 +264,15 @@ def validated(rank, world):
     plan = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp", ratios=[0.6, 0.4])
     dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
     losses = train_and_validate(dmodel, batches, val)
+    dmodel.eval()
+    try:
+        dmodel(*dmodel.local_batch(*batches[0]))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    dmodel.train()
     return {"losses": losses, "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()},
-            "runs": [s["run"] for s in dmodel.shapes if not s["training"]]}
+            "runs": [s["run"] for s in dmodel.shapes if not s["training"]], "refused": refused}
 
 
 def test_eval_mode_validates_like_one_device(tmp_path):
@@ -272,6 +287,7 @@ def test_eval_mode_validates_like_one_device(tmp_path):
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-6), k
         assert len(got["runs"]) == 2  # the eval graph captured once per shape: the planned one and 7 rows
+        assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 
 
 class Wide(torch.nn.Module):
@@ -389,3 +405,27 @@ def test_clipping_a_float64_model_keeps_float64():
     assert norm.dtype == torch.float64 and torch.allclose(norm, expected, rtol=1e-15, atol=0)
     for p, g in zip(params, ours):
         assert torch.allclose(g, p.grad, rtol=1e-14, atol=0)
+
+
+def clipped_inf(rank, world):
+    """Data parallel float64 at 60/40: rank 1 counts no gradient (whole ones count on rank 0)."""
+    model, batches, _ = dropout_bn()
+    model = model.double()
+    batches = [tuple(x.double() for x in b) for b in batches]
+    cluster = hap.load_cluster("local")
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp",
+                                                                   ratios=[0.6, 0.4]))
+    dmodel(*batches[0]).backward()
+    norm = dmodel.clip_grad_norm_(0.1, float("inf"))
+    return {"norm": norm.item(), "dtype": str(norm.dtype)}
+
+
+def test_clipping_by_the_inf_norm_in_float64(tmp_path):
+    """The max over ranks runs in float64 on every rank (a rank with nothing to count stacked a
+    float32 zero and gloo aborted on the size mismatch)."""
+    model, batches, _ = dropout_bn()
+    model = model.double()
+    model(*(x.double() for x in batches[0])).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, float("inf"))
+    for got in run_ranks(clipped_inf, 2, tmp_path):
+        assert got["dtype"] == "torch.float64" and got["norm"] == pytest.approx(expected.item(), rel=1e-12)

@@ -175,7 +175,8 @@ def _bn_setup():
 
 class DropPathMLP(torch.nn.Module):
     """Residual blocks with stochastic depth as timm and Swin write it: a per-row mask from
-    torch.rand(rows, 1), a factory, not an op on a tensor (aten.rand.default)."""
+    torch.rand(rows, 1), a factory, not an op on a tensor (aten.rand.default); or uniform_ on an
+    empty tensor, or randint."""
 
     def __init__(self, p: float = 0.4):
         super().__init__()
@@ -184,8 +185,15 @@ class DropPathMLP(torch.nn.Module):
         self.head = torch.nn.Linear(12, 5)
 
     def forward(self, x, y):
-        for block in self.blocks:
-            keep = (torch.rand(x.shape[0], 1) >= self.p).to(x.dtype) / (1 - self.p)  # [B, 1]
+        for k, block in enumerate(self.blocks):
+            # [B, 1] uniform draws, three ways a model may make them
+            if k % 3 == 0:
+                draw = torch.rand(x.shape[0], 1)
+            elif k % 3 == 1:
+                draw = torch.empty(x.shape[0], 1).uniform_()
+            else:
+                draw = torch.randint(0, 1000, (x.shape[0], 1)) / 1000
+            keep = (draw >= self.p).to(x.dtype) / (1 - self.p)  # [B, 1]
             x = x + block(x) * keep
         return torch.nn.functional.cross_entropy(self.head(x), y)
 
@@ -668,8 +676,11 @@ def test_a_pipeline_with_stochastic_depth_trains_like_one_device(tmp_path):
     step, whole, in one device's order, like dropout (it used to draw it per micro-batch, so
     Swin's losses differed from the first step)."""
     from hap.capture import capture
+    from hap.rules.local import is_random
     graph = capture(*_drop_path_setup()[0:1], _drop_path_setup()[1][0])
-    cut = [n.index for n in graph.nodes if n.op == "aten.rand.default"][2]  # two blocks a stage
+    draws = [n for n in graph.nodes if is_random(n)]
+    assert {n.op for n in draws} == {"aten.rand.default", "aten.uniform.default", "aten.randint.low"}
+    cut = draws[2].index  # two blocks a stage
     reports = run_ranks(pipelined, 3, tmp_path, "drop-path", [cut], [[0], [1, 2]], [[1.0], [0.6, 0.4]], 2, "1f1b")
     losses, ref = _reference(_drop_path_setup)
     assert losses != pytest.approx(_reference(lambda: _drop_path_setup(0.0))[0], rel=1e-3)  # the draws matter

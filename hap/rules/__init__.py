@@ -50,7 +50,11 @@ RULES: dict[str, RuleFn] = {}
 # every device and sharded compute a mask drawn for the whole tensor (the runtime's job).
 RANDOM_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.bernoulli.p",
               "aten.rand_like.default", "aten.randn_like.default", "aten.feature_dropout.default",
-              "aten.rand.default", "aten.randn.default"}  # the last two make a tensor (stochastic depth's mask)
+              "aten.uniform.default", "aten.normal_functional.default", "aten.randint_like.default",
+              "aten.randint_like.low_dtype",
+              # factories: a tensor from nothing (stochastic depth's mask)
+              "aten.rand.default", "aten.randn.default", "aten.randint.default", "aten.randint.low",
+              "aten.randperm.default"}
 
 
 def register(*ops: str) -> Callable[[RuleFn], RuleFn]:

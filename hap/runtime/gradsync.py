@@ -173,8 +173,16 @@ class GradSync:
         it again would count it once per rank. It waits aside and is added back after this
         backward's own sum."""
         if p.grad is not None:
+            if not self.earlier:  # torch.autograd.grad runs this hook but accumulates nothing: put back then
+                _at_backward_end(self._put_back)
             self.earlier[id(p)] = (p, p.grad)
             p.grad = None
+
+    def _put_back(self) -> None:
+        """After a backward, gradients set aside that no sum took back (torch.autograd.grad)."""
+        for p, earlier in self.earlier.values():
+            p.grad = earlier if p.grad is None else earlier + p.grad if earlier.is_sparse else earlier.add_(p.grad)
+        self.earlier.clear()
 
     def _arrived(self, p: nn.Parameter) -> None:
         for i in self.buckets_of[id(p)]:
@@ -505,3 +513,11 @@ def _unpack(rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     keep = idx >= 0
     values = rows[keep, h:].reshape(-1, *shape[1:])
     return torch.sparse_coo_tensor(idx[keep].unsqueeze(0), values, shape, check_invariants=False)  # valid by construction
+
+
+# ---- private torch API, in this one place ----------------------------------------------------
+# No public hook runs when a backward ends; DDP and FSDP queue their end-of-backward work with
+# the autograd engine's queue_callback, which runs it once the current graph task is done.
+
+def _at_backward_end(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -193,9 +193,10 @@ class HAP(nn.Module):
         """In eval mode (dmodel.eval()): the executor of the model's eval graph at these inputs'
         shape (no dropout; BatchNorm reads its running statistics and leaves them), captured once
         per shape, parameters and buffers shared with the training executor."""
-        if part:
-            raise ValueError("in eval mode give every rank the whole batch (part=True is for training batches)")
         key = ("eval", tuple(tuple(x.shape) for x in batch))
+        if part or (part is None and key[1] != _shapes_of(self.graph) and key[1] == self._part_shapes(self.comm.rank)):
+            raise ValueError(f"inputs of shape {key[1]} are this rank's part of the planned batch: in eval mode give "
+                             "every rank the whole batch (part=False where it is one)")
         seen: list = [None] * self.comm.world
         if key not in self._by_shape:  # the ranks capture together: they must all be given this shape
             dist.all_gather_object(seen, key, group=self.comm.group)
@@ -334,15 +335,17 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     """torch.nn.utils.clip_grad_norm_ over ranks: the norm of `counted` on every rank together
     (each gradient element counted by exactly one rank), then each of this rank's `grads`
     scaled by min(1, max_norm / (norm + 1e-6)). A collective. Returns the total norm."""
+    dtype = next((g.dtype for g in grads if g.is_floating_point()), torch.float32)  # as torch's: the gradients'
     if math.isinf(norm_type):
-        total = torch.stack([g.abs().max() for g in counted if g.numel()] or [torch.zeros(())]).max().reshape(1)
+        # in float64 on every rank (one with no gradients to count has no dtype to go by), exact for the max
+        total = torch.stack([g.abs().max().double() for g in counted if g.numel()]
+                            or [torch.zeros((), dtype=torch.float64)]).max().reshape(1)
         comm.before()
         wire.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.group)
-        comm.after("all_reduce", 4)
-        total = total[0]
+        comm.after("all_reduce", 8)
+        total = total[0].to(dtype)
     else:
         local = sum((g.double().abs().pow(norm_type).sum() for g in counted), torch.zeros((), dtype=torch.float64))
-        dtype = next((g.dtype for g in grads if g.is_floating_point()), torch.float32)  # as torch's: the gradients'
         total = all_reduce(local.reshape(1), comm)[0].pow(1.0 / norm_type).to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
