@@ -290,6 +290,50 @@ def test_eval_mode_validates_like_one_device(tmp_path):
         assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 
 
+class ScaledUnderNoGrad(torch.nn.Module):
+    """A trainable parameter the forward reads only under torch.no_grad(): it gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = torch.nn.Linear(6, 6), torch.nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = self.scale * 2
+        return (self.fc(x) * s).pow(2).mean()
+
+
+def no_grad_param():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return ScaledUnderNoGrad(), [(torch.randn(10, 6, generator=gen),) for _ in range(2)]
+
+
+def trained_without_a_gradient(rank, world):
+    model, batches = no_grad_param()
+    cluster = hap.load_cluster("local")
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp",
+                                                                   ratios=[0.6, 0.4]))
+    synced = {e.param for e in dmodel.plan.sync}
+    losses = train(dmodel, batches)
+    return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
+            "scale_synced": "p_scale" in synced, "scale_grad": dmodel.shards["p_scale"].grad is None}
+
+
+def test_a_parameter_without_a_gradient_leaves_the_others_synchronized(tmp_path):
+    """Its bucket never fills: at the backward's end it is summed with zeros for it, and its
+    .grad stays None as on one device (the bucket was never summed: each rank kept its own
+    partial gradients, then the next backward crashed)."""
+    model, batches = no_grad_param()
+    losses = train(model, batches)
+    assert model.scale.grad is None
+    for got in run_ranks(trained_without_a_gradient, 2, tmp_path):
+        assert got["scale_synced"] and got["scale_grad"]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-6), name
+
+
 class Wide(torch.nn.Module):
     def __init__(self, d=16, h=48):
         super().__init__()

@@ -151,6 +151,9 @@ class GradSync:
         self.hooks = []
         self.earlier: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         """Gradients of earlier backwards (accumulation), summed already, set aside for this one's sum."""
+        self.arrived: set[int] = set()
+        """The parameters this backward has given a gradient so far (ids)."""
+        self.queued = False  # whether this backward's end is awaited (_backward_ended)
         if self.comm.world > 1:
             for p in {id(part.param): part.param for bucket in self.buckets for part in bucket}.values():
                 self.hooks.append(p.register_hook(functools.partial(self._arriving, p)))
@@ -172,22 +175,23 @@ class GradSync:
         backward's (gradient accumulation), that one is summed over the ranks already: summing
         it again would count it once per rank. It waits aside and is added back after this
         backward's own sum."""
+        if not self.queued:
+            _at_backward_end(self._backward_ended)
+            self.queued = True
         if p.grad is not None:
-            if not self.earlier:  # torch.autograd.grad runs this hook but accumulates nothing: put back then
-                _at_backward_end(self._put_back)
             self.earlier[id(p)] = (p, p.grad)
             p.grad = None
 
-    def _put_back(self) -> None:
-        """After a backward, gradients set aside that no sum took back (torch.autograd.grad)."""
-        for p, earlier in self.earlier.values():
-            p.grad = earlier if p.grad is None else earlier + p.grad if earlier.is_sparse else earlier.add_(p.grad)
-        self.earlier.clear()
-
     def _arrived(self, p: nn.Parameter) -> None:
+        self.arrived.add(id(p))
         for i in self.buckets_of[id(p)]:
             self.missing[i] -= 1
-        while len(self.flights) < len(self.buckets) and self.missing[len(self.flights)] == 0:
+        self._launch(lambda i: self.missing[i] == 0)
+
+    def _launch(self, ready: Callable[[int], bool]) -> None:
+        """Start the buckets, in order, up to the first that is not `ready`; once all have
+        started, wait for them and write the sums back."""
+        while len(self.flights) < len(self.buckets) and ready(len(self.flights)):
             i = len(self.flights)
             message, steps, state = self.synchronizers[i].plan(self.synchronizers[i].flatten(self.buckets[i]),
                                                                 self.buckets[i])
@@ -198,10 +202,32 @@ class GradSync:
             self._progress(block=True)
             for i, flight in enumerate(self.flights):
                 self.synchronizers[i].write_back(self.buckets[i], flight.message, flight.state)
-            for p, earlier in self.earlier.values():  # as one device accumulates: earlier + this backward's
-                p.grad = earlier + p.grad if earlier.is_sparse else earlier.add_(p.grad)
-            self.earlier.clear()
+            self._put_back()
+            self.arrived.clear()
             self._reset()
+
+    def _put_back(self) -> None:
+        """Gradients set aside (earlier backwards') back: added to this backward's sum, as one
+        device accumulates, or alone where this backward gave none (torch.autograd.grad)."""
+        for p, earlier in self.earlier.values():
+            p.grad = earlier if p.grad is None else earlier + p.grad if earlier.is_sparse else earlier.add_(p.grad)
+        self.earlier.clear()
+
+    def _backward_ended(self) -> None:
+        """After a backward. Where it gave some synchronized parameters no gradient (used only
+        under torch.no_grad, or left out of backward(inputs=...)), alike on every rank, their
+        buckets never filled: they are summed now, those parameters counting zeros and their
+        .grad left as it was (None on one device). Then what waits aside is put back."""
+        self.queued = False
+        if self.arrived:
+            absent = {id(part.param): (part.param, part.param.grad, sync) for sync, bucket in
+                      zip(self.synchronizers, self.buckets) for part in bucket if id(part.param) not in self.arrived}
+            for p, _, sync in absent.values():
+                p.grad = _empty_sparse(p) if isinstance(sync, _Sparse) else torch.zeros_like(p)
+            self._launch(lambda i: True)
+            for p, grad, _ in absent.values():
+                p.grad = grad
+        self._put_back()
 
     def _progress(self, block: bool) -> None:
         """Start every collective that may start: its bucket's previous one is done here, and
@@ -485,6 +511,12 @@ class _Sparse(_Synchronizer):
         if self.server is None:
             message = torch.cat([g[:int(c)] for g, c in zip(state["gathered"], state["counts"])])
         parts[0].param.grad = _unpack(message, state["shape"]).coalesce()
+
+
+def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of no rows for p."""
+    return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64, device=p.device),
+                                   torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape)
 
 
 def _pack(grad: torch.Tensor) -> torch.Tensor:
