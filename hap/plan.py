@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .ir import Graph, size_text  # noqa: F401 (size_text: plan.size_text too)
 from .placement import parse
@@ -363,6 +363,14 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
     how: dict[int, tuple] = {}
     parts: dict[str, list[tuple[int, int] | None]] = {}
     for e in sync:
+        for field_, value in (("strategy", e.strategy), ("compressor", e.compressor)):
+            known = get_args(Synchronizer if field_ == "strategy" else Compressor)
+            if value not in known:
+                raise ValueError(f"sync of {e.param}: unknown {field_} {value!r}; choose {', '.join(map(repr, known))}")
+        if not isinstance(e.low_rank, int) or isinstance(e.low_rank, bool):
+            raise ValueError(f"sync of {e.param}: PowerSGD rank must be an integer, got {e.low_rank!r}")
+        if e.server is not None and (not isinstance(e.server, int) or isinstance(e.server, bool)):
+            raise ValueError(f"sync of {e.param}: parameter server must be a device number, got {e.server!r}")
         if not e.devices or min(e.devices) < 0 or max(e.devices) >= devices or len(set(e.devices)) != len(e.devices):
             raise ValueError(f"sync of {e.param}: devices {list(e.devices)} are not distinct devices of the plan's {devices}")
         if e.strategy == "ps" and e.server not in e.devices:

@@ -76,3 +76,31 @@ def test_bad_reshards_are_one_line_errors(tmp_path):
             "zero": "ratios [0.0, 0.0] must be non-negative with a positive sum",
             "segments": "ratios for 2 segments, the plan has 1",
             "grads": "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))"}
+
+
+def held_graph(rank, world):
+    """The accumulation idiom keeps loss / 2, whose graph holds the parameters at their old
+    shapes: reshard says so (the next backward used to fail inside autograd); released, the
+    training goes on."""
+    dmodel = distributed(2, ("sharded", [0.7, 0.3]))
+    opt = optimizer(dmodel.parameters(), "sgd")
+    half = dmodel(*batch(0)) / 2
+    half.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    try:
+        dmodel.reshard([0.4, 0.6], opt)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    del half
+    dmodel.reshard([0.4, 0.6], opt)
+    dmodel(*batch(1)).backward()
+    return {"refused": refused, "rows": dmodel.plan.shard_sizes("p_fc1_weight", 0)}
+
+
+def test_reshard_while_an_old_graph_is_held_says_what_to_do(tmp_path):
+    for got in run_ranks(held_graph, 2, tmp_path):
+        assert got["refused"].startswith("reshard: a tensor computed from an earlier step's loss (say loss / 2")
+        assert got["rows"] == [10, 14]
+

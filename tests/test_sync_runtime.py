@@ -133,6 +133,12 @@ def sampled(rank, world, seeds):
         dmodel.load_state_dict(start)
         out[seed] = {"losses": train(dmodel, batches), "strategy": str(strategy),
                      "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
+    try:  # every rank names another strategy: refused at once, not left to time out in the collectives
+        dmodel.resync(variables.entries(sample(variables, [1.0, 2.0, 2.0], random.Random(100 + rank),
+                                               SpaceConfig(part_bytes=64, max_parts=3))))
+        out["disagree"] = None
+    except ValueError as e:
+        out["disagree"] = str(e)
     return out
 
 
@@ -143,6 +149,7 @@ def test_sampled_strategies_train_like_one_device(tmp_path):
     losses = train(model, batches)
     kinds = set()
     for got in reports:
+        assert "resync: ranks [1, 2] were given sync entries other than rank 0's" == got["disagree"]
         for seed in map(str, seeds):
             kinds |= {k for k in ("PS(", "AR(", ",h", " | ") if k in got[seed]["strategy"]}
             assert got[seed]["losses"] == pytest.approx(losses, rel=1e-5), got[seed]["strategy"]

@@ -99,6 +99,10 @@ def test_strategy_round_trips_and_prints(setting):
     (dict(devices=(0, 0, 1)), "are not distinct devices"),
     (dict(low_rank=0, compressor="powersgd"), "PowerSGD rank must be at least 1"),
     (dict(server=1), "a server is named but the strategy is all_reduce"),
+    (dict(strategy="allreduce"), "unknown strategy 'allreduce'; choose 'all_reduce', 'ps'"),  # it ran as all_reduce
+    (dict(compressor="int8"), "unknown compressor 'int8'; choose 'none', 'fp16', 'powersgd'"),
+    (dict(low_rank="2", compressor="powersgd"), "PowerSGD rank must be an integer, got '2'"),
+    (dict(strategy=PS, server="1"), "parameter server must be a device number, got '1'"),
 ])
 def test_bad_sync_entries_get_one_line(entry, message):
     e = SyncEntry(**{"param": "w", "bucket": 0, "devices": (0, 1, 2), **entry})

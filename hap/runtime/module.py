@@ -271,6 +271,7 @@ class HAP(nn.Module):
             last.detach_()
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
+        self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
         self.plan = dataclasses.replace(plan, estimated_iteration_seconds=estimate(self.graph, self.cluster, plan).seconds)
         self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
@@ -278,12 +279,34 @@ class HAP(nn.Module):
         log.info("hap: resharded to %s (%d bytes moved on rank %d)", ex.ratios, nbytes, self.comm.rank)
         return nbytes
 
+    def _check_no_old_graph(self) -> None:
+        """After a reshard: a graph of an earlier step that something still holds (loss / 2,
+        kept by the loop) keeps each parameter's gradient accumulator at its old shape, which
+        the next backward would meet with a cryptic autograd error; a gradient taken here (no
+        .grad touched) meets it now, and says what to do."""
+        for p in self.shards.values():
+            if not p.requires_grad:
+                continue
+            try:
+                torch.autograd.grad(p.view_as(p).sum(), [p])
+            except RuntimeError as e:
+                if "invalid gradient" not in str(e):
+                    raise
+                raise ValueError("reshard: a tensor computed from an earlier step's loss (say loss / 2, kept by the "
+                                 "training loop) is still alive, and its graph holds the parameters at their old "
+                                 "shapes: release it before reshard (del it, or keep loss.item())") from None
+
     def resync(self, sync) -> None:
         """Synchronize gradients by other sync entries (plan.SyncEntry: a strategy of
         hap.sync) from the next backward on; the plan says so from then on. A collective: every
         rank calls it with the same entries, between steps (it may make process groups)."""
         sync = list(sync)
         plan = dataclasses.replace(self.plan, sync=sync)
+        digests: list = [None] * self.comm.world  # ranks given other entries would wait in each other's collectives
+        dist.all_gather_object(digests, plan.digest, group=self.comm.group)
+        if len(set(digests)) > 1:
+            bad = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ValueError(f"resync: ranks {bad} were given sync entries other than rank 0's")
         machines = _machines(self.cluster)
         self.groups = _device_groups(plan, self.comm, Groups(self.comm, machines, {}).needed(sync), self.groups)
         _check_sync(plan, self.shards, self.executor)
