@@ -103,6 +103,7 @@ def test_strategy_round_trips_and_prints(setting):
     (dict(compressor="int8"), "unknown compressor 'int8'; choose 'none', 'fp16', 'powersgd'"),
     (dict(low_rank="2", compressor="powersgd"), "PowerSGD rank must be an integer, got '2'"),
     (dict(strategy=PS, server="1"), "parameter server must be a device number, got '1'"),
+    (dict(rows=(0,)), r"rows must be \[start, length\], got \[0\]"),
 ])
 def test_bad_sync_entries_get_one_line(entry, message):
     e = SyncEntry(**{"param": "w", "bucket": 0, "devices": (0, 1, 2), **entry})

@@ -492,8 +492,11 @@ def _check_sync(plan: Plan, shards, ex: Executor) -> None:
     whole = {name for name, p in shards.items() if ex.stored[name][0] == R and p.requires_grad}
     planned = {e.param for e in plan.sync}
     if planned != whole:
-        raise ValueError(f"the plan's sync does not match its program: {sorted(planned ^ whole)[:3]} "
-                         "are synced but not kept whole, or kept whole but not synced")
+        extra, missing = sorted(planned - whole)[:3], sorted(whole - planned)[:3]
+        raise ValueError("the plan's sync does not match its program:"
+                         + (f" {extra} synced but not parameters the program keeps whole" if extra else "")
+                         + (";" if extra and missing else "")
+                         + (f" {missing} kept whole but not synced" if missing else ""))
     ends: dict[str, int] = {}
     for e in plan.sync:
         if e.rows is not None:
