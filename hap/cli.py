@@ -289,6 +289,9 @@ def _check_plan_fits(path: str, plan, graph) -> None:
             pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in plan.stages], plan.schedule.micro_batches)
     except ValueError as e:
         raise UserError(f"--plan {path}: {e} (a plan made for another model or batch?)") from None
+    unknown = sorted({e.param for e in plan.sync} - set(graph.params))
+    if unknown:
+        raise UserError(f"--plan {path} synchronizes {unknown[:3]}, which are not parameters of this model")
     for k, stage in enumerate(plan.stages):
         for sh in stage.shards:
             ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]

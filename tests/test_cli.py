@@ -2,6 +2,8 @@
 refused in one line (or emulated when asked, saying so); progress is a line every tenth of the
 steps when stdout is not a terminal; memory is shown in a unit that fits."""
 
+import json
+
 import hap
 from hap.cli import main
 from hap.plan import size_text as _size
@@ -148,3 +150,9 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
     assert "plan does not match the model: node" in refused(tmp_path / "ncf.json")
     assert refused(tmp_path / "b16.json").endswith(
         "splits images dim 0 into [16, 0], this model into [8, 0]: a plan made for another model or batch")
+    assert main(["plan", "--model", "vit", *small, "--json", str(tmp_path / "vit.json")]) == 0
+    edited = json.loads((tmp_path / "vit.json").read_text())
+    edited["sync"][0]["param"] = "p_nope"  # hand-edited: the ranks used to fail with tracebacks
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert refused(tmp_path / "edited.json").endswith("synchronizes ['p_nope'], which are not parameters of this model")
