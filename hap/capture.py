@@ -52,6 +52,10 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}")
     example_inputs = tuple(example_inputs)
+    for k, x in enumerate(example_inputs):
+        if isinstance(x, (dict, list, tuple)):  # export would flatten it; hap's runtime passes tensors positionally
+            raise CaptureError(f"input {k} is a {type(x).__name__}: hap runs a forward that takes tensors, one "
+                               "argument each; wrap the model so that it does (as hap.models.zoo.LibraryModel does)")
     was_training = model.training
     model.train(training)
     try:

@@ -170,3 +170,18 @@ def test_a_data_dependent_branch_is_refused_naming_its_line():
     with pytest.raises(CaptureError, match=r"could not capture LabelCheck: .*\(at test_capture\.py:\d+ in forward: "
                                            r"if labels\.max\(\) >= 5:"):
         capture(LabelCheck(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])))
+
+
+def test_a_forward_taking_a_dict_is_refused_saying_what_to_do():
+    """Export flattens it, and then the runtime, given the dict, counted one input against two."""
+    class TakesADict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, batch):
+            return (self.lin(batch["x"]) - batch["y"]).pow(2).mean()
+
+    with pytest.raises(CaptureError, match=r"input 0 is a dict: hap runs a forward that takes tensors, one argument "
+                                           r"each; wrap the model"):
+        capture(TakesADict(), ({"x": torch.randn(3, 4), "y": torch.randn(3, 1)},))

@@ -314,3 +314,32 @@ def test_state_dict_whole_and_through_dcp(tmp_path):
         assert got["misshapen"] == "'fc2.weight' is (24, 12) in the state dict but (12, 24) in the model"
         assert got["missing untouched"] and got["unknown untouched"] and got["misshapen untouched"]
         assert got["lenient"] == [["bn.running_var"], []]
+
+
+class WithScratchBuffer(torch.nn.Module):
+    """A buffer registered with persistent=False: state dicts leave it out, as torch's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.register_buffer("scale", torch.full((6,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return (self.fc(x) * self.scale).pow(2).mean()
+
+
+def state_dict_round_trips(rank, world):
+    torch.manual_seed(0)
+    model, x = WithScratchBuffer(), torch.randn(10, 6, generator=torch.Generator().manual_seed(1))
+    dmodel = hap.HAP(model, hap.load_cluster("local"), (x,))
+    keys = sorted(dmodel.state_dict())
+    dmodel.load_state_dict(model.state_dict())
+    dmodel.load_state_dict(dmodel.state_dict())
+    return {"keys": keys, "model_keys": sorted(model.state_dict())}
+
+
+def test_a_non_persistent_buffer_stays_out_of_state_dicts(tmp_path):
+    """dmodel.state_dict() held it and load_state_dict asked for it: neither a state dict of the
+    model nor one of dmodel's loaded (the two errors contradicted each other)."""
+    for got in run_ranks(state_dict_round_trips, 2, tmp_path):
+        assert got["keys"] == got["model_keys"] == ["fc.bias", "fc.weight"]

@@ -473,3 +473,56 @@ def test_clipping_by_the_inf_norm_in_float64(tmp_path):
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, float("inf"))
     for got in run_ranks(clipped_inf, 2, tmp_path):
         assert got["dtype"] == "torch.float64" and got["norm"] == pytest.approx(expected.item(), rel=1e-12)
+
+
+class Overflowing(torch.nn.Module):
+    """fc2's first columns scaled up: at a huge loss scale only fc1's first rows (rank 0's shard
+    under Megatron at 60/40) get inf gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        with torch.no_grad():
+            self.fc2.weight[:, :4] *= 1e5
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def scaled_steps(model, params, batches, scaler):
+    opt = torch.optim.SGD(params, lr=0.05)
+    scales = []
+    for x, y in batches:
+        scaler.scale(model(x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def overflowing():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return Overflowing(), [(torch.randn(10, 16, generator=gen), torch.randint(0, 8, (10,), generator=gen)) for _ in range(2)]
+
+
+def scaled_on_ranks(rank, world):
+    model, batches = overflowing()
+    cluster = hap.load_cluster("local")
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(hap.capture(model, batches[0]), cluster, "megatron",
+                                                                   ratios=[0.6, 0.4]))
+    scales = scaled_steps(dmodel, dmodel.parameters(), batches, dmodel.grad_scaler(init_scale=1e36))
+    return {"scales": scales, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
+
+
+def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(tmp_path):
+    """torch.amp.GradScaler on rank 1 never saw rank 0's inf: it stepped and kept its scale."""
+    model, batches = overflowing()
+    scales = scaled_steps(model, model.parameters(), batches, torch.amp.GradScaler("cpu", init_scale=1e36))
+    assert scales == pytest.approx([5e35, 2.5e35], rel=1e-6)  # both steps skipped (the scale halved twice)
+    for got in run_ranks(scaled_on_ranks, 2, tmp_path):
+        assert got["scales"] == scales
+        for name, p in model.named_parameters():
+            assert torch.equal(torch.tensor(got["params"][name]), p.detach()), name
+

@@ -44,9 +44,16 @@ def state_dict(dmodel) -> dict[str, torch.Tensor]:
     saves it: a tensor kept whole on every rank is a plain tensor, a sharded one a tensor that
     knows its rows in the whole (see _sharded)."""
     ex, out = dmodel.executor, {}
-    for name in ex.stored:
+    for name in _persistent(dmodel):
         out[dmodel.graph.tensors[name].target] = _like(dmodel, name, ex.value_of(name).detach().contiguous())
     return out
+
+
+def _persistent(dmodel) -> list[str]:
+    """The leaves the model's state dict holds, in stored order: not a buffer registered with
+    persistent=False (torch leaves those out of state dicts; a checkpoint keeps them)."""
+    keyed = set(dmodel._state_keys.values())
+    return [name for name in dmodel.executor.stored if name in keyed]
 
 
 class LoadedKeys(NamedTuple):
@@ -73,7 +80,7 @@ def load_state_dict(dmodel, state: dict[str, Any], strict: bool = True) -> Loade
         if name is None or name in parts:
             continue
         parts[name] = _local_part(dmodel, name, key, value)
-    missing = sorted(graph.tensors[name].target for name in set(ex.stored) - set(parts))
+    missing = sorted(graph.tensors[name].target for name in set(_persistent(dmodel)) - set(parts))
     if missing and strict:
         raise ValueError(f"the state dict has no {missing[0]!r}, which the model needs")
     with torch.no_grad():

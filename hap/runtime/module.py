@@ -242,6 +242,15 @@ class HAP(nn.Module):
     def _sync_rng(self) -> None:
         torch.set_rng_state(broadcast(torch.get_rng_state(), 0, self.comm))
 
+    def grad_scaler(self, **kwargs) -> torch.amp.GradScaler:
+        """A loss scaler for mixed precision (torch.amp.GradScaler's interface and kwargs) that
+        skips a step on every rank when any rank's gradient shard overflows: torch's
+        ShardedGradScaler over this model's ranks. A plain GradScaler sees only this rank's
+        shards, so under a sharded plan the ranks would step differently."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        device = next((p.device.type for p in self.shards.values()), "cpu")
+        return ShardedGradScaler(device, process_group=self.comm.group, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of the global gradient
         (every rank's shards of sharded parameters, parameters kept whole counted once), the
