@@ -29,8 +29,9 @@ def small_vit(dropout=0.0):
     return model, batches
 
 
-def train(model, batches):
-    """SGD with momentum over the batches; the losses."""
+def train(model, batches, after_step=None):
+    """SGD with momentum over the batches; the losses (and after each step, what
+    after_step(model, batch) returns)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for batch in batches:
@@ -39,7 +40,16 @@ def train(model, batches):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if after_step is not None:
+            losses += after_step(model, batch)
     return losses
+
+
+def skewed(model, example, planner="dp-cp"):
+    """hap.HAP on the local cluster under a baseline's program at 60/40."""
+    cluster = hap.load_cluster("local")
+    return hap.HAP(model, cluster, example, plan=baseline_plan(hap.capture(model, example), cluster, planner,
+                                                             ratios=[0.6, 0.4]))
 
 
 def train_hap(rank, world, device="cpu"):
@@ -149,9 +159,7 @@ def frozen_vit():
 
 def train_frozen(rank, world, planner):
     model, batches = frozen_vit()
-    graph = hap.capture(model, batches[0])
-    cluster = hap.load_cluster("local")
-    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, planner, ratios=[0.6, 0.4]))
+    dmodel = skewed(model, batches[0], planner)
     losses = train(dmodel, batches)
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
     return {"losses": losses, "params": params}
@@ -196,9 +204,7 @@ def accumulate(model, batches):
 
 def train_accumulating(rank, world, planner):
     model, batches = small_vit()
-    graph = hap.capture(model, batches[0])
-    cluster = hap.load_cluster("local")
-    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, planner, ratios=[0.6, 0.4]))
+    dmodel = skewed(model, batches[0], planner)
     losses = accumulate(dmodel, batches)
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
     dmodel(*batches[0]).backward()  # torch.autograd.grad afterwards leaves these gradients be
@@ -237,18 +243,14 @@ class DropoutBatchNorm(torch.nn.Module):
 def train_and_validate(model, batches, val):
     """Training steps with a validation pass (eval mode, no_grad; twice, and on a batch of
     another size) after each: training and validation losses."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for batch in batches:
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    def validate(model, batch):
         model.eval()
         with torch.no_grad():
-            losses += [loss.item(), model(*batch).item(), model(*batch).item(), model(*val).item()]
+            found = [model(*batch).item(), model(*batch).item(), model(*val).item()]
         model.train()
-    return losses
+        return found
+
+    return train(model, batches, validate)
 
 
 def dropout_bn():
@@ -260,9 +262,7 @@ def dropout_bn():
 
 def validated(rank, world):
     model, batches, val = dropout_bn()
-    cluster = hap.load_cluster("local")
-    plan = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp", ratios=[0.6, 0.4])
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    dmodel = skewed(model, batches[0])
     losses = train_and_validate(dmodel, batches, val)
     dmodel.eval()
     try:
@@ -311,9 +311,7 @@ def no_grad_param():
 
 def trained_without_a_gradient(rank, world):
     model, batches = no_grad_param()
-    cluster = hap.load_cluster("local")
-    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp",
-                                                                   ratios=[0.6, 0.4]))
+    dmodel = skewed(model, batches[0])
     synced = {e.param for e in dmodel.plan.sync}
     losses = train(dmodel, batches)
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
@@ -456,9 +454,7 @@ def clipped_inf(rank, world):
     model, batches, _ = dropout_bn()
     model = model.double()
     batches = [tuple(x.double() for x in b) for b in batches]
-    cluster = hap.load_cluster("local")
-    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp",
-                                                                   ratios=[0.6, 0.4]))
+    dmodel = skewed(model, batches[0])
     dmodel(*batches[0]).backward()
     norm = dmodel.clip_grad_norm_(0.1, float("inf"))
     return {"norm": norm.item(), "dtype": str(norm.dtype)}
@@ -509,9 +505,7 @@ def overflowing():
 
 def scaled_on_ranks(rank, world):
     model, batches = overflowing()
-    cluster = hap.load_cluster("local")
-    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(hap.capture(model, batches[0]), cluster, "megatron",
-                                                                   ratios=[0.6, 0.4]))
+    dmodel = skewed(model, batches[0], "megatron")
     scales = scaled_steps(dmodel, dmodel.parameters(), batches, dmodel.grad_scaler(init_scale=1e36))
     return {"scales": scales, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
 
