@@ -117,6 +117,14 @@ def _baselines(graph: Graph, cluster: Cluster):
     return out
 
 
+def _through_casts(graph: Graph, name: str) -> str:
+    """The tensor `name` is a dtype cast of (autocast casts a linear layer's weight first), or itself."""
+    t = graph.tensors[name]
+    while t.producer >= 0 and graph.nodes[t.producer].op in ("aten._to_copy.default", "aten.to.dtype"):
+        t = graph.tensors[graph.nodes[t.producer].inputs[0]]
+    return t.name
+
+
 def _params_only(r: Restriction):
     """Keep a restriction's rule for parameters, free the data inputs."""
     return lambda kind, name, p: r.allow_load(kind, name, p) if kind == "param" else True
@@ -130,7 +138,7 @@ def _megatron(graph: Graph) -> Restriction:
     """Megatron-style tensor parallelism: every linear layer's weight split (on its output or
     its input features, the search pairs them), data whole on every device. The plan that
     straggler mitigation (hap.straggler) works on."""
-    weights = frozenset(n.inputs[1] for n in graph.nodes if n.op == "aten.linear.default")
+    weights = frozenset(_through_casts(graph, n.inputs[1]) for n in graph.nodes if n.op == "aten.linear.default")
 
     def allow_load(kind, name, p):
         if kind == "param":

@@ -289,3 +289,25 @@ def hap_schedule():
     from hap.plan import Schedule
 
     return Schedule(name="1f1b", micro_batches=4)
+
+
+def test_megatron_splits_weights_that_autocast_casts_first():
+    """Under autocast a linear layer reads a bfloat16 copy of its weight: the Megatron baseline
+    splits the parameter behind the cast (it used to split nothing)."""
+    import hap
+    from hap.planner import baseline_plan
+
+    class Autocast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.fc2(torch.relu(self.fc1(x)))
+            return h.float().pow(2).mean()
+
+    graph = hap.capture(Autocast(), (torch.randn(10, 16),))
+    plan = baseline_plan(graph, hap.load_cluster("local"), "megatron", ratios=[0.6, 0.4])
+    loads = {ld.tensor: ld.placement for st in plan.steps(graph) for ld in st.loads}
+    assert loads["p_fc1_weight"].is_shard and loads["p_fc2_weight"].is_shard
