@@ -171,10 +171,10 @@ class GradSync:
         self.carried = {lane: 0 for lane in self.lane_queue}  # per process group: collectives started
 
     def _arriving(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """A backward's gradient is about to be added to p.grad. Where p.grad holds an earlier
-        backward's (gradient accumulation), that one is summed over the ranks already: summing
-        it again would count it once per rank. It waits aside and is added back after this
-        backward's own sum."""
+        """A backward's gradient is about to be added to p.grad (the backward's first also
+        awaits its end: _backward_ended). Where p.grad holds an earlier backward's (gradient
+        accumulation), that one is summed over the ranks already: summing it again would count
+        it once per rank. It waits aside and is added back after this backward's own sum."""
         if not self.queued:
             _at_backward_end(self._backward_ended)
             self.queued = True
