@@ -520,3 +520,19 @@ def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(tmp
         for name, p in model.named_parameters():
             assert torch.equal(torch.tensor(got["params"][name]), p.detach()), name
 
+
+
+def compiled(rank, world):
+    from torch._dynamo.utils import counters  # test-side only: how many graphs dynamo made
+    model, batches, _ = dropout_bn()
+    losses = train(torch.compile(skewed(model, batches[0])), batches)
+    return {"losses": losses, "graphs": counters["stats"]["unique_graphs"]}
+
+
+def test_torch_compile_of_the_distributed_model_runs_it_as_it_is(tmp_path):
+    """dynamo skips hap's forward (it used to trace it and recompile every step, 70x slower)."""
+    model, batches, _ = dropout_bn()
+    losses = train(model, batches)
+    for got in run_ranks(compiled, 2, tmp_path):
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert got["graphs"] == 0

@@ -98,6 +98,7 @@ class HAP(nn.Module):
         self.shapes: list[dict] = []
         """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
 
+    @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None) -> torch.Tensor:
         """The loss of the global batch. Each input is given whole (the global batch) or as this
         rank's part of it (rows `input_slices()` names), which is all this rank then loads. A
