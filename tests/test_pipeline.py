@@ -706,12 +706,19 @@ def accumulated(rank, world, cut):
             pipe.train_step(*batch)
         opt.step()
         opt.zero_grad()
-    return {"state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
+    pipe.eval()
+    try:
+        pipe.train_step(*batches[0])
+        refused = None
+    except ValueError as e:  # every rank refuses before any collective
+        refused = str(e)
+    return {"state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}, "refused": refused}
 
 
 def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
     """train_step twice before the optimizer's step sums both batches' gradients once each (an
-    earlier step's, summed over the stage's devices already, used to be summed again)."""
+    earlier step's, summed over the stage's devices already, used to be summed again); in eval
+    mode train_step is refused in one line."""
     from hap.capture import capture
     model, batches = _vit_setup()
     n = len(capture(model, batches[0]).nodes)
@@ -722,6 +729,7 @@ def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
         opt.step()
         opt.zero_grad()
     for got in run_ranks(accumulated, 3, tmp_path, n // 2):
+        assert got["refused"].startswith("hap.Pipeline runs training steps (pipe.train())")
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
