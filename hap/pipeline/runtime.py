@@ -40,7 +40,7 @@ from ..runtime.collectives import Comm, all_reduce, broadcast, global_rank, run_
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
+from ..runtime.module import agree_plan, clip_by_global_norm, every_rank, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -474,9 +474,7 @@ class Pipeline(nn.Module):
         if self.d == 0:
             mine = {n: self.params[k].detach().clone() for n, k in self._param_keys.items()}
             mine.update({n: self._constants[n].clone() for n in self._kept_buffers})
-        found: list = [None] * self.comm.world
-        dist.all_gather_object(found, mine, group=self.comm.group)
-        whole = {n: v for part in found for n, v in part.items()}
+        whole = {n: v for part in every_rank(mine, self.comm) for n, v in part.items()}
         original = self.model.state_dict()
         return {key: whole[name] if name in whole else original[key].detach().clone()
                 for key, name in self._state_keys.items()}

@@ -155,8 +155,7 @@ class HAP(nn.Module):
         # Not the planned batch: this rank's part, or a global batch of another shape (a last,
         # smaller batch), which may be the same shape. The ranks decide together, from every
         # rank's shapes, so that all run the same collectives next.
-        seen: list = [None] * self.comm.world
-        dist.all_gather_object(seen, key, group=self.comm.group)
+        seen = every_rank(key, self.comm)
         parts = part is None and all(k == self._part_shapes(r) for r, k in enumerate(seen))
         if parts and len(set(seen)) == 1:
             raise ValueError(f"inputs of shape {key} are every rank's part of the planned batch and could be a "
@@ -198,9 +197,8 @@ class HAP(nn.Module):
         if part or (part is None and key[1] != _shapes_of(self.graph) and key[1] == self._part_shapes(self.comm.rank)):
             raise ValueError(f"inputs of shape {key[1]} are this rank's part of the planned batch: in eval mode give "
                              "every rank the whole batch (part=False where it is one)")
-        seen: list = [None] * self.comm.world
         if key not in self._by_shape:  # the ranks capture together: they must all be given this shape
-            dist.all_gather_object(seen, key, group=self.comm.group)
+            seen = every_rank(key, self.comm)
             if len(set(seen)) > 1:
                 raise ValueError(f"ranks were given inputs of different shapes {sorted(s[1] for s in set(seen))} in "
                                  "eval mode: give every rank the whole batch")
@@ -312,10 +310,8 @@ class HAP(nn.Module):
         rank calls it with the same entries, between steps (it may make process groups)."""
         sync = list(sync)
         plan = dataclasses.replace(self.plan, sync=sync)
-        digests: list = [None] * self.comm.world  # ranks given other entries would wait in each other's collectives
-        dist.all_gather_object(digests, plan.digest, group=self.comm.group)
-        if len(set(digests)) > 1:
-            bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        bad = unlike_rank_0(every_rank(plan.digest, self.comm))  # they would wait in each other's collectives
+        if bad:
             raise ValueError(f"resync: ranks {bad} were given sync entries other than rank 0's")
         machines = _machines(self.cluster)
         self.groups = _device_groups(plan, self.comm, Groups(self.comm, machines, {}).needed(sync), self.groups)
@@ -447,16 +443,27 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
             setattr(sub, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
 
 
+def every_rank(value, comm: Comm) -> list:
+    """Every rank's `value`, in rank order (a small collective: all_gather_object)."""
+    out: list = [None] * comm.world
+    dist.all_gather_object(out, value, group=comm.group)
+    return out
+
+
+def unlike_rank_0(values: Sequence) -> list[int]:
+    """The ranks whose value differs from rank 0's."""
+    return [r for r, v in enumerate(values) if v != values[0]]
+
+
 def agree_plan(plan: Plan | None, comm: Comm) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error."""
     mine = plan.to_json() if plan is not None else None
     box = [mine]
     dist.broadcast_object_list(box, src=0, group=comm.group)
     agreed = Plan.from_json(box[0])
-    digests = [None] * comm.world
-    dist.all_gather_object(digests, plan.digest if plan is not None else agreed.digest, group=comm.group)
-    if len(set(digests)) > 1:
-        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    digests = every_rank(plan.digest if plan is not None else agreed.digest, comm)
+    bad = unlike_rank_0(digests)
+    if bad:
         raise ValueError(f"ranks {bad} were given a plan (digest {digests[bad[0]]}) other than rank 0's ({digests[0]})")
     if len(agreed.devices) != comm.world:
         raise ValueError(f"the plan is for {len(agreed.devices)} devices but {comm.world} ranks are running")
