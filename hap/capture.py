@@ -245,8 +245,9 @@ def _tensor(name, val: torch.Tensor, kind, target, producer=-1) -> Tensor:
         raise CaptureError(f"{name} has a shape that depends on the data ({tuple(val.shape)}), as boolean-mask "
                            "indexing, nonzero or unique give: hap needs shapes known before the data (torch.where, "
                            "a mask multiplied in)")
+    stride = None if val.is_contiguous() else tuple(int(s) for s in val.stride())
     return Tensor(name=name, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype).removeprefix("torch."),
-                  itemsize=val.element_size(), kind=kind, target=target, producer=producer)
+                  itemsize=val.element_size(), kind=kind, target=target, producer=producer, stride=stride)
 
 
 def _tensorize_args(fx, tensors, aliases):

@@ -42,6 +42,9 @@ class Tensor:
     """Indices of consuming nodes, ascending, with repeats removed."""
     target: str | None = None
     """For parameters and buffers: the state_dict key (e.g. 'blocks.0.attn.qkv.weight')."""
+    stride: tuple[int, ...] | None = None
+    """Memory strides where one device's tensor is not contiguous (a transposed view), else None:
+    random ops draw in memory order (eager's empty_like keeps strides), so hap draws alike."""
 
     @property
     def numel(self) -> int:

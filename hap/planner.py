@@ -164,8 +164,10 @@ def segment_graph(graph: Graph, segments: int) -> list[int]:
         while k < n and acc + work[k] < target:
             acc += work[k]
             k += 1
-        window = range(max(cuts[-1] + 1 if cuts else 1, k - n // (4 * segments)), min(n - 1, k + n // (4 * segments)) + 1)
-        cuts.append(min(window, key=lambda i: (live[i], abs(i - k))) if window else k)
+        lo, hi = (cuts[-1] + 1 if cuts else 1), n - (segments - s)  # every segment keeps a node at least
+        at, reach = min(max(k, lo), hi), n // (4 * segments)
+        window = range(max(lo, at - reach), min(hi, at + reach) + 1)
+        cuts.append(min(window, key=lambda i: (live[i], abs(i - at))))
     seg, out = 0, []
     for i in range(n):
         while seg < len(cuts) and i >= cuts[seg]:

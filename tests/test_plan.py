@@ -4,7 +4,9 @@ import dataclasses
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
+from hypothesis import given, settings, strategies as st
 import pytest
 import torch
 import torch.nn as nn
@@ -311,3 +313,14 @@ def test_megatron_splits_weights_that_autocast_casts_first():
     plan = baseline_plan(graph, hap.load_cluster("local"), "megatron", ratios=[0.6, 0.4])
     loads = {ld.tensor: ld.placement for st in plan.steps(graph) for ld in st.loads}
     assert loads["p_fc1_weight"].is_shard and loads["p_fc2_weight"].is_shard
+
+
+@settings(max_examples=200, deadline=None)
+@given(work=st.lists(st.floats(0, 1e9), min_size=2, max_size=40), segments=st.integers(1, 6))
+def test_every_segment_holds_a_node_however_the_work_lies(work, segments):
+    # a first node with most of the FLOPs once put the first cut at node 0: no segment 0
+    graph = SimpleNamespace(nodes=[SimpleNamespace(flops=w, bwd_flops=0.0) for w in work], tensors={})
+    seg = segment_graph(graph, segments)
+    assert len(seg) == len(work) and seg == sorted(seg)
+    expected = segments if len(work) >= 2 * segments else 1
+    assert set(seg) == set(range(expected))

@@ -403,3 +403,37 @@ def test_misc_ops():
     found = _check_op(aten.scatter_reduce.two, x, 1, idx, torch.randn(5, 4, 6), "amax", include_self=False)
     assert named(found, "batch") and named(found, "dim2") and not named(found, "dim1")
     assert [st.name for st in _check_op(aten.one_hot.default, torch.tensor([1, 2, 0]), -1)] == ["replicated"]
+
+
+def test_random_ops_draw_in_memory_order_as_one_device():
+    """Eager dropout and randn_like draw in their input's memory order (empty_like keeps its
+    strides): on a transposed view the draws land elsewhere than on a contiguous tensor of
+    its shape. hap draws one device's numbers (whole_noise), so it must draw alike."""
+    from hap.rules.local import is_random, whole_noise
+
+    class M(nn.Module):
+        def forward(self, x):
+            h = x.t()  # [4, 6], strides (1, 4)
+            return (F.dropout(h, 0.3) * torch.randn_like(h)).sum()
+
+    x = torch.randn(6, 4)
+    graph = capture(M(), (x,))
+    randoms = [n for n in graph.nodes if is_random(n)]
+    assert len(randoms) == 2
+    torch.manual_seed(3)
+    want = [F.dropout(torch.ones(6, 4).t(), 0.3), torch.randn_like(x.t())]  # one device's, in graph order
+    torch.manual_seed(3)
+    got = [whole_noise(n, graph) for n in randoms]
+    got = [g[0] if isinstance(g, tuple) else g for g in got]  # native_dropout: (noise, mask)
+    torch.manual_seed(3)
+    assert not torch.equal(want[0], F.dropout(torch.ones(4, 6), 0.3))  # the memory order matters
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_einsum_shards_no_dim_of_a_diagonal():
+    # "bii->bi" reads x[b, i, i]: sharding one i dim and not the other breaks the op (a rank
+    # died with "subscript i is repeated ... sizes don't match"); b and the partial sum remain
+    found = _check_op(aten.einsum.default, "bii->bi", [_param(4, 5, 5)])
+    assert {st.name for st in found} >= {"shard-b", "partial-operand-0"}
+    assert not any(st.name == "shard-i" for st in found)

@@ -248,7 +248,8 @@ def _noise_on_host(node: Node, graph: Graph):
     if not node.inputs:  # a factory (rand, randn): its arguments are constants
         return node.target(*node.args, **{**node.kwargs, "device": "cpu"})
     x = graph.tensors[node.inputs[0]]
-    whole = torch.ones(x.shape, dtype=getattr(torch, x.dtype))  # the shape one device draws for
+    dtype = getattr(torch, x.dtype)  # the shape (and memory order: empty_like keeps strides) one device draws for
+    whole = torch.ones(x.shape, dtype=dtype) if x.stride is None else torch.empty_strided(x.shape, x.stride, dtype=dtype).fill_(1)
     return node.target(whole, *node.args[1:], **node.kwargs)  # the arguments after the input are constants
 
 

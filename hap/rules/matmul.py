@@ -28,6 +28,8 @@ def einsum_strategies(operands: list[str], addend: str | None, out: str, names: 
     letters = dict.fromkeys(ch for s in operands for ch in s)
     found = []
     for ch in letters:
+        if any(s.count(ch) > 1 for s in (*operands, addend or "")):
+            continue  # a diagonal (einsum "bii->bi"): sharding one of its dims leaves the other whole
         if ch in out:
             ins = [S(s.index(ch)) if ch in s else R for s in operands]
             o = S(out.index(ch))
