@@ -6,7 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings, strategies as hs
 import pytest
 import torch
 import torch.nn as nn
@@ -316,7 +316,7 @@ def test_megatron_splits_weights_that_autocast_casts_first():
 
 
 @settings(max_examples=200, deadline=None)
-@given(work=st.lists(st.floats(0, 1e9), min_size=2, max_size=40), segments=st.integers(1, 6))
+@given(work=hs.lists(hs.floats(0, 1e9), min_size=2, max_size=40), segments=hs.integers(1, 6))
 def test_every_segment_holds_a_node_however_the_work_lies(work, segments):
     # a first node with most of the FLOPs once put the first cut at node 0: no segment 0
     graph = SimpleNamespace(nodes=[SimpleNamespace(flops=w, bwd_flops=0.0) for w in work], tensors={})
