@@ -235,7 +235,8 @@ def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] 
         raise CaptureError(f"forward must return a scalar float loss, it returns shape {lt.shape} {lt.dtype}")
     constants = {n: ep.constants[targets[n]].detach().clone() for n, kind in kinds.items() if kind == "constant"}
     graph = Graph(nodes=nodes, tensors=tensors, inputs=inputs, params=params, loss=loss, model_name=name,
-                  buffer_updates=buffer_updates, constants=constants)
+                  buffer_updates=buffer_updates, constants=constants,
+                  non_persistent=frozenset(ep.graph_signature.non_persistent_buffers))
     _mark_requires_grad(graph, frozen)
     return graph
 

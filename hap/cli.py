@@ -425,7 +425,7 @@ def _check_checkpoint(path: str, graph) -> None:
 
     used = {name for node in graph.nodes for name in node.inputs}
     shapes = {t.target: t.shape for name, t in graph.tensors.items()
-              if t.kind == "buffer" or (t.kind == "param" and name in used)}
+              if (t.kind == "buffer" and t.target not in graph.non_persistent) or (t.kind == "param" and name in used)}
     try:
         check(path, shapes)
     except ValueError as e:

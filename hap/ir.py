@@ -126,6 +126,9 @@ class Graph:
     the tensor holding its new value. The runtime writes it back after every forward."""
     constants: dict[str, Any] = field(default_factory=dict)
     """Values of the constant leaves (tensors the model creates in forward, lifted by export)."""
+    non_persistent: frozenset[str] = frozenset()
+    """Targets of the buffers registered with persistent=False: out of state dicts and
+    checkpoints, as torch leaves them (a load keeps the value the model was built with)."""
     experts: list[str] = field(default_factory=list)
     """Parameters stacked per expert on dim 0 ([E, ...]): those of modules that name them in a
     `hap_expert_params` attribute (hap.models.moe.MoEFFN does). The planner's expert-parallel

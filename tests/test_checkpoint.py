@@ -328,18 +328,22 @@ class WithScratchBuffer(torch.nn.Module):
         return (self.fc(x) * self.scale).pow(2).mean()
 
 
-def state_dict_round_trips(rank, world):
+def state_dict_round_trips(rank, world, directory):
     torch.manual_seed(0)
     model, x = WithScratchBuffer(), torch.randn(10, 6, generator=torch.Generator().manual_seed(1))
     dmodel = hap.HAP(model, hap.load_cluster("local"), (x,))
     keys = sorted(dmodel.state_dict())
     dmodel.load_state_dict(model.state_dict())
     dmodel.load_state_dict(dmodel.state_dict())
-    return {"keys": keys, "model_keys": sorted(model.state_dict())}
+    checkpoint.save(dmodel, None, directory, 3)
+    step, _ = checkpoint.load(dmodel, None, directory)
+    return {"keys": keys, "model_keys": sorted(model.state_dict()), "step": step}
 
 
-def test_a_non_persistent_buffer_stays_out_of_state_dicts(tmp_path):
+def test_a_non_persistent_buffer_stays_out_of_state_dicts_and_checkpoints(tmp_path):
     """dmodel.state_dict() held it and load_state_dict asked for it: neither a state dict of the
-    model nor one of dmodel's loaded (the two errors contradicted each other)."""
-    for got in run_ranks(state_dict_round_trips, 2, tmp_path):
+    model nor one of dmodel's loaded (the two errors contradicted each other). Then a checkpoint
+    left it out and its load asked for it: no such model could resume."""
+    for got in run_ranks(state_dict_round_trips, 2, tmp_path, str(tmp_path / "ckpt")):
         assert got["keys"] == got["model_keys"] == ["fc.bias", "fc.weight"]
+        assert got["step"] == 3

@@ -290,6 +290,43 @@ def test_batch_norm_statistics_move_through_checkpoints_with_a_pipeline(before, 
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
 
 
+class DecayingScale(torch.nn.Module):
+    """A buffer read by the first layer and updated at the end of the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x) * self.scale.clone())))
+        loss = torch.nn.functional.cross_entropy(self.head(h), y)
+        self.scale.mul_(0.9)
+        return loss
+
+
+def test_a_buffer_is_read_and_updated_in_one_stage():
+    # pp-exact cut between the read and the update: the reading stage never saw the new value
+    # (a bare StopIteration on the stage that updated a buffer it does not load)
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    graph = capture(DecayingScale(), (torch.randn(12, 8), torch.randint(0, 3, (12,))))
+    cluster = local_cluster((1.0, 1.0), "local")
+    reads = graph.tensors[next(iter(graph.buffer_updates))].consumers[0]
+    update = graph.tensors[next(iter(graph.buffer_updates.values()))].producer
+    assert update > reads + 2  # there are nodes between: cuts a planner could have picked
+    space = PipelineSpace(graph, cluster)
+    assert space.pivots and not any(reads < c <= update for c in space.pivots)
+    plan = make_plan("pp-exact", graph, cluster, PlannerConfig(pipeline_stages=2))
+    assert not reads < plan.stages[1].nodes[0] <= update
+    with pytest.raises(ValueError, match=r"^buffer scale is read in stage 0 and updated in stage 1: a pipeline "
+                                         r"keeps the two in one stage$"):
+        assemble(space, [update], [[0], [1]], [[1.0], [1.0]], 1, 0.0, {})
+
+
 def test_batch_norm_refuses_several_micro_batches_and_the_planners_use_one():
     from hap.capture import capture
     from hap.cost.cluster import local_cluster

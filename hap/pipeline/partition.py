@@ -25,7 +25,7 @@ from ..cost.model import CostModel
 from ..ir import chunk_cuts
 from ..search.program import Step
 from .price import PipelinePricer, iteration_seconds
-from .stages import crossings, stage_of_nodes
+from .stages import crossings, stage_of_nodes, updated_buffer_spans
 
 
 def pivots(cost: CostModel, program: Sequence[Step], limit: int = 128) -> list[int]:
@@ -34,11 +34,12 @@ def pivots(cost: CostModel, program: Sequence[Step], limit: int = 128) -> list[i
     placed = {}
     for step in program:
         placed.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
-    ok = []
+    ok, spans = [], updated_buffer_spans(graph).values()
     for c in chunk_cuts(graph):
         crossing = [t for t in graph.tensors.values()
                     if 0 <= t.producer < c and t.consumers and max(t.consumers) >= c]
-        if all(placed[t.name].is_shard or placed[t.name].kind == "R" for t in crossing):
+        if all(placed[t.name].is_shard or placed[t.name].kind == "R" for t in crossing) and \
+                not any(first < c <= last for first, last in spans):
             ok.append(c)
     if len(ok) <= limit:
         return ok

@@ -95,8 +95,23 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
                                  "runs a program without collectives")
 
 
+def updated_buffer_spans(graph: Graph) -> dict[str, tuple[int, int]]:
+    """Per buffer the forward updates (by its target): the first and last node that reads it or
+    computes its new value. A pipeline keeps such a span in one stage: that stage updates the
+    buffer, and a stage that read it elsewhere would read last step's value."""
+    spans = {}
+    for buf, new in graph.buffer_updates.items():
+        at = [*graph.tensors[buf].consumers, graph.tensors[new].producer]
+        spans[graph.tensors[buf].target or buf] = (min(at), max(at))
+    return spans
+
+
 def crossings(graph: Graph, program: Sequence[Step], stage_of: Sequence[int]) -> list[Crossing]:
     """Every tensor that crosses a cut, in the order its producer runs."""
+    for target, (first, last) in updated_buffer_spans(graph).items():
+        if stage_of[first] != stage_of[last]:
+            raise ValueError(f"buffer {target} is read in stage {stage_of[first]} and updated in stage "
+                             f"{stage_of[last]}: a pipeline keeps the two in one stage")
     placed: dict[str, Placement] = {}
     for step in program:
         node = graph.nodes[step.node]

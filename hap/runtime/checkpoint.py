@@ -50,10 +50,14 @@ def state_dict(dmodel) -> dict[str, torch.Tensor]:
 
 
 def _persistent(dmodel) -> list[str]:
-    """The leaves the model's state dict holds, in stored order: not a buffer registered with
-    persistent=False (torch leaves those out of state dicts; a checkpoint keeps them)."""
-    keyed = set(dmodel._state_keys.values())
-    return [name for name in dmodel.executor.stored if name in keyed]
+    """The leaves the model's state dict and a checkpoint hold, in stored order: not a buffer
+    registered with persistent=False (torch leaves those out; a load keeps their built value)."""
+    return _saved(dmodel.graph, dmodel.executor.stored)
+
+
+def _saved(graph, names) -> list[str]:
+    """Of these parameters and buffers, those a checkpoint holds: not the non-persistent buffers."""
+    return [name for name in names if graph.tensors[name].target not in graph.non_persistent]
 
 
 class LoadedKeys(NamedTuple):
@@ -173,8 +177,8 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
     meta = dcp.FileSystemReader(path).read_metadata()
-    check(path, {graph.tensors[name].target: graph.tensors[name].shape for name in ex.model_stored}, meta)
-    held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in ex.stored}
+    check(path, {graph.tensors[name].target: graph.tensors[name].shape for name in _saved(graph, ex.model_stored)}, meta)
+    held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
     objects = {"step": None, "extra": None}
     groups = _model_groups(dmodel, opt)
     if opt is not None:
@@ -187,7 +191,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     rng = torch.empty_like(torch.get_rng_state())
     _load({"rng": rng, **{item: _like(dmodel, name, local) if name else local for item, (name, local) in held.items()}},
           path, comm)  # in place: parameters in their own storage
-    for name in ex.stored:
+    for name in _persistent(dmodel):
         if name in ex.buffers:
             ex.buffers[name] = held[f"model/{graph.tensors[name].target}"][1]  # replaced, as a forward does
     if opt is not None:
