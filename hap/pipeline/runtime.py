@@ -304,6 +304,12 @@ class Pipeline(nn.Module):
             pending.append(wire.isend(x.detach().contiguous(), tr.peer, tag=tr.tag))
             if c.requires_grad:  # its gradient comes back (zeros where this piece has no path)
                 outputs.append((tr, x))
+        sent = {tr.crossing for tr in self._sends[m]}
+        for ci, c in enumerate(self.crossings):  # this piece has no rows of it: its gradient is empty,
+            if c.src == self.s and c.requires_grad and ci not in sent:  # yet the backward must run the
+                x = held[(c.tensor, c.placement)]  # group's collectives (synchronized BatchNorm's)
+                if x.numel() == 0:
+                    outputs.append((None, x))
         leaves = [(tr, leaf) for ci, (_, parts) in received.items() for tr, leaf in parts if self.crossings[ci].requires_grad]
         return part, outputs, leaves
 
@@ -313,7 +319,8 @@ class Pipeline(nn.Module):
         works = []
         for tr, x in outputs:
             g = torch.empty_like(x, memory_format=torch.contiguous_format)
-            works.append(wire.irecv(g, tr.peer, tag=tr.tag + 1))
+            if tr is not None:
+                works.append(wire.irecv(g, tr.peer, tag=tr.tag + 1))
             grads.append(g)
         for w in works:
             w.wait()
@@ -356,7 +363,10 @@ class Pipeline(nn.Module):
             t = self.graph.tensors[c.tensor]
             shape = list(t.shape)
             shape[c.placement.dim] = 0
-            out[ci] = (torch.empty(shape, dtype=getattr(torch, t.dtype), device=self.device), [])
+            # needing a gradient as the received parts do: a group's collectives in the backward
+            # (synchronized BatchNorm's) run on every device of the stage, rows or none
+            empty = torch.empty(shape, dtype=getattr(torch, t.dtype), device=self.device)
+            out[ci] = (empty.requires_grad_(c.requires_grad), [])
         return out
 
     def _empty_crossings(self, m: int, got: dict) -> list[int]:
