@@ -40,17 +40,26 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline planners (pp-exact, dqn, auto): stages (default: the best of 2, 4, 8)")
     p.add_argument("--micro-batches", type=int, metavar="M",
                    help="pipeline planners: micro-batches per iteration (default: the best of K, 2K, 4K)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline planners: the schedule")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], help="pipeline planners: the schedule (default: 1f1b)")
 
 
-def _planner_config(args):
+PIPELINE_PLANNERS = ("pp-exact", "dqn", "auto")
+
+
+def _planner_config(args, planner: str):
+    """The PlannerConfig of the command line; `planner` names what plans (a pipeline flag for
+    anything but a pipeline planner would be ignored: a UserError)."""
     from .planner import PlannerConfig
 
     for flag in ("pipeline_stages", "micro_batches"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    given = [f"--{flag.replace('_', '-')}" for flag in ("pipeline_stages", "micro_batches", "schedule")
+             if getattr(args, flag) is not None]
+    if given and planner not in PIPELINE_PLANNERS:
+        raise UserError(f"{given[0]} is for the pipeline planners ({', '.join(PIPELINE_PLANNERS)}), not {planner}")
     return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages or 0,
-                         micro_batches=args.micro_batches or 0, schedule=args.schedule)
+                         micro_batches=args.micro_batches or 0, schedule=args.schedule or "1f1b")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,7 +172,7 @@ def cmd_plan(args) -> int:
     _check_planner(args.planner)
     if args.segments < 1:
         raise UserError(f"--segments must be at least 1, got {args.segments}")
-    config = _planner_config(args)
+    config = _planner_config(args, args.planner)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     graph = _build_graph(args, cluster.gpus, say)
@@ -199,11 +208,11 @@ def cmd_train(args) -> int:
         raise UserError(f"--clip must be a positive norm, got {args.clip}")
     if not args.lr > 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
-    config = _planner_config(args)
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
     planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
+    config = _planner_config(args, planner if args.plan is None else f"the plan in {args.plan}")
     straggling = _check_straggler(args, cluster.size)
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not cluster.local and not args.emulate:

@@ -121,6 +121,11 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["train", *small, "--lr", "-0.1"], "--lr must be positive, got -0.1"),
         (["plan", *small, "--planner", "pp-exact", "--pipeline-stages", "0"], "--pipeline-stages must be positive, got 0"),
         (["plan", *small, "--micro-batches", "0"], "--micro-batches must be positive, got 0"),
+        (["plan", *small, "--micro-batches", "4"], "--micro-batches is for the pipeline planners (pp-exact, dqn, "
+                                                   "auto), not astar"),  # was ignored
+        (["train", *small, "--planner", "dp-cp", "--schedule", "gpipe"], "--schedule is for the pipeline planners"),
+        (["train", *small, "--plan", str(afile), "--pipeline-stages", "2"], "--pipeline-stages is for the pipeline "
+                                                                            f"planners (pp-exact, dqn, auto), not the plan in {afile}"),
         (["train", *small, "--trace", str(afile)], f"--trace {afile} is a file; give a directory"),
         (["train", *small, "--checkpoint", str(afile)], f"--checkpoint {afile} is a file; give a directory"),
         (["plan", *small, "--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file name"),
