@@ -298,6 +298,11 @@ def _check_plan_fits(path: str, plan, graph) -> None:
             pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in plan.stages], plan.schedule.micro_batches)
     except ValueError as e:
         raise UserError(f"--plan {path}: {e} (a plan made for another model or batch?)") from None
+    ran = sorted(step.node for step in program)
+    if ran != list(range(len(graph.nodes))):
+        missing = sorted(set(range(len(graph.nodes))) - set(ran))
+        what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
+        raise UserError(f"--plan {path} {what} of this model's {len(graph.nodes)}: a plan made for another model")
     unknown = sorted({e.param for e in plan.sync} - set(graph.params))
     if unknown:
         raise UserError(f"--plan {path} synchronizes {unknown[:3]}, which are not parameters of this model")
@@ -418,7 +423,10 @@ def _resume_from(args) -> tuple[str, int] | None:
         raise UserError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if not args.resume:
         return None
-    found = latest(args.checkpoint)
+    try:
+        found = latest(args.checkpoint)
+    except ValueError as e:
+        raise UserError(f"--resume: {e}") from None
     if found is None:
         raise UserError(f"--resume: no checkpoint in {args.checkpoint}")
     if found[1] >= args.steps:
@@ -717,7 +725,12 @@ def cmd_profile(args) -> int:
     from .cost.cluster import cluster_from_dict, load_cluster
     from .runtime.launch import spawn
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        raise UserError("hap profile starts its own local processes: run it directly, not under torchrun")
     cluster = load_cluster(args.cluster)
+    if not cluster.local:
+        raise UserError(f"cluster {cluster.name!r} is not local (local: true): hap profile measures processes on this "
+                        "machine, not its devices")
     print(f"[hap] profiling {cluster.describe()} on {cluster.size} local processes", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "spec.json")

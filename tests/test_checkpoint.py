@@ -347,3 +347,31 @@ def test_a_non_persistent_buffer_stays_out_of_state_dicts_and_checkpoints(tmp_pa
     for got in run_ranks(state_dict_round_trips, 2, tmp_path, str(tmp_path / "ckpt")):
         assert got["keys"] == got["model_keys"] == ["fc.bias", "fc.weight"]
         assert got["step"] == 3
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_damaged_checkpoint_directory_is_named_in_one_line(tmp_path):
+    """`latest` naming nothing or a step that is gone, a garbled .metadata, a missing or cut
+    data file: each a ValueError saying so (they were an assert, a FileNotFoundError, an
+    UnpicklingError, and DCP's 80-line CheckpointException)."""
+    step = tmp_path / "step-00000002"
+    dcp.save({"step": 2, "model/w": torch.ones(64)}, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    assert checkpoint.latest(str(tmp_path)) is None  # nothing committed yet
+    checkpoint.check(str(step), {"w": (64,)})
+    for pointer, says in (("hello", "names 'hello', not a checkpoint"), ("", "names '', not a checkpoint"),
+                          ("step-00000099", "names step-00000099, which is not there")):
+        (tmp_path / "latest").write_text(pointer + "\n")
+        with pytest.raises(ValueError, match=f"latest {says}: the directory is damaged$"):
+            checkpoint.latest(str(tmp_path))
+    (tmp_path / "latest").write_text("step-00000002\n")
+    assert checkpoint.latest(str(tmp_path)) == (str(step), 2)
+    data = next(p for p in step.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"is damaged: {data.name} is cut short$"):
+        checkpoint.check(str(step), {"w": (64,)})
+    data.unlink()
+    with pytest.raises(ValueError, match=f"is damaged: {data.name} is missing$"):
+        checkpoint.check(str(step), {"w": (64,)})
+    (step / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"is damaged: its .metadata does not load \(UnpicklingError\)$"):
+        checkpoint.check(str(step), {"w": (64,)})

@@ -3,6 +3,7 @@ refused in one line (or emulated when asked, saying so); progress is a line ever
 steps when stdout is not a terminal; memory is shown in a unit that fits."""
 
 import json
+import re
 
 import hap
 from hap.cli import main
@@ -131,6 +132,8 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["plan", *small, "--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file name"),
         (["plan", *small, "--json", str(afile / "p.json")], f"--json {afile / 'p.json'}: cannot make the folder {afile}"),
         (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
+        (["profile", "--cluster", "paper-hetero-8", "-o", str(tmp_path / "p.yaml")],
+         "cluster 'paper-hetero-8' is not local (local: true): hap profile measures processes on this machine"),
     ]
     for argv, says in cases:
         assert _one_error(capsys, argv).startswith(f"hap: error: {says}")
@@ -161,3 +164,16 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     capsys.readouterr()
     assert refused(tmp_path / "edited.json").endswith("synchronizes ['p_nope'], which are not parameters of this model")
+    short = json.loads((tmp_path / "vit.json").read_text())  # a plan of a shallower model: its nodes are a prefix
+    short["stages"][0]["program"] = short["stages"][0]["program"][:-5]
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    capsys.readouterr()
+    assert re.search(r"short.json does not run node \w+ of this model's \d+: a plan made for another model$",
+                     refused(tmp_path / "short.json"))
+
+
+def test_profile_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
+    # each torchrun process started its own local ranks, which hung on torchrun's rendezvous
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    assert _one_error(capsys, ["profile", "--cluster", "local", "-o", str(tmp_path / "p.yaml")]) == (
+        "hap: error: hap profile starts its own local processes: run it directly, not under torchrun")

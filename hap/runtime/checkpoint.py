@@ -171,12 +171,19 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     shape, or whose optimizer holds other parameters, is a ValueError naming it, and nothing is
     loaded."""
     comm, ex, graph = dmodel.comm, dmodel.executor, dmodel.graph
-    box = [_resolve(directory) if comm.rank == 0 else None]
+    box: list = [None]
+    if comm.rank == 0:
+        try:
+            box = [_resolve(directory)]
+        except ValueError as e:  # told to every rank, not left waiting
+            box = [e]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
+    if isinstance(box[0], ValueError):
+        raise box[0]
     path = box[0]
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
-    meta = dcp.FileSystemReader(path).read_metadata()
+    meta = metadata(path)
     check(path, {graph.tensors[name].target: graph.tensors[name].shape for name in _saved(graph, ex.model_stored)}, meta)
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
     objects = {"step": None, "extra": None}
@@ -202,21 +209,44 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
 
 
 def latest(directory: str) -> tuple[str, int] | None:
-    """The latest complete checkpoint under `directory` and its step, or None."""
+    """The latest complete checkpoint under `directory` and its step, or None; a ValueError
+    where `latest` names no checkpoint there (a damaged directory)."""
     try:
-        with open(os.path.join(directory, POINTER)) as f:
+        with open(os.path.join(directory, POINTER), errors="replace") as f:
             name = f.read().strip()
     except FileNotFoundError:
         return None
-    found = _NAME.match(name)
-    assert found, f"{directory}/{POINTER} names {name!r}"
+    found = _NAME.fullmatch(name)
+    if not found:
+        raise ValueError(f"{directory}/{POINTER} names {name[:40]!r}, not a checkpoint: the directory is damaged")
+    if not os.path.isdir(os.path.join(directory, name)):
+        raise ValueError(f"{directory}/{POINTER} names {name}, which is not there: the directory is damaged")
     return os.path.join(directory, name), int(found.group(1))
+
+
+def metadata(path: str) -> Metadata:
+    """The checkpoint's metadata, having checked that every file it lists is there, whole; a
+    ValueError naming what is damaged."""
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a checkpoint (no .metadata)") from None
+    except Exception as e:  # a truncated or garbled pickle raises about anything
+        raise ValueError(f"checkpoint {path} is damaged: its .metadata does not load ({type(e).__name__})") from None
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"checkpoint {path} is damaged: its .metadata holds a {type(meta).__name__}")
+    for info in (meta.storage_data or {}).values():
+        file = os.path.join(path, info.relative_path)
+        if not os.path.isfile(file) or os.path.getsize(file) < info.offset + info.length:
+            raise ValueError(f"checkpoint {path} is damaged: {info.relative_path} is "
+                             f"{'missing' if not os.path.isfile(file) else 'cut short'}")
+    return meta
 
 
 def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None = None) -> None:
     """A ValueError unless the checkpoint at `path` holds exactly the model tensors `shapes`
     names (state-dict key -> whole shape), each whole."""
-    meta = meta or dcp.FileSystemReader(path).read_metadata()
+    meta = meta or metadata(path)
     if "step" not in meta.state_dict_metadata:
         raise ValueError(f"{path} is not a hap checkpoint")
     held = {k.removeprefix("model/"): md for k, md in meta.state_dict_metadata.items() if k.startswith("model/")}
@@ -238,7 +268,10 @@ def _commit(staging: str, directory: str, step: int, keep: int | None) -> str:
     """Rank 0, once every rank has written: rename the staging directory into place, point
     `latest` at it (the commit), and drop what is no longer needed."""
     name = f"step-{step:08d}"
-    current = latest(directory)
+    try:
+        current = latest(directory)
+    except ValueError:  # a damaged pointer: this save replaces it
+        current = None
     if current is not None and os.path.basename(current[0]) == name:  # this step again: the old one stays
         name = next(n for n in (f"{name}.{i}" for i in itertools.count(1))  # the latest until the commit
                     if not os.path.exists(os.path.join(directory, n)))

@@ -1,7 +1,9 @@
 """Measure a cluster on itself and write the cluster file the planner consumes.
 
     hap profile --cluster local -o local-profiled.yaml      # local emulated ranks, gloo
-    torchrun --nproc-per-node 8 -m hap profile --cluster cluster.yaml -o profiled.yaml   # GPUs, NCCL
+
+It starts one local process per device of a local cluster (`local: true`) and measures them
+on this machine's CPU; it does not profile GPUs.
 
 Every rank measures its own device, emulation included (a device marked `slowdown` is timed
 with its stretch, so the file says how fast the emulated device really is):
