@@ -58,6 +58,8 @@ def _planner_config(args, planner: str):
              if getattr(args, flag) is not None]
     if given and planner not in PIPELINE_PLANNERS:
         raise UserError(f"{given[0]} is for the pipeline planners ({', '.join(PIPELINE_PLANNERS)}), not {planner}")
+    if getattr(args, "segments", 1) > 1 and planner not in ("astar", "auto"):
+        raise UserError(f"--segments is for the astar planner (and auto), not {planner}")
     return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages or 0,
                          micro_batches=args.micro_batches or 0, schedule=args.schedule or "1f1b")
 
@@ -112,8 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--straggler-schedule", metavar="TEXT", default="none",
                    help="emulated stragglers: round-robin:chi=8,every=5, multi:chi=8/6/4/2, persistent:chi=8,rank=1 "
                         "(also start=N), or none (the default)")
-    t.add_argument("--migration", choices=["broadcast-reduce", "scatter-gather"], default="broadcast-reduce",
-                   help="how migrated columns travel (--straggler migrate, semi, rebalance)")
+    t.add_argument("--migration", choices=["broadcast-reduce", "scatter-gather"],
+                   help="how migrated columns travel (--straggler migrate, semi, rebalance; default broadcast-reduce)")
 
     y = sub.add_parser("sync", help="search the gradient synchronization strategy by simulators and trial runs (AutoSync)")
     _add_model_args(y)
@@ -211,6 +213,9 @@ def cmd_train(args) -> int:
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
+    if args.plan is not None and (args.planner or args.strategy or args.calibrate):
+        flag = "--planner" if args.planner else "--strategy" if args.strategy else "--calibrate"
+        raise UserError(f"--plan trains the plan in {args.plan} as it is: {flag} would be ignored")
     planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
     config = _planner_config(args, planner if args.plan is None else f"the plan in {args.plan}")
     straggling = _check_straggler(args, cluster.size)
@@ -401,6 +406,8 @@ def _check_straggler(args, world: int) -> str | None:
         schedule = parse_schedule(args.straggler_schedule, world)
     except ValueError as e:
         raise UserError(f"--straggler-schedule: {e}") from None
+    if args.migration is not None and args.straggler not in ("migrate", "semi", "rebalance"):
+        raise UserError(f"--migration is for --straggler migrate, semi or rebalance, not {args.straggler}")
     if args.straggler == "none" and schedule.kind == "none":
         return None
     what = "the cluster's own speeds only" if schedule.kind == "none" else schedule.describe()
@@ -479,7 +486,7 @@ def _mitigator(args: dict, dmodel, opt, out_dir: str):
     if args["straggler"] == "none" and args["straggler_schedule"] == "none":
         return None
     config = StragglerConfig(policy=args["straggler"], schedule=parse_schedule(args["straggler_schedule"], dmodel.comm.world),
-                             method=args["migration"])
+                             method=args["migration"] or "broadcast-reduce")
     try:
         return Mitigator(dmodel, config, opt)
     except ValueError as e:  # the same on every rank: whichever raises first has said it for cmd_train

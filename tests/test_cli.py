@@ -132,6 +132,13 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["plan", *small, "--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file name"),
         (["plan", *small, "--json", str(afile / "p.json")], f"--json {afile / 'p.json'}: cannot make the folder {afile}"),
         (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
+        (["train", *small, "--plan", str(afile), "--planner", "dp-ev"], f"--plan trains the plan in {afile} as it is: "
+                                                                        "--planner would be ignored"),
+        (["train", *small, "--plan", str(afile), "--calibrate"], "--plan trains the plan in"),
+        (["plan", *small, "--planner", "dp-ev", "--segments", "3"], "--segments is for the astar planner (and auto), "
+                                                                    "not dp-ev"),
+        (["train", *small, "--migration", "scatter-gather"], "--migration is for --straggler migrate, semi or "
+                                                              "rebalance, not none"),
         (["profile", "--cluster", "paper-hetero-8", "-o", str(tmp_path / "p.yaml")],
          "cluster 'paper-hetero-8' is not local (local: true): hap profile measures processes on this machine"),
     ]
