@@ -289,36 +289,12 @@ def _check_pipeline(args, graph, plan) -> None:
 
 
 def _check_plan_fits(path: str, plan, graph) -> None:
-    """The plan must be of this model at this batch: its nodes, and the sizes it splits
-    tensors into (which change with the batch), said here once rather than by every rank."""
-    from .pipeline.stages import stage_pieces
-    from .rules import strategy_table
-    from .rules.units import ShardClasses
-
+    """The plan must be of this model at this batch (Plan.check_fits), said here once rather
+    than by every rank."""
     try:
-        program = [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)]
-        classes = ShardClasses(graph, enumerate(strategy_table(graph)))
-        pieces = None
-        if plan.schedule is not None:  # a pipeline stage's shards are its pieces'
-            pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in plan.stages], plan.schedule.micro_batches)
+        plan.check_fits(graph)
     except ValueError as e:
-        raise UserError(f"--plan {path}: {e} (a plan made for another model or batch?)") from None
-    ran = sorted(step.node for step in program)
-    if ran != list(range(len(graph.nodes))):
-        missing = sorted(set(range(len(graph.nodes))) - set(ran))
-        what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
-        raise UserError(f"--plan {path} {what} of this model's {len(graph.nodes)}: a plan made for another model")
-    unknown = sorted({e.param for e in plan.sync} - set(graph.params))
-    if unknown:
-        raise UserError(f"--plan {path} synchronizes {unknown[:3]}, which are not parameters of this model")
-    for k, stage in enumerate(plan.stages):
-        for sh in stage.shards:
-            ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]
-            mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
-            if mine is None or list(mine) != list(sh.sizes):
-                raise UserError(f"--plan {path} splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "
-                                f"{'has no ' + sh.tensor if mine is None else 'into ' + str(list(mine))}: a plan made "
-                                "for another model or batch")
+        raise UserError(f"--plan {path}: {e}") from None
 
 
 def _plan_file(path: str, cluster):

@@ -293,6 +293,40 @@ class Plan:
             steps.append(Step(node.index, st, loads, moves))
         return steps
 
+    def check_fits(self, graph: Graph) -> None:
+        """A one-line ValueError unless this plan is of `graph`: it runs every node once, splits
+        tensors into the sizes this graph's batch gives (they change with the batch), and
+        synchronizes parameters of this graph."""
+        from .pipeline.stages import stage_pieces
+        from .rules import strategy_table
+        from .rules.units import ShardClasses
+
+        try:
+            program = [st for k in range(len(self.stages)) for st in self.steps(graph, k)]
+            classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+            pieces = None
+            if self.schedule is not None:  # a pipeline stage's shards are its pieces'
+                pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in self.stages],
+                                      self.schedule.micro_batches)
+        except ValueError as e:
+            raise ValueError(f"{e} (a plan made for another model or batch?)") from None
+        ran = sorted(step.node for step in program)
+        if ran != list(range(len(graph.nodes))):
+            missing = sorted(set(range(len(graph.nodes))) - set(ran))
+            what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
+            raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
+        unknown = sorted({e.param for e in self.sync} - set(graph.params))
+        if unknown:
+            raise ValueError(f"the plan synchronizes {unknown[:3]}, which are not parameters of this model")
+        for k, stage in enumerate(self.stages):
+            for sh in stage.shards:
+                ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]
+                mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
+                if mine is None or list(mine) != list(sh.sizes):
+                    raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "
+                                     f"{'has no ' + sh.tensor if mine is None else 'into ' + str(list(mine))}: a plan "
+                                     "made for another model or batch")
+
     # -- text ----------------------------------------------------------------------------------
 
     def _how(self) -> str:

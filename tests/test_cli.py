@@ -175,7 +175,7 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
     short["stages"][0]["program"] = short["stages"][0]["program"][:-5]
     (tmp_path / "short.json").write_text(json.dumps(short))
     capsys.readouterr()
-    assert re.search(r"short.json does not run node \w+ of this model's \d+: a plan made for another model$",
+    assert re.search(r"short.json: the plan does not run node \w+ of this model's \d+: a plan made for another model$",
                      refused(tmp_path / "short.json"))
 
 

@@ -107,6 +107,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     graph = capture(meta_model, inputs, name=model)
     if plan is None:  # AutoSync's setting: data parallel, each device's batch share by its speed
         plan = baseline_plan(graph, cluster, "dp-cp")
+    plan.check_fits(graph)
     machines = [m.devices for m in cluster.topology.machines] if cluster.topology is not None else None
     variables = Variables.of(plan, graph, machines)
     if not variables.vars:
