@@ -163,7 +163,9 @@ def test_schedules():
 
 
 @pytest.mark.parametrize("text, says", [("sometimes:chi=8", "unknown straggler schedule"),
-                                        ("round-robin:chi=0.5", "at least 1"),
+                                        ("round-robin:chi=0.5", "a finite number at least 1"),
+                                        ("round-robin:chi=nan", "a finite number at least 1"),  # ran unslowed
+                                        ("multi:chi=8/inf", "a finite number at least 1"),  # killed a rank
                                         ("round-robin:chi=8/4", "one chi"),
                                         ("persistent:rank=7", "rank < 4"),
                                         ("round-robin:speed=3", "chi=, every=")])

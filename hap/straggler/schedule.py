@@ -14,6 +14,7 @@ On real GPUs nothing is emulated: the schedule is "none" and the devices are as 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,8 +72,8 @@ def parse_schedule(text: str, world: int) -> Schedule:
         every, rank, start = int(fields.get("every", 5)), int(fields.get("rank", 0)), int(fields.get("start", 0))
     except ValueError:
         raise ValueError(f"straggler schedule {text!r}: chi must be numbers (8 or 8/6/4/2), every/rank/start integers") from None
-    if any(c < 1 for c in chi):
-        raise ValueError(f"straggler schedule {text!r}: chi must be at least 1 (it is a slowdown)")
+    if not all(1 <= c < math.inf for c in chi):  # (nan and inf fail too)
+        raise ValueError(f"straggler schedule {text!r}: chi must be a finite number at least 1 (it is a slowdown)")
     if kind != "multi" and len(chi) != 1:
         raise ValueError(f"straggler schedule {text!r}: {kind} takes one chi; several are for multi")
     if kind == "multi" and len(chi) > world:
