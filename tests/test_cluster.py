@@ -39,7 +39,9 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: []", "'devices' must be a non-empty list"),
     ("devices: [{flops: 1, memory: 1}, {flops: 1, memory: 1}]", "no cost for collective"),
     ("devices: [{flops: 1, memory: 1, gpus: 2}]", "needs intra_bandwidth"),
-    ("devices: [{flops: 1, memory: 1, count: 0}]", "count must be a positive integer"),
+    ("devices: [{flops: 1, memory: 1, count: 0}]", "count must be an integer from 1 to 65536, got 0"),
+    ("devices: [{flops: 1, memory: 1, count: 100000000}]", "count must be an integer from 1 to 65536"),  # ran minutes
+    ("devices: [{flops: 1, memory: 1}]\ncollectives: [1, 2]", "'collectives' must map each collective to"),
     ("devices: [{flops: 1, memory: 1}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
     ("devices: [{flops: 1, memory: 1}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),
     ("[1, 2]", "a cluster spec is a mapping"),
@@ -49,6 +51,14 @@ def test_bad_files_name_the_problem(tmp_path, text, message):
     with pytest.raises(ClusterError, match=message) as e:
         load_cluster(write(tmp_path, text))
     assert "\n" not in str(e.value)
+
+
+def test_a_directory_or_binary_file_is_not_a_cluster(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ClusterError, match=r"bin.yaml: not a text file \(a YAML cluster file is UTF-8 text\)$"):
+        load_cluster(tmp_path / "bin.yaml")
+    with pytest.raises(ClusterError, match="is a directory, not a cluster file$"):
+        load_cluster(tmp_path)
 
 
 def test_unknown_name():

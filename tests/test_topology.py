@@ -97,6 +97,8 @@ def test_topology_round_trips_and_describes(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"machines": [MIXED["machines"][0]]}, "the machines hold 2 devices but 'devices' lists 4"),
     ({"links": [{"between": [0, 9], "bandwidth": "1Gbps"}]}, r"'between' must name two different devices 0..3"),
+    ({"links": [{"between": [True, 0], "bandwidth": "1Gbps"}]}, r"'between' must name two different devices"),
+    ({"links": 5}, r"'links' must be a list of \{between: \[a, b\], bandwidth, latency\}, got 5"),
     ({"algorithm": "butterfly"}, "algorithm must be one of ring, tree, hierarchical, auto"),
     ({"machines": [{"devices": 4, "nic": {"bandwidth": "1Gbps"}}]}, "a machine of 4 devices needs 'intra'"),
     ({"network": {"bandwidth": "1Gbps"}}, "give 'network' .* or 'machines', not both"),

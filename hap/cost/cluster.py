@@ -244,6 +244,7 @@ def _positive(x: float, what: str, allow_zero: bool = False) -> float:
     return x
 
 
+MAX_DEVICES = 65536  # a cluster file's device count beyond this is a typo, not a cluster
 _DEVICE_KEYS = {"name", "count", "flops", "memory", "gpus", "intra_bandwidth", "mem_bandwidth", "slowdown", "op_overhead"}
 
 
@@ -261,8 +262,8 @@ def _parse_device(spec, i: int) -> list[Device]:
     count = spec.get("count", 1)
     gpus = spec.get("gpus", 1)
     for key, v in (("count", count), ("gpus", gpus)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ClusterError(f"{where} ({name}): {key} must be a positive integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_DEVICES:
+            raise ClusterError(f"{where} ({name}): {key} must be an integer from 1 to {MAX_DEVICES}, got {v!r}")
     dev = Device(
         name=name,
         flops=_positive(_quantity(spec["flops"], _FLOP_UNITS, f"{where}.flops"), f"{where} ({name}) flops"),
@@ -324,6 +325,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         if "collectives" not in spec or not net.get("emulate", False):
             fits.update(fits_from_network(len(devices), bw, lat))
         topology = uniform(len(devices), bw, lat)
+    if not isinstance(spec.get("collectives") or {}, dict):
+        raise ClusterError(f"'collectives' must map each collective to {{alpha, beta}}, got {spec['collectives']!r}")
     for key, f in (spec.get("collectives") or {}).items():
         if key not in COLLECTIVES:
             raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
@@ -374,11 +377,13 @@ def _parse_topology(spec: dict, n: int) -> Topology:
     if first != n:
         raise ClusterError(f"the machines hold {first} devices but 'devices' lists {n}")
     overrides = []
+    if not isinstance(spec.get("links") or [], list):
+        raise ClusterError(f"'links' must be a list of {{between: [a, b], bandwidth, latency}}, got {spec['links']!r}")
     for i, e in enumerate(spec.get("links") or []):
         where = f"links[{i}]"
         pair = e.get("between") if isinstance(e, dict) else None
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(d, int) and 0 <= d < n for d in pair)
-                and pair[0] != pair[1]):
+        if not (isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]
+                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < n for d in pair)):
             raise ClusterError(f"{where}: 'between' must name two different devices 0..{n - 1}, got {pair!r}")
         overrides.append((pair[0], pair[1], _parse_link({k: v for k, v in e.items() if k != "between"}, where)))
     algorithm = spec.get("algorithm", "auto")
@@ -395,8 +400,14 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
     path = Path(text)
     if not path.exists():
         raise ClusterError(f"no cluster named '{text}' and no such file; built in: {', '.join(sorted(BUILTIN))}")
+    if path.is_dir():
+        raise ClusterError(f"{path} is a directory, not a cluster file")
     try:
         spec = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError:
+        raise ClusterError(f"{path}: not a text file (a YAML cluster file is UTF-8 text)") from None
+    except OSError as e:
+        raise ClusterError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ClusterError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     try:
