@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -134,6 +135,15 @@ class Schedule:
     micro_batches: int
 
 
+def _is_share(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+
+
+_FIELD_TYPES = {"model": str, "cluster": dict, "devices": list, "estimated_iteration_seconds": (int, float),
+                "breakdown": dict, "timeline": dict, "memory_bytes": list, "baselines": dict,
+                "synthesis_seconds": (int, float), "replicated_ops": list, "search": dict}
+
+
 @dataclass(kw_only=True)
 class Plan:
     model: str
@@ -230,12 +240,21 @@ class Plan:
             plan = cls(**d)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed plan: {e}") from None
-        plan._check_devices()
+        plan._validate()
         return plan
 
-    def _check_devices(self) -> None:
-        """The stages' device groups split the plan's devices once each, every stage has a share
-        per device of its group, and sync groups name the plan's devices: a ValueError otherwise."""
+    def _validate(self) -> None:
+        """Fields of their types, the stages' device groups split the plan's devices once each,
+        every stage has a share (finite, at least 0) per device of its group, and sync groups
+        name the plan's devices: a ValueError otherwise."""
+        for name, kind in _FIELD_TYPES.items():  # a hand-edited file: what summary() and the runtime read
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"malformed plan: {name} is {value!r}")
+        if not all(isinstance(v, (int, float)) for v in [*self.breakdown.values(), *self.memory_bytes]):
+            raise ValueError("malformed plan: breakdown and memory_bytes must hold numbers")
+        if "name" not in self.cluster:
+            raise ValueError("malformed plan: its cluster has no name")
         n = len(self.devices)
         groups = [list(st.devices) for st in self.stages]
         if sorted(d for g in groups for d in g) != list(range(n)):
@@ -243,6 +262,9 @@ class Plan:
         for k, st in enumerate(self.stages):
             if any(len(row) != len(st.devices) for row in st.ratios):
                 raise ValueError(f"malformed plan: stage {k} has {len(st.devices)} devices but ratios {st.ratios}")
+            if not all(_is_share(x) for row in st.ratios for x in row) or not all(sum(row) > 0 for row in st.ratios):
+                raise ValueError(f"malformed plan: stage {k}'s ratios {st.ratios} must be finite shares at least 0, "
+                                 "some positive")
         bad = next((e for e in self.sync if not set(e.devices) <= set(range(n))), None)
         if bad is not None:
             raise ValueError(f"malformed plan: {bad.param} is synchronized over devices {list(bad.devices)} of {n}")

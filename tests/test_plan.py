@@ -280,6 +280,12 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     stage = {**data["stages"][0], "ratios": [row[:-1] for row in data["stages"][0]["ratios"]]}
     with pytest.raises(ValueError, match=f"stage 0 has {n} devices but ratios"):
         Plan.from_dict({**data, "stages": [stage]})
+    negative = {**data["stages"][0], "ratios": [[-0.5, *row[1:-1], row[-1] + 0.5 + row[0]] for row in data["stages"][0]["ratios"]]}
+    with pytest.raises(ValueError, match=r"stage 0's ratios .* must be finite shares at least 0, some positive$"):
+        Plan.from_dict({**data, "stages": [negative]})  # trained until a rank failed; explain drew it
+    for field, value in (("estimated_iteration_seconds", "fast"), ("breakdown", [1]), ("cluster", None)):
+        with pytest.raises(ValueError, match=f"^malformed plan: {field} is "):  # summary() died on each
+            Plan.from_dict({**data, field: value})
     with pytest.raises(ValueError, match="needs a pipeline schedule"):
         dataclasses.replace(result, stages=result.stages * 2)
     pipeline = dataclasses.replace(result, stages=result.stages * 2, schedule=hap_schedule())
