@@ -785,7 +785,7 @@ def _check_outputs(args) -> None:
             continue
         flag = "-o" if name == "output" else f"--{name}"
         folder = path if kind == "dir" else (os.path.dirname(path) or ".")
-        if kind == "file" and os.path.isdir(path):
+        if kind == "file" and (os.path.isdir(path) or path.endswith(os.sep)):
             raise UserError(f"{flag} {path} is a directory; give a file name")
         if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"{flag} {path} is a file; give a directory")
@@ -793,6 +793,17 @@ def _check_outputs(args) -> None:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise UserError(f"{flag} {path}: cannot make the folder {folder}: {e.strerror or e}") from None
+        if kind == "file":  # opened for appending, as the end of the run will write it
+            existed = os.path.exists(path)
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as e:
+                raise UserError(f"{flag} {path}: cannot write it: {e.strerror or e}") from None
+            if not existed:
+                os.remove(path)
+        elif not os.access(folder, os.W_OK):
+            raise UserError(f"{flag} {path}: cannot write into it")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,6 +130,9 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["train", *small, "--trace", str(afile)], f"--trace {afile} is a file; give a directory"),
         (["train", *small, "--checkpoint", str(afile)], f"--checkpoint {afile} is a file; give a directory"),
         (["plan", *small, "--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file name"),
+        (["plan", *small, "--json", f"{tmp_path}/new.json/"], f"--json {tmp_path}/new.json/ is a directory; give a "
+                                                              "file name"),  # made it a folder, failed after planning
+        (["plan", *small, "--json", "/proc/hap.json"], "--json /proc/hap.json: cannot write it"),
         (["plan", *small, "--json", str(afile / "p.json")], f"--json {afile / 'p.json'}: cannot make the folder {afile}"),
         (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
         (["train", *small, "--plan", str(afile), "--planner", "dp-ev"], f"--plan trains the plan in {afile} as it is: "
@@ -144,7 +147,7 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
     ]
     for argv, says in cases:
         assert _one_error(capsys, argv).startswith(f"hap: error: {says}")
-        assert not (tmp_path / "explain").exists()
+        assert not (tmp_path / "explain").exists() and not (tmp_path / "new.json").exists()
 
 
 def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp_path, capsys):
