@@ -180,6 +180,20 @@ def _pipeline_time(plan: Plan) -> list[str]:
     return lines
 
 
+def _check_traced(plan: Plan, trace_dir: Path) -> None:
+    """The trace must be of this plan where `hap train --trace` saved the plan it ran beside it."""
+    saved = trace_dir / "plan.json"
+    if not saved.exists():
+        return
+    try:
+        traced = Plan.from_json(saved)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{saved}: {e}") from None
+    if traced.digest != plan.digest:
+        raise ValueError(f"{trace_dir} traced another plan ({saved}, {traced.model} on {traced.cluster['name']}): "
+                         "explain that plan, or trace this one with hap train --plan ... --trace")
+
+
 def measured_events(trace_dir: str | Path, devices: int) -> tuple[list[Event], list[float]]:
     """The last traced step of every rank (`hap train --trace`: DIR/rank<r>.json, steps marked
     "hap step N"), as events from the step's start: the step itself, hap's collectives and
@@ -189,7 +203,10 @@ def measured_events(trace_dir: str | Path, devices: int) -> tuple[list[Event], l
         path = Path(trace_dir) / f"rank{r}.json"
         if not path.exists():
             raise ValueError(f"no trace for rank {r}: {path} (run `hap train --trace {trace_dir}`)")
-        raw = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+        try:
+            raw = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{path} is not a Chrome trace ({type(e).__name__}): a damaged trace") from None
         marks = [e for e in raw if str(e.get("name", "")).startswith("hap step ")]
         if not marks:
             raise ValueError(f"{path} has no 'hap step' spans: record it with this version's `hap train --trace`")
@@ -264,6 +281,8 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
     """Write timeline.png, timeline.json and layouts.txt under out_dir; return the text report."""
     os.makedirs(out_dir, exist_ok=True)
     estimated, total = (pipeline_events if len(plan.stages) > 1 else estimated_events)(plan)
+    if trace_dir:
+        _check_traced(plan, Path(trace_dir))
     measured, steps = measured_events(trace_dir, len(plan.devices)) if trace_dir else ([], [])
     Path(out_dir, "timeline.json").write_text(json.dumps(chrome_trace(estimated, measured, plan)))
     Path(out_dir, "layouts.txt").write_text("\n".join(layouts(plan)) + "\n")

@@ -87,6 +87,18 @@ def test_explain_a_trained_plan_beside_its_traces(tmp_path, capsys):
     measured = [e for e in trace if e["pid"].startswith("measured") and e["tid"] == "compute"]
     assert measured, "the executor's node spans are in the measured timeline"
     assert (out / "timeline.png").stat().st_size > 10_000 and (out / "layouts.txt").read_text()
+    other = json.loads((traces / "plan.json").read_text())  # another plan: these traces are not its
+    other["stages"][0]["ratios"] = [[0.5, 0.5] for _ in other["stages"][0]["ratios"]]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    capsys.readouterr()
+    assert main(["explain", str(tmp_path / "other.json"), "-o", str(out), "--trace", str(traces)]) == 2
+    assert capsys.readouterr().err.strip() == (f"hap: error: {traces} traced another plan ({traces}/plan.json, vit on "
+                                               "local): explain that plan, or trace this one with hap train --plan ... "
+                                               "--trace")
+    (traces / "rank1.json").write_text('{"traceEvents": [')
+    assert main(["explain", str(traces / "plan.json"), "-o", str(out), "--trace", str(traces)]) == 2
+    assert capsys.readouterr().err.strip() == (f"hap: error: {traces}/rank1.json is not a Chrome trace "
+                                               "(JSONDecodeError): a damaged trace")
 
 
 def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
