@@ -87,3 +87,22 @@ def test_nccl_with_more_ranks_than_gpus_is_refused_before_starting():
     n = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"nccl needs a GPU per rank: {n + 1} ranks, {n} CUDA devices"):
         spawn(boom, n + 1, backend="nccl")
+
+
+def make_a_progress_bar(rank):
+    from tqdm import tqdm
+    tqdm(total=1, disable=True)  # as torch.fx does while hap captures a model
+
+
+def test_a_finished_run_leaves_no_semaphore_behind(tmp_path):
+    # ranks end with os._exit: tqdm's default process-shared lock outlived every rank, and
+    # the resource tracker warned of "leaked semaphore objects" after every healthy run
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text("from hap.runtime.launch import spawn\nfrom test_launch import make_a_progress_bar\n"
+                      "if __name__ == '__main__':\n    spawn(make_a_progress_bar, 2)\n    print('returned')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+    assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr
+    assert "leaked semaphore" not in done.stderr

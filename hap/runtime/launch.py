@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 
 class RankFailed(RuntimeError):
@@ -124,6 +126,10 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_
            backend: str = "gloo") -> None:
     global _TIMEOUT
     torch.set_num_threads(1)  # one core's worth per rank: ranks share this machine
+    # A rank's own lock for tqdm (torch.fx makes disabled progress bars while capturing): its
+    # default is a process-shared semaphore, which os._exit below would leave behind, and the
+    # resource tracker then warns of a leak at the end of every run.
+    tqdm.set_lock(threading.RLock())
     _TIMEOUT = timedelta(seconds=timeout_s)
     try:
         if backend == "nccl":
