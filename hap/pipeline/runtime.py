@@ -40,7 +40,7 @@ from ..runtime.collectives import Comm, all_reduce, broadcast, global_rank, run_
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import agree_plan, clip_by_global_norm, every_rank, rank_comm, state_keys
+from ..runtime.module import agree_plan, clip_by_global_norm, every_rank, rank_0s, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -99,7 +99,7 @@ class Pipeline(nn.Module):
             if list(mine) != list(sh.sizes):
                 raise ValueError(f"plan does not match the model: {sh.tensor} dim {sh.dim} splits {list(sh.sizes)} "
                                  f"in the plan, {mine} here")
-        values = leaf_values(graph, model, example_inputs)
+        values = rank_0s(leaf_values(graph, model, example_inputs), graph, comm)
         loaded = {ld.tensor for step in self.steps for ld in step.loads}
         self.params = nn.ParameterDict()
         self._param_keys: dict[str, str] = {}  # graph tensor -> ParameterDict key
