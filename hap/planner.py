@@ -301,7 +301,8 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                     say(f"  {name} program balanced: {est.seconds * 1e3:.2f} ms")
 
     if g > 1:  # one segment's plan, every segment at its ratios, is in this space: never do worse
-        one = _plan(graph, cluster, dataclasses.replace(config, segments=1, baselines=False), None)
+        one = _plan(graph, cluster, dataclasses.replace(config, segments=1), None)  # (its baselines' programs
+        # balanced are candidates: where memory is tight they may be the only ones that fit)
         price("hap with one ratio set for every segment", one.steps(graph), [list(one.ratios[0]) for _ in range(g)])
     feasible = [c for c in candidates if c[4].fits(capacity)]
     if not any(c[4].fits(capacity) for c in candidates[:searched]):
@@ -323,6 +324,9 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
             except (SearchError, BalanceError) as e:
                 say(f"  {e}")
         feasible = [c for c in candidates if c[4].fits(capacity)]
+    if not feasible and g > 1 and all(m <= c for m, c in zip(one.memory_bytes, capacity)):
+        say(f"no program of {g} segments fits in memory; one segment's does")  # (priced there without re-splits)
+        return dataclasses.replace(one, baselines=baselines, synthesis_seconds=time.perf_counter() - t0)
     if not feasible:
         worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
         j = max(range(len(capacity)), key=lambda j: worst[4].memory[j] / capacity[j])
