@@ -28,7 +28,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="vgg19, vit, bert, bert-moe, ncf or ncf-sparse")
     p.add_argument("--layers", type=int, help="transformer layers (default: the paper's)")
     p.add_argument("--hidden", type=int, help="hidden width (default: the paper's)")
-    p.add_argument("--batch", type=int, help="global batch (default: 64 per GPU, 32 for bert-moe)")
+    p.add_argument("--batch", type=int, help="global batch (default at paper scale: 64 per GPU, 32 for bert-moe; "
+                                             "--scale small: the small model's)")
     p.add_argument("--seq", type=int, help="sequence length (bert, bert-moe)")
     p.add_argument("--experts", type=int, help="experts per MoE layer (bert-moe; default 2 per GPU)")
     p.add_argument("--scale", choices=["paper", "small"], default="paper", help="paper size or a tiny CPU variant")
@@ -346,6 +347,8 @@ def cmd_sync(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    import os
+
     from .explain import explain
     from .plan import Plan
 
@@ -358,7 +361,7 @@ def cmd_explain(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     print("\n".join(report))
-    print(f"wrote {args.output}/timeline.png, timeline.json (chrome://tracing), layouts.txt")
+    print(f"wrote {os.path.join(args.output, 'timeline.png')}, timeline.json (chrome://tracing), layouts.txt")
     return 0
 
 

@@ -361,7 +361,9 @@ class Plan:
     def summary(self) -> str:
         lines = [f"model {self.model} on {self.cluster['name']} ({len(self.devices)} devices)",
                  f"  synthesis {self.synthesis_seconds:.2f} s{self._how()}, winner: {self.search.get('winner', '?')}"
-                 + ("" if self.search.get("exhaustive", True) else " (width-limited search: best found, not proven optimal"
+                 + ("" if self.search.get("exhaustive", True) else
+                    f" ({'a DQN' if str(self.search.get('planner', '')).startswith('dqn') else 'width-limited'} "
+                    "search: best found, not proven optimal"
                     + (f"; each of its searches' programs within {self.search['gap']:.0%} of that search's optimum" if self.search.get("gap") is not None else "")
                     + ")"),
                  f"  estimated iteration {self.estimated_iteration_seconds * 1e3:.1f} ms  ("
