@@ -135,6 +135,18 @@ class Schedule:
     micro_batches: int
 
 
+def sync_mismatch(planned: set[str], whole: set[str]) -> str | None:
+    """What is wrong where a plan's sync entries name other parameters than those its program
+    keeps whole (and the runtime must synchronize), or None."""
+    if planned == whole:
+        return None
+    extra, missing = sorted(planned - whole)[:3], sorted(whole - planned)[:3]
+    return ("the plan's sync does not match its program:"
+            + (f" {extra} synced but not parameters the program keeps whole" if extra else "")
+            + (";" if extra and missing else "")
+            + (f" {missing} kept whole but not synced" if missing else ""))
+
+
 def _is_share(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
 
@@ -340,6 +352,11 @@ class Plan:
         unknown = sorted({e.param for e in self.sync} - set(graph.params))
         if unknown:
             raise ValueError(f"the plan synchronizes {unknown[:3]}, which are not parameters of this model")
+        if len(self.stages) == 1:
+            from .search.program import synced_params
+            mismatch = sync_mismatch({e.param for e in self.sync}, set(synced_params(program, graph, self.segment_of)))
+            if mismatch:
+                raise ValueError(mismatch)
         for k, stage in enumerate(self.stages):
             for sh in stage.shards:
                 ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]

@@ -174,6 +174,12 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     capsys.readouterr()
     assert refused(tmp_path / "edited.json").endswith("synchronizes ['p_nope'], which are not parameters of this model")
+    dropped = json.loads((tmp_path / "vit.json").read_text())  # a parameter's sync entry deleted by hand
+    gone = dropped["sync"].pop()["param"]
+    (tmp_path / "dropped.json").write_text(json.dumps(dropped))
+    capsys.readouterr()
+    assert refused(tmp_path / "dropped.json").endswith(f"the plan's sync does not match its program: ['{gone}'] kept "
+                                                       "whole but not synced")
     short = json.loads((tmp_path / "vit.json").read_text())  # a plan of a shallower model: its nodes are a prefix
     short["stages"][0]["program"] = short["stages"][0]["program"][:-5]
     (tmp_path / "short.json").write_text(json.dumps(short))

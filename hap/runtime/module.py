@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..capture import capture
 from ..cost.cluster import Cluster
 from ..placement import R
-from ..plan import Plan, shard_sizes
+from ..plan import Plan, shard_sizes, sync_mismatch
 from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout
 from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
@@ -520,13 +520,9 @@ def _device_groups(plan: Plan, comm: Comm, more=(), made=None) -> dict[tuple[tup
 def _check_sync(plan: Plan, shards, ex: Executor) -> None:
     """The plan must sync exactly the parameters the program keeps whole, each part within it."""
     whole = {name for name, p in shards.items() if ex.stored[name][0] == R and p.requires_grad}
-    planned = {e.param for e in plan.sync}
-    if planned != whole:
-        extra, missing = sorted(planned - whole)[:3], sorted(whole - planned)[:3]
-        raise ValueError("the plan's sync does not match its program:"
-                         + (f" {extra} synced but not parameters the program keeps whole" if extra else "")
-                         + (";" if extra and missing else "")
-                         + (f" {missing} kept whole but not synced" if missing else ""))
+    mismatch = sync_mismatch({e.param for e in plan.sync}, whole)
+    if mismatch:
+        raise ValueError(mismatch)
     ends: dict[str, int] = {}
     for e in plan.sync:
         if e.rows is not None:
