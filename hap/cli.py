@@ -38,7 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-stages", type=int, metavar="K",
-                   help="pipeline planners (pp-exact, dqn, auto): stages (default: the best of 2, 4, 8)")
+                   help="pipeline planners (pp-exact, dqn, auto): stages (default: the best of 2, 4, 8 and, on up to 8 devices, one per device)")
     p.add_argument("--micro-batches", type=int, metavar="M",
                    help="pipeline planners: micro-batches per iteration (default: the best of K, 2K, 4K)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], help="pipeline planners: the schedule (default: 1f1b)")

@@ -60,7 +60,8 @@ class PlannerConfig:
     proven optimal. After one search of a plan outgrows it, the plan's later searches apply
     the cap from the start."""
     pipeline_stages: int = 0
-    """Pipeline planners (pp-exact, dqn): stages K (0: the best of 2, 4, 8 that divide the devices)."""
+    """Pipeline planners (pp-exact, dqn): stages K (0: the best of 2, 4, 8 and, on up to 8
+    devices, one stage per device; groups need not be equal)."""
     micro_batches: int = 0
     """Pipeline planners: micro-batches per iteration (0: 2 K, at most the batch's rows)."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
@@ -310,19 +311,24 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
         # baseline's may: it is no reason to stop looking), search again with the
         # largest parameters sharded (enough that the rest, replicated, takes at most an eighth
         # of the smallest device) and the data split on the batch, and let the balancer fit it.
-        big = _largest_params(graph, cost.state_factor, min(capacity) / 8)
+        big = _largest_params(cost, min(capacity) / 8)
         say(f"no searched program fits in memory: searching with {len(big)} large parameters sharded")
-        frugal = Restriction(name="sharded parameters", allow_load=lambda kind, name, p: (
-            (p.is_shard or name not in big) if kind == "param" else (p.kind == "S" and p.dim == 0) if kind == "input" else True))
-        for start in (cluster.compute_proportional(), cluster.even()):
-            ratios = [list(start) for _ in range(g)]
-            try:
-                program = search(ratios, frugal)
-                price("hap with sharded parameters", program, ratios)
-                ratios = balance(program, cost, segment_of, g, capacity).ratios
-                price("hap with sharded parameters, balanced", program, ratios)
-            except (SearchError, BalanceError) as e:
-                say(f"  {e}")
+        for split_batch in (True, False):  # the data split on the batch too, or as the search likes
+            # (a first layer whose weight is sharded may need its input whole)
+            frugal = Restriction(name="sharded parameters", allow_load=lambda kind, name, p, split_batch=split_batch: (
+                (p.is_shard or name not in big) if kind == "param"
+                else (not split_batch or (p.kind == "S" and p.dim == 0)) if kind == "input" else True))
+            for start in (cluster.compute_proportional(), cluster.even()):
+                ratios = [list(start) for _ in range(g)]
+                try:
+                    program = search(ratios, frugal)
+                    price("hap with sharded parameters", program, ratios)
+                    ratios = balance(program, cost, segment_of, g, capacity).ratios
+                    price("hap with sharded parameters, balanced", program, ratios)
+                except (SearchError, BalanceError) as e:
+                    say(f"  {e}")
+            if any(c[4].fits(capacity) for c in candidates):
+                break
         feasible = [c for c in candidates if c[4].fits(capacity)]
     if not feasible and g > 1 and all(m <= c for m, c in zip(one.memory_bytes, capacity)):
         say(f"no program of {g} segments fits in memory; one segment's does")  # (priced there without re-splits)
@@ -484,16 +490,16 @@ def timeline(est: Estimate) -> dict:
     }
 
 
-def _largest_params(graph: Graph, state_factor: float, budget: float) -> set[str]:
-    """The largest parameters, as few as leave at most `budget` bytes of state for the rest."""
-    params = sorted((t for t in graph.tensors.values() if t.kind == "param"), key=lambda t: -t.nbytes)
-    rest = sum(t.nbytes for t in params) * state_factor
+def _largest_params(cost: CostModel, budget: float) -> set[str]:
+    """The parameters with the most state, as few as leave at most `budget` bytes for the rest."""
+    params = sorted((name for name, t in cost.graph.tensors.items() if t.kind == "param"), key=lambda n: -cost.state_bytes(n))
+    rest = sum(cost.state_bytes(name) for name in params)
     chosen = set()
-    for t in params:
+    for name in params:
         if rest <= budget:
             break
-        chosen.add(t.name)
-        rest -= t.nbytes * state_factor
+        chosen.add(name)
+        rest -= cost.state_bytes(name)
     return chosen
 
 

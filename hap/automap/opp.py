@@ -166,8 +166,12 @@ class LayoutPricer:
 
     def restriction(self, layout: dict[str, int] | None) -> Restriction:
         def allow_load(kind, name, p: Placement):
-            if kind == "param":  # a whole parameter may be loaded as P (a bias joining a partial sum)
-                return layout is None or layout_of(p) == layout[name] or (p.kind == "P" and layout[name] == WHOLE)
+            if kind == "param":  # a whole parameter may be loaded as P (a bias joining a partial sum);
+                # the decisions are over trainable parameters: a frozen one stays whole
+                if layout is None:
+                    return True
+                want = layout.get(name, WHOLE)
+                return layout_of(p) == want or (p.kind == "P" and want == WHOLE)
             return p.kind in ("R", "D")
 
         return Restriction(name="operator partitioning", allow_load=allow_load,

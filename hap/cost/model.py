@@ -106,6 +106,12 @@ class CostModel:
         self._signatures: dict[tuple, tuple] = {}
         self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
 
+    def state_bytes(self, name: str) -> float:
+        """Bytes a device keeps for parameter `name` whole: its weights and, if it trains, its
+        gradient and optimizer states (a frozen parameter has neither)."""
+        t = self.graph.tensors[name]
+        return t.nbytes * (self.state_factor if t.requires_grad else 1)
+
     def _node_classes(self) -> list[int]:
         """A class id per node: nodes alike in op, work (measured times included) and the
         bytes, gradients and split granules of their tensors, as every layer's are. Pricing

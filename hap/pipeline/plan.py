@@ -52,7 +52,10 @@ class PipelineSpace:
                 raise ValueError(f"{K} pipeline stages: need 2 to {min(self.cluster.size, len(self.pivots) + 1)} "
                                  f"({self.cluster.size} devices, {len(self.pivots)} cut points in the model)")
             return [K]
-        return [k for k in (2, 4, 8) if self.cluster.size % k == 0 and k - 1 <= len(self.pivots)]
+        # (groups need not be equal: group_layouts balances their speeds; and on up to 8 devices a
+        # stage per device too)
+        n = self.cluster.size
+        return [k for k in sorted({2, 4, 8, min(n, 8)}) if k <= n and k - 1 <= len(self.pivots)]
 
     def layouts(self, K: int) -> list[list[list[int]]]:
         """The device groups the pipeline planners try for K stages (partition.group_layouts):

@@ -85,8 +85,7 @@ class PipelinePricer:
             fixed_b[node.index] += pb
         cum = lambda a: np.vstack([np.zeros((1, m)), np.cumsum(a, axis=0)])  # noqa: E731
         self.work_f, self.work_b, self.fixed_f, self.fixed_b = cum(work_f), cum(work_b), cum(fixed_f), cum(fixed_b)
-        params = np.zeros(n)
-        acts = np.zeros(n)
+        params, state, acts = np.zeros(n), np.zeros(n), np.zeros(n)
         seen = set()
         for node in graph.nodes:
             for name in node.inputs:
@@ -94,8 +93,10 @@ class PipelinePricer:
                 if t.kind == "param" and name not in seen:
                     seen.add(name)
                     params[node.index] += t.nbytes
+                    state[node.index] += cost.state_bytes(name)
             acts[node.index] = sum(graph.tensors[o].nbytes for o in node.outputs)
         self.params, self.acts = np.concatenate([[0], np.cumsum(params)]), np.concatenate([[0], np.cumsum(acts)])
+        self.state = np.concatenate([[0], np.cumsum(state)])  # weights, gradients, optimizer states
         self.grad_params = np.concatenate([[0], np.cumsum([sum(graph.tensors[x].nbytes for x in node.inputs
                                                                  if graph.tensors[x].kind == "param" and graph.tensors[x].requires_grad
                                                                  and graph.tensors[x].consumers[0] == node.index)
@@ -152,7 +153,7 @@ class PipelinePricer:
         return seconds + machines
 
     def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
-        params = float(self.params[b + 1] - self.params[a]) * self.cost.state_factor
+        params = float(self.state[b + 1] - self.state[a])
         acts = float(self.acts[b + 1] - self.acts[a])
         return [(params + acts * r / M * live) / self.cost.gpus(i) for i, r in zip(group, ratios)]
 

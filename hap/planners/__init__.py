@@ -101,14 +101,15 @@ def _dqn_opp(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Pr
 def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
     """The fastest estimate among hap's synthesis and the exact pipeline, priced by the one
     cost model (a pipeline that cannot run this model drops out, with the reason in progress)."""
-    candidates = []
+    candidates, reasons = [], []
     for name in ("astar", "pp-exact"):
         try:
             candidates.append(PLANNERS[name](graph, cluster, config, progress))
         except ValueError as e:
             progress(f"auto: {name} has no plan: {e}")
+            reasons.append(f"{name}: {e}")
     if not candidates:
-        raise ValueError("no planner found a plan")
+        raise ValueError(f"no planner found a plan ({'; '.join(reasons)})")
     for p in candidates:
         progress(f"auto: {p.search.get('planner', 'astar')} {p.estimated_iteration_seconds * 1e3:.2f} ms")
     best = min(candidates, key=lambda p: p.estimated_iteration_seconds)

@@ -425,7 +425,7 @@ def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[
     terms = []
     for name, (p, seg) in kept_placements(program, graph, segment_of).items():
         if graph.tensors[name].kind == "param":  # kept once, however many nodes use it
-            terms.append((name, p, seg, graph.tensors[name].nbytes * cost.state_factor, True))
+            terms.append((name, p, seg, cost.state_bytes(name), True))
     for name, places in act_place.items():
         for p, seg in places:
             terms.append((name, p, seg, graph.tensors[name].nbytes, False))
