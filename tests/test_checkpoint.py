@@ -337,7 +337,16 @@ def state_dict_round_trips(rank, world, directory):
     dmodel.load_state_dict(dmodel.state_dict())
     checkpoint.save(dmodel, None, directory, 3)
     step, _ = checkpoint.load(dmodel, None, directory)
-    return {"keys": keys, "model_keys": sorted(model.state_dict()), "step": step}
+    if rank == 0:  # a damaged pointer: rank 0 finds it, every rank is told
+        with open(os.path.join(directory, "latest"), "w") as f:
+            f.write("hello\n")
+    torch.distributed.barrier()
+    try:
+        checkpoint.load(dmodel, None, directory)
+        damaged = None
+    except ValueError as e:
+        damaged = str(e)
+    return {"keys": keys, "model_keys": sorted(model.state_dict()), "step": step, "damaged": damaged}
 
 
 def test_a_non_persistent_buffer_stays_out_of_state_dicts_and_checkpoints(tmp_path):
@@ -347,6 +356,7 @@ def test_a_non_persistent_buffer_stays_out_of_state_dicts_and_checkpoints(tmp_pa
     for got in run_ranks(state_dict_round_trips, 2, tmp_path, str(tmp_path / "ckpt")):
         assert got["keys"] == got["model_keys"] == ["fc.bias", "fc.weight"]
         assert got["step"] == 3
+        assert got["damaged"] == f"{tmp_path / 'ckpt'}/latest names 'hello', not a checkpoint: the directory is damaged"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -205,7 +205,19 @@ def _drop_path_setup(p: float = 0.4):
     return model, [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen)) for _ in range(STEPS)]
 
 
+def _bn_own_seed_setup():
+    """The BatchNorm CNN, but ranks other than 0 hold other parameters and running statistics
+    (as if each had built it under its own seed): a pipeline trains rank 0's."""
+    model, batches = _bn_setup()
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.add_(1)
+    return model, batches
+
+
 SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+          "bn-own-seed": _bn_own_seed_setup,
           "drop-path": _drop_path_setup}
 
 
@@ -257,18 +269,19 @@ def _second_batch_norm(graph) -> int:
     return [n.index for n in graph.nodes if "batch_norm" in n.op][1]
 
 
-@pytest.mark.parametrize("groups,ratios", [([[0, 1], [2]], [[0.6, 0.4], [1.0]]),
-                                           ([[0, 1], [2, 3]], [[0.0, 1.0], [1.0, 0.0]])])
-def test_batch_norm_trains_in_a_pipeline_of_one_micro_batch_like_one_device(groups, ratios, tmp_path):
+@pytest.mark.parametrize("groups,ratios,setup", [([[0, 1], [2]], [[0.6, 0.4], [1.0]], "bn"),
+                                                 ([[0, 1], [2, 3]], [[0.0, 1.0], [1.0, 0.0]], "bn-own-seed")])
+def test_batch_norm_trains_in_a_pipeline_of_one_micro_batch_like_one_device(groups, ratios, setup, tmp_path):
     # stage 0 (block 1 and block 2's conv) on ranks 0 and 1 at 60/40: its BatchNorm sums its
     # statistics over both; stage 1 (block 2's BatchNorm and the head) on rank 2. Loss after
     # every step, parameters and running statistics (and the step counters) at the end are
     # one device's. Then a device of each stage holds no rows: it still joins its group's sums
-    # (forward and backward; gloo aborted on mismatched collectives: it received or sent nothing).
+    # (forward and backward; gloo aborted on mismatched collectives: it received or sent nothing),
+    # and ranks 1-3 built the model otherwise: every rank starts from rank 0's state.
     from hap.capture import capture
     model, batches = _bn_setup()
     cut = _second_batch_norm(capture(model, batches[0]))
-    reports = run_ranks(pipelined, sum(map(len, groups)), tmp_path, "bn", [cut], groups, ratios, 1, "1f1b")
+    reports = run_ranks(pipelined, sum(map(len, groups)), tmp_path, setup, [cut], groups, ratios, 1, "1f1b")
     losses, ref = _reference(_bn_setup)
     assert any("running_mean" in k for k in ref)
     for got in reports:

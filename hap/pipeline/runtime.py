@@ -36,11 +36,11 @@ from ..rules import strategy_table
 from ..rules.local import LocalContext, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
-from ..runtime.collectives import Comm, all_reduce, broadcast, global_rank, run_move
+from ..runtime.collectives import Comm, all_reduce, broadcast, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import agree_plan, clip_by_global_norm, every_rank, rank_0s, rank_comm, state_keys
+from ..runtime.module import agree_plan, clip_by_global_norm, every_rank, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -99,20 +99,26 @@ class Pipeline(nn.Module):
             if list(mine) != list(sh.sizes):
                 raise ValueError(f"plan does not match the model: {sh.tensor} dim {sh.dim} splits {list(sh.sizes)} "
                                  f"in the plan, {mine} here")
-        values = rank_0s(leaf_values(graph, model, example_inputs), graph, comm)
+        values = leaf_values(graph, model, example_inputs)
         loaded = {ld.tensor for step in self.steps for ld in step.loads}
+        # rank 0's values, as DDP starts (ranks may have built the model under other seeds): every
+        # rank takes part in each broadcast, in one order, and keeps the parameters its stage
+        # loads and every buffer (a checkpoint holds them all, as hap.HAP keeps them)
+        mine = {}
+        for name, t in graph.tensors.items():
+            if t.kind in ("param", "buffer") and name in values:
+                x = from_rank_0(values[name], comm)
+                if t.kind == "buffer" or name in loaded:
+                    mine[name] = x
         self.params = nn.ParameterDict()
         self._param_keys: dict[str, str] = {}  # graph tensor -> ParameterDict key
-        self._constants: dict[str, torch.Tensor] = {}
         for name in sorted(loaded):
             t = graph.tensors[name]
             if t.kind == "param":
                 key = f"p{len(self._param_keys)}"
                 self._param_keys[name] = key
-                self.params[key] = nn.Parameter(values[name].clone(), requires_grad=t.requires_grad)
-        # every buffer, loaded here or not: a checkpoint holds them all, as hap.HAP keeps them
-        self._constants = {name: values[name].clone() for name, t in graph.tensors.items()
-                           if t.kind == "buffer" and name in values}
+                self.params[key] = nn.Parameter(mine[name], requires_grad=t.requires_grad)
+        self._constants: dict[str, torch.Tensor] = {name: x for name, x in mine.items() if graph.tensors[name].kind == "buffer"}
         loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
         whole = set().union(*loads)
         # the buffers this stage keeps current (and a checkpoint takes from it): those it loads

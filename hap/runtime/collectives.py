@@ -171,6 +171,15 @@ def broadcast(x: torch.Tensor, src: int, comm: Comm) -> torch.Tensor:
     return x
 
 
+def from_rank_0(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """A copy of rank 0's `x` on every rank (a collective; `x` itself is left as it is). Moved
+    as bytes, so any dtype goes (gloo has no float8 or bool of its own)."""
+    out = x.detach().clone().contiguous()
+    if comm.world > 1:
+        broadcast(out.reshape(-1).view(torch.uint8), 0, comm)
+    return out
+
+
 def reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.Tensor:
     """This rank's shard of the sum over ranks of the whole tensors x."""
     if comm.world == 1:  # one rank holds everything: nothing to exchange

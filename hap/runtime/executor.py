@@ -31,7 +31,7 @@ from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
 from ..search.program import Step, kept_placements
-from .collectives import Comm, all_reduce, gather_padded, resplit, run_move
+from .collectives import Comm, all_reduce, from_rank_0, gather_padded, resplit, run_move
 from . import wire
 
 
@@ -126,16 +126,19 @@ class Executor:
         return gather_padded(local.contiguous(), p.dim, self.sizes(param, p, seg), self.comm) if p.is_shard else local
 
     def shard_parameters(self, values: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
-        """Keep this rank's part of every parameter the program loads, and of every buffer
-        (from whole values built with the same seed on every rank), as `kept_placements` says:
-        where that is whole (R) and a node loads a shard, the load is a local move."""
+        """Keep this rank's part of every parameter the program loads, and of every buffer, as
+        `kept_placements` says (where that is whole (R) and a node loads a shard, the load is a
+        local move), from rank 0's whole values (a collective): ranks that built the model
+        under other seeds train rank 0's, as DDP starts. One whole copy at a time."""
         for name, t in self.graph.tensors.items():
             is_param = t.kind == "param" and name in self.kept
             if not (is_param or t.kind == "buffer") or name not in values:  # values may come a module at a time
                 continue
             p, seg = self.kept.get(name, (R, 0))  # a buffer the forward only overwrites: whole
             self.stored[name] = (p, seg)
-            local = self._local(values[name], name, p, seg).clone().contiguous()
+            whole = from_rank_0(values[name], self.comm)
+            local = self._local(whole, name, p, seg)
+            local = whole if local is whole else local.clone(memory_format=torch.contiguous_format)  # (the whole goes)
             if is_param:
                 self.params[name] = nn.Parameter(local, requires_grad=t.requires_grad)
             else:

@@ -84,11 +84,10 @@ class HAP(nn.Module):
         _check_splits(self.plan, ex)
         if meta:
             for values in _materialized(model, graph, init):
-                ex.shard_parameters(rank_0s(values, graph, comm))
+                ex.shard_parameters(values)
             self.shards = nn.ParameterDict(ex.params)
         else:
-            self.shards = nn.ParameterDict(ex.shard_parameters(rank_0s(leaf_values(graph, model, example_inputs),
-                                                                       graph, comm)))
+            self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
         self.groups: dict = {}  # process groups by (devices, lane), made at start-up and by resync
         self.grad_sync: GradSync | None = None
         self.resync(self.plan.sync)
@@ -416,18 +415,6 @@ def state_keys(model: nn.Module, graph) -> dict[str, str | None]:
     state = model_state(model)
     leaf_of = {id(state[t.target]): name for name, t in graph.tensors.items() if t.kind in ("param", "buffer")}
     return {key: leaf_of.get(id(v)) for key, v in model.state_dict(keep_vars=True).items()}
-
-
-def rank_0s(values: dict[str, torch.Tensor], graph, comm: Comm) -> dict[str, torch.Tensor]:
-    """`values` with every parameter and buffer rank 0's (copies: the model stays as given), as
-    DDP starts: ranks that built or initialized the model under other seeds would otherwise
-    train replicas that differ, and a loss that is no one device's."""
-    out = dict(values)
-    for name, v in values.items():
-        if graph.tensors[name].kind in ("param", "buffer"):
-            x = v.detach().clone()
-            out[name] = broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, 0, comm).view(x.dtype)
-    return out
 
 
 def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | None):
