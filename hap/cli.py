@@ -282,6 +282,8 @@ def _check_pipeline(args, graph, plan) -> None:
     if args.straggler not in ("none", "rebalance"):
         raise UserError(f"--straggler {args.straggler} prunes or migrates the columns of tensor-parallel layers; a "
                         f"pipeline plan's stages are data parallel: use --straggler rebalance (or none)")
+    if args.migration is not None:
+        raise UserError("--migration: a pipeline's rebalance re-cuts its stages and migrates no columns")
     try:
         check_pipelinable(graph, [st for k in range(len(plan.stages)) for st in plan.steps(graph, k)],
                           plan.schedule.micro_batches)
@@ -379,14 +381,14 @@ def _check_planner(name: str) -> str:
 def _check_straggler(args, world: int) -> str | None:
     """The --straggler options checked before any rank starts: what the run will do (a line),
     or None when it runs no mitigator."""
-    from .straggler import EXACT, parse_schedule
+    from .straggler import EXACT, MIGRATING, parse_schedule
 
     try:
         schedule = parse_schedule(args.straggler_schedule, world)
     except ValueError as e:
         raise UserError(f"--straggler-schedule: {e}") from None
-    if args.migration is not None and args.straggler not in ("migrate", "semi", "rebalance"):
-        raise UserError(f"--migration is for --straggler migrate, semi or rebalance, not {args.straggler}")
+    if args.migration is not None and args.straggler not in MIGRATING:
+        raise UserError(f"--migration is for --straggler {', '.join(MIGRATING)}, not {args.straggler}")
     if args.straggler == "none" and schedule.kind == "none":
         return None
     what = "the cluster's own speeds only" if schedule.kind == "none" else schedule.describe()
@@ -788,23 +790,26 @@ def _check_outputs(args) -> None:
             continue
         flag = "-o" if name == "output" else f"--{name}"
         folder = path if kind == "dir" else (os.path.dirname(path) or ".")
-        if kind == "file" and (os.path.isdir(path) or path.endswith(os.sep)):
+        if kind == "file" and os.path.isdir(path):
             raise UserError(f"{flag} {path} is a directory; give a file name")
+        if kind == "file" and path.endswith(os.sep):
+            raise UserError(f"{flag} {path} ends in {os.sep}; give a file name")
         if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"{flag} {path} is a file; give a directory")
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise UserError(f"{flag} {path}: cannot make the folder {folder}: {e.strerror or e}") from None
-        if kind == "file":  # opened for appending, as the end of the run will write it
-            existed = os.path.exists(path)
+        if kind == "file":  # opened for appending, as the end of the run will write it (through a link)
+            real = os.path.realpath(path)
+            existed = os.path.exists(real)
             try:
-                with open(path, "a"):
+                with open(real, "a"):
                     pass
             except OSError as e:
                 raise UserError(f"{flag} {path}: cannot write it: {e.strerror or e}") from None
             if not existed:
-                os.remove(path)
+                os.remove(real)
         elif not os.access(folder, os.W_OK):
             raise UserError(f"{flag} {path}: cannot write into it")
 

@@ -280,7 +280,10 @@ def draw(estimated: list[Event], total: float, measured: list[Event], plan: Plan
 def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None) -> list[str]:
     """Write timeline.png, timeline.json and layouts.txt under out_dir; return the text report."""
     os.makedirs(out_dir, exist_ok=True)
-    estimated, total = (pipeline_events if len(plan.stages) > 1 else estimated_events)(plan)
+    try:
+        estimated, total = (pipeline_events if len(plan.stages) > 1 else estimated_events)(plan)
+    except (KeyError, IndexError, TypeError) as e:  # a hand-edited (or older) plan file: the runtime reads no timeline
+        raise ValueError(f"malformed plan: its timeline cannot be drawn ({type(e).__name__}: {e})") from None
     if trace_dir:
         _check_traced(plan, Path(trace_dir))
     measured, steps = measured_events(trace_dir, len(plan.devices)) if trace_dir else ([], [])

@@ -151,9 +151,11 @@ def _is_share(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
 
 
+# the fields the runtime and summary() read, of the types they read them as (the timeline is
+# explain's, which says when it cannot draw it)
 _FIELD_TYPES = {"model": str, "cluster": dict, "devices": list, "estimated_iteration_seconds": (int, float),
-                "breakdown": dict, "timeline": dict, "memory_bytes": list, "baselines": dict,
-                "synthesis_seconds": (int, float), "replicated_ops": list, "search": dict}
+                "breakdown": dict, "memory_bytes": list, "baselines": dict, "synthesis_seconds": (int, float),
+                "replicated_ops": list, "search": dict}
 
 
 @dataclass(kw_only=True)
@@ -262,7 +264,7 @@ class Plan:
         for name, kind in _FIELD_TYPES.items():  # a hand-edited file: what summary() and the runtime read
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"malformed plan: {name} is {value!r}")
+                raise ValueError(f"malformed plan: {name} is a {type(value).__name__}")
         if not all(isinstance(v, (int, float)) for v in [*self.breakdown.values(), *self.memory_bytes]):
             raise ValueError("malformed plan: breakdown and memory_bytes must hold numbers")
         if "name" not in self.cluster:

@@ -130,8 +130,8 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["train", *small, "--trace", str(afile)], f"--trace {afile} is a file; give a directory"),
         (["train", *small, "--checkpoint", str(afile)], f"--checkpoint {afile} is a file; give a directory"),
         (["plan", *small, "--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file name"),
-        (["plan", *small, "--json", f"{tmp_path}/new.json/"], f"--json {tmp_path}/new.json/ is a directory; give a "
-                                                              "file name"),  # made it a folder, failed after planning
+        (["plan", *small, "--json", f"{tmp_path}/new.json/"], f"--json {tmp_path}/new.json/ ends in /; give a file "
+                                                              "name"),  # made it a folder, failed after planning
         (["plan", *small, "--json", "/proc/hap.json"], "--json /proc/hap.json: cannot write it"),
         (["plan", *small, "--json", str(afile / "p.json")], f"--json {afile / 'p.json'}: cannot make the folder {afile}"),
         (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
@@ -140,7 +140,7 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["train", *small, "--plan", str(afile), "--calibrate"], "--plan trains the plan in"),
         (["plan", *small, "--planner", "dp-ev", "--segments", "3"], "--segments is for the astar planner (and auto), "
                                                                     "not dp-ev"),
-        (["train", *small, "--migration", "scatter-gather"], "--migration is for --straggler migrate, semi or "
+        (["train", *small, "--migration", "scatter-gather"], "--migration is for --straggler migrate, semi, "
                                                               "rebalance, not none"),
         (["profile", "--cluster", "paper-hetero-8", "-o", str(tmp_path / "p.yaml")],
          "cluster 'paper-hetero-8' is not local (local: true): hap profile measures processes on this machine"),
@@ -193,3 +193,12 @@ def test_profile_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
     assert _one_error(capsys, ["profile", "--cluster", "local", "-o", str(tmp_path / "p.yaml")]) == (
         "hap: error: hap profile starts its own local processes: run it directly, not under torchrun")
+
+
+def test_an_output_through_a_dangling_link_is_written_through_it(tmp_path):
+    # the up-front check created the link's target, then removed the link itself
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "real" / "plan.json")
+    assert main(["plan", "--model", "vit", "--scale", "small", "--cluster", "local", "--quiet",
+                 "--json", str(tmp_path / "link.json")]) == 0
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "real" / "plan.json").read_text())["version"] == 2

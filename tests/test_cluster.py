@@ -39,8 +39,10 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: []", "'devices' must be a non-empty list"),
     ("devices: [{flops: 1, memory: 1}, {flops: 1, memory: 1}]", "no cost for collective"),
     ("devices: [{flops: 1, memory: 1, gpus: 2}]", "needs intra_bandwidth"),
-    ("devices: [{flops: 1, memory: 1, count: 0}]", "count must be an integer from 1 to 65536, got 0"),
-    ("devices: [{flops: 1, memory: 1, count: 100000000}]", "count must be an integer from 1 to 65536"),  # ran minutes
+    ("devices: [{flops: 1, memory: 1, count: 0}]", "count must be an integer from 1 to 1024, got 0"),
+    ("devices: [{flops: 1, memory: 1, count: 100000000}]", "count must be an integer from 1 to 1024"),  # ran minutes
+    ("devices: [{flops: 1, memory: 1, count: 1000}, {flops: 1, memory: 1, count: 1000}]",
+     "'devices' lists 2000 devices; hap plans for 1024 at most"),
     ("devices: [{flops: 1, memory: 1}]\ncollectives: [1, 2]", "'collectives' must map each collective to"),
     ("devices: [{flops: 1, memory: 1}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
     ("devices: [{flops: 1, memory: 1}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),

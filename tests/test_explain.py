@@ -109,3 +109,9 @@ def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
     assert main(["explain", str(path), "-o", str(tmp_path / "x"), "--trace", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "no trace for rank 0" in err and len(err.splitlines()) == 1
+    for timeline in ({}, {"stages": "x"}, []):  # hand-edited, or an older version's list: the plan loads
+        edited = {**vit_plan.to_dict(), "timeline": timeline}
+        (tmp_path / "edited.json").write_text(json.dumps(edited))
+        assert main(["explain", str(tmp_path / "edited.json"), "-o", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hap: error: malformed plan: its timeline cannot be drawn (") and len(err.splitlines()) == 1

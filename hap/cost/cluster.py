@@ -244,7 +244,7 @@ def _positive(x: float, what: str, allow_zero: bool = False) -> float:
     return x
 
 
-MAX_DEVICES = 65536  # a cluster file's device count beyond this is a typo, not a cluster
+MAX_DEVICES = 1024  # more is a typo here, not a cluster (pricing the collectives of 1024 takes half a minute)
 _DEVICE_KEYS = {"name", "count", "flops", "memory", "gpus", "intra_bandwidth", "mem_bandwidth", "slowdown", "op_overhead"}
 
 
@@ -300,6 +300,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
     if not isinstance(devs_spec, list) or not devs_spec:
         raise ClusterError("'devices' must be a non-empty list")
     devices = tuple(d for i, s in enumerate(devs_spec) for d in _parse_device(s, i))
+    if len(devices) > MAX_DEVICES:
+        raise ClusterError(f"'devices' lists {len(devices)} devices; hap plans for {MAX_DEVICES} at most")
     fits: dict[str, Fit] = {}
     emulated = topology = None
     if "network" in spec and "machines" in spec:

@@ -36,7 +36,7 @@ from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from .collectives import Comm, WaitClock, all_reduce, broadcast
+from .collectives import Comm, WaitClock, all_reduce, broadcast, global_rank
 from . import wire
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state
@@ -459,7 +459,7 @@ def agree_plan(plan: Plan | None, comm: Comm) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error."""
     mine = plan.to_json() if plan is not None else None
     box = [mine]
-    dist.broadcast_object_list(box, src=0, group=comm.group)
+    dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
     agreed = Plan.from_json(box[0])
     digests = every_rank(plan.digest if plan is not None else agreed.digest, comm)
     bad = unlike_rank_0(digests)

@@ -10,7 +10,7 @@ SEMI-migration), plus exact online rebalancing.
     run.py        a training run of a model under a policy (hap train --straggler, benchmarks)
 """
 
-from .mitigator import EXACT, POLICIES, Mitigator, StragglerConfig
+from .mitigator import EXACT, MIGRATING, POLICIES, Mitigator, StragglerConfig
 from .schedule import Schedule, parse_schedule
 
-__all__ = ["EXACT", "POLICIES", "Mitigator", "StragglerConfig", "Schedule", "parse_schedule"]
+__all__ = ["EXACT", "MIGRATING", "POLICIES", "Mitigator", "StragglerConfig", "Schedule", "parse_schedule"]
