@@ -187,17 +187,23 @@ def test_cli_plan_writes_json(tmp_path):
 def test_largest_params_leave_the_budget():
     # Parameters of 1600, 1024 and 256 bytes (400 + 256 + 64 floats); adam keeps 4x their
     # bytes: 6400 + 4096 + 1024 = 11520 in all.
+    # A frozen parameter keeps its weights only: d, of 2000 bytes, counts 2000.
     from hap.planner import _largest_params
 
-    class Fake:  # a graph with only parameters
-        def __init__(self, sizes):
-            self.tensors = {n: type("T", (), {"name": n, "kind": "param", "nbytes": b})() for n, b in sizes.items()}
+    def fake_cost(sizes, frozen=()):  # a graph with only parameters, priced by CostModel.state_bytes
+        tensors = {n: SimpleNamespace(name=n, kind="param", nbytes=b, requires_grad=n not in frozen)
+                   for n, b in sizes.items()}
+        cost = SimpleNamespace(graph=SimpleNamespace(tensors=tensors), state_factor=4)
+        cost.state_bytes = lambda name: CostModel.state_bytes(cost, name)
+        return cost
 
-    fake = Fake({"a": 1600, "b": 1024, "c": 256})
-    assert _largest_params(fake, 4, 11520) == set()
-    assert _largest_params(fake, 4, 5120) == {"a"}  # 11520 - 6400 = 5120 left
-    assert _largest_params(fake, 4, 5119) == {"a", "b"}  # 1024 left
-    assert _largest_params(fake, 4, 0) == {"a", "b", "c"}
+    fake = fake_cost({"a": 1600, "b": 1024, "c": 256})
+    assert _largest_params(fake, 11520) == set()
+    assert _largest_params(fake, 5120) == {"a"}  # 11520 - 6400 = 5120 left
+    assert _largest_params(fake, 5119) == {"a", "b"}  # 1024 left
+    assert _largest_params(fake, 0) == {"a", "b", "c"}
+    frozen = fake_cost({"a": 1600, "b": 1024, "c": 256, "d": 2000}, frozen={"d"})
+    assert _largest_params(frozen, 5120 + 2000) == {"a"}  # d is not the largest state: 2000 < 6400
 
 
 def test_memory_tight_cluster_shards_large_parameters(graph):
