@@ -426,13 +426,10 @@ def _resume_from(args) -> tuple[str, int] | None:
 def _check_checkpoint(path: str, graph) -> None:
     """The checkpoint must be of this model (its every parameter and buffer, by key and shape),
     said here once rather than by every rank."""
-    from .runtime.checkpoint import check
+    from .runtime.checkpoint import check, model_shapes
 
-    used = {name for node in graph.nodes for name in node.inputs}
-    shapes = {t.target: t.shape for name, t in graph.tensors.items()
-              if (t.kind == "buffer" and t.target not in graph.non_persistent) or (t.kind == "param" and name in used)}
     try:
-        check(path, shapes)
+        check(path, model_shapes(graph))
     except ValueError as e:
         raise UserError(f"--resume: {e}") from None
 

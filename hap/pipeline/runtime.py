@@ -126,8 +126,6 @@ class Pipeline(nn.Module):
         # and those no stage loads, alike everywhere
         self._kept_buffers = [name for name in self._constants if name in loads[s] or name not in whole]
         self._updates = [(buf, new) for buf, new in graph.buffer_updates.items() if buf in loads[s]]
-        self._model_leaves = [name for name, t in graph.tensors.items()
-                              if (t.kind == "param" and name in whole) or name in self._constants]
         # the parameters whose gradients this rank counts in a global norm: each by the first
         # device of the first stage that holds it (a tied embedding's two stages hold one)
         self._norm_counted = [name for name in self._param_keys
@@ -505,7 +503,6 @@ class _StageState:
         self.params = {name: pipe.params[key] for name, key in pipe._param_keys.items()}
         self.buffers = pipe._constants  # the pipeline's own: a load replaces its values
         self.stored = {name: (R, 0) for name in [*self.params, *pipe._kept_buffers]}
-        self.model_stored = {name: (R, 0) for name in pipe._model_leaves}
 
     def value_of(self, name: str) -> torch.Tensor:
         return self.params[name] if name in self.params else self.buffers[name]

@@ -52,12 +52,16 @@ def state_dict(dmodel) -> dict[str, torch.Tensor]:
 def _persistent(dmodel) -> list[str]:
     """The leaves the model's state dict and a checkpoint hold, in stored order: not a buffer
     registered with persistent=False (torch leaves those out; a load keeps their built value)."""
-    return _saved(dmodel.graph, dmodel.executor.stored)
+    graph = dmodel.graph
+    return [name for name in dmodel.executor.stored if graph.tensors[name].target not in graph.non_persistent]
 
 
-def _saved(graph, names) -> list[str]:
-    """Of these parameters and buffers, those a checkpoint holds: not the non-persistent buffers."""
-    return [name for name in names if graph.tensors[name].target not in graph.non_persistent]
+def model_shapes(graph) -> dict[str, tuple[int, ...]]:
+    """What a checkpoint of this model holds, whatever the plan: state-dict key -> whole shape
+    of every parameter a node uses and every buffer but the non-persistent ones."""
+    used = {name for node in graph.nodes for name in node.inputs}
+    return {t.target: t.shape for name, t in graph.tensors.items()
+            if (t.kind == "param" and name in used) or (t.kind == "buffer" and t.target not in graph.non_persistent)}
 
 
 class LoadedKeys(NamedTuple):
@@ -184,7 +188,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
     meta = metadata(path)
-    check(path, {graph.tensors[name].target: graph.tensors[name].shape for name in _saved(graph, ex.model_stored)}, meta)
+    check(path, model_shapes(graph), meta)
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
     objects = {"step": None, "extra": None}
     groups = _model_groups(dmodel, opt)

@@ -105,12 +105,6 @@ class Executor:
         sizes = self.sizes(tensor, p, seg)
         return full.narrow(p.dim, sum(sizes[: self.comm.rank]), sizes[self.comm.rank])
 
-    @property
-    def model_stored(self) -> dict[str, tuple[Placement, int]]:
-        """Every parameter and buffer the model keeps (a checkpoint holds exactly these): under
-        a one-stage plan each rank keeps a part of all of them, so `stored`."""
-        return self.stored
-
     def value_of(self, name: str) -> torch.Tensor:
         """This rank's part of parameter or buffer `name`, as it keeps it."""
         return self.params[name] if name in self.params else self.buffers[name]
