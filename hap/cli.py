@@ -38,29 +38,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-stages", type=int, metavar="K",
-                   help="pipeline planners (pp-exact, dqn, auto): stages (default: the best of 2, 4, 8 and, on up to 8 devices, one per device)")
+                   help="pipeline planners: stages (default: the best of 2, 4, 8 and, on up to 8 devices, one per device)")
     p.add_argument("--micro-batches", type=int, metavar="M",
                    help="pipeline planners: micro-batches per iteration (default: the best of K, 2K, 4K)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], help="pipeline planners: the schedule (default: 1f1b)")
-
-
-PIPELINE_PLANNERS = ("pp-exact", "dqn", "auto")
 
 
 def _planner_config(args, planner: str):
     """The PlannerConfig of the command line; `planner` names what plans (a pipeline flag for
     anything but a pipeline planner would be ignored: a UserError)."""
     from .planner import PlannerConfig
+    from .planners import reading
 
     for flag in ("pipeline_stages", "micro_batches"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     given = [f"--{flag.replace('_', '-')}" for flag in ("pipeline_stages", "micro_batches", "schedule")
              if getattr(args, flag) is not None]
-    if given and planner not in PIPELINE_PLANNERS:
-        raise UserError(f"{given[0]} is for the pipeline planners ({', '.join(PIPELINE_PLANNERS)}), not {planner}")
-    if getattr(args, "segments", 1) > 1 and planner not in ("astar", "auto"):
-        raise UserError(f"--segments is for the astar planner (and auto), not {planner}")
+    if given and planner not in reading("pipeline"):
+        raise UserError(f"{given[0]} is for the pipeline planners ({', '.join(reading('pipeline'))}), not {planner}")
+    if getattr(args, "segments", 1) > 1 and planner not in reading("segments"):
+        raise UserError(f"--segments is for the planners {', '.join(reading('segments'))}, not {planner}")
     return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages or 0,
                          micro_batches=args.micro_batches or 0, schedule=args.schedule or "1f1b")
 

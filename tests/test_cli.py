@@ -138,7 +138,7 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["train", *small, "--plan", str(afile), "--planner", "dp-ev"], f"--plan trains the plan in {afile} as it is: "
                                                                         "--planner would be ignored"),
         (["train", *small, "--plan", str(afile), "--calibrate"], "--plan trains the plan in"),
-        (["plan", *small, "--planner", "dp-ev", "--segments", "3"], "--segments is for the astar planner (and auto), "
+        (["plan", *small, "--planner", "dp-ev", "--segments", "3"], "--segments is for the planners astar, auto, "
                                                                     "not dp-ev"),
         (["train", *small, "--migration", "scatter-gather"], "--migration is for --straggler migrate, semi, "
                                                               "rebalance, not none"),

@@ -130,11 +130,28 @@ def train_hap_dropout(rank, world):
                                    lambda b: dmodel.local_batch(*b))
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
     slices = dmodel.input_slices()
-    return {"losses": losses, "norms": norms, "params": params, "slices": slices, "buckets": buckets}
+    refused = []
+    for rows in (batches[0][0].shape[0] + 2, batches[0][0].shape[0] - 2):  # took the planned rows of more; failed in torch
+        try:
+            dmodel.local_batch(*(x.narrow(0, 0, 1).expand(rows, *x.shape[1:]) for x in batches[0]))
+        except ValueError as e:
+            refused.append(str(e))
+    try:
+        dmodel(x=batches[0][0])
+    except TypeError as e:
+        refused.append(str(e))
+    return {"losses": losses, "norms": norms, "params": params, "slices": slices, "buckets": buckets, "refused": refused}
 
 
 def test_dropout_local_batches_and_clipping_like_one_device(tmp_path):
     reports = run_ranks(train_hap_dropout, 2, tmp_path)
+    shape = tuple(tuple(x.shape) for x in small_vit()[1][0])
+    more = tuple((s[0] + 2, *s[1:]) for s in shape)
+    assert reports[0]["refused"][0] == (f"local_batch cuts the planned batch {shape}, not {more}: give a batch of "
+                                        "another shape whole, dmodel(*batch)")
+    assert len(reports[0]["refused"]) == len(reports[1]["refused"]) == 3
+    assert reports[1]["refused"][2] == "hap.HAP takes the model's inputs by position, in the order of the example " \
+                                       "inputs (got 'x' by name)"
     model, batches = small_vit(dropout=0.2)
     losses, norms = train_clipped(model, batches, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
     assert all(n > 0.05 for n in norms)  # the clipping bites

@@ -4,6 +4,7 @@ uneven shares inside a stage)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,13 +108,16 @@ def pipelined(rank, world, setup_name, cuts, groups, ratios, micro_batches, sche
     plan = assemble(space, cuts, groups, ratios, micro_batches, 0.0, {})
     pipe = hap.Pipeline(model, cluster, batches[0], plan)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    losses = []
+    losses, dtypes = [], set()
     for batch in batches:
-        losses.append(pipe.train_step(*batch).item())
+        loss = pipe.train_step(*batch)
+        losses.append(loss.item())
+        dtypes.add(str(loss.dtype))
         opt.step()
         opt.zero_grad()
     state = pipe.full_state_dict()
-    return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}}
+    return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}, "dtypes": sorted(dtypes),
+            "names": [n for n, _ in pipe.named_parameters()]}
 
 
 class TiedLM(torch.nn.Module):
@@ -218,7 +222,7 @@ def _bn_own_seed_setup():
 
 SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
-          "drop-path": _drop_path_setup}
+          "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -254,15 +258,23 @@ def test_tied_embedding_on_first_and_last_stage_trains_like_one_device(tmp_path)
     # the embedding is read by stage 0 (lookup) and stage 1 (output projection): its gradient is
     # summed over both stages' devices; the loss's mean divides by the count of non-ignored labels
     from hap.capture import capture
-    model, batches = _tied_setup()
+    # (in float64: every rank returns the loss in the model's dtype; the first stage, which has
+    # no loss of its own, returned it rounded to float32)
+    setup = SETUPS["tied-float64"]
+    model, batches = setup()
     graph = capture(model, batches[0])
     cut = next(n.index for n in graph.nodes if n.op == "aten.layer_norm.default")
-    reports = run_ranks(pipelined, 3, tmp_path, "tied", [cut], [[0], [1, 2]], [[1.0], [0.4, 0.6]], 2, "gpipe")
-    losses, ref = _reference(_tied_setup)
+    reports = run_ranks(pipelined, 3, tmp_path, "tied-float64", [cut], [[0], [1, 2]], [[1.0], [0.4, 0.6]], 2, "gpipe")
+    losses, ref = _reference(setup)
     for got in reports:
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert got["dtypes"] == ["torch.float64"]
+        assert got["losses"] == pytest.approx(losses, rel=1e-12)
         for k, v in ref.items():
-            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=torch.float64), v, rtol=1e-10, atol=1e-12), k
+    # a stage's parameters are named as hap.HAP names them (they were p0, p1, ... per rank)
+    assert {"params.p_emb_weight", "params.p_mlp_0_weight"} <= set(reports[0]["names"])
+    assert {"params.p_emb_weight", "params.p_norm_weight"} <= set(reports[1]["names"])
+    assert "params.p_mlp_0_weight" not in reports[1]["names"]
 
 
 def _second_batch_norm(graph) -> int:
@@ -601,6 +613,13 @@ def test_dqn_places_its_cuts_on_the_screened_device_layout():
     assert plan.estimated_iteration_seconds < equal * 0.99
     assert plan.estimated_iteration_seconds == pytest.approx(exact_plan(graph, cluster, config).estimated_iteration_seconds,
                                                              rel=1e-9)
+    # where no cut fits, both say which device is short
+    import dataclasses
+    tiny = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=1e3) for d in cluster.devices))
+    for find in (lambda: dqn_plan(graph, tiny, config, episodes=5, budget_s=10), lambda: exact_plan(graph, tiny, config)):
+        with pytest.raises(ValueError, match=r"fits the devices' memory: device 0 \(cpu0/4x, 1000 B\) needs at "
+                                             r"least [0-9.]+ MiB for any stage of 4 micro-batches"):
+            find()
 
 
 def test_exact_partition_equals_brute_force(vit_space):
@@ -651,8 +670,49 @@ def test_memory_that_does_not_fit_is_never_chosen(vit_space):
     assert isinstance(tiny, Cluster)
     pricer = PipelinePricer(CostModel(vit_space.graph, tiny, vit_space.classes), vit_space.program)
     groups, ratios = vit_space.groups_and_ratios(2)
-    with pytest.raises(ValueError, match="fits the devices' memory"):
+    with pytest.raises(ValueError, match=r"fits the devices' memory: device 0 \([^,]+, 1 B\) needs at least "
+                                         r"[0-9.]+ MiB for any stage of 4 micro-batches it could hold"):
         exact_partition(StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b"))
+    # every device just fits its smallest stage: the one-interval stages at the two ends, which
+    # cannot cover a model of more than two intervals
+    least = StageTable(vit_space.pricer, vit_space.pivots, groups, ratios, 4, "1f1b").least
+    assert len(vit_space.pivots) > 1
+    snug = dataclasses.replace(cl, devices=tuple(dataclasses.replace(d, memory=least[i]) for i, d in enumerate(cl.devices)))
+    pricer = PipelinePricer(CostModel(vit_space.graph, snug, vit_space.classes), vit_space.program)
+    table = StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b")
+    assert table.short == []
+    with pytest.raises(ValueError, match=r"each device fits some stage of 4 micro-batches, but no 2 stages that cover"):
+        exact_partition(table)
+
+
+def test_a_machine_of_several_gpus_keeps_its_stages_state_on_each_gpu(vit_space):
+    """The GPUs of a machine train its stage data parallel: each holds the stage's whole
+    parameter state and a 1/gpus part of the machine's activations, and fits in one GPU's
+    memory (parameters were divided by the GPU count, and the fit was checked against the
+    machine's memory)."""
+    import dataclasses
+
+    from hap.cost.model import CostModel
+    from hap.pipeline.partition import StageTable
+    from hap.pipeline.price import PipelinePricer
+    cl = vit_space.cluster
+    quad = dataclasses.replace(cl, devices=tuple(dataclasses.replace(d, gpus=4, intra_bandwidth=1e11) for d in cl.devices))
+    pricer = PipelinePricer(CostModel(vit_space.graph, quad, vit_space.classes), vit_space.program)
+    groups, ratios = vit_space.groups_and_ratios(2)
+    a, b = 0, vit_space.pivots[len(vit_space.pivots) // 2] - 1
+    live = in_flight("1f1b", 2, 4, 0)
+    params = float(pricer.state[b + 1] - pricer.state[a])
+    acts = float(pricer.acts[b + 1] - pricer.acts[a])
+    assert params > 0 and acts > 0
+    got = pricer.memory(a, b, groups[0], ratios[0], 4, live)
+    assert got == pytest.approx([params + acts * r / 4 * live / 4 for r in ratios[0]], rel=1e-12)
+    # a GPU just short of stage 0's least need: no table entry fits there (with the machine's memory it would)
+    least = StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b").least
+    short = dataclasses.replace(quad, devices=tuple(dataclasses.replace(d, memory=least[i] * 0.999) if i == 0 else d
+                                                   for i, d in enumerate(quad.devices)))
+    table = StageTable(PipelinePricer(CostModel(vit_space.graph, short, vit_space.classes), vit_space.program),
+                       vit_space.pivots, groups, ratios, 4, "1f1b")
+    assert table.short[0][0] == 0 and not np.isfinite(table.t[0, 0]).any()
 
 
 def test_cut_environment_masks_and_proportional_cut(vit_space):

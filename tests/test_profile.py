@@ -46,6 +46,23 @@ def test_emulated_debt_is_slept_before_the_next_collective():
     assert 0.06 <= slept < 1.0 and emu.debt == pytest.approx(0.06 - slept, abs=5e-3)
 
 
+def test_a_timed_op_pays_its_emulated_slowness_in_every_sample():
+    """A 50 us op on a 3x device times about 3x (loosely: a shared machine). Each sample
+    used to carry the credit of the previous sample's oversleep, so samples of a small op ran
+    at full speed: 1.0-4.8x in three runs."""
+    import time
+
+    from hap.runtime.profile import timed
+
+    def busy():  # 50 us of computing, however loaded the machine
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 5e-5:
+            pass
+
+    ratio = timed(busy, Emulation(slowdown=3.0), 9) / timed(busy, None, 9)
+    assert 2.5 < ratio < 4.0
+
+
 def test_emulated_links_cost_their_modelled_time():
     spec = {"devices": [{"flops": 1e10, "memory": "1GiB", "count": 2}],
             "network": {"bandwidth": "100MB/s", "latency": "1ms", "emulate": True}}

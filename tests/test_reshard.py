@@ -10,17 +10,25 @@ from test_checkpoint import assert_state_like_reference, batch, distributed, opt
 STEPS = 4
 
 
-def train_and_reshard(rank, world, layout, new_ratios, kind):
+def train_and_reshard(rank, world, layout, new_ratios, kind, validate=False):
+    import torch
     dmodel = distributed(world, layout)
     opt = optimizer(dmodel.parameters(), kind)
     out = {}
+    loss = None  # held, as a loop that logs it holds it
     for step in range(STEPS):
         if step == STEPS // 2:
+            if validate:  # an eval forward between: its loss holds no graph (it used to hide the training loss's)
+                dmodel.eval()
+                with torch.no_grad():
+                    dmodel(*batch(step))
+                dmodel.train()
             out["bytes"] = dmodel.reshard(new_ratios, opt)
             out["ratios"] = dmodel.plan.ratios
             out["fc1 rows"] = dmodel.plan.shard_sizes("p_fc1_weight", 0)
             out["x rows"] = dmodel.input_slices()[0]
-        dmodel(*dmodel.local_batch(*batch(step))).backward()
+        loss = dmodel(*dmodel.local_batch(*batch(step)))
+        loss.backward()
         opt.step()
         opt.zero_grad()
     return {**out, **whole(dmodel, opt)}
@@ -30,7 +38,7 @@ def test_megatron_layout_reshards_with_adam_state(tmp_path):
     # [0.7, 0.3] splits 24 rows [17, 7]; [0.0, 1.0] gives rank 1 all 24: rank 0 sends 17 rows of
     # fc1.weight (12 floats), fc2.weight's columns (12), bn's weight, bias (1) with Adam's two
     # moments each, and of the two running statistics (1): 17 * 4 B * (3*12 + 3*12 + 3 + 3 + 1 + 1).
-    reports = run_ranks(train_and_reshard, 2, tmp_path, ("sharded", [0.7, 0.3]), [0.0, 1.0], "adam")
+    reports = run_ranks(train_and_reshard, 2, tmp_path, ("sharded", [0.7, 0.3]), [0.0, 1.0], "adam", True)
     for got in reports:
         assert got["bytes"] == 17 * 4 * 80
         assert got["ratios"] == [[0.0, 1.0]] and got["fc1 rows"] == [0, 24]

@@ -81,6 +81,10 @@ def test_pridiff_layer_ratio():
     # 4 of 10 columns varied more than theta: gamma_k = 0.6, at least alpha * gamma
     assert sel.layer_ratio("l", 0.5, theta=0.02, alpha=0.8) == pytest.approx(0.6)
     assert sel.layer_ratio("l", 0.9, theta=0.02, alpha=0.8) == pytest.approx(0.72)
+    # a rank that holds none of a layer's columns (a share of 0) prunes none (was a ZeroDivisionError)
+    sel.observe("empty", torch.zeros(3, 0))
+    sel.observe("empty", torch.zeros(3, 0))
+    assert sel.layer_ratio("empty", 0.5, theta=0.02) == 0.0
 
 
 # -- policy formulas (hand-worked) -----------------------------------------------------------
@@ -295,3 +299,68 @@ def test_semi_pretest_runs_where_a_rank_holds_no_columns(tmp_path):
     assert reports[1]["empty"] > 0
     assert reports[0]["pretest"] == reports[1]["pretest"]  # the ranks agree on the mean
     assert reports[0]["pretest"]["omega1"] >= 0
+
+
+class TiedAutoencoder(torch.nn.Module):
+    """The decoder's weight is the encoder's, transposed: a linear whose weight is computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))  # [B, 6]
+        return (torch.nn.functional.linear(h, self.enc.weight.t()) - x).pow(2).mean()  # [B, 8]
+
+
+def tied_migrating(rank, world):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+    from hap.straggler import Mitigator, StragglerConfig
+
+    torch.manual_seed(0)
+    model = TiedAutoencoder()
+    batches = [torch.randn(10, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    cluster = local_cluster((1.0,) * world, "local")
+    example = (batches[0],)
+    dmodel = hap.HAP(model, cluster, example, plan=baseline_plan(capture(model, example), cluster, "megatron",
+                                                                 ratios=[0.6, 0.4]))
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    try:
+        Mitigator(dmodel, StragglerConfig(policy="rebalance"))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    mit = Mitigator(dmodel, StragglerConfig(policy="migrate"), opt)
+    for it, x in enumerate(batches):
+        mit.begin_step(it)
+        mit.moved = [0.5, 0.0]  # rank 0 hands half its columns over, as a decision would
+        mit._plan_work()
+        dmodel(x, part=False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mit.end_step()
+    return {"sites": [s.weight for s in mit.sites], "refused": refused,
+            "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}}
+
+
+def test_a_computed_linear_weight_is_left_to_the_plan(tmp_path):
+    """The tied decoder's weight is not a parameter: the Mitigator leaves that layer as the plan
+    runs it (it failed with a KeyError at the first decision) and migrates the encoder exactly;
+    'rebalance' without the optimizer is refused up front (it failed inside torch later)."""
+    reports = run_ranks(tied_migrating, 2, tmp_path)
+    torch.manual_seed(0)
+    model = TiedAutoencoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        model(torch.randn(10, 8, generator=torch.Generator().manual_seed(i))).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in reports:
+        assert got["sites"] == ["p_enc_weight"]
+        assert got["refused"] == ("straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
+                                  "pass the optimizer, Mitigator(dmodel, config, opt)")
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-5, atol=1e-6), k

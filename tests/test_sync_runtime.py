@@ -278,3 +278,28 @@ def test_sparse_gradients_train_like_one_device(ratios, kinds, tmp_path):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for pname, p in model.named_parameters():
             assert torch.allclose(torch.tensor(got["params"][pname]), p.detach(), rtol=1e-4, atol=1e-6), pname
+
+
+def _blocks_worker(rank, world):
+    import time
+
+    from hap.sync.trials import _timed_blocks
+    calls = [0]
+
+    def step():  # rank 1 is the slow one (10 ms a step); its 3rd step also stalls 0.5 s (a burst)
+        calls[0] += 1
+        if rank == 1:
+            time.sleep(0.01 + (0.5 if calls[0] == 3 else 0.0))
+
+    block = _timed_blocks(step, steps=2, min_seconds=0.6, max_blocks=20)
+    return {"block": block, "steps": calls[0]}
+
+
+def test_trials_take_the_median_block_of_the_slowest_rank(tmp_path):
+    """Blocks of 2 steps until 0.6 s: rank 1's 20 ms blocks and one of 520 ms, so about 5 blocks
+    whose mean is over 0.1 s; the median is a 20 ms block (rank 0's blocks take no time: the
+    slowest rank's count). Every rank stops after as many blocks."""
+    reports = run_ranks(_blocks_worker, 2, tmp_path)
+    assert reports[0]["steps"] == reports[1]["steps"] >= 8
+    assert reports[0]["block"] == reports[1]["block"]
+    assert 0.02 <= reports[0]["block"] < 0.1

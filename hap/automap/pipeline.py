@@ -28,7 +28,7 @@ from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..plan import Plan
 from ..planner import PlannerConfig
-from ..pipeline.partition import StageTable, polish
+from ..pipeline.partition import StageTable, polish, shortfall
 from ..pipeline.plan import PipelineSpace
 from .dqn import Agent, DQNConfig
 
@@ -216,10 +216,11 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
             progress(f"dqn: K={K} groups {sizes} M={M}: {res.seconds * 1e3:.2f} ms after {res.episodes} episodes "
                      f"({res.search_seconds:.1f} s)")
         if best is None or res.seconds < best[0].seconds:
-            best = (res, K, M, table.groups)
-    res, K, M, groups = best
+            best = (res, K, M, table)
+    res, K, M, table = best
+    groups = table.groups
     if not math.isfinite(res.seconds):
-        raise ValueError(f"no pipeline of {K} stages the DQN met fits the devices' memory")
+        raise ValueError(f"no pipeline of {K} stages the DQN met fits the devices' memory" + shortfall(table))
     return space.plan(res.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "dqn", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
                        "exhaustive": False, "episodes": res.episodes, "greedy_seconds": res.greedy_seconds,

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ..cost.model import CostModel
-from ..ir import chunk_cuts
+from ..ir import chunk_cuts, size_text
 from ..search.program import Step
 from .price import PipelinePricer, iteration_seconds
 from .stages import crossings, stage_of_nodes, updated_buffer_spans
@@ -110,7 +110,11 @@ class StageTable:
         cost = pricer.cost
         self.t = np.full((K, Q, Q), np.inf)
         self.sync = np.zeros((K, Q, Q))
-        capacity = [d.memory * d.gpus for d in cost.cluster.devices]
+        capacity = [d.memory for d in cost.cluster.devices]  # per GPU, as PipelinePricer.memory
+        self.least: dict[int, float] = {}
+        """Device -> the least memory (bytes) it needs as a device of its stage (the first stage
+        starts at the model's first node, the last ends at its last)."""
+        least = self.least
         for k, g in enumerate(groups):
             r = np.asarray(ratios[k]) / M
             wf, wb = pricer.work_f[pos][:, g], pricer.work_b[pos][:, g]
@@ -124,9 +128,14 @@ class StageTable:
             for a in range(Q):
                 for b in range(a + 1, Q):
                     mem = pricer.memory(int(pos[a]), int(pos[b]) - 1, g, ratios[k], M, live)
+                    if (k > 0 or a == 0) and (k < K - 1 or b == Q - 1):  # a stage k could be
+                        for i, x in zip(g, mem):
+                            least[i] = min(least.get(i, x), x)
                     if all(x <= capacity[i] for i, x in zip(g, mem)):
                         self.t[k, a, b] = comp[a, b] + 2 * send[b]
                         self.sync[k, a, b] = pricer.sync(int(pos[a]), int(pos[b]) - 1, g)
+        self.short = [(i, least[i], capacity[i]) for i in sorted(least) if least[i] > capacity[i]]
+        """(device, least bytes, capacity) of each device that no stage it could hold fits."""
 
     def objective(self, cuts_pos: Sequence[int]) -> float:
         """L of the stages between consecutive positions (indices into `positions`)."""
@@ -159,10 +168,21 @@ def exact_partition(table: StageTable) -> Partition:
         explored += sum(len(f) for f in fronts.values())
     final = fronts.get(Q - 1, [])
     if not final:
-        raise ValueError(f"no cut into {K} stages fits the devices' memory")
+        raise ValueError(f"no cut into {K} stages fits the devices' memory" + shortfall(table))
     best = min(final, key=lambda x: x[0] + (table.M - 1) * x[1] + x[2])
     cuts_pos = best[3]
     return Partition(tuple(int(table.positions[c]) for c in cuts_pos), table.objective(cuts_pos), explored)
+
+
+def shortfall(table: StageTable) -> str:
+    """Why no cut of `table` fits memory, in words (to follow "no cut ... fits the devices'
+    memory"): the first device that no stage it could hold fits, or that each fits some stage."""
+    if not table.short:
+        return f" (each device fits some stage of {table.M} micro-batches, but no {len(table.groups)} stages that cover the model)"
+    i, need, capacity = table.short[0]
+    name = table.pricer.cost.cluster.devices[i].name
+    return (f": device {i} ({name}, {size_text(capacity)}) needs at least {size_text(need)} for any stage "
+            f"of {table.M} micro-batches it could hold")
 
 
 def polish(table: StageTable, cuts_pos: Sequence[int], reach: int = 16) -> tuple[tuple[int, ...], float]:

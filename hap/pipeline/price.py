@@ -155,7 +155,9 @@ class PipelinePricer:
     def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
         params = float(self.state[b + 1] - self.state[a])
         acts = float(self.acts[b + 1] - self.acts[a])
-        return [(params + acts * r / M * live) / self.cost.gpus(i) for i, r in zip(group, ratios)]
+        # per GPU: a machine's GPUs split its share of the micro-batch's activations and each
+        # keeps the stage's whole parameter state (data parallel), as search.program.memory_terms
+        return [params + acts * r / M * live / self.cost.gpus(i) for i, r in zip(group, ratios)]
 
     # -- the whole -----------------------------------------------------------------------------
 

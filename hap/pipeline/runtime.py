@@ -5,7 +5,8 @@ a step are one device's (pipeline/stages.py says why).
 
     dist.init_process_group("gloo")                    # or hap.runtime.launch.spawn(...)
     pipe = hap.Pipeline(model, cluster, example_inputs, plan)   # a plan of K stages
-    params = list(pipe.parameters())                    # this stage's parameters, whole
+    params = list(pipe.parameters())                    # this stage's parameters, whole (named as
+                                                        # hap.HAP names them: params.p_fc1_bias)
     opt = torch.optim.Adam(params) if params else None  # a stage may have none (the loss alone)
     loss = pipe.train_step(*batch)                     # forward and backward, gradients summed
     if opt: opt.step(); opt.zero_grad()
@@ -115,7 +116,7 @@ class Pipeline(nn.Module):
         for name in sorted(loaded):
             t = graph.tensors[name]
             if t.kind == "param":
-                key = f"p{len(self._param_keys)}"
+                key = name  # the graph's name (torch.export's p_fc1_bias), as hap.HAP's shards are keyed
                 self._param_keys[name] = key
                 self.params[key] = nn.Parameter(mine[name], requires_grad=t.requires_grad)
         self._constants: dict[str, torch.Tensor] = {name: x for name, x in mine.items() if graph.tensors[name].kind == "buffer"}
@@ -222,7 +223,7 @@ class Pipeline(nn.Module):
         inputs = self._inputs_now = dict(zip(self.graph.inputs, batch))
         saved: dict[int, tuple] = {}
         pending: list[dist.Work] = []
-        loss = torch.zeros((), device=self.device)
+        loss = torch.zeros((), dtype=getattr(torch, self.graph.tensors[self.graph.loss].dtype), device=self.device)
         for kind, m in stage_order(self.schedule, self.K, self.M, self.s):
             if kind == "F":
                 saved[m] = self._forward(m, inputs, pending)

@@ -17,7 +17,7 @@ with `@register("name")`.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Literal, Protocol
 
 from ..cost.cluster import Cluster
 from ..ir import Graph
@@ -31,19 +31,33 @@ class Planner(Protocol):
     def __call__(self, graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan: ...
 
 
+Knob = Literal["pipeline", "segments"]
+"""PlannerConfig fields that only some planners read: "pipeline" (pipeline_stages,
+micro_batches, schedule) and "segments"."""
+
 PLANNERS: dict[str, Planner] = {}
 """Name -> planner, in registration order (`hap plan --planner` offers them)."""
 
+KNOBS: dict[str, frozenset[Knob]] = {}
+"""Name -> the optional knobs the planner reads (the command line refuses the others)."""
 
-def register(name: str) -> Callable[[Planner], Planner]:
-    """Register a planner under `name` (a ValueError if the name is taken)."""
+
+def register(name: str, reads: tuple[Knob, ...] = ()) -> Callable[[Planner], Planner]:
+    """Register a planner under `name` (a ValueError if the name is taken) that reads the
+    optional knobs `reads`."""
     def add(planner: Planner) -> Planner:
         if name in PLANNERS:
             raise ValueError(f"a planner named {name!r} is already registered")
         PLANNERS[name] = planner
+        KNOBS[name] = frozenset(reads)
         return planner
 
     return add
+
+
+def reading(knob: Knob) -> list[str]:
+    """The planners that read `knob`, in registration order."""
+    return [name for name in PLANNERS if knob in KNOBS[name]]
 
 
 def planner_named(name: str) -> Planner:
@@ -59,7 +73,7 @@ def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig |
     return planner_named(name)(graph, cluster, config or PlannerConfig(), progress or (lambda msg: None))
 
 
-@register("astar")
+@register("astar", reads=("segments",))
 def _astar(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
     return synthesize_plan(graph, cluster, config, progress=progress)
 
@@ -76,14 +90,14 @@ for _name in ("dp-ev", "dp-cp", "tp", "ep", "megatron"):
     register(_name)(_baseline(_name))
 
 
-@register("pp-exact")
+@register("pp-exact", reads=("pipeline",))
 def _pp_exact(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
     """A pipeline (hap.pipeline): the exact optimal cut for each stage count (--pipeline-stages)."""
     from ..pipeline.plan import exact_plan
     return exact_plan(graph, cluster, config, progress)
 
 
-@register("dqn")
+@register("dqn", reads=("pipeline",))
 def _dqn(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
     """A pipeline whose cuts Auto-MAP's DQN places (hap.automap.pipeline)."""
     from ..automap.pipeline import dqn_plan
@@ -97,7 +111,7 @@ def _dqn_opp(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Pr
     return opp_plan(graph, cluster, config.optimizer, progress=progress)
 
 
-@register("auto")
+@register("auto", reads=("pipeline", "segments"))
 def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
     """The fastest estimate among hap's synthesis and the exact pipeline, priced by the one
     cost model (a pipeline that cannot run this model drops out, with the reason in progress)."""

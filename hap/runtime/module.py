@@ -71,7 +71,7 @@ class HAP(nn.Module):
         """Numbers to sum over ranks with the next forward's loss (global_loss): a flag every
         rank needs, at no extra collective. The sums land in `piggybacked`."""
         self.piggybacked: torch.Tensor | None = None
-        self._last_loss: weakref.ref | None = None  # the loss forward returned last (see reshard)
+        self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
@@ -99,7 +99,7 @@ class HAP(nn.Module):
         """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
-    def forward(self, *batch: torch.Tensor, part: bool | None = None) -> torch.Tensor:
+    def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
         """The loss of the global batch. Each input is given whole (the global batch) or as this
         rank's part of it (rows `input_slices()` names), which is all this rank then loads. A
         batch of another shape (the last, smaller batch of an epoch; another sequence length)
@@ -109,6 +109,9 @@ class HAP(nn.Module):
         part: whether the inputs are this rank's part of the planned batch; None: told by every
         rank's shapes together (a small collective where they are not the planned batch's; with
         equal parts on every rank they could be either: say part=True or part=False)."""
+        if named:
+            raise TypeError(f"hap.HAP takes the model's inputs by position, in the order of the example inputs "
+                            f"(got {', '.join(map(repr, named))} by name)")
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
@@ -117,7 +120,7 @@ class HAP(nn.Module):
         ex, presliced = self._executor_for(batch, part) if self.training else self._evaluator_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
         if not self.global_loss:
-            self._last_loss = weakref.ref(part)
+            self._keep_loss(part)
             return part
         if self.piggyback is not None:
             extra = self.piggyback.to(part.device)
@@ -126,8 +129,14 @@ class HAP(nn.Module):
         else:
             total = all_reduce(part.detach(), self.comm)
         loss = part + (total - part).detach()  # the global loss's value, the part's gradient
-        self._last_loss = weakref.ref(loss)
+        self._keep_loss(loss)
         return loss
+
+    def _keep_loss(self, loss: torch.Tensor) -> None:
+        """Remember a returned loss that holds a graph (a training step's; an eval forward's
+        under torch.no_grad holds none), for reshard to let its graph go."""
+        if loss.grad_fn is not None:
+            self._losses = [ref for ref in self._losses if ref() is not None] + [weakref.ref(loss)]
 
     def input_slices(self) -> list[tuple[int, int, int] | None]:
         """Per model input, the rows this rank needs: (dim, start, length) of the global batch, or
@@ -136,7 +145,13 @@ class HAP(nn.Module):
         return [slices[name] for name in self.graph.inputs]
 
     def local_batch(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's part of a global batch (what `input_slices` names)."""
+        """This rank's part of the planned global batch (what `input_slices` names). A batch of
+        another shape has no parts: it is given whole, `dmodel(*batch)` (a ValueError here)."""
+        planned = _shapes_of(self.graph)
+        key = tuple(tuple(x.shape) for x in batch)
+        if key != planned:
+            raise ValueError(f"local_batch cuts the planned batch {planned}, not {key}: give a batch of another "
+                             "shape whole, dmodel(*batch)")
         return tuple(x if s is None else x.narrow(*s) for x, s in zip(batch, self.input_slices()))
 
     def _executor_for(self, batch: Sequence[torch.Tensor], part: bool | None) -> tuple[Executor, frozenset[str]]:
@@ -274,9 +289,11 @@ class HAP(nn.Module):
         # The last step's graph, alive while the caller holds its loss, keeps each parameter's
         # gradient accumulator with the old shape, which the next backward would meet: let it go
         # (the loss keeps its value; a graph already backpropagated is of no further use).
-        last = self._last_loss() if self._last_loss is not None else None
-        if last is not None and last.grad_fn is not None and not last._is_view():  # a view cannot detach in place
-            last.detach_()
+        for ref in self._losses:
+            last = ref()
+            if last is not None and last.grad_fn is not None and not last._is_view():  # a view cannot detach in place
+                last.detach_()
+        self._losses = []
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
         self._check_no_old_graph()

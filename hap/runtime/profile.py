@@ -21,6 +21,7 @@ non-negative least squares; its worst relative residual is reported.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -59,18 +60,28 @@ def fit_line(units: Sequence[float], seconds: Sequence[float]) -> LineFit:
     return LineFit(float(const), float(per_unit), float(np.max(np.abs(fitted - y) / y)))
 
 
-def timed(fn: Callable[[], object], emulation: Emulation | None, repeats: int) -> float:
-    """Median wall seconds of fn(), with this rank's emulated slowness paid inside each run."""
+def timed(fn: Callable[[], object], emulation: Emulation | None, repeats: int, min_sample: float = 2e-3) -> float:
+    """Wall seconds of fn(): the least of `repeats` samples (on a shared machine noise only adds
+    time), with this rank's emulated slowness paid inside each. A sample runs fn() often enough
+    to take `min_sample` and then sleeps its debt off at once, which it owes in full, whatever
+    an earlier sample overslept: a sleep of a few microseconds overshoots by about its own
+    length, and the credit for it (carried, as training carries it) let later samples of a
+    small op run at full speed (a 3x device measured 1.3x)."""
     fn()
+    t0 = time.perf_counter()
+    fn()
+    inner = max(1, math.ceil(min_sample / max(time.perf_counter() - t0, 1e-9)))
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         if emulation is not None:
+            emulation.debt = 0.0
             emulation.computed(time.perf_counter() - t0)
             emulation.settle()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        samples.append((time.perf_counter() - t0) / inner)
+    return min(samples)
 
 
 # -- computation ----------------------------------------------------------------------------------

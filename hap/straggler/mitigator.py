@@ -104,6 +104,9 @@ class Mitigator:
     def __init__(self, dmodel, config: StragglerConfig, optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = ()):
         self.dmodel, self.config = dmodel, config
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        if config.policy == "rebalance" and not self.optimizers:
+            raise ValueError("straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
+                             "pass the optimizer, Mitigator(dmodel, config, opt)")
         self.comm = dmodel.comm
         self.rank, self.world = self.comm.rank, self.comm.world
         self.meter = Meter(self.comm)
@@ -136,6 +139,8 @@ class Mitigator:
             x_p, w_p = step.strategy.inputs[0], step.strategy.inputs[1]
             seg = ex.segment_of[step.node]
             weight = node.inputs[1]
+            if weight not in ex.params:  # computed (a tied weight transposed): no columns of a parameter to
+                continue                 # prune, hand over or watch; it runs as the plan says
             n, k = ex.graph.tensors[weight].shape
             if w_p.is_shard and w_p.dim == 0 and x_p == R:
                 sizes = ex.sizes(weight, w_p, seg)

@@ -165,5 +165,7 @@ class PrioritySelector:
         st = self.layers.get(layer)
         if st is None or st.delta is None:
             return min(gamma, cap)
+        if st.delta.numel() == 0:  # this rank holds none of the layer's columns: nothing to prune
+            return 0.0
         varied = int((st.delta > theta).sum())
         return min(cap, max(1.0 - varied / st.delta.numel(), alpha * gamma))

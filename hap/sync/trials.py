@@ -3,9 +3,9 @@ emulated as the cluster file says), by training steps of the real model.
 
 The ranks stay up for all the trials of a search: they build the model and hap.HAP once (the
 base plan), and for each strategy switch their gradient sync to it (HAP.resync), run `warmup`
-steps, then time `steps` steps, and `steps` more until `min_seconds` have passed (a fast step's
-time varies by about itself: more of them average the noise out). A trial's time is the
-slowest rank's mean step.
+steps, then time blocks of `steps` steps until `min_seconds` have passed (a fast step's time
+varies by about itself). A trial's time is the median block's, each block timed on its slowest
+rank, per step.
 
     with TrialCluster(workload) as cluster:
         seconds = cluster.measure([entries_a, entries_b])   # plan.SyncEntry lists
@@ -14,6 +14,7 @@ slowest rank's mean step.
 from __future__ import annotations
 
 import queue
+import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,7 @@ class Workload:
     steps: int = 5
     warmup: int = 2
     min_seconds: float = 0.0
-    """Time at least this long (in blocks of `steps` steps, at most 20 blocks)."""
+    """Time at least this long (in blocks of `steps` steps, at most 20 blocks; the median block counts)."""
 
 
 class TrialsFailed(RuntimeError):
@@ -101,6 +102,24 @@ class TrialCluster:
             return value
 
 
+def _timed_blocks(step, steps: int, min_seconds: float, max_blocks: int = 20) -> float:
+    """The median time of blocks of `steps` steps, each block's time the slowest rank's, timed
+    until they add up to `min_seconds` (at most `max_blocks`). The median, not the mean: on a
+    shared machine another process's burst slows one block, not the strategy (a collective:
+    every rank decides alike, on the slowest rank's times)."""
+    blocks, total = [], 0.0
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        blocks.append(took.item())
+        total += took.item()
+        if total >= min_seconds or len(blocks) >= max_blocks:
+            return statistics.median(blocks)
+
+
 def _serve(rank: int, world: int, port: int, workload: dict, commands, results, timeout_s: float) -> None:
     from datetime import timedelta
 
@@ -142,16 +161,7 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
                 for _ in range(w.warmup):
                     step()
                 dist.barrier()
-                t0, done = time.perf_counter(), 0
-                while True:  # every rank decides alike: on the slowest rank's time
-                    for _ in range(w.steps):
-                        step()
-                    done += w.steps
-                    took = torch.tensor([time.perf_counter() - t0])
-                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                    if took.item() >= w.min_seconds or done >= 20 * w.steps:
-                        break
-                measured.append(took.item() / done)
+                measured.append(_timed_blocks(step, w.steps, w.min_seconds) / w.steps)
             if rank == 0:
                 results.put(("measured", measured))
         dist.barrier()
