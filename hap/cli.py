@@ -831,6 +831,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hap: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (hap plan --listing | head): stop quietly, as a pipe does
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
+        return 141
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ class Plan:
 
     def _validate(self) -> None:
         """Fields of their types, the stages' device groups split the plan's devices once each,
-        every stage has a share (finite, at least 0) per device of its group, and sync groups
+        their node ranges follow one another from node 0, every stage has a share (finite, at least 0) per device of its group, and sync groups
         name the plan's devices: a ValueError otherwise."""
         for name, kind in _FIELD_TYPES.items():  # a hand-edited file: what summary() and the runtime read
             value = getattr(self, name)
@@ -273,6 +273,11 @@ class Plan:
         groups = [list(st.devices) for st in self.stages]
         if sorted(d for g in groups for d in g) != list(range(n)):
             raise ValueError(f"malformed plan: the stages' device groups {groups} do not split its {n} devices once each")
+        spans = [list(st.nodes) for st in self.stages]
+        ok = all(len(sp) == 2 and all(isinstance(x, int) for x in sp) and sp[0] <= sp[1] for sp in spans)
+        if not ok or spans[0][0] != 0 or any(b[0] != a[1] + 1 for a, b in zip(spans, spans[1:])):
+            raise ValueError(f"malformed plan: the stages' node ranges {spans} must cover the model's nodes in order, "
+                             "from node 0, without gaps")
         for k, st in enumerate(self.stages):
             if any(len(row) != len(st.devices) for row in st.ratios):
                 raise ValueError(f"malformed plan: stage {k} has {len(st.devices)} devices but ratios {st.ratios}")

@@ -154,8 +154,10 @@ def segment_graph(graph: Graph, segments: int) -> list[int]:
     n = len(graph.nodes)
     if segments < 1:
         raise ValueError(f"segments must be at least 1, got {segments}")
-    if segments == 1 or n < 2 * segments:
+    if segments == 1:
         return [0] * n
+    if n < 2 * segments:  # a segment of one node has nothing to re-split for (it planned one segment, silently)
+        raise ValueError(f"{segments} segments: the model has {n} nodes, enough for at most {max(1, n // 2)}")
     work = [nd.flops + nd.bwd_flops + 1.0 for nd in graph.nodes]
     total = sum(work)
     live = _live_bytes(graph)

@@ -202,3 +202,16 @@ def test_an_output_through_a_dangling_link_is_written_through_it(tmp_path):
     assert main(["plan", "--model", "vit", "--scale", "small", "--cluster", "local", "--quiet",
                  "--json", str(tmp_path / "link.json")]) == 0
     assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "real" / "plan.json").read_text())["version"] == 2
+
+
+def test_a_reader_that_goes_away_stops_hap_quietly():
+    """`hap plan --listing | head` used to end in a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "hap", "clusters"], stdout=w, stderr=subprocess.PIPE)
+    os.close(w)
+    os.close(r)  # the reader is gone before hap writes a line
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()

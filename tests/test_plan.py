@@ -306,6 +306,9 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     negative = {**data["stages"][0], "ratios": [[-0.5, *row[1:-1], row[-1] + 0.5 + row[0]] for row in data["stages"][0]["ratios"]]}
     with pytest.raises(ValueError, match=r"stage 0's ratios .* must be finite shares at least 0, some positive$"):
         Plan.from_dict({**data, "stages": [negative]})  # trained until a rank failed; explain drew it
+    gap = {**data["stages"][0], "nodes": [1, data["stages"][0]["nodes"][1]]}  # failed inside the ranks
+    with pytest.raises(ValueError, match=r"node ranges \[\[1, \d+\]\] must cover the model's nodes in order"):
+        Plan.from_dict({**data, "stages": [gap]})
     for field, value in (("estimated_iteration_seconds", "fast"), ("breakdown", [1]), ("cluster", None)):
         with pytest.raises(ValueError, match=f"^malformed plan: {field} is "):  # summary() died on each
             Plan.from_dict({**data, field: value})
@@ -349,10 +352,14 @@ def test_megatron_splits_weights_that_autocast_casts_first():
 def test_every_segment_holds_a_node_however_the_work_lies(work, segments):
     # a first node with most of the FLOPs once put the first cut at node 0: no segment 0
     graph = SimpleNamespace(nodes=[SimpleNamespace(flops=w, bwd_flops=0.0) for w in work], tensors={})
+    if len(work) < 2 * segments:  # too few nodes: a one-line error (it planned one segment, silently)
+        with pytest.raises(ValueError, match=f"^{segments} segments: the model has {len(work)} nodes, enough for at "
+                                             f"most {max(1, len(work) // 2)}$"):
+            segment_graph(graph, segments)
+        return
     seg = segment_graph(graph, segments)
     assert len(seg) == len(work) and seg == sorted(seg)
-    expected = segments if len(work) >= 2 * segments else 1
-    assert set(seg) == set(range(expected))
+    assert set(seg) == set(range(segments))
 
 
 class BigMLP(nn.Module):
@@ -390,6 +397,12 @@ def test_where_replicas_do_not_fit_the_planners_shard_or_say_why():
     with pytest.raises(ValueError, match=r"^no planner found a plan \(astar: out of memory: .* on device \d .*; "
                                          r"pp-exact: .*\)$"):  # was: no planner found a plan
         make_plan("auto", graph, _small_memory((1.0, 2.0, 3.0), 2e5), config)
+    # a knob auto's planners cannot honour is an error, not a silent fallback to the other planner
+    big = _small_memory((1.0, 2.0), 1e9)
+    with pytest.raises(ValueError, match=r"^auto: pp-exact cannot plan as asked: "):
+        make_plan("auto", graph, big, PlannerConfig(micro_batches=1000))
+    with pytest.raises(ValueError, match=r"^auto: astar cannot plan as asked: 500 segments: the model has"):
+        make_plan("auto", graph, big, PlannerConfig(segments=500))
 
 
 def test_a_frozen_parameter_holds_no_gradient_or_optimizer_state():

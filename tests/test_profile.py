@@ -222,3 +222,42 @@ def test_wait_clock_counts_the_time_inside_collectives(tmp_path):
     all-reduce for rank 1, which itself spends little there."""
     first, last = run_ranks(_clocked_all_reduce, 2, tmp_path)
     assert 0.04 < first < 1.0 and last < first
+
+
+def test_calibration_cache_keys_precision_and_frozen_layers_and_survives_damage(tmp_path, monkeypatch):
+    """The cache key tells a float32 model from its bfloat16 copy and from a copy with a frozen
+    layer (they shared one: a bfloat16 model read float32 times). A damaged cache file is
+    measured anew and replaced (it was a JSONDecodeError); a cluster whose every device is
+    emulated slower measures at the machine's speed (it was max() of nothing)."""
+    import copy
+
+    from hap.capture import capture
+    from hap.cost import calibrate
+    from hap.ir import NodeTiming
+
+    class Loss(torch.nn.Sequential):
+        def forward(self, x):
+            return super().forward(x).sum()
+
+    model = Loss(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    x = (torch.randn(8, 4),)
+    cluster = local_cluster((2.0, 3.0), "slow-pair")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    frozen = copy.deepcopy(model)
+    frozen[0].requires_grad_(False)
+    keys = {calibrate._timing_key(capture(model, x), cluster), calibrate._timing_key(capture(half, (x[0].bfloat16(),)), cluster),
+            calibrate._timing_key(capture(frozen, x), cluster)}
+    assert len(keys) == 3
+
+    graph = capture(model, x)
+    speeds = []
+    monkeypatch.setattr(calibrate, "measure_nodes", lambda graph, model, inputs, speed, small: speeds.append(speed))
+    monkeypatch.setattr(calibrate, "calibrate_nodes", lambda measured, model, inputs, cluster: NodeTiming(
+        fwd=(1.0,), bwd=(2.0,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=9e10))
+    path = tmp_path / f"timing-{calibrate._timing_key(graph, cluster)}.json"
+    for damage in ("{", "", '{"fwd": [1.0]}'):
+        path.write_text(damage)
+        timing, cached = calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path))
+        assert not cached and timing.fwd == (1.0,)
+        assert calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path)) == (timing, True)  # replaced
+    assert speeds == [pytest.approx(9e10)] * 3

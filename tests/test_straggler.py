@@ -171,8 +171,14 @@ def test_schedules():
                                         ("round-robin:chi=nan", "a finite number at least 1"),  # ran unslowed
                                         ("multi:chi=8/inf", "a finite number at least 1"),  # killed a rank
                                         ("round-robin:chi=8/4", "one chi"),
-                                        ("persistent:rank=7", "rank < 4"),
-                                        ("round-robin:speed=3", "chi=, every=")])
+                                        ("persistent:chi=2,rank=7", "rank < 4"),
+                                        ("round-robin:speed=3", "chi=, every="),
+                                        # each of these was taken without a word and did nothing, or not what it said
+                                        ("none:chi=8", "none takes no fields, not chi=$"),
+                                        ("persistent:chi=8,rank=1,rank=0", "rank= given twice$"),
+                                        ("persistent:chi=8,every=3", "persistent takes chi=, rank=, start=, not every=$"),
+                                        ("multi:chi=8,rank=1", "multi takes chi=, start=, not rank=$"),
+                                        ("round-robin", r"round-robin needs chi= \(how many times slower\)$")])
 def test_bad_schedules_say_what_is_wrong(text, says):
     with pytest.raises(ValueError, match=says):
         parse_schedule(text, 4)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -28,6 +29,8 @@ import torch.nn as nn
 
 from ..ir import Graph, NodeTiming
 from .cluster import Cluster
+
+log = logging.getLogger("hap")
 
 
 def measure_nodes(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor], device_flops: float,
@@ -240,16 +243,21 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
     """The graph's node times on this cluster (measure_nodes at the full and a quarter batch,
     then calibrate_nodes), read from `cache_dir` where this graph was calibrated on this
     cluster before; and whether they came from the cache. The cache key is the graph's ops and
-    shapes, the cluster spec and the torch version: another model, size or cluster measures anew."""
+    its tensors' shapes, dtypes and requires_grad, the cluster spec and the torch version:
+    another model, size, precision, frozen layer or cluster measures anew; so does a damaged
+    cache file (a warning)."""
     key = _timing_key(graph, cluster)
     path = os.path.join(cache_dir, f"timing-{key}.json") if cache_dir else None
     if path and os.path.exists(path):
-        with open(path) as f:
-            found = json.load(f)
-        scale = found.pop("device_scale")
-        return NodeTiming(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()},
-                          device_scale=tuple(map(tuple, scale)) if scale else None), True
-    speed = max(d.flops for d in cluster.devices if d.slowdown == 1)
+        try:
+            with open(path) as f:
+                found = json.load(f)
+            scale = found.pop("device_scale")
+            return NodeTiming(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()},
+                              device_scale=tuple(map(tuple, scale)) if scale else None), True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # damaged: measure anew, replace it
+            log.warning("hap: the calibration cache %s is damaged (%s: %s); measuring again", path, type(e).__name__, e)
+    speed = max(d.flops * d.slowdown for d in cluster.devices)  # the machine's, unslowed (every device may be emulated)
     small = tuple(t[: max(1, t.shape[0] // 4)] for t in inputs)
     timing = calibrate_nodes(measure_nodes(graph, model, inputs, speed, small), model, inputs, cluster)
     if path:
@@ -264,6 +272,7 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
 def _timing_key(graph: Graph, cluster: Cluster) -> str:
     import hashlib
 
-    shape = [(n.op, [graph.tensors[t].shape for t in (*n.inputs, *n.outputs)]) for n in graph.nodes]
+    shape = [(n.op, [(graph.tensors[t].shape, graph.tensors[t].dtype, graph.tensors[t].requires_grad)
+                     for t in (*n.inputs, *n.outputs)]) for n in graph.nodes]
     text = json.dumps([shape, cluster.to_dict(), torch.__version__], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

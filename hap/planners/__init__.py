@@ -114,12 +114,17 @@ def _dqn_opp(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Pr
 @register("auto", reads=("pipeline", "segments"))
 def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
     """The fastest estimate among hap's synthesis and the exact pipeline, priced by the one
-    cost model (a pipeline that cannot run this model drops out, with the reason in progress)."""
+    cost model (a pipeline that cannot run this model drops out, with the reason in progress;
+    a planner that cannot honour a knob the config sets for it, segments or pipeline stages and
+    micro-batches, is a ValueError)."""
     candidates, reasons = [], []
+    asked = {"astar": config.segments > 1, "pp-exact": bool(config.pipeline_stages or config.micro_batches)}
     for name in ("astar", "pp-exact"):
         try:
             candidates.append(PLANNERS[name](graph, cluster, config, progress))
         except ValueError as e:
+            if asked[name]:  # what the user asked of it (--segments, --pipeline-stages ...) cannot be: say so
+                raise ValueError(f"auto: {name} cannot plan as asked: {e}") from None
             progress(f"auto: {name} has no plan: {e}")
             reasons.append(f"{name}: {e}")
     if not candidates:

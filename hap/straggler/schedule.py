@@ -56,17 +56,30 @@ class Schedule:
         return f"stragglers with chi {chi} on ranks 0..{len(self.chi) - 1}"
 
 
+_FIELDS = {"none": (), "round-robin": ("chi", "every", "rank", "start"), "persistent": ("chi", "rank", "start"),
+           "multi": ("chi", "start")}
+"""The fields each kind reads (multi slows ranks 0, 1, ... by its chis)."""
+
+
 def parse_schedule(text: str, world: int) -> Schedule:
     """A schedule from its text form (module docstring); a ValueError names what is wrong."""
     kind, _, rest = text.strip().partition(":")
     if kind not in ("none", "round-robin", "multi", "persistent"):
         raise ValueError(f"unknown straggler schedule {kind!r}; choose none, round-robin, multi or persistent")
+    takes = _FIELDS[kind]
     fields: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in ("chi", "every", "rank", "start"):
             raise ValueError(f"straggler schedule {text!r}: expected chi=, every=, rank= or start=, got {item!r}")
+        if key not in takes:  # it would do nothing (none:chi=8 slowed no one)
+            raise ValueError(f"straggler schedule {text!r}: {kind} takes " + (", ".join(f"{k}=" for k in takes) or "no fields")
+                             + f", not {key}=")
+        if key in fields:
+            raise ValueError(f"straggler schedule {text!r}: {key}= given twice")
         fields[key] = value
+    if kind != "none" and "chi" not in fields:  # a bare round-robin slowed no one (chi 1)
+        raise ValueError(f"straggler schedule {text!r}: {kind} needs chi= (how many times slower)")
     try:
         chi = tuple(float(c) for c in fields.get("chi", "1").split("/"))
         every, rank, start = int(fields.get("every", 5)), int(fields.get("rank", 0)), int(fields.get("start", 0))
