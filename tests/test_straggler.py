@@ -10,7 +10,7 @@ from gloo import run_ranks
 
 from hap.straggler.migrate import Handover, handover, receivers_of
 from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds,
-                                  migration_bound, rebalanced_time, semi_beta, unmitigated)
+                                  migration_bound, rebalanced_time, semi_beta, stragglers_and_receivers, unmitigated)
 from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
 from hap.straggler.schedule import Schedule, parse_schedule
 
@@ -111,6 +111,33 @@ def test_eq1_prunes_only_what_slow_multiplications_cost():
     assert keep_after_resizing(1.0, 2.0, t_avg, 0.4) == pytest.approx(0.05)  # the cap, without the floor
     assert keep_after_resizing(1.0, 2.0, t_avg, 0.4, floor=matmul_floor(stats, 1)) == pytest.approx(0.25)
     assert keep_after_resizing(1.0, 0.8, t_avg, 0.1, floor=matmul_floor(stats, 2)) == 1.0
+
+
+def test_a_rank_without_columns_is_no_receiver_and_sets_no_pace():
+    # rank 0 holds every column (10 ms busy, 1 ms of it matmul); rank 1 holds none (share 0,
+    # 8x slow: its call overhead alone was timed as matmul). It used to set T_min (9 ms), make
+    # rank 0 a straggler, and take 95% of rank 0's columns at "0 s per FLOP"
+    busy_all = Stats(busy=0.010, matmul=0.001, flops=1e8, own=1.0, full_flops=1e8)
+    idle = Stats(busy=0.009, matmul=0.0, flops=0.0, own=1.0, full_flops=0.0)
+    t_min, slow, receivers = stragglers_and_receivers([busy_all, idle], 0.10)
+    assert (t_min, slow, receivers) == (pytest.approx(0.010), [], [0])
+    # among ranks that hold columns the slow one is still found, and only the others receive
+    slow_one = Stats(busy=0.030, matmul=0.021, flops=1e8, own=1.0, full_flops=1e8)
+    assert stragglers_and_receivers([busy_all, slow_one, idle], 0.10)[1:] == ([1], [0])
+
+
+def test_an_empty_shard_charges_no_matmul_time():
+    """A rank with no columns of a layer multiplies nothing: the emulated straggler owes no
+    sleep for the call and no matmul seconds (its call overhead, times chi, was charged)."""
+    from hap.runtime.collectives import Comm
+    from hap.runtime.emulate import Emulation
+    from hap.straggler.linear import Meter
+    comm = Comm(rank=0, world=2, emulation=Emulation())
+    meter = Meter(comm, slowdown=8.0)
+    meter.charge(0.001, 0.0)
+    assert (meter.seconds, meter.flops, comm.emulation.debt) == (0.0, 0.0, 0.0)
+    meter.charge(0.001, 2e6)
+    assert meter.seconds == pytest.approx(0.008) and comm.emulation.debt == pytest.approx(0.007)
 
 
 def test_balanced_migration_equalizes_straggler_and_receiver():

@@ -42,6 +42,8 @@ class Meter:
     """Multiply-add FLOPs this rank computed in them (its own columns and received ones)."""
 
     def charge(self, seconds: float, flops: float) -> None:
+        if flops == 0:  # an empty shard: no multiplication to slow (its call overhead is no matmul time)
+            return
         self.seconds += seconds * self.slowdown
         self.flops += flops
         emu = self.comm.emulation

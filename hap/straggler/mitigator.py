@@ -44,7 +44,7 @@ from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
 from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds, migration_bound,
-                     rebalance_pays, rebalanced_time, semi_beta, stragglers, unmitigated)
+                     rebalance_pays, rebalanced_time, semi_beta, stragglers_and_receivers, unmitigated)
 from .prune import Lineage, PrioritySelector, RandomSelector
 from .schedule import Schedule
 
@@ -234,7 +234,7 @@ class Mitigator:
     def _decide(self, stats: list[Stats]) -> int:
         policy, cfg = self.config.policy, self.config
         t_avg = sum(s.busy for s in stats) / self.world
-        t_min = min(unmitigated(s) for s in stats)  # T_min, the strict criterion (migration, SEMI)
+        t_min, slow, receivers = stragglers_and_receivers(stats, cfg.tolerance)  # T_min: the strict criterion
         if policy == "none":
             return 0
         if policy.startswith("zero"):
@@ -248,17 +248,14 @@ class Mitigator:
                                                        matmul_floor(stats, r))
             return 0
         if policy in ("migrate", "rebalance"):
-            slow = stragglers(stats, t_min, cfg.tolerance)
-            self._migrate(stats, slow, [r for r in range(self.world) if r not in slow])
+            self._migrate(stats, slow, receivers)
             return self._maybe_reshard(stats) if policy == "rebalance" else 0
         # semi: Algorithm 2
-        slow = stragglers(stats, t_min, cfg.tolerance)
         for r in range(self.world):
             if r not in slow:
                 self.moved[r], self.keep[r] = 0.0, 1.0
         if not slow:
             return 0
-        receivers = [r for r in range(self.world) if r not in slow]
         full = {r: stats[r].full_flops * stats[r].matmul / stats[r].flops if stats[r].flops > 0 else 0.0 for r in slow}
         excess = {r: min(cfg.cap, 1.0 - matmul_floor(stats, r), max(0.0, (unmitigated(stats[r]) - t_min) / full[r]))
                   if full[r] > 0 else 0.0 for r in slow}  # Eq. 1 against T_min, as a share of all its columns

@@ -80,6 +80,16 @@ def balanced_migration(stats: Sequence[Stats], slow: Sequence[int], receivers: S
     return {k: max(0.0, (unmitigated(stats[k]) - t_star) / a[k]) if a[k] > 0 else 0.0 for k in slow}
 
 
+def stragglers_and_receivers(stats: Sequence[Stats], tolerance: float) -> tuple[float, list[int], list[int]]:
+    """(T_min, the stragglers against it slowest first, the ranks that may take their columns).
+    A rank holding no columns (a share of 0) showed no matmul speed: it sets no T_min and takes
+    no columns (it looked infinitely fast, and the rank doing all the work a straggler)."""
+    held = [r for r, s in enumerate(stats) if s.full_flops > 0] or list(range(len(stats)))
+    t_min = min(unmitigated(stats[r]) for r in held)
+    slow = stragglers(stats, t_min, tolerance)
+    return t_min, slow, [r for r in held if r not in slow]
+
+
 def stragglers(stats: Sequence[Stats], target: float, tolerance: float) -> list[int]:
     """Ranks that, unmitigated, would be slower than `target` by more than `tolerance` (a
     fraction), slowest first."""
