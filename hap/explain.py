@@ -292,8 +292,10 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
     draw(estimated, total, measured, plan, Path(out_dir, "timeline.png"))
     report = where_time_goes(plan)
     if len(plan.stages) > 1:
-        report.append(f"  drawn: {total * 1e3:.2f} ms (each stage's gradient sync starts when its own last backward "
-                      "ends, as the runtime runs it; the estimates wait for the whole flush)")
+        report.append(f"  drawn: {total * 1e3:.2f} ms, the schedule simulated as the runtime runs it (a micro-batch's "
+                      "transfers overlap the next computation; each stage's gradient sync starts when its own last "
+                      "backward ends); the estimate, the pipeline formula the planners minimise, puts every transfer "
+                      "on the critical path and syncs after the whole flush")
     if steps:
         report.append(f"  measured step (last traced, per rank): {', '.join(f'{s * 1e3:.2f}' for s in steps)} ms; "
                       f"estimate {plan.estimated_iteration_seconds * 1e3:.2f} ms")

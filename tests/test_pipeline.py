@@ -747,6 +747,7 @@ def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     assert len(plan.stages) == 2 and plan.schedule.micro_batches == 3
     assert plan.estimated_iteration_seconds > 0
     assert sum(plan.breakdown.values()) == pytest.approx(plan.estimated_iteration_seconds)  # its terms, once each
+    assert plan.breakdown["loss_collective"] > 0 and plan.breakdown["gradient_sync"] >= 0  # the loss's was called gradient sync
     from hap.plan import Plan
     again = Plan.from_json(plan.to_json())
     assert again.digest == plan.digest and again.schedule == plan.schedule

@@ -95,18 +95,23 @@ class Estimate:
     them in the reverse order, as their gradients arrive)."""
     stage_of: dict[int, int] = field(default_factory=dict)
     """The stage each node runs in (by node index)."""
+    step_collectives: float = 0.0
+    """The loss's all-reduce and the random generator's broadcast (CostModel.step_overhead)."""
 
     def fits(self, capacity: Sequence[float]) -> bool:
         """Whether every device's memory holds its part: capacity[j] bytes per GPU of device j."""
         return all(m <= c for m, c in zip(self.memory, capacity))
 
     def breakdown(self) -> dict[str, float]:
+        """Where the estimate goes: its terms add up to `seconds`, but for the overlapped gradient
+        sync (shown beside them: hidden behind the backward)."""
         return {
             "forward_compute": sum(max(s.fwd, default=0.0) for s in self.stages),
             "backward_compute": sum(max(s.bwd, default=0.0) for s in self.stages),
             "communication": sum(s.comm for s in self.stages),
             "gradient_sync": self.grad_sync,
             "gradient_sync_overlapped": sum(b.seconds for b in self.buckets) - self.grad_sync,
+            "loss_and_rng_collectives": self.step_collectives,
         }
 
 
@@ -359,7 +364,8 @@ def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
     shard sizes; continuous=True: the ratios themselves, as the LP sees them)."""
     w = walk(program, cost, segment_of, NumericShares(cost, ratios, continuous))
     return Estimate(seconds=w.total + cost.step_overhead, stages=w.stages, grad_sync=w.exposed_sync,
-                    memory=memory(program, cost, segment_of, ratios), buckets=w.buckets, stage_of=w.stage_of)
+                    memory=memory(program, cost, segment_of, ratios), buckets=w.buckets, stage_of=w.stage_of,
+                    step_collectives=cost.step_overhead)
 
 
 def synced_params(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, int]:
