@@ -37,17 +37,21 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: [{name: a, flops: fast, memory: 1GiB}]", r"devices\[0\].flops: cannot read 'fast'"),
     ("devices: [{name: a, flops: 1e12, memory: 1GiB, colour: red}]", r"unknown key\(s\) \['colour'\]"),
     ("devices: []", "'devices' must be a non-empty list"),
-    ("devices: [{flops: 1, memory: 1}, {flops: 1, memory: 1}]", "no cost for collective"),
-    ("devices: [{flops: 1, memory: 1, gpus: 2}]", "needs intra_bandwidth"),
-    ("devices: [{flops: 1, memory: 1, count: 0}]", "count must be an integer from 1 to 1024, got 0"),
-    ("devices: [{flops: 1, memory: 1, count: 100000000}]", "count must be an integer from 1 to 1024"),  # ran minutes
-    ("devices: [{flops: 1, memory: 1, count: 1000}, {flops: 1, memory: 1, count: 1000}]",
+    ("devices: [{flops: 1, memory: 1GiB}, {flops: 1, memory: 1GiB}]", "no cost for collective"),
+    ("devices: [{flops: 1, memory: 1GiB, gpus: 2}]", "needs intra_bandwidth"),
+    ("devices: [{flops: 1, memory: 1GiB, count: 0}]", "count must be an integer from 1 to 1024, got 0"),
+    ("devices: [{flops: 1, memory: 1GiB, count: 100000000}]", "count must be an integer from 1 to 1024"),  # ran minutes
+    ("devices: [{flops: 1, memory: 1GiB, count: 1000}, {flops: 1, memory: 1GiB, count: 1000}]",
      "'devices' lists 2000 devices; hap plans for 1024 at most"),
-    ("devices: [{flops: 1, memory: 1}]\ncollectives: [1, 2]", "'collectives' must map each collective to"),
-    ("devices: [{flops: 1, memory: 1}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
-    ("devices: [{flops: 1, memory: 1}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),
+    ("devices: [{flops: 1, memory: 1GiB}]\ncollectives: [1, 2]", "'collectives' must map each collective to"),
+    ("devices: [{flops: 1, memory: 1GiB}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
+    ("devices: [{flops: 1, memory: 1GiB}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),
     ("[1, 2]", "a cluster spec is a mapping"),
-    ("devices: [{flops: 1, memory: 1}\n", "not valid YAML"),
+    ("devices: [{flops: 1, memory: 1GiB}\n", "not valid YAML"),
+    # each was taken: the last of two keys won, a device was called None, 16 meant 16 bytes
+    ("devices: [{flops: 1, memory: 1GiB, memory: 2GiB}]", r"not valid YAML \(key 'memory' is given twice\)"),
+    ("devices: [{name: null, flops: 1, memory: 1GiB}]", r"devices\[0\]: name must be text, got None"),
+    ("devices: [{flops: 1, memory: 16}]", r"memory of 16 bytes is less than 1 KiB; give a unit \(say 16GiB\)$"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
     with pytest.raises(ClusterError, match=message) as e:
@@ -91,3 +95,5 @@ def test_numbers_yaml_reads_as_strings_are_numbers():
                            "collectives": {k: {"alpha": "4e-4", "beta": "1e9"} for k in
                                            ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}})
     assert c.devices[0].flops == 9e10 and c.collectives["all_reduce"].alpha == 4e-4
+    # hap clusters prints speeds in TFLOP/s: a file may say so too
+    assert cluster_from_dict({"devices": [{"flops": "10 TFLOP/s", "memory": "1GiB"}]}).devices[0].flops == 1e13

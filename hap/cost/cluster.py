@@ -216,7 +216,8 @@ _SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10
 _RATE_UNITS = {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "b/s": 1, "kb/s": 1e3, "mb/s": 1e6,
                "gb/s": 1e9, "kib/s": 2**10, "mib/s": 2**20, "gib/s": 2**30}
 _TIME_UNITS = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-_FLOP_UNITS = {"": 1, "flops": 1, "gflops": 1e9, "tflops": 1e12}
+_FLOP_UNITS = {"": 1, "flops": 1, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15,
+               "flop/s": 1, "gflop/s": 1e9, "tflop/s": 1e12, "pflop/s": 1e15}  # (hap clusters prints TFLOP/s)
 
 
 def _quantity(value, units: dict[str, float], what: str) -> float:
@@ -258,7 +259,10 @@ def _parse_device(spec, i: int) -> list[Device]:
     for key in ("flops", "memory"):
         if key not in spec:
             raise ClusterError(f"{where}: missing '{key}'")
-    name = str(spec.get("name", f"device{i}"))
+    name = spec.get("name", f"device{i}")
+    if not isinstance(name, (str, int)) or isinstance(name, bool):  # name: null became a device called None
+        raise ClusterError(f"{where}: name must be text, got {name!r}")
+    name = str(name)
     count = spec.get("count", 1)
     gpus = spec.get("gpus", 1)
     for key, v in (("count", count), ("gpus", gpus)):
@@ -278,6 +282,9 @@ def _parse_device(spec, i: int) -> list[Device]:
         op_overhead=_positive(_quantity(spec.get("op_overhead", 0), _TIME_UNITS | {"": 1}, f"{where}.op_overhead"),
                               f"{where} ({name}) op_overhead", allow_zero=True),
     )
+    if dev.memory < 2**10:  # "memory: 16" means 16 bytes: a unit forgotten
+        raise ClusterError(f"{where} ({name}): memory of {dev.memory:g} bytes is less than 1 KiB; give a unit "
+                           "(say 16GiB)")
     if dev.slowdown < 1:
         raise ClusterError(f"{where} ({name}): slowdown must be at least 1 (it stretches this machine's speed), "
                            f"got {dev.slowdown:g}")
@@ -394,6 +401,19 @@ def _parse_topology(spec: dict, n: int) -> Topology:
     return Topology(machines=tuple(machines), overrides=tuple(overrides), algorithm=algorithm)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (the last one won, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_cluster(path_or_name: str | Path) -> Cluster:
     """A built-in cluster by name, or a YAML file by path."""
     text = str(path_or_name)
@@ -405,7 +425,7 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
     if path.is_dir():
         raise ClusterError(f"{path} is a directory, not a cluster file")
     try:
-        spec = yaml.safe_load(path.read_text())
+        spec = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError:
         raise ClusterError(f"{path}: not a text file (a YAML cluster file is UTF-8 text)") from None
     except OSError as e:
