@@ -259,8 +259,9 @@ class Plan:
 
     def _validate(self) -> None:
         """Fields of their types, the stages' device groups split the plan's devices once each,
-        their node ranges follow one another from node 0, every stage has a share (finite, at least 0) per device of its group, and sync groups
-        name the plan's devices: a ValueError otherwise."""
+        their node ranges follow one another from node 0, every stage has a share (finite, at
+        least 0) per device of its group, and sync groups name the plan's devices: a ValueError
+        otherwise."""
         for name, kind in _FIELD_TYPES.items():  # a hand-edited file: what summary() and the runtime read
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
