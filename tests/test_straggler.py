@@ -10,7 +10,8 @@ from gloo import run_ranks
 
 from hap.straggler.migrate import Handover, handover, receivers_of
 from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds,
-                                  migration_bound, rebalanced_time, semi_beta, stragglers_and_receivers, unmitigated)
+                                  migration_bound, rebalanced_time, semi_beta, stragglers_and_receivers, time_lost,
+                                  unmitigated)
 from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
 from hap.straggler.schedule import Schedule, parse_schedule
 
@@ -124,6 +125,16 @@ def test_a_rank_without_columns_is_no_receiver_and_sets_no_pace():
     # among ranks that hold columns the slow one is still found, and only the others receive
     slow_one = Stats(busy=0.030, matmul=0.021, flops=1e8, own=1.0, full_flops=1e8)
     assert stragglers_and_receivers([busy_all, slow_one, idle], 0.10)[1:] == ([1], [0])
+
+
+def test_ski_rental_counts_calm_steps_as_calm():
+    # a slowdown first seen 20 steps after the last refresh: 50 ms over the rebalanced 100 ms,
+    # counted for this step only (it counted 20 steps, 1 s, and resharded at the first slow step)
+    assert time_lost(0.0, 0.150, 0.100, 20) == pytest.approx(0.050)
+    # seen before (refreshed every step while migration bridges, or 3 steps ago): every step since counts
+    assert time_lost(0.050, 0.150, 0.100, 1) == pytest.approx(0.100)
+    assert time_lost(0.100, 0.150, 0.100, 3) == pytest.approx(0.250)
+    assert time_lost(0.100, 0.090, 0.100, 3) == pytest.approx(0.100)  # no excess, nothing lost
 
 
 def test_an_empty_shard_charges_no_matmul_time():

@@ -44,7 +44,8 @@ from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
 from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds, migration_bound,
-                     rebalance_pays, rebalanced_time, semi_beta, stragglers_and_receivers, unmitigated)
+                     rebalance_pays, rebalanced_time, semi_beta, stragglers_and_receivers, time_lost,
+                     unmitigated)
 from .prune import Lineage, PrioritySelector, RandomSelector
 from .schedule import Schedule
 
@@ -363,7 +364,7 @@ class Mitigator:
             self.lost = 0.0
             return 0
         slowest = max(s.busy for s in stats)
-        self.lost += max(0.0, slowest - balanced) * max(1, self.iteration - self._last_refresh)
+        self.lost = time_lost(self.lost, slowest, balanced, self.iteration - self._last_refresh)
         cost = self.reshard_seconds if self.reshard_seconds is not None else self._reshard_seconds(speeds, shares)
         if not rebalance_pays(self.lost, cost):
             return 0

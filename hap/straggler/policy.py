@@ -162,6 +162,15 @@ def rebalanced_time(stats: Sequence[Stats]) -> float:
     return other + sum(s.full_flops for s in stats) / max(sum(speeds), 1e-9)
 
 
+def time_lost(lost: float, slowest: float, balanced: float, steps: int) -> float:
+    """The ski rental's count after a refresh that finds the shares off the measured speeds:
+    `lost` so far plus this step's excess over the rebalanced time for each of the `steps`
+    since the last refresh, where the slowdown was counted then already (lost > 0); a slowdown
+    seen for the first time counts this step alone (the steps before it ran at the old speed,
+    and counting them resharded at the first slow step)."""
+    return lost + max(0.0, slowest - balanced) * (max(1, steps) if lost > 0 else 1)
+
+
 def rebalance_pays(lost_seconds: float, reshard_seconds: float) -> bool:
     """Ski rental: reshard once the time lost to the slowdown since it began (over what the
     rebalanced run would take) has reached what resharding costs; until then migration
