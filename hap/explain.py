@@ -99,10 +99,10 @@ def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
         if tl["sync"][s] > 0:
             events += [Event(j, SYNC, f"all-reduce stage {s}'s gradients", last, tl["sync"][s]) for j in stage.devices]
         t = max(t, last + tl["sync"][s])
-    loss_sync = tl["simulated"] - flushed - max(tl["sync"])  # what the estimate adds after the flush and sync
-    if loss_sync > 1e-12:
-        events += [Event(j, COMM, "loss all-reduce", t, loss_sync) for j in range(len(plan.devices))]
-        t += loss_sync
+    tail = tl["simulated"] - flushed - max(tl["sync"])  # what the estimate adds after the flush and sync
+    if tail > 1e-12:
+        events += [Event(j, COMM, "loss all-reduce (and generator broadcasts)", t, tail) for j in range(len(plan.devices))]
+        t += tail
     return events, t
 
 

@@ -639,7 +639,8 @@ def test_estimate_is_the_formula_and_a_faster_group_gets_the_longer_stage(vit_sp
     groups, ratios = vit_space.groups_and_ratios(2)
     est = vit_space.pricer.estimate(part.cuts, groups, ratios, 4)
     t = est.stage_seconds
-    assert est.seconds == pytest.approx(sum(t) + 3 * max(t) + max(est.sync) + vit_space.cost.loss_sync)
+    assert est.seconds == pytest.approx(sum(t) + 3 * max(t) + max(est.sync) + vit_space.cost.loss_sync
+                                        + 2 * vit_space.cost.rng_sync)  # the loss all-reduce, the generator broadcasts
     # group 0 holds the two V100s (faster than P100s): it takes more than half the compute
     flops = [n.flops + n.bwd_flops for n in vit_space.graph.nodes]
     assert sum(flops[: part.cuts[0]]) > 0.5 * sum(flops)
@@ -715,6 +716,22 @@ def test_a_machine_of_several_gpus_keeps_its_stages_state_on_each_gpu(vit_space)
     assert table.short[0][0] == 0 and not np.isfinite(table.t[0, 0]).any()
 
 
+def test_a_pipeline_of_a_model_with_dropout_prices_the_generator_broadcasts():
+    """hap.Pipeline broadcasts the generator's state twice a step (before the draws, after the
+    step) besides the loss's all-reduce: the estimate and its breakdown count them (unpriced before)."""
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace
+    from hap.planner import PlannerConfig
+    model, batches = _vit_dropout_setup()
+    space = PipelineSpace(capture(model, batches[0]), local_cluster((1.0,) * 3, "local"), PlannerConfig())
+    cost = space.cost
+    assert cost.rng_sync > 0 and space.pricer.step_collectives == pytest.approx(cost.loss_sync + 2 * cost.rng_sync)
+    plan = space.plan([len(space.graph.nodes) // 2], 2, 2, 0.0, {}, [[0, 1], [2]])
+    assert plan.breakdown["loss_and_rng_collectives"] == pytest.approx(space.pricer.step_collectives)
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.estimated_iteration_seconds)
+
+
 def test_cut_environment_masks_and_proportional_cut(vit_space):
     from hap.automap.pipeline import SLOTS, CutEnvironment
     env = CutEnvironment(vit_space.table(4, 8))
@@ -747,7 +764,7 @@ def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     assert len(plan.stages) == 2 and plan.schedule.micro_batches == 3
     assert plan.estimated_iteration_seconds > 0
     assert sum(plan.breakdown.values()) == pytest.approx(plan.estimated_iteration_seconds)  # its terms, once each
-    assert plan.breakdown["loss_collective"] > 0 and plan.breakdown["gradient_sync"] >= 0  # the loss's was called gradient sync
+    assert plan.breakdown["loss_and_rng_collectives"] > 0 and plan.breakdown["gradient_sync"] >= 0  # the loss's was called gradient sync
     from hap.plan import Plan
     again = Plan.from_json(plan.to_json())
     assert again.digest == plan.digest and again.schedule == plan.schedule

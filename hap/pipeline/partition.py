@@ -142,7 +142,7 @@ class StageTable:
         bounds = [0, *cuts_pos, len(self.positions) - 1]
         t = [self.t[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         s = [self.sync[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        return iteration_seconds(t, s, self.M, self.pricer.cost.loss_sync)
+        return iteration_seconds(t, s, self.M, self.pricer.step_collectives)
 
 
 def exact_partition(table: StageTable) -> Partition:

@@ -115,21 +115,23 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
     est = space.pricer.estimate(cuts, groups, ratios, M, config.schedule)
     return Plan(model=graph.model_name, cluster=space.cluster.to_dict(), devices=[d.name for d in space.cluster.devices],
                 stages=stages, sync=sync, schedule=Schedule(name=config.schedule, micro_batches=M),
-                estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M, space.cost.loss_sync),
+                estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M, space.pricer.step_collectives),
                 timeline={"pipeline": {"stage_seconds": list(est.stage_seconds), "fwd": list(est.fwd), "bwd": list(est.bwd),
                                        "send": list(est.send), "sync": list(est.sync), "simulated": est.simulated}},
                 memory_bytes=list(est.memory), baselines={}, synthesis_seconds=seconds,
                 replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search)
 
 
-def breakdown(est: PipelineEstimate, M: int, loss_sync: float) -> dict[str, float]:
+def breakdown(est: PipelineEstimate, M: int, step_collectives: float) -> dict[str, float]:
     """The estimate's terms (price.iteration_seconds), which add up to it: every stage's pass of
     one micro-batch (fill and drain), M - 1 more of the slowest (steady state), the gradient
-    all-reduce after the flush and the loss's. Transfers are inside the stage times."""
+    all-reduce after the flush, and the loss's all-reduce with the generator's broadcasts.
+    Transfers are inside the stage times."""
     busy = sum(est.stage_seconds)
     steady = (M - 1) * max(est.stage_seconds)
     return {"pipeline_fill_and_drain": busy, "pipeline_steady": steady,
-            "gradient_sync": est.seconds - busy - steady - loss_sync, "loss_collective": loss_sync}
+            "gradient_sync": est.seconds - busy - steady - step_collectives,
+            "loss_and_rng_collectives": step_collectives}
 
 
 def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,

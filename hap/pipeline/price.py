@@ -16,9 +16,11 @@ transfer of what crosses the cut after stage k, forward and back, over the slowe
 between the two groups. An iteration of M micro-batches (GPipe or 1F1B: the same bubble) then
 takes
 
-    L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + loss_sync
+    L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + step_collectives
 
-sync_k being the all-reduce of stage k's gradients over its group after the flush. The
+sync_k being the all-reduce of stage k's gradients over its group after the flush, and
+step_collectives the loss's all-reduce and, for a model with random ops, the two broadcasts of
+the generator's state (before the step's draws and after it). The
 schedule's event simulation (schedule.makespan) agrees with the first two terms exactly where
 the stages are alike, and is reported beside it.
 """
@@ -67,6 +69,8 @@ class PipelinePricer:
     def __init__(self, cost: CostModel, program: Sequence[Step]):
         graph = self.graph = cost.graph
         self.cost = cost
+        self.step_collectives = cost.loss_sync + 2 * cost.rng_sync
+        """The loss's all-reduce and the generator's two broadcasts a pipeline step makes (runtime.py)."""
         n, m = len(graph.nodes), cost.m
         work_f, work_b = np.zeros((n, m)), np.zeros((n, m))
         fixed_f, fixed_b = np.zeros((n, m)), np.zeros((n, m))
@@ -180,8 +184,8 @@ class PipelinePricer:
             if k < K - 1:
                 send.append(self.transfer(bounds[k + 1], groups[k], groups[k + 1], M))
         t = [f + bw + 2 * (send[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
-        seconds = iteration_seconds(t, sync, M, self.cost.loss_sync)
-        simulated = makespan(schedule, M, fwd, bwd, send) + max(sync) + self.cost.loss_sync
+        seconds = iteration_seconds(t, sync, M, self.step_collectives)
+        simulated = makespan(schedule, M, fwd, bwd, send) + max(sync) + self.step_collectives
         return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(sync), tuple(mem), simulated)
 
 
