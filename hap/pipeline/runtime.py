@@ -111,14 +111,11 @@ class Pipeline(nn.Module):
                 x = from_rank_0(values[name], comm)
                 if t.kind == "buffer" or name in loaded:
                     mine[name] = x
-        self.params = nn.ParameterDict()
-        self._param_keys: dict[str, str] = {}  # graph tensor -> ParameterDict key
+        self.params = nn.ParameterDict()  # by graph tensor name (torch.export's p_fc1_bias), as hap.HAP's shards
         for name in sorted(loaded):
             t = graph.tensors[name]
             if t.kind == "param":
-                key = name  # the graph's name (torch.export's p_fc1_bias), as hap.HAP's shards are keyed
-                self._param_keys[name] = key
-                self.params[key] = nn.Parameter(mine[name], requires_grad=t.requires_grad)
+                self.params[name] = nn.Parameter(mine[name], requires_grad=t.requires_grad)
         self._constants: dict[str, torch.Tensor] = {name: x for name, x in mine.items() if graph.tensors[name].kind == "buffer"}
         loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
         whole = set().union(*loads)
@@ -129,12 +126,12 @@ class Pipeline(nn.Module):
         self._updates = [(buf, new) for buf, new in graph.buffer_updates.items() if buf in loads[s]]
         # the parameters whose gradients this rank counts in a global norm: each by the first
         # device of the first stage that holds it (a tied embedding's two stages hold one)
-        self._norm_counted = [name for name in self._param_keys
+        self._norm_counted = [name for name in self.params
                               if self.d == 0 and min(k for k, held in enumerate(loads) if name in held) == s]
         self._groups = {g: dist.new_group(list(g)) for g in plan.device_groups() if len(g) > 1}
         self._buckets: dict[int, tuple[tuple[int, ...], list[str]]] = {}
         for e in plan.sync:
-            if comm.rank in e.devices and e.param in self._param_keys and len(e.devices) > 1:
+            if comm.rank in e.devices and e.param in self.params and len(e.devices) > 1:
                 self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
         self._sends, self._recvs = self._routes()
         # Random numbers, as one device draws them: every step, from rank 0's generator, each
@@ -385,7 +382,7 @@ class Pipeline(nn.Module):
     def _load(self, tensor: str, p: Placement, inputs: dict[str, torch.Tensor], piece: Comm) -> torch.Tensor:
         t = self.graph.tensors[tensor]
         if t.kind == "param":
-            value = self.params[self._param_keys[tensor]]
+            value = self.params[tensor]
         elif t.kind == "buffer":
             value = self._constants[tensor]
         elif tensor in inputs:
@@ -452,7 +449,7 @@ class Pipeline(nn.Module):
         """Sum every parameter's gradient over the devices of the stages that use it."""
         for bucket in sorted(self._buckets):
             devices, names = self._buckets[bucket]
-            params = [self.params[self._param_keys[n]] for n in names if self.params[self._param_keys[n]].requires_grad]
+            params = [self.params[n] for n in names if self.params[n].requires_grad]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -470,7 +467,7 @@ class Pipeline(nn.Module):
         every gradient is scaled by min(1, max_norm / (norm + 1e-6)). A collective: every rank
         calls it, after train_step. Returns the total norm."""
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        counted = [g for g in (self.params[self._param_keys[name]].grad for name in self._norm_counted) if g is not None]
+        counted = [g for g in (self.params[name].grad for name in self._norm_counted) if g is not None]
         return clip_by_global_norm(counted, grads, max_norm, norm_type, self.comm)
 
     # -- state ---------------------------------------------------------------------------------
@@ -487,7 +484,7 @@ class Pipeline(nn.Module):
         stage's first device contributes its parameters). A collective: every rank gets it."""
         mine = {}
         if self.d == 0:
-            mine = {n: self.params[k].detach().clone() for n, k in self._param_keys.items()}
+            mine = {n: p.detach().clone() for n, p in self.params.items()}
             mine.update({n: self._constants[n].clone() for n in self._kept_buffers})
         whole = {n: v for part in every_rank(mine, self.comm) for n, v in part.items()}
         original = self.model.state_dict()
@@ -501,7 +498,7 @@ class _StageState:
     whole (R) on each of its devices."""
 
     def __init__(self, pipe: Pipeline):
-        self.params = {name: pipe.params[key] for name, key in pipe._param_keys.items()}
+        self.params = dict(pipe.params)
         self.buffers = pipe._constants  # the pipeline's own: a load replaces its values
         self.stored = {name: (R, 0) for name in [*self.params, *pipe._kept_buffers]}
 

@@ -54,8 +54,9 @@ log = logging.getLogger("hap")
 Policy = Literal["none", "zero-rd", "zero-pri", "zero-pridiff-e", "zero-pridiff-r", "migrate", "semi", "rebalance"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 EXACT = ("none", "migrate", "rebalance")
-MIGRATING = ("migrate", "semi", "rebalance")  # the policies that migrate columns (config.method)
 """Policies that train exactly as one device (pruning ones do not)."""
+MIGRATING = ("migrate", "semi", "rebalance")
+"""Policies that migrate columns (StragglerConfig.method says how)."""
 
 
 @dataclass(kw_only=True, slots=True)
