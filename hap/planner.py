@@ -29,12 +29,12 @@ from .balance.lp import BalanceError, balance
 from .cost.cluster import Cluster
 from .cost.model import CostModel
 from .ir import Graph, size_text
-from .placement import P, R, Placement
+from .placement import Placement
 from .plan import Plan, PlanStage, SyncEntry, instructions, shard_sizes
 from .rules import has_rule, strategy_table
 from .rules.units import ShardClasses
 from .search.astar import Frame, Restriction, SearchError, paused_gc, synthesize
-from .search.program import Estimate, Step, replay, sync_buckets
+from .search.program import Estimate, Step, kept_as, replay, sync_buckets
 
 
 @dataclass(kw_only=True, slots=True)
@@ -370,8 +370,8 @@ def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float], kep
     """The fastest program for `graph` at fixed `ratios` that keeps every parameter and buffer
     in the given placement (`kept`, by graph tensor name), so that it runs on state already
     sharded so: another input shape of a model already training."""
-    def allow_load(kind, name, p):  # kept whole (R), a tensor also loads as a partial sum: one device's whole
-        return kept.get(name, p) == p or (kept.get(name) == R and p == P)  # (kept_placements keeps that R too)
+    def allow_load(kind, name, p):
+        return name not in kept or kept[name] == kept_as(p)
 
     keep = Restriction(name="the parameters' layout", allow_load=allow_load)
     return _plan_at(graph, cluster, ratios, config, lambda search, rs: search(rs, keep), "planned for this shape")

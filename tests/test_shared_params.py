@@ -99,3 +99,35 @@ def test_synchronized_batch_norm_is_priced_as_its_all_reduces():
     # forward and backward each all-reduce 2 float64 sums per channel: 2 * 6 * 8 bytes
     cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
     assert stage["comm"] == 2 * cost.comm("all_reduce", 2 * 6 * 8).const > 0
+
+
+def test_a_bias_loaded_as_a_partial_sum_is_kept_whole_and_a_layout_may_load_it_so():
+    # Megatron's row-parallel mix layer adds its bias to a partial sum: the bias is loaded as P
+    # (whole on one device, zeros on the others) but kept whole, and a program planned for that
+    # kept layout (another shape of the same model) may load it as P again
+    from hap.planner import plan_for_layout
+    from hap.search.program import kept_as
+
+    assert kept_as(hap.placement.P) == hap.placement.R and kept_as(hap.placement.S(1)) == hap.placement.S(1)
+    mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.ReLU(), nn.Linear(4 * H, H))  # column- then row-parallel
+    x, y = torch.randn(B, H), torch.randn(B, H)
+    graph = hap.capture(_Regression(mlp), (x, y))
+    cluster = hap.load_cluster("local-homo")
+    plan = baseline_plan(graph, cluster, "megatron")
+    segment_of = [0] * len(graph.nodes)
+    program = plan.steps(graph)
+    as_p = {ld.tensor for st in program for ld in st.loads if ld.placement == hap.placement.P}
+    assert as_p and as_p <= set(graph.params)
+    kept = {name: p for name, (p, _) in kept_placements(program, graph, segment_of).items()}
+    assert all(kept[name] == hap.placement.R for name in as_p)
+    replanned = plan_for_layout(graph, cluster, plan.stages[0].ratios[0], kept).steps(graph)
+    assert {name: p for name, (p, _) in kept_placements(replanned, graph, segment_of).items()} == kept
+
+
+class _Regression(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)

@@ -334,7 +334,8 @@ def pretesting(rank, world, shares):
     mit = Mitigator(dmodel, StragglerConfig(policy="semi"), torch.optim.SGD(dmodel.parameters(), lr=0.1))
     ex = dmodel.executor
     empty = sum(ex.params[s.weight].shape[1] == 0 for s in mit.sites)
-    return {"pretest": {k: list(v) if isinstance(v, tuple) else v for k, v in mit._pretest().items()}, "empty": int(empty)}
+    return {"pretest": {k: list(v) if isinstance(v, tuple) else v for k, v in mit._pretest().items()}, "empty": int(empty),
+            "tokens": [s.tokens for s in mit.sites]}
 
 
 def test_semi_pretest_runs_where_a_rank_holds_no_columns(tmp_path):
@@ -343,6 +344,10 @@ def test_semi_pretest_runs_where_a_rank_holds_no_columns(tmp_path):
     assert reports[1]["empty"] > 0
     assert reports[0]["pretest"] == reports[1]["pretest"]  # the ranks agree on the mean
     assert reports[0]["pretest"]["omega1"] >= 0
+    # each layer prices its own rows: the patch and block layers one per patch of the 16 images,
+    # the head (after mean pooling) one per image (every layer took the first layer's count)
+    *blocks, head = reports[0]["tokens"]
+    assert head == 16 and len(set(blocks)) == 1 and blocks[0] > 16 and blocks[0] % 16 == 0
 
 
 class TiedAutoencoder(torch.nn.Module):

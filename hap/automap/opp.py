@@ -44,7 +44,7 @@ from ..placement import Placement
 from ..rules import strategy_table
 from ..rules.units import ShardClasses
 from ..search.astar import Frame, Restriction, SearchError, synthesize
-from ..search.program import Step, replay
+from ..search.program import Step, kept_as, replay
 from .dqn import Agent, DQNConfig
 from .propagate import WHOLE, Domains, Propagation, layout_of
 
@@ -166,12 +166,8 @@ class LayoutPricer:
 
     def restriction(self, layout: dict[str, int] | None) -> Restriction:
         def allow_load(kind, name, p: Placement):
-            if kind == "param":  # a whole parameter may be loaded as P (a bias joining a partial sum);
-                # the decisions are over trainable parameters: a frozen one stays whole
-                if layout is None:
-                    return True
-                want = layout.get(name, WHOLE)
-                return layout_of(p) == want or (p.kind == "P" and want == WHOLE)
+            if kind == "param":  # the decisions are over trainable parameters: a frozen one stays whole
+                return layout is None or layout_of(kept_as(p)) == layout.get(name, WHOLE)
             return p.kind in ("R", "D")
 
         return Restriction(name="operator partitioning", allow_load=allow_load,

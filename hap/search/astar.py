@@ -90,7 +90,7 @@ from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
-from .program import Estimate, Load, MoveStep, NumericShares, Step, move_price, price_node, replay
+from .program import Estimate, Load, MoveStep, NumericShares, Step, kept_as, move_price, price_node, replay
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -395,7 +395,7 @@ class Frame:
         for name, ps in places.items():
             t = graph.tensors[name]
             if t.consumers[0] == k:
-                if len(ps) > 1 or ps[0].kind in ("R", "P"):
+                if len(ps) > 1 or kept_as(ps[0]) == R:  # kept whole: synced
                     sync += self.cost.sync_bytes(name)
                 elif name in self.shared:
                     keeps.append((self.shared[name], ps[0].code, seg))

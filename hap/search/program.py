@@ -395,6 +395,14 @@ def sync_buckets(program: Sequence[Step], graph: Graph, segment_of: Sequence[int
     return [by_chunk[c] for c in sorted(by_chunk, reverse=True)]
 
 
+def kept_as(loaded: Placement) -> Placement:
+    """How a parameter or buffer loaded in one placement only is kept: so, except that one
+    loaded as a partial sum (P: a bias joining a partial sum, whole on one device and zeros on
+    the others) is kept whole (R), since each part would take the whole update. A tensor kept
+    whole may therefore be loaded as P without a move."""
+    return R if loaded == P else loaded
+
+
 def kept_placements(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, tuple[Placement, int]]:
     """How every device keeps each parameter and buffer the program loads: in the one
     placement it is loaded in (with that segment, for its sizes), or whole (R) where it is

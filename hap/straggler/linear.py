@@ -68,6 +68,8 @@ class Site:
     """N_r per rank (row-parallel: N on every rank)."""
     columns: tuple[int, ...]
     """K_r per rank: the contraction length each rank holds (column-parallel: K on every rank)."""
+    tokens: int
+    """T: the rows of the layer's input (the product of its leading dims), on every rank."""
 
 
 @dataclass(slots=True)

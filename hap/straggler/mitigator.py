@@ -144,11 +144,12 @@ class Mitigator:
             if weight not in ex.params:  # computed (a tied weight transposed): no columns of a parameter to
                 continue                 # prune, hand over or watch; it runs as the plan says
             n, k = ex.graph.tensors[weight].shape
+            tokens = math.prod(ex.graph.tensors[node.inputs[0]].shape[:-1])
             if w_p.is_shard and w_p.dim == 0 and x_p == R:
                 sizes = ex.sizes(weight, w_p, seg)
-                site = Site(step.node, node.name, weight, "column", tuple(sizes), (k,) * self.world)
+                site = Site(step.node, node.name, weight, "column", tuple(sizes), (k,) * self.world, tokens)
             elif w_p.is_shard and w_p.dim == 1 and x_p.is_shard and step.strategy.outputs[0] == P:
-                site = Site(step.node, node.name, weight, "row", (n,) * self.world, tuple(ex.sizes(weight, w_p, seg)))
+                site = Site(step.node, node.name, weight, "row", (n,) * self.world, tuple(ex.sizes(weight, w_p, seg)), tokens)
             else:
                 continue
             self.sites.append(site)
@@ -316,12 +317,11 @@ class Mitigator:
         if self.pretest is not None:
             return self.pretest
         ex = self.dmodel.executor
-        tokens = max(1, self._tokens)
-        layers = [(ex.params[s.weight].detach(), torch.zeros(tokens, s.columns[self.rank], device=self.device), s)
+        layers = [(ex.params[s.weight].detach(), torch.zeros(max(1, s.tokens), s.columns[self.rank], device=self.device), s)
                   for s in self.sites]
         t0 = time.perf_counter()
         for w, x, _ in layers:
-            torch.empty(w.shape[0], w.shape[1] // 2), torch.empty(tokens, x.shape[1] // 2)
+            torch.empty(w.shape[0], w.shape[1] // 2), torch.empty(x.shape[0], x.shape[1] // 2)
         omega1 = time.perf_counter() - t0
         omega2, phi = [], []
         for f in (0.25, 0.75):
@@ -338,7 +338,7 @@ class Mitigator:
             dist.barrier(group=self.comm.group)
             t0 = time.perf_counter()
             for _, _, s in layers:  # rank 0's sizes: the same numbers on every rank
-                cols = max(1, round(s.columns[0] * f))
+                cols, tokens = max(1, round(s.columns[0] * f)), max(1, s.tokens)
                 moved = s.out_sizes[0] * cols + (tokens * cols if s.kind == "row" else 0)
                 for numel in (moved, tokens * s.out_sizes[0]):  # send the columns, collect the results
                     # migration's own collectives (its reduce is a gather and a sum at the straggler)
@@ -398,18 +398,7 @@ class Mitigator:
 
     def _site_flops(self, r: int) -> float:
         """FLOPs of rank r's whole share of the layers, forward and backward."""
-        tokens = self._tokens or 1
-        return sum(6.0 * tokens * s.out_sizes[r] * s.columns[r] for s in self.sites)
-
-    @property
-    def _tokens(self) -> int:
-        ex = self.dmodel.executor
-        site = self.sites[0] if self.sites else None
-        if site is None:
-            return 0
-        x = ex.graph.nodes[site.node].inputs[0]
-        shape = ex.graph.tensors[x].shape
-        return math.prod(shape[:-1])
+        return sum(6.0 * max(1, s.tokens) * s.out_sizes[r] * s.columns[r] for s in self.sites)
 
     def _reshard_seconds(self, speeds: Sequence[float], shares: Sequence[float]) -> float:
         """What moving the layers to ratios proportional to `speeds` would cost: the sharded
