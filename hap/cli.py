@@ -19,6 +19,9 @@ import argparse
 import sys
 import time
 
+DEFAULT_LR = 0.05
+"""hap train's SGD learning rate where --lr is not given (nor a checkpoint's, on --resume)."""
+
 
 class UserError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
@@ -93,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the same as --planner (hap: astar), kept for old command lines")
     t.add_argument("--plan", metavar="FILE", help="train with this plan (hap plan --json, hap sync's DIR/plan.json) "
                    "instead of planning")
-    t.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    t.add_argument("--lr", type=float, help=f"SGD learning rate (momentum 0.9; default {DEFAULT_LR}, or with "
+                   "--resume the checkpoint's, which a given --lr replaces)")
     t.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
     t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank: DIR/rank<r>.json")
     t.add_argument("--calibrate", action="store_true",
@@ -207,7 +211,7 @@ def cmd_train(args) -> int:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.clip is not None and not args.clip > 0:
         raise UserError(f"--clip must be a positive norm, got {args.clip}")
-    if not args.lr > 0:
+    if args.lr is not None and not args.lr > 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
@@ -230,7 +234,8 @@ def cmd_train(args) -> int:
     graph = _build_graph(args, cluster.gpus, say, device=None if args.scale == "small" else "meta")
     if resume is not None:
         _check_checkpoint(resume[0], graph)
-        say(f"resuming from {resume[0]} (step {resume[1]})")
+        say(f"resuming from {resume[0]} (step {resume[1]}), learning rate "
+            + ("the checkpoint's" if args.lr is None else f"{args.lr} (replacing the checkpoint's)"))
     say(cluster.describe())
     if args.calibrate:
         graph.timing = _calibrated(args, graph, cluster, say)
@@ -481,7 +486,6 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     from .cost.cluster import load_cluster
     from .models import build
     from .plan import Plan
-    from .runtime import checkpoint
     from .runtime.module import HAP
 
     torch.manual_seed(0)  # the same model on every rank
@@ -493,10 +497,10 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
         return _train_pipeline(rank, args, model, batch, plan, times_path)
     dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=plan)
     mine = dmodel.local_batch(*batch)  # each rank keeps only its part of the (fixed, synthetic) batch
-    opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"], momentum=0.9)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"] or DEFAULT_LR, momentum=0.9)
     mit = _mitigator(args, dmodel, opt, os.path.dirname(times_path))
     straggling = _Straggling(args["straggler"]) if mit is not None and rank == 0 else None
-    start = checkpoint.load(dmodel, opt, args["checkpoint"])[0] if args["resume"] else 0
+    start = _resumed(dmodel, opt, args)
     run = _TrainLoop(rank, args, start, dmodel, opt, lambda: setattr(dmodel.executor, "tracing", True))
     for step in range(start, args["steps"]):
         t0 = time.perf_counter()
@@ -518,20 +522,33 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     run.finish(times_path, straggling.summary() if straggling is not None else None)
 
 
+def _resumed(dmodel, opt, args: dict) -> int:
+    """The step to start from: 0, or with --resume the checkpoint's, its state loaded (and a
+    given --lr in place of the checkpoint's learning rate)."""
+    from .runtime import checkpoint
+
+    if not args["resume"]:
+        return 0
+    step = checkpoint.load(dmodel, opt, args["checkpoint"])[0]
+    if opt is not None and args["lr"] is not None:
+        for group in opt.param_groups:
+            group["lr"] = args["lr"]
+    return step
+
+
 def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) -> None:
     """hap train's loop for a plan of several stages (hap.Pipeline)."""
     import torch
 
     from .cost.cluster import load_cluster
     from .pipeline.runtime import Pipeline
-    from .runtime import checkpoint
 
     def make_optimizer(params):  # a stage may have no parameters (the loss alone, say)
-        return torch.optim.SGD(params, lr=args["lr"], momentum=0.9) if params else None
+        return torch.optim.SGD(params, lr=args["lr"] or DEFAULT_LR, momentum=0.9) if params else None
 
     pipe = Pipeline(model, load_cluster(args["cluster"]), batch, plan)
     opt = make_optimizer(list(pipe.parameters()))
-    start = checkpoint.load(pipe, opt, args["checkpoint"])[0] if args["resume"] else 0
+    start = _resumed(pipe, opt, args)
     reb = _rebalancer(args, pipe, opt, batch, make_optimizer)
     run = _TrainLoop(rank, args, start, pipe, opt, lambda: setattr(run.dmodel, "tracing", True))
     moves = []

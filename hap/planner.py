@@ -138,8 +138,10 @@ def _tp() -> Restriction:
 def _megatron(graph: Graph) -> Restriction:
     """Megatron-style tensor parallelism: every linear layer's weight split (on its output or
     its input features, the search pairs them), data whole on every device. The plan that
-    straggler mitigation (hap.straggler) works on."""
-    weights = frozenset(_through_casts(graph, n.inputs[1]) for n in graph.nodes if n.op == "aten.linear.default")
+    straggler mitigation (hap.straggler) works on. A weight with no dim longer than 1 (a 1x1
+    linear) has nothing to split and stays whole."""
+    weights = frozenset(w for w in (_through_casts(graph, n.inputs[1]) for n in graph.nodes if n.op == "aten.linear.default")
+                        if max(graph.tensors[w].shape, default=1) > 1)
 
     def allow_load(kind, name, p):
         if kind == "param":
@@ -362,19 +364,28 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
             raise ValueError(f"ratios must be {cluster.size} non-negative shares summing to 1, got {list(ratios)}")
         start = tuple(ratios)
     winner = name if start is families[name][1] else f"{name}'s program at the given ratios"
-    return _plan_at(graph, cluster, start, config, lambda search, rs: _baseline_program(search, rs, restriction), winner)
+    return _plan_at(graph, cluster, [list(start)], config, lambda search, rs: _baseline_program(search, rs, restriction), winner)
 
 
-def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float], kept: dict[str, Placement],
-                    config: PlannerConfig | None = None) -> Plan:
+def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float] | Sequence[Sequence[float]],
+                    kept: dict[str, Placement], config: PlannerConfig | None = None,
+                    segment_of: Sequence[int] | None = None) -> Plan:
     """The fastest program for `graph` at fixed `ratios` that keeps every parameter and buffer
     in the given placement (`kept`, by graph tensor name), so that it runs on state already
-    sharded so: another input shape of a model already training."""
+    sharded so: another input shape of a model already training. For a plan of several
+    segments, `ratios` per segment and `segment_of`, every node's segment (contiguous, each
+    segment at least one node)."""
     def allow_load(kind, name, p):
         return name not in kept or kept[name] == kept_as(p)
 
     keep = Restriction(name="the parameters' layout", allow_load=allow_load)
-    return _plan_at(graph, cluster, ratios, config, lambda search, rs: search(rs, keep), "planned for this shape")
+    rs = [list(r) for r in ratios] if ratios and isinstance(ratios[0], Sequence) else [list(ratios)]
+    segment_of = list(segment_of) if segment_of is not None else [0] * len(graph.nodes)
+    if len(segment_of) != len(graph.nodes) or sorted(set(segment_of)) != list(range(len(rs))) \
+            or segment_of != sorted(segment_of):
+        raise ValueError(f"segment_of must give each of the graph's {len(graph.nodes)} nodes one of the {len(rs)} "
+                         "segments of the ratios, in order, each segment at least one node")
+    return _plan_at(graph, cluster, rs, config, lambda search, rs: search(rs, keep), "planned for this shape", segment_of)
 
 
 def assemble_one(cost: CostModel, program: list[Step], ratios: Sequence[float], seconds: float, search: dict) -> Plan:
@@ -385,17 +396,17 @@ def assemble_one(cost: CostModel, program: list[Step], ratios: Sequence[float], 
     return _assemble(cost, segment_of, program, rs, replay(program, cost, segment_of, rs), {}, seconds, search)
 
 
-def _plan_at(graph: Graph, cluster: Cluster, ratios: Sequence[float], config: PlannerConfig | None,
-             find: Callable, winner: str) -> Plan:
-    """A one-segment plan at fixed ratios whose program `find(search, ratios)` finds, where
-    search(ratios, restriction) runs the synthesis."""
+def _plan_at(graph: Graph, cluster: Cluster, rs: list[list[float]], config: PlannerConfig | None,
+             find: Callable, winner: str, segment_of: list[int] | None = None) -> Plan:
+    """A plan at fixed ratios (per segment; `segment_of`: every node's, default one segment)
+    whose program `find(search, ratios)` finds, where search(ratios, restriction) runs the
+    synthesis."""
     config = config or PlannerConfig()
     t0 = time.perf_counter()
     strategies = strategy_table(graph)
     classes = ShardClasses(graph, enumerate(strategies))
     cost = CostModel(graph, cluster, classes, config.optimizer)
-    segment_of = [0] * len(graph.nodes)
-    rs = [list(ratios)]
+    segment_of = segment_of if segment_of is not None else [0] * len(graph.nodes)
     exhaustive = []
 
     def search(ratios, restriction):

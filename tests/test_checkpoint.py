@@ -229,7 +229,8 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
 
     def losses(*args):
         assert main(["train", "--model", "vit", *args]) == 0
-        out = capfd.readouterr().out
+        got = capfd.readouterr()
+        out = got.out + got.err  # the ranks' steps, hap's notes
         return out, {int(s): loss for s, loss in re.findall(r"^step\s+(\d+)/\d+\s+loss (\S+)", out, re.M)}
 
     out, _ = losses("--steps", "4", "--checkpoint", directory, "--checkpoint-every", "2")
@@ -238,6 +239,14 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
     assert sorted(resumed) == [5, 6] and "checkpoint at step 6" in out
     _, straight = losses("--steps", "6")
     assert resumed == {5: straight[5], 6: straight[6]}
+    import shutil  # a given --lr replaces the checkpoint's (it was silently ignored)
+    for copy in ("-a", "-b"):
+        shutil.copytree(directory, directory + copy)
+    out, kept = losses("--steps", "8", "--checkpoint", directory + "-a", "--resume")
+    assert "learning rate the checkpoint's" in out
+    out, given = losses("--steps", "8", "--checkpoint", directory + "-b", "--resume", "--lr", "5")
+    assert "learning rate 5.0 (replacing the checkpoint's)" in out
+    assert given[7] == kept[7] and abs(float(given[8]) - float(kept[8])) > 1e-3
 
     for args, error in [(["--resume"], "--resume needs --checkpoint DIR"),
                         (["--checkpoint", str(tmp_path / "none"), "--resume"], f"--resume: no checkpoint in {tmp_path}/none"),
@@ -259,7 +268,8 @@ def test_cli_pipeline_checkpoint_resumes_under_data_parallelism(tmp_path, capfd)
 
     def losses(*args):
         assert main(["train", "--model", "vit", *args]) == 0
-        out = capfd.readouterr().out
+        got = capfd.readouterr()
+        out = got.out + got.err  # the ranks' steps, hap's notes
         return out, {int(s): loss for s, loss in re.findall(r"^step\s+(\d+)/\d+\s+loss (\S+)", out, re.M)}
 
     out, _ = losses("--steps", "2", "--checkpoint", directory, *pipeline)
@@ -385,3 +395,70 @@ def test_a_damaged_checkpoint_directory_is_named_in_one_line(tmp_path):
     (step / ".metadata").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"is damaged: its .metadata does not load \(UnpicklingError\)$"):
         checkpoint.check(str(step), {"w": (64,)})
+
+
+def odd_states(rank, world, directory):
+    dmodel = distributed(2, ("sharded", [0.7, 0.3]))
+    out = {}
+    adam = optimizer(dmodel.parameters(), "adam")
+    dmodel(*batch(0)).backward()
+    adam.step()
+    adam.zero_grad(set_to_none=True)
+    checkpoint.save(dmodel, adam, directory, 1, extra=torch.arange(3))  # a bare tensor as extra
+    out["extra"] = checkpoint.load(dmodel, adam, directory)[1].tolist()
+    try:
+        checkpoint.load(dmodel, optimizer(dmodel.parameters(), "sgd"), directory)
+    except ValueError as e:
+        out["kind"] = str(e)
+    ada = torch.optim.Adafactor(dmodel.parameters(), lr=0.01)  # factored moments over fc1's split rows
+    dmodel(*batch(1)).backward()
+    for what, call in {"step": ada.step, "save": lambda: checkpoint.save(dmodel, ada, directory, 2),
+                       "reshard": lambda: dmodel.reshard([0.4, 0.6], [ada])}.items():
+        try:
+            call()
+        except ValueError as e:
+            out[what] = str(e)
+        ada.zero_grad(set_to_none=True)
+    out["ratios"] = dmodel.plan.ratios
+    out["latest"] = checkpoint.latest(directory)[1]
+    return out
+
+
+def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
+    """`extra` may be a bare tensor (DCP took it for a tensor of its own and the load failed); an
+    Adam checkpoint loaded into SGD is refused (SGD took Adam's state and failed with KeyError at
+    its step); Adafactor, whose row and column moments span fc1's rows split 17/7, is refused at
+    its first step, by save and by reshard (a save kept one rank's moments as everyone's; its
+    losses were not one device's)."""
+    directory = str(tmp_path / "ckpt")
+    for got in run_ranks(odd_states, 2, tmp_path, directory):
+        assert got["extra"] == [0, 1, 2]
+        assert got["kind"] == f"checkpoint {directory}/step-00000001 holds the state of optimizer class Adam, not SGD"
+        spans = ("optimizer state 'row_var' of fc1.weight is ({rows}, 1), not one value per element of ({rows}, 12): "
+                 "an optimizer whose statistics span a parameter (Adafactor's factored moments, say) is not exact "
+                 "where hap shards it; use one with per-element state (SGD, Adam, ...) or a plan that keeps "
+                 "fc1.weight whole")
+        assert got["step"] in (spans.format(rows=17), spans.format(rows=7))
+        assert got["save"].startswith("checkpoint save: optimizer state 'row_var' of fc1.weight")
+        assert re.match(r"reshard: optimizer state '(row|col)_var' of fc1.weight is ", got["reshard"])
+        assert got["ratios"] == [[0.7, 0.3]] and got["latest"] == 1  # nothing moved, nothing saved
+
+
+def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_path):
+    """keep= removed the newer checkpoint past step 99,999,999 (names sorted as text); a byte
+    changed in a data file loaded silently (DCP checks sizes only)."""
+    for step in (99_999_999, 100_000_000, 100_000_001):
+        staging = tmp_path / f".tmp-step-{step}"
+        staging.mkdir()
+        dcp.save({"step": step, "model/w": torch.arange(64.0)}, storage_writer=dcp.FileSystemWriter(str(staging)),
+                 no_dist=True)
+        checkpoint._commit(str(staging), str(tmp_path), step, keep=2)
+    assert sorted(e.name for e in tmp_path.iterdir()) == ["latest", "step-100000000", "step-100000001"]
+    path = str(tmp_path / "step-100000001")
+    checkpoint.verify(path)
+    data = next(p for p in (tmp_path / "step-100000001").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[-40] ^= 1  # inside the tensor's bytes: same size, DCP would load it
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"^checkpoint {path} is damaged: {data.name} does not match its checksum$"):
+        checkpoint.verify(path)

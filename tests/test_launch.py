@@ -106,3 +106,20 @@ def test_a_finished_run_leaves_no_semaphore_behind(tmp_path):
                           env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
     assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr
     assert "leaked semaphore" not in done.stderr
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
+    """Two runs starting together once took the same port: a port was found free, released, and
+    bound by rank 0 later (EADDRINUSE). The parent now serves the store on the port the OS gave
+    it while binding: nobody else can bind it, and two stores get two ports."""
+    import errno
+    import socket
+
+    from hap.runtime.launch import rendezvous
+
+    first, second = rendezvous(5.0), rendezvous(5.0)
+    assert first.port != second.port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with pytest.raises(OSError) as taken:
+            s.bind(("127.0.0.1", first.port))
+    assert taken.value.errno == errno.EADDRINUSE

@@ -301,9 +301,25 @@ def dropout_bn():
     return DropoutBatchNorm(), batches, (torch.randn(7, 12, generator=gen), torch.randn(7, 12, generator=gen))
 
 
-def validated(rank, world):
+def two_segments(model, example):
+    """hap.HAP under a plan of two segments at 60/40 (fc1 and batch norm: features split) and
+    30/70 (dropout and fc2: fc2's columns split)."""
+    from hap.placement import S
+    from hap.planner import plan_for_layout
+
+    cluster = hap.load_cluster("local")
+    graph = hap.capture(model, example)
+    split = {"p_fc1_weight": S(0), "p_fc1_bias": S(0), "p_bn_weight": S(0), "p_bn_bias": S(0),
+             "b_bn_running_mean": S(0), "b_bn_running_var": S(0), "p_fc2_weight": S(1)}
+    first = next(k for k, node in enumerate(graph.nodes) if "dropout" in node.op)
+    plan = plan_for_layout(graph, cluster, [[0.6, 0.4], [0.3, 0.7]], split,
+                           segment_of=[0] * first + [1] * (len(graph.nodes) - first))
+    return hap.HAP(model, cluster, example, plan=plan)
+
+
+def validated(rank, world, segments):
     model, batches, val = dropout_bn()
-    dmodel = skewed(model, batches[0])
+    dmodel = two_segments(model, batches[0]) if segments == 2 else skewed(model, batches[0])
     losses = train_and_validate(dmodel, batches, val)
     dmodel.eval()
     try:
@@ -313,22 +329,32 @@ def validated(rank, world):
         refused = str(e)
     dmodel.train()
     return {"losses": losses, "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()},
-            "runs": [s["run"] for s in dmodel.shapes if not s["training"]], "refused": refused}
+            "runs": [s["run"] for s in dmodel.shapes if not s["training"]], "refused": refused,
+            "ratios": dmodel.plan.ratios,
+            "split": [list(dmodel.shards[n].shape) for n in ("p_fc1_weight", "p_fc2_weight")]}
 
 
-def test_eval_mode_validates_like_one_device(tmp_path):
+@pytest.mark.parametrize("segments", [1, 2])
+def test_eval_mode_validates_like_one_device(tmp_path, segments):
     """dmodel.eval(): no dropout, BatchNorm normalizes by its running statistics and leaves
     them; the generator is not drawn from, so training after validation draws one device's
-    masks (it used to run the training graph: dropout on, statistics updated)."""
+    masks (it used to run the training graph: dropout on, statistics updated). Under a plan of
+    two segments with ratios of their own, the eval graph is planned segment by segment (it
+    was refused)."""
     model, batches, val = dropout_bn()
     losses = train_and_validate(model, batches, val)
     assert losses[1] == losses[2]  # no dropout in eval mode
-    for got in run_ranks(validated, 2, tmp_path):
+    reports = run_ranks(validated, 2, tmp_path, segments)
+    if segments == 2:  # fc1's 24 rows 60/40, fc2's 24 columns 30/70
+        assert [got["split"] for got in reports] == [[[14, 12], [12, 7]], [[10, 12], [12, 17]]]
+    for got in reports:
+        assert len(got["ratios"]) == segments
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-6), k
         assert len(got["runs"]) == 2  # the eval graph captured once per shape: the planned one and 7 rows
-        assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
+        if segments == 1:  # (the two segments' plan keeps the batch whole: nothing to refuse)
+            assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 
 
 class ScaledUnderNoGrad(torch.nn.Module):

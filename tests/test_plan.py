@@ -356,6 +356,25 @@ def test_megatron_splits_weights_that_autocast_casts_first():
     assert loads["p_fc1_weight"].is_shard and loads["p_fc2_weight"].is_shard
 
 
+def test_megatron_keeps_a_one_by_one_linear_whole():
+    """A 1x1 weight has no dim to split: Megatron splits the other linears and keeps it whole
+    (it found no allowed strategy for the 1x1 node and failed)."""
+    from hap.planner import baseline_plan
+
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.gate = torch.nn.Linear(8, 8), torch.nn.Linear(1, 1)
+
+        def forward(self, x):  # x: [B, 8]
+            return (self.fc(x) * torch.sigmoid(self.gate(x[:, :1]))).pow(2).mean()
+
+    graph = capture(Gate(), (torch.randn(10, 8),))
+    plan = baseline_plan(graph, load_cluster("local"), "megatron", ratios=[0.6, 0.4])
+    loads = {ld.tensor: ld.placement for st in plan.steps(graph) for ld in st.loads}
+    assert loads["p_fc_weight"].is_shard and not loads["p_gate_weight"].is_shard
+
+
 @settings(max_examples=200, deadline=None)
 @given(work=hs.lists(hs.floats(0, 1e9), min_size=2, max_size=40), segments=hs.integers(1, 6))
 def test_every_segment_holds_a_node_however_the_work_lies(work, segments):

@@ -13,15 +13,22 @@ checkpoint also holds the step, rank 0's CPU random generator state (which every
 shares, as hap.HAP does: dropout draws what one device would) and any `extra` object.
 
 A save writes into a hidden sibling directory; once every rank has written its part, rank 0
-renames it into place and then points `latest` at it (a file replaced atomically): a save that
-dies midway leaves the previous checkpoint the latest, and `load` never sees a partial one.
+records every file's SHA-256, renames it into place and then points `latest` at it (a file
+replaced atomically): a save that dies midway leaves the previous checkpoint the latest, `load`
+never sees a partial one, and a file changed since (a flipped bit) is refused before it is read.
+Optimizer state is saved with its parameter's rows where it holds one value per element of
+the parameter (momentum, Adam's moments); an optimizer whose state spans a sharded parameter
+(Adafactor's factored moments) is refused, as it would not be one device's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -30,11 +37,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .collectives import _with_length, global_rank
+from .executor import per_element
 
 POINTER = "latest"
+CHECKSUMS = "checksums.json"
+"""In a checkpoint: the SHA-256 of every file DCP wrote, checked before a load reads them."""
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
 _NAME = re.compile(r"step-(\d+)(\.\d+)?$")
 
@@ -130,7 +141,9 @@ def optimizer_state_dict(dmodel, opt: torch.optim.Optimizer) -> dict[str, Any]:
     for group, params in zip(opt.param_groups, _opt_params(dmodel, opt)):
         for name, key, p in params:
             if p in opt.state:
-                state[key] = {k: _like(dmodel, name, v.detach().contiguous()) if _sharded_like(v, p) else v
+                sharded = dmodel.executor.stored[name][0].is_shard
+                state[key] = {k: _like(dmodel, name, v.detach().contiguous())
+                              if isinstance(v, torch.Tensor) and per_element(k, v.shape, p.shape, key, sharded) else v
                               for k, v in opt.state[p].items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [key for _, key, _ in params]})
     return {"state": state, "param_groups": groups}
@@ -152,11 +165,17 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
         shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
         os.makedirs(staging)
     items = {f"model/{k}": v for k, v in state_dict(dmodel).items()}
-    groups = _model_groups(dmodel, opt)
-    if opt is not None:
-        items.update(_flat_optimizer({**optimizer_state_dict(dmodel, opt), "param_groups": groups}))
-    if comm.rank == 0:  # written once; every rank loads rank 0's
-        items.update({"step": step, "extra": extra, "rng": torch.get_rng_state()})
+    kind, groups = _model_groups(dmodel, opt)
+    refused = None
+    try:
+        if opt is not None:
+            items.update(_flat_optimizer({**optimizer_state_dict(dmodel, opt), "param_groups": groups}))
+            items["optim/kind"] = kind
+    except ValueError as e:
+        refused = f"checkpoint save: {e}"
+    _agree(refused, comm)
+    if comm.rank == 0:  # written once; every rank loads rank 0's (extra as bytes: DCP would take a tensor for its own)
+        items.update({"step": step, "extra_pickle": pickle.dumps(extra), "rng": torch.get_rng_state()})
     dist.barrier(group=comm.group)  # the staging directory is there
     with _quiet():
         dcp.save(items, storage_writer=dcp.FileSystemWriter(staging), process_group=comm.group,
@@ -179,6 +198,8 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     if comm.rank == 0:
         try:
             box = [_resolve(directory)]
+            if box[0] is not None:
+                verify(box[0])
         except ValueError as e:  # told to every rank, not left waiting
             box = [e]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
@@ -190,15 +211,30 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     meta = metadata(path)
     check(path, model_shapes(graph), meta)
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
-    objects = {"step": None, "extra": None}
-    groups = _model_groups(dmodel, opt)
-    if opt is not None:
-        state = _optimizer_items(dmodel, opt, meta, path)
-        held.update({item: v for item, v in state.items() if v is not None})
-        objects.update({item: None for item, v in state.items() if v is None}, **{"optim/param_groups": None})
+    extra = "extra_pickle" if "extra_pickle" in meta.state_dict_metadata else "extra"  # (older checkpoints: the object)
+    objects = {"step": None, extra: None}
+    kind, groups = _model_groups(dmodel, opt)  # kind: None where no rank has an optimizer
+    refused = None
+    try:
+        if kind is not None:  # every rank checks the groups (a pipeline stage may have no optimizer)
+            if "optim/param_groups" not in meta.state_dict_metadata:
+                raise ValueError(f"checkpoint {path} holds no optimizer state")
+            objects.update({item: None for item in ("optim/param_groups", "optim/kind") if item in meta.state_dict_metadata})
+        if opt is not None:
+            state = _optimizer_items(dmodel, opt, meta)
+            held.update({item: v for item, v in state.items() if v is not None})
+            objects.update({item: None for item, v in state.items() if v is None})
+    except ValueError as e:
+        refused = str(e)
+    _agree(refused, comm)
     _load(objects, path, comm)  # first the small objects: the optimizer's groups must match
-    if opt is not None:
+    if kind is not None:
+        saved_kind = objects.get("optim/kind", kind)  # (older checkpoints did not say)
+        if saved_kind != kind:
+            raise ValueError(f"checkpoint {path} holds the state of optimizer class {saved_kind}, not {kind}")
         _check_groups(groups, objects["optim/param_groups"], path)
+    if extra == "extra_pickle":
+        objects["extra"] = pickle.loads(objects.pop(extra))
     rng = torch.empty_like(torch.get_rng_state())
     _load({"rng": rng, **{item: _like(dmodel, name, local) if name else local for item, (name, local) in held.items()}},
           path, comm)  # in place: parameters in their own storage
@@ -271,6 +307,7 @@ def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None =
 def _commit(staging: str, directory: str, step: int, keep: int | None) -> str:
     """Rank 0, once every rank has written: rename the staging directory into place, point
     `latest` at it (the commit), and drop what is no longer needed."""
+    _write_checksums(staging)
     name = f"step-{step:08d}"
     try:
         current = latest(directory)
@@ -294,10 +331,63 @@ def _commit(staging: str, directory: str, step: int, keep: int | None) -> str:
         if entry.startswith(".tmp-step-"):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     if keep is not None:
-        done = sorted(e for e in os.listdir(directory) if _NAME.match(e) and e != name)  # zero-padded: by step
+        done = sorted((e for e in os.listdir(directory) if _NAME.fullmatch(e) and e != name), key=_order)
         for entry in done[: max(0, len(done) - (keep - 1))]:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     return final
+
+
+def _order(name: str) -> tuple[int, int]:
+    """A checkpoint directory's place in time: its step, then its repeat (step-00000012.1)."""
+    found = _NAME.fullmatch(name)
+    return int(found.group(1)), int(found.group(2)[1:]) if found.group(2) else 0
+
+
+def _write_checksums(path: str) -> None:
+    """Record the SHA-256 of every file of the checkpoint at `path` (rank 0, once all have written)."""
+    sums = {entry: _sha256(os.path.join(path, entry)) for entry in sorted(os.listdir(path)) if entry != CHECKSUMS}
+    with open(os.path.join(path, CHECKSUMS), "w") as f:
+        json.dump(sums, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify(path: str) -> None:
+    """A ValueError naming the first file of the checkpoint at `path` whose bytes are not those
+    written (a flipped bit loads silently otherwise); checkpoints without checksums pass."""
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            sums = json.load(f)
+    except FileNotFoundError:
+        return
+    except (ValueError, OSError):
+        raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} does not load") from None
+    if not isinstance(sums, dict):
+        raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} holds no checksums")
+    for entry, want in sums.items():
+        file = os.path.join(path, entry)
+        if not os.path.isfile(file):
+            raise ValueError(f"checkpoint {path} is damaged: {entry} is missing")
+        if _sha256(file) != want:
+            raise ValueError(f"checkpoint {path} is damaged: {entry} does not match its checksum")
+
+
+def _sha256(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _agree(refused: str | None, comm) -> None:
+    """Raise on every rank the first rank's ValueError message (`refused`), before any rank goes
+    on to a collective the others would never join. A collective."""
+    every: list = [None] * comm.world
+    dist.all_gather_object(every, refused, group=comm.group)
+    why = next((r for r in every if r is not None), None)
+    if why is not None:
+        raise ValueError(why)
 
 
 def _resolve(directory: str) -> str | None:
@@ -312,9 +402,14 @@ def _load(items: dict[str, Any], path: str, comm) -> None:
     """DCP fills the tensors among `items` in place and replaces the other values. Items are
     keys as given, not flattened (as saved): `extra` and the optimizer's groups are one object
     each."""
-    with _quiet():
-        dcp.load(items, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
-                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    try:
+        with _quiet():
+            dcp.load(items, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
+                     planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    except CheckpointException as e:  # a BaseException of every rank's tracebacks: one line instead
+        exc = next((exc for exc, _ in e.failures.values()), None)
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc is not None else "unknown"
+        raise ValueError(f"checkpoint {path} does not load ({why[:200]})") from None
 
 
 def _fsync_dir(path: str) -> None:
@@ -337,11 +432,6 @@ def _opt_params(dmodel, opt: torch.optim.Optimizer) -> list[list[tuple[str, str,
     return out
 
 
-def _sharded_like(value: Any, p: torch.Tensor) -> bool:
-    """Whether an optimizer state value is per element of its parameter (so sharded like it)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape
-
-
 def _flat_optimizer(osd: dict[str, Any]) -> dict[str, Any]:
     """optimizer_state_dict as DCP items: optim/state/<key>/<name>, optim/param_groups."""
     items = {f"{_STATE}{key}/{name}": v for key, state in osd["state"].items() for name, v in state.items()}
@@ -349,13 +439,12 @@ def _flat_optimizer(osd: dict[str, Any]) -> dict[str, Any]:
     return items
 
 
-def _optimizer_items(dmodel, opt: torch.optim.Optimizer, meta: Metadata, path: str) -> dict[str, tuple | None]:
+def _optimizer_items(dmodel, opt: torch.optim.Optimizer, meta: Metadata) -> dict[str, tuple | None]:
     """The checkpoint's state items for the optimizer's parameters: item -> (the graph tensor it
     is sharded like or None, the local tensor DCP fills), or None for a value that is no tensor.
-    A tensor of its parameter's whole shape is loaded as this rank's part, others whole."""
+    A tensor of its parameter's whole shape is loaded as this rank's part, others whole (a
+    ValueError where such a tensor spans a sharded parameter: see executor.per_element)."""
     md = meta.state_dict_metadata
-    if "optim/param_groups" not in md:
-        raise ValueError(f"checkpoint {path} holds no optimizer state")
     params = {key: (name, p) for group in _opt_params(dmodel, opt) for name, key, p in group}
     out = {}
     for item, m in md.items():
@@ -365,28 +454,41 @@ def _optimizer_items(dmodel, opt: torch.optim.Optimizer, meta: Metadata, path: s
         name, p = params[key]
         if isinstance(m, BytesStorageMetadata):
             out[item] = None
-        elif len(m.size) > 0 and tuple(m.size) == tuple(dmodel.graph.tensors[name].shape):
+        elif per_element(item.rpartition("/")[2], m.size, dmodel.graph.tensors[name].shape, key,
+                         dmodel.executor.stored[name][0].is_shard):  # (else a ValueError where sharded)
             out[item] = (name, torch.empty(p.shape, dtype=m.properties.dtype))
         else:
             out[item] = (None, torch.empty(m.size, dtype=m.properties.dtype))
     return out
 
 
-def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> list[dict]:
-    """The optimizer's parameter groups as a checkpoint records them: hyper-parameters and the
-    state-dict keys of the group's parameters on every rank, in rank order (a pipeline stage's
-    optimizer holds its own stage's; a rank with no parameters may have none). A collective."""
-    mine = [] if opt is None else [({k: v for k, v in g.items() if k != "params"}, [key for _, key, _ in params])
-                                   for g, params in zip(opt.param_groups, _opt_params(dmodel, opt))]
+def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> tuple[str | None, list[dict]]:
+    """The optimizers' class name and parameter groups as a checkpoint records them:
+    hyper-parameters and the state-dict keys of the group's parameters on every rank, in rank
+    order (a pipeline stage's optimizer holds its own stage's; a rank with no parameters may
+    have none). A collective; a ValueError on every rank where one rank's optimizer is wrong."""
+    kind, mine, refused = None if opt is None else type(opt).__qualname__, [], None
+    try:
+        if opt is not None:
+            mine = [({k: v for k, v in g.items() if k != "params"}, [key for _, key, _ in params])
+                    for g, params in zip(opt.param_groups, _opt_params(dmodel, opt))]
+    except ValueError as e:
+        refused = str(e)
     every: list = [None] * dmodel.comm.world
-    dist.all_gather_object(every, mine, group=dmodel.comm.group)
+    dist.all_gather_object(every, (kind, mine, refused), group=dmodel.comm.group)
+    why = next((r for _, _, r in every if r is not None), None)
+    if why is not None:
+        raise ValueError(why)
+    kinds = sorted({k for k, _, _ in every if k is not None})
+    if len(kinds) > 1:
+        raise ValueError(f"the ranks' optimizers are of different kinds: {', '.join(kinds)}")
     groups: list[dict] = []
-    for ranks_groups in every:
+    for _, ranks_groups, _ in every:
         for i, (hyper, keys) in enumerate(ranks_groups):
             if i == len(groups):
                 groups.append({**hyper, "params": []})
             groups[i]["params"] += [key for key in keys if key not in groups[i]["params"]]
-    return groups
+    return (kinds[0] if kinds else None), groups
 
 
 def _check_groups(groups: list[dict], saved: list[dict], path: str) -> None:

@@ -35,6 +35,25 @@ from .collectives import Comm, all_reduce, from_rank_0, gather_padded, resplit, 
 from . import wire
 
 
+def per_element(state: str, shape: Sequence[int], param_shape: Sequence[int], param: str, sharded: bool) -> bool:
+    """Whether optimizer state `state` of parameter `param`, a tensor of `shape`, holds one value
+    per element of it (`param_shape`, as held here): momentum and Adam's moments, which are
+    sharded, moved and saved with the parameter. A scalar (Adam's step) is not. Any other shape
+    (Adafactor's factored row and column statistics) spans the parameter's elements: where hap
+    shards the parameter each rank's would be of its own rows alone, not one device's, so a
+    ValueError."""
+    if len(shape) == 0:
+        return False
+    if tuple(shape) == tuple(param_shape):
+        return True
+    if sharded:
+        raise ValueError(f"optimizer state {state!r} of {param} is {tuple(shape)}, not one value per element of "
+                         f"{tuple(param_shape)}: an optimizer whose statistics span a parameter (Adafactor's "
+                         f"factored moments, say) is not exact where hap shards it; use one with per-element "
+                         f"state (SGD, Adam, ...) or a plan that keeps {param} whole")
+    return False
+
+
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole value of every leaf of `graph`: parameters and buffers of `model` by their
     qualified names (a tied parameter under any of its names), constants, and data inputs in
@@ -294,10 +313,14 @@ class Executor:
             raise ValueError("reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))")
         sharded = [(name, p, seg) for name, (p, seg) in self.stored.items() if p.is_shard]
         old = {name: self.sizes(name, p, seg) for name, p, seg in sharded}
-        self.ratios = ratios
+        before, self.ratios = self.ratios, ratios
         moved = [(name, p.dim, old[name], self.sizes(name, p, seg)) for name, p, seg in sharded]
         moved = [m for m in moved if m[2] != m[3]]
-        states = self._states_to_move([name for name, *_ in moved], optimizers)
+        try:
+            states = self._states_to_move([name for name, *_ in moved], optimizers)
+        except ValueError:
+            self.ratios = before  # nothing moved
+            raise
         nbytes = 0
         with torch.no_grad():
             for name, dim, before, after in moved:
@@ -319,16 +342,23 @@ class Executor:
         """Per moved parameter, the optimizer state entries shaped like it; every rank must hold
         the same entries (the resplits are collectives), or a ValueError before any moves."""
         out: dict[str, list[tuple[dict, str]]] = {name: [] for name in names}
-        for opt in optimizers:
-            for name in names:
-                param = self.params.get(name)
-                state = opt.state.get(param, {}) if param is not None else {}
-                out[name] += [(state, k) for k, v in sorted(state.items())
-                              if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == param.shape]
+        refused = None
+        try:
+            for opt in optimizers:
+                for name in names:
+                    param = self.params.get(name)
+                    state = opt.state.get(param, {}) if param is not None else {}
+                    out[name] += [(state, k) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)
+                                  and per_element(k, v.shape, param.shape, self.graph.tensors[name].target, True)]
+        except ValueError as e:  # told to every rank, not left waiting in the gather
+            refused = str(e)
         mine = [(name, key) for name, entries in out.items() for _, key in entries]
         every: list = [None] * self.comm.world
-        dist.all_gather_object(every, mine, group=self.comm.group)
-        if any(other != mine for other in every):
+        dist.all_gather_object(every, (mine, refused), group=self.comm.group)
+        refused = next((why for _, why in every if why is not None), None)
+        if refused is not None:
+            raise ValueError(f"reshard: {refused}")
+        if any(other != mine for other, _ in every):
             raise ValueError("reshard: the ranks' optimizers hold different per-parameter state (step them alike first)")
         return out
 

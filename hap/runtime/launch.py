@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -41,11 +40,17 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(timeout_s: float) -> dist.TCPStore:
+    """Where local ranks meet: a store this process serves (keep it alive while they run) on a
+    port the OS gave it as it bound it. A port found free and bound later by rank 0 could be
+    taken in between by another run starting at the same time (EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_group(backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:
+    """This rank's default process group, met at the rendezvous store on `port`."""
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo") -> None:
@@ -58,10 +63,11 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, 
         raise ValueError(f"nccl needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} CUDA devices "
                          f"(gloo lets ranks share a GPU)")
     with tempfile.TemporaryDirectory(prefix="hap-ranks-") as reports:
+        store = rendezvous(timeout_s)  # (served until spawn returns)
         # torch starts the ranks (and has each die with the parent); the joining is ours: torch's
         # ProcessContext.join blames whichever failure it sees first (often a peer's "Connection
         # closed by peer") and gives stuck ranks 30 s after SIGTERM.
-        procs = mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s, reports, backend),
+        procs = mp.start_processes(_entry, args=(fn, world, store.port, args, timeout_s, reports, backend),
                                    nprocs=world, join=False, start_method="spawn").processes
         try:
             gone = _wait(procs)
@@ -134,8 +140,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        join_group(backend, rank, world, port, timeout_s)
         fn(rank, *args)
         dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..capture import capture
 from ..cost.cluster import Cluster
@@ -39,7 +40,7 @@ from ..search.astar import SearchError
 from .collectives import Comm, WaitClock, all_reduce, broadcast, global_rank
 from . import wire
 from .emulate import Emulation
-from .executor import Executor, leaf_values, model_state
+from .executor import Executor, leaf_values, model_state, per_element
 from .gradsync import GradSync, Groups
 from .launch import collective_timeout
 
@@ -97,6 +98,7 @@ class HAP(nn.Module):
         self._parts: dict[int, tuple] = {}  # rank -> its part of the planned batch (shapes)
         self.shapes: list[dict] = []
         """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
+        _watch_optimizers({id(p): (p, graph.tensors[name].target) for name, p in ex.params.items() if ex.stored[name][0].is_shard})
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
@@ -233,13 +235,13 @@ class HAP(nn.Module):
             graph = capture(self.model, inputs, training=training)
             plan, how = self.plan, "the plan's program at its ratios"
             if not _runs(plan, graph):  # the graph changed with the shape: plan it, keeping the layout
-                if len(self.plan.ratios) > 1:
-                    raise ValueError("its graph differs and the plan has several segments")
                 kept = {name: p for name, (p, _) in base.stored.items()}  # every rank plans; they must agree
-                plan = agree_plan(plan_for_layout(graph, self.cluster, self.plan.ratios[0], kept), self.comm)
+                segment_of = _segments_like(self.graph, base.segment_of, graph)
+                plan = agree_plan(plan_for_layout(graph, self.cluster, self.plan.ratios, kept, segment_of=segment_of),
+                                  self.comm)
                 how = f"a program planned for it in {plan.synthesis_seconds:.2f} s"
-            ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(strategy_table(graph))), base.segment_of
-                          if plan is self.plan else [0] * len(graph.nodes), plan.ratios, self.comm)
+            ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(strategy_table(graph))),
+                          plan.segment_of, plan.ratios, self.comm)
             for name, (p, seg) in base.stored.items():
                 if ex.kept.get(name, (p, seg)) != (p, seg) or ex.sizes(name, p, seg) != base.sizes(name, p, seg):
                     raise ValueError(f"{self.graph.tensors[name].target} would be split otherwise")
@@ -397,6 +399,54 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     for g in grads:
         g.mul_(coef)
     return total
+
+
+_SHARDED: dict[int, tuple[weakref.ref, str]] = {}
+"""Every live hap.HAP's sharded parameters by id: (the parameter, its state-dict key), watched by
+_check_optimizer_state (by id: a tensor's == is elementwise, so no weak dictionary of them)."""
+_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = weakref.WeakKeyDictionary()
+_watching = False
+
+
+def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]]) -> None:
+    """From now on, after every torch optimizer's step, refuse state that spans one of these
+    sharded parameters (checkpoint and reshard refuse it too; see executor.per_element)."""
+    global _watching
+    for key, (param, label) in sharded.items():
+        _SHARDED[key] = (weakref.ref(param, lambda _, key=key: _SHARDED.pop(key, None)), label)
+    if sharded and not _watching:
+        register_optimizer_step_post_hook(_check_optimizer_state)
+        _watching = True
+
+
+def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """A ValueError after the first step of an optimizer whose state for a sharded parameter is
+    not per element of it (Adafactor's factored moments): each rank's statistics would be of its
+    own rows, not one device's. Each parameter is checked once per optimizer."""
+    checked = _CHECKED.setdefault(opt, set())
+    for param, state in opt.state.items():
+        watched = _SHARDED.get(id(param))
+        if id(param) in checked or watched is None or watched[0]() is not param:
+            continue
+        checked.add(id(param))
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                per_element(key, value.shape, param.shape, watched[1], sharded=True)
+
+
+def _segments_like(planned, segment_of: Sequence[int], graph) -> list[int]:
+    """Every node of `graph` (the model at another shape or in eval mode) in the segment of the
+    planned graph's node of the same name, else of the node before it (a node the other graph
+    lacks, such as dropout, leaves the rest named alike), kept in order; a ValueError where a
+    segment keeps no node."""
+    by_name = {node.name: seg for node, seg in zip(planned.nodes, segment_of)}
+    out, seg = [], 0
+    for node in graph.nodes:
+        seg = max(seg, by_name.get(node.name, seg))
+        out.append(seg)
+    if sorted(set(out)) != sorted(set(segment_of)):
+        raise ValueError("its graph differs and a segment of the plan has none of its nodes")
+    return out
 
 
 def _runs(plan: Plan, graph) -> bool:

@@ -49,13 +49,14 @@ class TrialsFailed(RuntimeError):
 
 class TrialCluster:
     def __init__(self, workload: Workload, timeout_s: float = 600.0):
-        from ..runtime.launch import free_port
+        from ..runtime.launch import rendezvous
 
         self.workload, self.timeout_s = workload, timeout_s
         self.world = len(workload.plan["devices"])
         ctx = mp.get_context("spawn")
         self.commands, self.results = ctx.Queue(), ctx.Queue()
-        self.procs = mp.start_processes(_serve, args=(self.world, free_port(), asdict(workload), self.commands,
+        self._store = rendezvous(timeout_s)  # served while the trial ranks run
+        self.procs = mp.start_processes(_serve, args=(self.world, self._store.port, asdict(workload), self.commands,
                                                       self.results, timeout_s),
                                         nprocs=self.world, join=False, start_method="spawn").processes
         self._expect("ready")
@@ -131,8 +132,7 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
     torch.set_num_threads(1)
     try:
         launch._TIMEOUT = timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        launch.join_group("gloo", rank, world, port, timeout_s)
         w = Workload(**workload)
         torch.manual_seed(0)
         model, batch = build(w.model, devices=world, **w.knobs)
