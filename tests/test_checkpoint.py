@@ -406,6 +406,27 @@ def odd_states(rank, world, directory):
     adam.zero_grad(set_to_none=True)
     checkpoint.save(dmodel, adam, directory, 1, extra=torch.arange(3))  # a bare tensor as extra
     out["extra"] = checkpoint.load(dmodel, adam, directory)[1].tolist()
+    for damage in ("a byte", "no checksums"):  # a copy with one byte changed; one saved before checksums
+        copy = f"{directory}-{damage.replace(' ', '-')}"
+        checkpoint.save(dmodel, adam, copy, 1)
+        path = checkpoint.latest(copy)[0]
+        if rank == 0:
+            if damage == "a byte":
+                data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[-1]
+                raw = bytearray(open(os.path.join(path, data), "rb").read())
+                raw[-40] ^= 1
+                open(os.path.join(path, data), "wb").write(bytes(raw))
+            else:
+                os.remove(os.path.join(path, checkpoint.CHECKSUMS))
+        torch.distributed.barrier()
+        try:
+            out[damage] = checkpoint.load(dmodel, adam, copy)[0]
+        except ValueError as e:
+            out[damage] = str(e)
+    try:
+        checkpoint.save(dmodel, adam, directory, 7, extra=lambda: 0)
+    except ValueError as e:
+        out["unpicklable"] = str(e)
     try:
         checkpoint.load(dmodel, optimizer(dmodel.parameters(), "sgd"), directory)
     except ValueError as e:
@@ -419,8 +440,10 @@ def odd_states(rank, world, directory):
         except ValueError as e:
             out[what] = str(e)
         ada.zero_grad(set_to_none=True)
-    out["ratios"] = dmodel.plan.ratios
+    out["ratios"] = [dmodel.plan.ratios, dmodel.executor.ratios]
+    out["rows"] = dmodel.shards["p_fc1_weight"].shape[0]
     out["latest"] = checkpoint.latest(directory)[1]
+    out["staging"] = sorted(f for f in os.listdir(directory) if f.startswith(".tmp"))
     return out
 
 
@@ -429,10 +452,16 @@ def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
     Adam checkpoint loaded into SGD is refused (SGD took Adam's state and failed with KeyError at
     its step); Adafactor, whose row and column moments span fc1's rows split 17/7, is refused at
     its first step, by save and by reshard (a save kept one rank's moments as everyone's; its
-    losses were not one device's)."""
+    losses were not one device's); a changed byte is refused by load (it loaded silently), a
+    checkpoint without checksums loads, and an extra that does not pickle is refused on every
+    rank (rank 0 alone raised, the others waited)."""
     directory = str(tmp_path / "ckpt")
-    for got in run_ranks(odd_states, 2, tmp_path, directory):
+    for rank, got in enumerate(run_ranks(odd_states, 2, tmp_path, directory)):
         assert got["extra"] == [0, 1, 2]
+        assert re.fullmatch(rf"checkpoint {directory}-a-byte/step-00000001 is damaged: __\d_0.distcp does not match "
+                            "its checksum", got["a byte"]), got["a byte"]
+        assert got["no checksums"] == 1  # (a checkpoint saved before checksums loads)
+        assert got["unpicklable"].startswith("checkpoint save: extra does not pickle (")
         assert got["kind"] == f"checkpoint {directory}/step-00000001 holds the state of optimizer class Adam, not SGD"
         spans = ("optimizer state 'row_var' of fc1.weight is ({rows}, 1), not one value per element of ({rows}, 12): "
                  "an optimizer whose statistics span a parameter (Adafactor's factored moments, say) is not exact "
@@ -441,7 +470,8 @@ def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
         assert got["step"] in (spans.format(rows=17), spans.format(rows=7))
         assert got["save"].startswith("checkpoint save: optimizer state 'row_var' of fc1.weight")
         assert re.match(r"reshard: optimizer state '(row|col)_var' of fc1.weight is ", got["reshard"])
-        assert got["ratios"] == [[0.7, 0.3]] and got["latest"] == 1  # nothing moved, nothing saved
+        assert got["ratios"] == [[[0.7, 0.3]], [[0.7, 0.3]]] and got["rows"] == [17, 7][rank]  # nothing moved
+        assert got["latest"] == 1 and got["staging"] == []  # nothing saved, nothing left behind
 
 
 def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_path):
@@ -452,8 +482,19 @@ def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_
         staging.mkdir()
         dcp.save({"step": step, "model/w": torch.arange(64.0)}, storage_writer=dcp.FileSystemWriter(str(staging)),
                  no_dist=True)
-        checkpoint._commit(str(staging), str(tmp_path), step, keep=2)
+        sums = {f.name: checkpoint._sha256(str(f)) for f in staging.iterdir()}  # (save: each rank hashes a share)
+        checkpoint._commit(str(staging), str(tmp_path), step, 2, sums)
     assert sorted(e.name for e in tmp_path.iterdir()) == ["latest", "step-100000000", "step-100000001"]
+    again = tmp_path / "again"  # one step saved three times, then an earlier step (a run restarted)
+    again.mkdir()
+    for step in (5, 5, 5, 3):
+        staging = again / ".tmp-step"
+        staging.mkdir()
+        (staging / "x").write_text(str(step))
+        checkpoint._commit(str(staging), str(again), step, 2, {})
+    # the third save of step 5 replaced the first (names alternated 5, 5.1, 5), and keep then
+    # dropped it as the oldest
+    assert sorted(e.name for e in again.iterdir()) == ["latest", "step-00000003", "step-00000005.2"]
     path = str(tmp_path / "step-100000001")
     checkpoint.verify(path)
     data = next(p for p in (tmp_path / "step-100000001").iterdir() if p.suffix == ".distcp")

@@ -301,9 +301,10 @@ def dropout_bn():
     return DropoutBatchNorm(), batches, (torch.randn(7, 12, generator=gen), torch.randn(7, 12, generator=gen))
 
 
-def two_segments(model, example):
+def two_segments(model, example, at="dropout"):
     """hap.HAP under a plan of two segments at 60/40 (fc1 and batch norm: features split) and
-    30/70 (dropout and fc2: fc2's columns split)."""
+    30/70 (dropout and fc2: fc2's columns split); or cut `at` batch norm (its eval op is named
+    otherwise: it fell into segment 0 and was refused)."""
     from hap.placement import S
     from hap.planner import plan_for_layout
 
@@ -311,7 +312,7 @@ def two_segments(model, example):
     graph = hap.capture(model, example)
     split = {"p_fc1_weight": S(0), "p_fc1_bias": S(0), "p_bn_weight": S(0), "p_bn_bias": S(0),
              "b_bn_running_mean": S(0), "b_bn_running_var": S(0), "p_fc2_weight": S(1)}
-    first = next(k for k, node in enumerate(graph.nodes) if "dropout" in node.op)
+    first = next(k for k, node in enumerate(graph.nodes) if at in node.op)
     plan = plan_for_layout(graph, cluster, [[0.6, 0.4], [0.3, 0.7]], split,
                            segment_of=[0] * first + [1] * (len(graph.nodes) - first))
     return hap.HAP(model, cluster, example, plan=plan)
@@ -319,9 +320,11 @@ def two_segments(model, example):
 
 def validated(rank, world, segments):
     model, batches, val = dropout_bn()
-    dmodel = two_segments(model, batches[0]) if segments == 2 else skewed(model, batches[0])
+    dmodel = two_segments(model, batches[0], segments) if segments != 1 else skewed(model, batches[0])
     losses = train_and_validate(dmodel, batches, val)
     dmodel.eval()
+    with torch.no_grad():  # a whole batch of rank 0's share of rows (it was refused on rank 0 alone)
+        losses.append(dmodel(*[x[:6] for x in batches[0]]).item())
     try:
         dmodel(*dmodel.local_batch(*batches[0]))
         refused = None
@@ -334,7 +337,7 @@ def validated(rank, world, segments):
             "split": [list(dmodel.shards[n].shape) for n in ("p_fc1_weight", "p_fc2_weight")]}
 
 
-@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("segments", [1, "dropout", "batch_norm"])
 def test_eval_mode_validates_like_one_device(tmp_path, segments):
     """dmodel.eval(): no dropout, BatchNorm normalizes by its running statistics and leaves
     them; the generator is not drawn from, so training after validation draws one device's
@@ -344,15 +347,18 @@ def test_eval_mode_validates_like_one_device(tmp_path, segments):
     model, batches, val = dropout_bn()
     losses = train_and_validate(model, batches, val)
     assert losses[1] == losses[2]  # no dropout in eval mode
+    model.eval()
+    with torch.no_grad():
+        losses.append(model(*[x[:6] for x in batches[0]]).item())
     reports = run_ranks(validated, 2, tmp_path, segments)
-    if segments == 2:  # fc1's 24 rows 60/40, fc2's 24 columns 30/70
+    if segments != 1:  # fc1's 24 rows 60/40, fc2's 24 columns 30/70
         assert [got["split"] for got in reports] == [[[14, 12], [12, 7]], [[10, 12], [12, 17]]]
     for got in reports:
-        assert len(got["ratios"]) == segments
+        assert len(got["ratios"]) == (1 if segments == 1 else 2)
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-6), k
-        assert len(got["runs"]) == 2  # the eval graph captured once per shape: the planned one and 7 rows
+        assert len(got["runs"]) == 3  # the eval graph captured once per shape: the planned one, 7 and 6 rows
         if segments == 1:  # (the two segments' plan keeps the batch whole: nothing to refuse)
             assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 
@@ -603,3 +609,28 @@ def test_torch_compile_of_the_distributed_model_runs_it_as_it_is(tmp_path):
     for got in run_ranks(compiled, 2, tmp_path):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert got["graphs"] == 0
+
+
+def test_an_optimizer_with_flat_state_over_sharded_parameters_is_refused():
+    """LBFGS keeps flat vectors over all its parameters under the first one: where that one is
+    whole and another sharded, its dot products were each rank's own rows, silently (a sharded
+    first parameter was refused as spanning its shard). No process group: the hook alone."""
+    from hap.runtime.module import _watch_optimizers
+
+    whole, sharded = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4, 2))
+    _watch_optimizers({id(sharded): (sharded, "fc.weight")})  # as hap.HAP registers its shards
+    plain = torch.optim.SGD([whole, sharded], lr=0.1, momentum=0.9)
+    lbfgs = torch.optim.LBFGS([whole, sharded], lr=0.1)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = whole.sum() ** 2 + sharded.pow(2).sum()
+        loss.backward()
+        return loss
+
+    closure()
+    plain.step()  # momentum buffers: one value per element, accepted
+    with pytest.raises(ValueError, match=r"^optimizer state 'd' is \(11,\), more than its parameter \(3,\): state over "
+                                         r"several parameters \(LBFGS's flat vectors, say\) is not exact where hap "
+                                         r"shards some of them$"):
+        lbfgs.step(closure)

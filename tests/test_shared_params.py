@@ -122,6 +122,13 @@ def test_a_bias_loaded_as_a_partial_sum_is_kept_whole_and_a_layout_may_load_it_s
     assert all(kept[name] == hap.placement.R for name in as_p)
     replanned = plan_for_layout(graph, cluster, plan.stages[0].ratios[0], kept).steps(graph)
     assert {name: p for name, (p, _) in kept_placements(replanned, graph, segment_of).items()} == kept
+    # in a plan of two segments a whole tensor is kept alike whichever segment loads it (loaded
+    # as R in segment 1 it was (R, 1), as P (R, 0): a re-plan for eval was refused as "split otherwise")
+    two = [0] * 2 + [1] * (len(graph.nodes) - 2)
+    for layout in ({}, {name: hap.placement.R for name in graph.params}):
+        steps = plan_for_layout(graph, cluster, [[0.6, 0.4], [0.3, 0.7]], layout, segment_of=two).steps(graph)
+        held = kept_placements(steps, graph, two)
+        assert all(seg == 0 for p, seg in held.values() if not p.is_shard)
 
 
 class _Regression(nn.Module):

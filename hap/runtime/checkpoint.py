@@ -12,9 +12,9 @@ another plan, other ratios or another number of ranks reads the rows its own lay
 checkpoint also holds the step, rank 0's CPU random generator state (which every rank then
 shares, as hap.HAP does: dropout draws what one device would) and any `extra` object.
 
-A save writes into a hidden sibling directory; once every rank has written its part, rank 0
-records every file's SHA-256, renames it into place and then points `latest` at it (a file
-replaced atomically): a save that dies midway leaves the previous checkpoint the latest, `load`
+A save writes into a hidden sibling directory; once every rank has written its part, the ranks
+hash its files (a share each), and rank 0 records their SHA-256, renames it into place and then
+points `latest` at it (a file replaced atomically): a save that dies midway leaves the previous checkpoint the latest, `load`
 never sees a partial one, and a file changed since (a flipped bit) is refused before it is read.
 Optimizer state is saved with its parameter's rows where it holds one value per element of
 the parameter (momentum, Adam's moments); an optimizer whose state spans a sharded parameter
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import pickle
@@ -40,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from .collectives import _with_length, global_rank
+from .collectives import _with_length, gather_or_refuse, global_rank
 from .executor import per_element
 
 POINTER = "latest"
@@ -136,7 +135,8 @@ def optimizer_state_dict(dmodel, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state in torch's layout, keyed by the parameters' state-dict keys:
     {"state": {key: {name: value}}, "param_groups": [{..., "params": [key, ...]}]}. A state
     tensor of its parameter's local shape (momentum, Adam's moments) is sharded like the
-    parameter; others (Adam's step) and the groups' hyper-parameters are the same on every rank."""
+    parameter; others (Adam's step) and the groups' hyper-parameters are the same on every rank.
+    A ValueError where a state tensor spans a sharded parameter (executor.per_element)."""
     groups, state = [], {}
     for group, params in zip(opt.param_groups, _opt_params(dmodel, opt)):
         for name, key, p in params:
@@ -160,10 +160,6 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
         raise ValueError(f"keep must be at least 1, got {keep}")
     comm = dmodel.comm
     staging = os.path.join(directory, f".tmp-step-{step:08d}")
-    if comm.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
-        os.makedirs(staging)
     items = {f"model/{k}": v for k, v in state_dict(dmodel).items()}
     kind, groups = _model_groups(dmodel, opt)
     refused = None
@@ -171,19 +167,36 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
         if opt is not None:
             items.update(_flat_optimizer({**optimizer_state_dict(dmodel, opt), "param_groups": groups}))
             items["optim/kind"] = kind
-    except ValueError as e:
+        if comm.rank == 0:  # written once; every rank loads rank 0's (extra as bytes: DCP would take a tensor for its own)
+            items.update({"step": step, "extra_pickle": _pickled(extra), "rng": torch.get_rng_state()})
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
+            os.makedirs(staging)
+    except (ValueError, OSError) as e:
         refused = f"checkpoint save: {e}"
-    _agree(refused, comm)
-    if comm.rank == 0:  # written once; every rank loads rank 0's (extra as bytes: DCP would take a tensor for its own)
-        items.update({"step": step, "extra_pickle": pickle.dumps(extra), "rng": torch.get_rng_state()})
-    dist.barrier(group=comm.group)  # the staging directory is there
+    gather_or_refuse(None, refused, comm)  # (and the staging directory is there)
     with _quiet():
         dcp.save(items, storage_writer=dcp.FileSystemWriter(staging), process_group=comm.group,
                  planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     dist.barrier(group=comm.group)  # every rank's part is written
-    box = [_commit(staging, directory, step, keep) if comm.rank == 0 else None]
+    sums = _checksums(staging, comm)
+    box: list = [None]
+    if comm.rank == 0:
+        try:
+            box = [_commit(staging, directory, step, keep, sums)]
+        except OSError as e:  # told to every rank, not left waiting
+            box = [ValueError(f"checkpoint save: committing {staging} failed: {e}")]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)  # no rank returns before it is the latest
+    if isinstance(box[0], ValueError):
+        raise box[0]
     return box[0]
+
+
+def _pickled(extra: Any) -> bytes:
+    try:
+        return pickle.dumps(extra)
+    except Exception as e:  # pickle raises about anything (a lambda: PicklingError, AttributeError)
+        raise ValueError(f"extra does not pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int, Any]:
@@ -198,8 +211,6 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     if comm.rank == 0:
         try:
             box = [_resolve(directory)]
-            if box[0] is not None:
-                verify(box[0])
         except ValueError as e:  # told to every rank, not left waiting
             box = [e]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
@@ -208,6 +219,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     path = box[0]
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
+    verify(path, comm)
     meta = metadata(path)
     check(path, model_shapes(graph), meta)
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
@@ -225,8 +237,8 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
             held.update({item: v for item, v in state.items() if v is not None})
             objects.update({item: None for item, v in state.items() if v is None})
     except ValueError as e:
-        refused = str(e)
-    _agree(refused, comm)
+        refused = f"checkpoint {path}: {e}" if not str(e).startswith("checkpoint ") else str(e)
+    gather_or_refuse(None, refused, comm)
     _load(objects, path, comm)  # first the small objects: the optimizer's groups must match
     if kind is not None:
         saved_kind = objects.get("optim/kind", kind)  # (older checkpoints did not say)
@@ -304,20 +316,18 @@ def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None =
                          "(a checkpoint of another model?)")
 
 
-def _commit(staging: str, directory: str, step: int, keep: int | None) -> str:
-    """Rank 0, once every rank has written: rename the staging directory into place, point
-    `latest` at it (the commit), and drop what is no longer needed."""
-    _write_checksums(staging)
-    name = f"step-{step:08d}"
-    try:
-        current = latest(directory)
-    except ValueError:  # a damaged pointer: this save replaces it
-        current = None
-    if current is not None and os.path.basename(current[0]) == name:  # this step again: the old one stays
-        name = next(n for n in (f"{name}.{i}" for i in itertools.count(1))  # the latest until the commit
-                    if not os.path.exists(os.path.join(directory, n)))
+def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dict[str, str]) -> str:
+    """Rank 0, once every rank has written: record the files' checksums, rename the staging
+    directory into place, point `latest` at it (the commit), and drop what is no longer needed."""
+    with open(os.path.join(staging, CHECKSUMS), "w") as f:
+        json.dump(sums, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    # this step saved before: the next repeat (step-00000012.1, .2, ...), so that (step, repeat)
+    # orders the saves in time and none is replaced before the commit
+    repeats = [_order(e)[1] for e in os.listdir(directory) if _NAME.fullmatch(e) and _order(e)[0] == step]
+    name = f"step-{step:08d}" + (f".{max(repeats) + 1}" if repeats else "")
     final = os.path.join(directory, name)
-    shutil.rmtree(final, ignore_errors=True)  # a leftover of an earlier run: not the latest
     os.rename(staging, final)
     _fsync_dir(directory)
     pointer = os.path.join(directory, f".{POINTER}.tmp")
@@ -343,18 +353,36 @@ def _order(name: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2)[1:]) if found.group(2) else 0
 
 
-def _write_checksums(path: str) -> None:
-    """Record the SHA-256 of every file of the checkpoint at `path` (rank 0, once all have written)."""
-    sums = {entry: _sha256(os.path.join(path, entry)) for entry in sorted(os.listdir(path)) if entry != CHECKSUMS}
-    with open(os.path.join(path, CHECKSUMS), "w") as f:
-        json.dump(sums, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
+def _checksums(staging: str, comm) -> dict[str, str]:
+    """The SHA-256 of every file written into `staging` (a directory every rank reads), each
+    rank hashing an equal share of the files. A collective."""
+    files = sorted(os.listdir(staging))
+    mine, refused = {}, None
+    try:
+        mine = {entry: _sha256(os.path.join(staging, entry)) for entry in files[comm.rank::comm.world]}
+    except OSError as e:
+        refused = f"checkpoint save: {staging} does not read back: {e}"
+    return {entry: digest for share in gather_or_refuse(mine, refused, comm) for entry, digest in share.items()}
 
 
-def verify(path: str) -> None:
-    """A ValueError naming the first file of the checkpoint at `path` whose bytes are not those
-    written (a flipped bit loads silently otherwise); checkpoints without checksums pass."""
+def verify(path: str, comm=None) -> None:
+    """A ValueError naming a file of the checkpoint at `path` whose bytes are not those written
+    (a flipped bit loads silently otherwise), or that is missing or does not read; checkpoints
+    without checksums pass. With `comm`, a collective: each rank checks an equal share of the
+    files, and every rank raises."""
+    refused = None
+    try:
+        _verify_share(path, comm.rank if comm is not None else 0, comm.world if comm is not None else 1)
+    except ValueError as e:
+        refused = str(e)
+    if comm is None:
+        if refused is not None:
+            raise ValueError(refused)
+        return
+    gather_or_refuse(None, refused, comm)
+
+
+def _verify_share(path: str, share: int, shares: int) -> None:
     try:
         with open(os.path.join(path, CHECKSUMS)) as f:
             sums = json.load(f)
@@ -364,11 +392,15 @@ def verify(path: str) -> None:
         raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} does not load") from None
     if not isinstance(sums, dict):
         raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} holds no checksums")
-    for entry, want in sums.items():
+    for entry, want in sorted(sums.items())[share::shares]:
         file = os.path.join(path, entry)
         if not os.path.isfile(file):
             raise ValueError(f"checkpoint {path} is damaged: {entry} is missing")
-        if _sha256(file) != want:
+        try:
+            got = _sha256(file)
+        except OSError as e:
+            raise ValueError(f"checkpoint {path} is damaged: {entry} does not read ({e.strerror or e})") from None
+        if got != want:
             raise ValueError(f"checkpoint {path} is damaged: {entry} does not match its checksum")
 
 
@@ -378,16 +410,6 @@ def _sha256(file: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _agree(refused: str | None, comm) -> None:
-    """Raise on every rank the first rank's ValueError message (`refused`), before any rank goes
-    on to a collective the others would never join. A collective."""
-    every: list = [None] * comm.world
-    dist.all_gather_object(every, refused, group=comm.group)
-    why = next((r for r in every if r is not None), None)
-    if why is not None:
-        raise ValueError(why)
 
 
 def _resolve(directory: str) -> str | None:
@@ -474,16 +496,12 @@ def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> tuple[str | None
                     for g, params in zip(opt.param_groups, _opt_params(dmodel, opt))]
     except ValueError as e:
         refused = str(e)
-    every: list = [None] * dmodel.comm.world
-    dist.all_gather_object(every, (kind, mine, refused), group=dmodel.comm.group)
-    why = next((r for _, _, r in every if r is not None), None)
-    if why is not None:
-        raise ValueError(why)
-    kinds = sorted({k for k, _, _ in every if k is not None})
+    every = gather_or_refuse((kind, mine), refused, dmodel.comm)
+    kinds = sorted({k for k, _ in every if k is not None})
     if len(kinds) > 1:
         raise ValueError(f"the ranks' optimizers are of different kinds: {', '.join(kinds)}")
     groups: list[dict] = []
-    for _, ranks_groups, _ in every:
+    for _, ranks_groups in every:
         for i, (hyper, keys) in enumerate(ranks_groups):
             if i == len(groups):
                 groups.append({**hyper, "params": []})

@@ -31,7 +31,7 @@ from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
 from ..search.program import Step, kept_placements
-from .collectives import Comm, all_reduce, from_rank_0, gather_padded, resplit, run_move
+from .collectives import Comm, all_reduce, from_rank_0, gather_or_refuse, gather_padded, resplit, run_move
 from . import wire
 
 
@@ -42,10 +42,10 @@ def per_element(state: str, shape: Sequence[int], param_shape: Sequence[int], pa
     (Adafactor's factored row and column statistics) spans the parameter's elements: where hap
     shards the parameter each rank's would be of its own rows alone, not one device's, so a
     ValueError."""
-    if len(shape) == 0:
-        return False
     if tuple(shape) == tuple(param_shape):
         return True
+    if math.prod(shape) == 1:  # a scalar, or a counter kept as shape (1,)
+        return False
     if sharded:
         raise ValueError(f"optimizer state {state!r} of {param} is {tuple(shape)}, not one value per element of "
                          f"{tuple(param_shape)}: an optimizer whose statistics span a parameter (Adafactor's "
@@ -313,13 +313,13 @@ class Executor:
             raise ValueError("reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))")
         sharded = [(name, p, seg) for name, (p, seg) in self.stored.items() if p.is_shard]
         old = {name: self.sizes(name, p, seg) for name, p, seg in sharded}
-        before, self.ratios = self.ratios, ratios
+        old_ratios, self.ratios = self.ratios, ratios
         moved = [(name, p.dim, old[name], self.sizes(name, p, seg)) for name, p, seg in sharded]
         moved = [m for m in moved if m[2] != m[3]]
         try:
             states = self._states_to_move([name for name, *_ in moved], optimizers)
         except ValueError:
-            self.ratios = before  # nothing moved
+            self.ratios = old_ratios  # nothing moved
             raise
         nbytes = 0
         with torch.no_grad():
@@ -351,14 +351,10 @@ class Executor:
                     out[name] += [(state, k) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)
                                   and per_element(k, v.shape, param.shape, self.graph.tensors[name].target, True)]
         except ValueError as e:  # told to every rank, not left waiting in the gather
-            refused = str(e)
+            refused = f"reshard: {e}"
         mine = [(name, key) for name, entries in out.items() for _, key in entries]
-        every: list = [None] * self.comm.world
-        dist.all_gather_object(every, (mine, refused), group=self.comm.group)
-        refused = next((why for _, why in every if why is not None), None)
-        if refused is not None:
-            raise ValueError(f"reshard: {refused}")
-        if any(other != mine for other, _ in every):
+        every = gather_or_refuse(mine, refused, self.comm)
+        if any(other != mine for other in every):
             raise ValueError("reshard: the ranks' optimizers hold different per-parameter state (step them alike first)")
         return out
 

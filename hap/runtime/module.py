@@ -211,15 +211,25 @@ class HAP(nn.Module):
         shape (no dropout; BatchNorm reads its running statistics and leaves them), captured once
         per shape, parameters and buffers shared with the training executor."""
         key = ("eval", tuple(tuple(x.shape) for x in batch))
-        if part or (part is None and key[1] != _shapes_of(self.graph) and key[1] == self._part_shapes(self.comm.rank)):
-            raise ValueError(f"inputs of shape {key[1]} are this rank's part of the planned batch: in eval mode give "
-                             "every rank the whole batch (part=False where it is one)")
+        whole = "in eval mode give every rank the whole batch"
+        if part:
+            raise ValueError(f"inputs of shape {key[1]} given as this rank's part (part=True): {whole}")
+        seen = None
+        if part is None and key[1] != _shapes_of(self.graph):
+            # the ranks tell parts from a whole batch together, as in training (a whole batch whose
+            # rows are one rank's share is a whole batch; a rank deciding alone refused it alone)
+            seen = [k for _, k in every_rank(key, self.comm)]
+            if all(k == self._part_shapes(r) for r, k in enumerate(seen)):
+                raise ValueError(f"inputs of shape {key[1]} are this rank's part of the planned batch: {whole} "
+                                 "(part=False where it is one)")
         if key not in self._by_shape:  # the ranks capture together: they must all be given this shape
-            seen = every_rank(key, self.comm)
+            seen = seen if seen is not None else [k for _, k in every_rank(key, self.comm)]
             if len(set(seen)) > 1:
-                raise ValueError(f"ranks were given inputs of different shapes {sorted(s[1] for s in set(seen))} in "
-                                 "eval mode: give every rank the whole batch")
+                raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))} in "
+                                 f"eval mode: {whole}")
             self._by_shape[key] = self._reuse_plan(batch, key[1], training=False)
+        elif seen is not None and len(set(seen)) > 1:
+            raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))} in eval mode: {whole}")
         return self._by_shape[key], frozenset()
 
     def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple, training: bool = True) -> Executor:
@@ -420,29 +430,56 @@ def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]]) -> None:
 
 
 def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    """A ValueError after the first step of an optimizer whose state for a sharded parameter is
-    not per element of it (Adafactor's factored moments): each rank's statistics would be of its
-    own rows, not one device's. Each parameter is checked once per optimizer."""
-    checked = _CHECKED.setdefault(opt, set())
+    """A ValueError after the first step of an optimizer that holds a sharded parameter and
+    whose state is not per element of its parameter: for a sharded one (Adafactor's factored
+    moments) each rank's statistics would be of its own rows; one larger than its parameter
+    (LBFGS's flat vectors, kept under its first parameter) spans the others, sharded ones too.
+    Each parameter is checked once per optimizer."""
+    checked = _CHECKED.get(opt)
+    if checked is None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if not any(_watched(p) for p in params):
+            _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
+            return
+        checked = _CHECKED[opt] = set()
     for param, state in opt.state.items():
-        watched = _SHARDED.get(id(param))
-        if id(param) in checked or watched is None or watched[0]() is not param:
+        if id(param) in checked:
             continue
         checked.add(id(param))
+        label = _watched(param)
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                per_element(key, value.shape, param.shape, watched[1], sharded=True)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if label is not None:
+                per_element(key, value.shape, param.shape, label, sharded=True)
+            elif value.numel() > param.numel():
+                raise ValueError(f"optimizer state {key!r} is {tuple(value.shape)}, more than its parameter "
+                                 f"{tuple(param.shape)}: state over several parameters ({type(opt).__name__}'s "
+                                 "flat vectors, say) is not exact where hap shards some of them")
+
+
+def _watched(param: torch.Tensor) -> str | None:
+    """The state-dict key of a live hap.HAP's sharded parameter, else None."""
+    watched = _SHARDED.get(id(param))
+    return watched[1] if watched is not None and watched[0]() is param else None
 
 
 def _segments_like(planned, segment_of: Sequence[int], graph) -> list[int]:
     """Every node of `graph` (the model at another shape or in eval mode) in the segment of the
-    planned graph's node of the same name, else of the node before it (a node the other graph
-    lacks, such as dropout, leaves the rest named alike), kept in order; a ValueError where a
-    segment keeps no node."""
+    planned graph's node of the same name; else (a node named otherwise: BatchNorm's eval op)
+    of the first planned node that reads one of its parameters or buffers; else of the node
+    before it (a node the other graph lacks, such as dropout, leaves the rest named alike);
+    kept in order. A ValueError where a segment keeps no node."""
     by_name = {node.name: seg for node, seg in zip(planned.nodes, segment_of)}
+    by_leaf: dict[str, int] = {}
+    for node, seg in zip(planned.nodes, segment_of):
+        for name in node.inputs:
+            if planned.tensors[name].kind in ("param", "buffer"):
+                by_leaf.setdefault(name, seg)
     out, seg = [], 0
     for node in graph.nodes:
-        seg = max(seg, by_name.get(node.name, seg))
+        leaf = next((by_leaf[name] for name in node.inputs if name in by_leaf), seg)
+        seg = max(seg, by_name.get(node.name, leaf))
         out.append(seg)
     if sorted(set(out)) != sorted(set(segment_of)):
         raise ValueError("its graph differs and a segment of the plan has none of its nodes")

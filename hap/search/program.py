@@ -416,7 +416,8 @@ def kept_placements(program: Sequence[Step], graph: Graph, segment_of: Sequence[
     kept = {}
     for name, places in loaded.items():
         p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
-        kept[name] = (R, 0) if p == P else (p, seg)
+        p = kept_as(p)
+        kept[name] = (p, seg if p.is_shard else 0)  # whole: alike in every segment
     return kept
 
 
