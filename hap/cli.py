@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, metavar="N", help="write a checkpoint every N steps")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint DIR (any plan, ratios or cluster size) "
-                        "up to --steps in all")
+                        "up to --steps in all, with its learning rate unless --lr is given")
     t.add_argument("--straggler", metavar="POLICY", choices=_straggler_policies(), default="none",
                    help="react to slow ranks in the tensor-parallel linear layers (a plan that splits linear weights: "
                         "--planner megatron): " + ", ".join(_straggler_policies()) + " (default none: no mitigator); "

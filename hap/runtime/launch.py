@@ -1,4 +1,5 @@
-"""Start ranks on this machine: one process per device of a local cluster, gloo, free ports.
+"""Start ranks on this machine: one process per device of a local cluster, gloo, meeting at a
+store this process serves on a port the OS gives it (see rendezvous).
 
     spawn(train_fn, world=2, args=(...,))   # train_fn(rank, *args) runs with the group initialized
 
