@@ -37,11 +37,11 @@ from ..rules import strategy_table
 from ..rules.local import LocalContext, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
-from ..runtime.collectives import Comm, all_reduce, broadcast, from_rank_0, global_rank, run_move
+from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import agree_plan, clip_by_global_norm, every_rank, rank_comm, state_keys
+from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 

@@ -14,8 +14,9 @@ shares, as hap.HAP does: dropout draws what one device would) and any `extra` ob
 
 A save writes into a hidden sibling directory; once every rank has written its part, the ranks
 hash its files (a share each), and rank 0 records their SHA-256, renames it into place and then
-points `latest` at it (a file replaced atomically): a save that dies midway leaves the previous checkpoint the latest, `load`
-never sees a partial one, and a file changed since (a flipped bit) is refused before it is read.
+points `latest` at it (a file replaced atomically): a save that dies midway leaves the previous
+checkpoint the latest, `load` never sees a partial one, and a file changed since (a flipped
+bit) is refused before it is read.
 Optimizer state is saved with its parameter's rows where it holds one value per element of
 the parameter (momentum, Adam's moments); an optimizer whose state spans a sharded parameter
 (Adafactor's factored moments) is refused, as it would not be one device's.
@@ -325,7 +326,7 @@ def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dic
         os.fsync(f.fileno())
     # this step saved before: the next repeat (step-00000012.1, .2, ...), so that (step, repeat)
     # orders the saves in time and none is replaced before the commit
-    repeats = [_order(e)[1] for e in os.listdir(directory) if _NAME.fullmatch(e) and _order(e)[0] == step]
+    repeats = [repeat for at, repeat in (_order(e) for e in os.listdir(directory) if _NAME.fullmatch(e)) if at == step]
     name = f"step-{step:08d}" + (f".{max(repeats) + 1}" if repeats else "")
     final = os.path.join(directory, name)
     os.rename(staging, final)
@@ -370,15 +371,13 @@ def verify(path: str, comm=None) -> None:
     (a flipped bit loads silently otherwise), or that is missing or does not read; checkpoints
     without checksums pass. With `comm`, a collective: each rank checks an equal share of the
     files, and every rank raises."""
+    if comm is None:
+        return _verify_share(path, 0, 1)
     refused = None
     try:
-        _verify_share(path, comm.rank if comm is not None else 0, comm.world if comm is not None else 1)
+        _verify_share(path, comm.rank, comm.world)
     except ValueError as e:
         refused = str(e)
-    if comm is None:
-        if refused is not None:
-            raise ValueError(refused)
-        return
     gather_or_refuse(None, refused, comm)
 
 

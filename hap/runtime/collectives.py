@@ -249,12 +249,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def every_rank(value, comm: Comm) -> list:
+    """Every rank's `value`, in rank order (a small collective: all_gather_object)."""
+    out: list = [None] * comm.world
+    dist.all_gather_object(out, value, group=comm.group)
+    return out
+
+
 def gather_or_refuse(value, refused: str | None, comm: Comm) -> list:
     """Every rank's `value` (any picklable object), in rank order; or, where any rank had to
     refuse (`refused`: its one-line ValueError message), that ValueError on every rank, so that
     none goes on into a collective the others never join. A collective."""
-    every: list = [None] * comm.world
-    dist.all_gather_object(every, (value, refused), group=comm.group)
+    every = every_rank((value, refused), comm)
     why = next((r for _, r in every if r is not None), None)
     if why is not None:
         raise ValueError(why)

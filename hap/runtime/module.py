@@ -37,7 +37,7 @@ from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from .collectives import Comm, WaitClock, all_reduce, broadcast, global_rank
+from .collectives import Comm, WaitClock, all_reduce, broadcast, every_rank, global_rank
 from . import wire
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state, per_element
@@ -214,22 +214,20 @@ class HAP(nn.Module):
         whole = "in eval mode give every rank the whole batch"
         if part:
             raise ValueError(f"inputs of shape {key[1]} given as this rank's part (part=True): {whole}")
-        seen = None
-        if part is None and key[1] != _shapes_of(self.graph):
-            # the ranks tell parts from a whole batch together, as in training (a whole batch whose
-            # rows are one rank's share is a whole batch; a rank deciding alone refused it alone)
+        # The ranks tell parts from a whole batch together, as in training (a whole batch whose
+        # rows are one rank's share is a whole batch; a rank deciding alone refused it alone), and
+        # capture a new shape together: they must all be given it.
+        other = part is None and key[1] != _shapes_of(self.graph)
+        if other or key not in self._by_shape:
             seen = [k for _, k in every_rank(key, self.comm)]
-            if all(k == self._part_shapes(r) for r, k in enumerate(seen)):
+            if other and all(k == self._part_shapes(r) for r, k in enumerate(seen)):
                 raise ValueError(f"inputs of shape {key[1]} are this rank's part of the planned batch: {whole} "
                                  "(part=False where it is one)")
-        if key not in self._by_shape:  # the ranks capture together: they must all be given this shape
-            seen = seen if seen is not None else [k for _, k in every_rank(key, self.comm)]
             if len(set(seen)) > 1:
                 raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))} in "
                                  f"eval mode: {whole}")
+        if key not in self._by_shape:
             self._by_shape[key] = self._reuse_plan(batch, key[1], training=False)
-        elif seen is not None and len(set(seen)) > 1:
-            raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))} in eval mode: {whole}")
         return self._by_shape[key], frozenset()
 
     def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple, training: bool = True) -> Executor:
@@ -545,13 +543,6 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
         yield values
         for n, p in sub.named_parameters(recurse=False):  # free the whole values; the shards were copied
             setattr(sub, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
-
-
-def every_rank(value, comm: Comm) -> list:
-    """Every rank's `value`, in rank order (a small collective: all_gather_object)."""
-    out: list = [None] * comm.world
-    dist.all_gather_object(out, value, group=comm.group)
-    return out
 
 
 def unlike_rank_0(values: Sequence) -> list[int]:
