@@ -86,3 +86,17 @@ def test_wire_collectives_on_gpus(tmp_path):
     assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
     # gloo's ranks sent their GPU messages through the host; NCCL's took them as they are
     assert all(r["staged"] == ("cpu" if backend(3) == "gloo" else None) for r in reports)
+
+
+def test_hap_trains_over_nccl_on_every_gpu(tmp_path):
+    # NCCL needs a GPU per rank: a rank on each GPU there is (a world of one on a one-GPU machine
+    # still starts NCCL, its communicator and its collectives on CUDA tensors)
+    from hap.cost.cluster import local_cluster
+    cluster = local_cluster((1.0,) * GPUS, "gpus")
+    reports = run_ranks(test_module.train_hap, GPUS, tmp_path, "cuda", cluster, backend="nccl")
+    model, batches = on_gpu(test_module.small_vit)
+    losses = test_module.train(model, batches)
+    for got in reports:
+        assert got["parts"] == pytest.approx(got["whole"], rel=1e-5)
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert_state(got["params"], model, "nccl")

@@ -103,7 +103,8 @@ def test_a_finished_run_leaves_no_semaphore_behind(tmp_path):
     script.write_text("from hap.runtime.launch import spawn\nfrom test_launch import make_a_progress_bar\n"
                       "if __name__ == '__main__':\n    spawn(make_a_progress_bar, 2)\n    print('returned')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr
     assert "leaked semaphore" not in done.stderr
 

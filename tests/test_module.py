@@ -52,11 +52,11 @@ def skewed(model, example, planner="dp-cp"):
                                                              ratios=[0.6, 0.4]))
 
 
-def train_hap(rank, world, device="cpu"):
+def train_hap(rank, world, device="cpu", cluster=None):
     dev = rank_device(rank, device)
     model, batches = small_vit()
     model, batches = model.to(dev), [to_device(b, dev) for b in batches]
-    dmodel = hap.HAP(model, hap.load_cluster("local"), batches[0])
+    dmodel = hap.HAP(model, cluster or hap.load_cluster("local"), batches[0])
     losses = train(dmodel, batches)
     params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
     whole = dmodel(*batches[0]).item()
