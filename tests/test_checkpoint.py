@@ -474,6 +474,34 @@ def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
         assert got["latest"] == 1 and got["staging"] == []  # nothing saved, nothing left behind
 
 
+def adafactor_over_a_row(rank, world):
+    dmodel = distributed(2, ("sharded", [0.7, 0.3]), h=3)  # fc1's 3 rows split 2/1
+    ada = torch.optim.Adafactor(dmodel.parameters(), lr=0.01)
+    dmodel(*batch(0)).backward()
+    try:
+        ada.step()
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"rows": dmodel.shards["p_fc1_weight"].shape[0], "refused": refused,
+            "state": list(ada.state[dmodel.shards["p_fc1_weight"]]["col_var"].shape)}
+
+
+def test_state_spanning_a_one_row_shard_is_refused_on_every_rank(tmp_path):
+    """Adafactor's moments of fc1's 3 rows split 2/1: on the rank of one row they are (1, 1) and
+    (1, 12), shaped like a scalar and like the shard, so that rank alone took them as per
+    element and went on while the other refused (leaving it waiting in the next collective):
+    the ranks agree at the optimizer's first step."""
+    reports = run_ranks(adafactor_over_a_row, 2, tmp_path)
+    assert [got["rows"] for got in reports] == [2, 1]
+    assert reports[1]["state"] == [1, 12]  # per element to look at, on the rank of one row
+    for got in reports:
+        assert got["refused"] == ("optimizer state 'row_var' of fc1.weight is (2, 1), not one value per element of "
+                                  "(2, 12): an optimizer whose statistics span a parameter (Adafactor's factored "
+                                  "moments, say) is not exact where hap shards it; use one with per-element state "
+                                  "(SGD, Adam, ...) or a plan that keeps fc1.weight whole")
+
+
 def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_path):
     """keep= removed the newer checkpoint past step 99,999,999 (names sorted as text); a byte
     changed in a data file loaded silently (DCP checks sizes only)."""

@@ -37,7 +37,7 @@ from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
-from .collectives import Comm, WaitClock, all_reduce, broadcast, every_rank, global_rank
+from .collectives import Comm, WaitClock, all_reduce, broadcast, every_rank, gather_or_refuse, global_rank
 from . import wire
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state, per_element
@@ -98,7 +98,8 @@ class HAP(nn.Module):
         self._parts: dict[int, tuple] = {}  # rank -> its part of the planned batch (shapes)
         self.shapes: list[dict] = []
         """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
-        _watch_optimizers({id(p): (p, graph.tensors[name].target) for name, p in ex.params.items() if ex.stored[name][0].is_shard})
+        _watch_optimizers({id(p): (p, graph.tensors[name].target) for name, p in ex.params.items() if ex.stored[name][0].is_shard},
+                          comm)
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
@@ -409,19 +410,21 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     return total
 
 
-_SHARDED: dict[int, tuple[weakref.ref, str]] = {}
-"""Every live hap.HAP's sharded parameters by id: (the parameter, its state-dict key), watched by
-_check_optimizer_state (by id: a tensor's == is elementwise, so no weak dictionary of them)."""
+_SHARDED: dict[int, tuple[weakref.ref, str, Comm | None]] = {}
+"""Every live hap.HAP's sharded parameters by id: (the parameter, its state-dict key, the ranks
+sharing it), watched by _check_optimizer_state (by id: a tensor's == is elementwise, so no weak
+dictionary of them)."""
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = weakref.WeakKeyDictionary()
 _watching = False
 
 
-def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]]) -> None:
+def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]], comm: Comm | None = None) -> None:
     """From now on, after every torch optimizer's step, refuse state that spans one of these
-    sharded parameters (checkpoint and reshard refuse it too; see executor.per_element)."""
+    sharded parameters, shared by the ranks of `comm` (checkpoint and reshard refuse it too; see
+    executor.per_element)."""
     global _watching
     for key, (param, label) in sharded.items():
-        _SHARDED[key] = (weakref.ref(param, lambda _, key=key: _SHARDED.pop(key, None)), label)
+        _SHARDED[key] = (weakref.ref(param, lambda _, key=key: _SHARDED.pop(key, None)), label, comm)
     if sharded and not _watching:
         register_optimizer_step_post_hook(_check_optimizer_state)
         _watching = True
@@ -432,14 +435,34 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     whose state is not per element of its parameter: for a sharded one (Adafactor's factored
     moments) each rank's statistics would be of its own rows; one larger than its parameter
     (LBFGS's flat vectors, kept under its first parameter) spans the others, sharded ones too.
-    Each parameter is checked once per optimizer."""
+    Each parameter is checked once per optimizer. At the first step the ranks sharing the
+    parameters agree (a collective): a shard of one row can look per element on its rank alone
+    (Adafactor's (1, 1) and (1, K) moments of a (1, K) shard), and a rank refusing alone would
+    leave the others waiting in the next collective. State first made at a later step is
+    checked on each rank alone."""
     checked = _CHECKED.get(opt)
-    if checked is None:
-        params = [p for group in opt.param_groups for p in group["params"]]
-        if not any(_watched(p) for p in params):
-            _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
-            return
-        checked = _CHECKED[opt] = set()
+    if checked is not None:
+        refused = _refused_state(opt, checked)
+        if refused is not None:
+            raise ValueError(refused)
+        return
+    params = [p for group in opt.param_groups for p in group["params"]]
+    comms = [_SHARDED[id(p)][2] for p in params if _watched(p)]
+    if not comms:
+        _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
+        return
+    checked = _CHECKED[opt] = set()
+    refused = _refused_state(opt, checked)
+    if comms[0] is None:  # no process group (a unit test of the hook)
+        if refused is not None:
+            raise ValueError(refused)
+        return
+    gather_or_refuse(None, refused, comms[0])
+
+
+def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
+    """Why the optimizer's state of a parameter not in `checked` is not exact under hap (see
+    _check_optimizer_state), or None; adds the parameters it looked at to `checked`."""
     for param, state in opt.state.items():
         if id(param) in checked:
             continue
@@ -449,11 +472,15 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
             if not isinstance(value, torch.Tensor):
                 continue
             if label is not None:
-                per_element(key, value.shape, param.shape, label, sharded=True)
+                try:
+                    per_element(key, value.shape, param.shape, label, sharded=True)
+                except ValueError as e:
+                    return str(e)
             elif value.numel() > param.numel():
-                raise ValueError(f"optimizer state {key!r} is {tuple(value.shape)}, more than its parameter "
-                                 f"{tuple(param.shape)}: state over several parameters ({type(opt).__name__}'s "
-                                 "flat vectors, say) is not exact where hap shards some of them")
+                return (f"optimizer state {key!r} is {tuple(value.shape)}, more than its parameter "
+                        f"{tuple(param.shape)}: state over several parameters ({type(opt).__name__}'s "
+                        "flat vectors, say) is not exact where hap shards some of them")
+    return None
 
 
 def _watched(param: torch.Tensor) -> str | None:
