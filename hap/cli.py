@@ -39,6 +39,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, help="dropout probability (default: the model's)")
 
 
+MODEL_KNOBS = ("layers", "hidden", "batch", "seq", "experts", "scale", "dropout")
+"""The model options of _add_model_args that hap.models.build takes."""
+
+
+def _model_knobs(args) -> dict:
+    """The model options given (args: the parsed command line, or its dict), for hap.models.build."""
+    given = args if isinstance(args, dict) else vars(args)
+    return {k: given[k] for k in MODEL_KNOBS if given.get(k) is not None}
+
+
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-stages", type=int, metavar="K",
                    help="pipeline planners: stages (default: the best of 2, 4, 8 and, on up to 8 devices, one per device)")
@@ -99,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, help=f"SGD learning rate (momentum 0.9; default {DEFAULT_LR}, or with "
                    "--resume the checkpoint's, which a given --lr replaces)")
     t.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
-    t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank: DIR/rank<r>.json")
+    t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank, DIR/rank<r>.json, "
+                   "and the plan they ran, DIR/plan.json")
     t.add_argument("--calibrate", action="store_true",
                    help="price the plan from the model's own node times measured on this cluster (cached in .hap-cache/)")
     t.add_argument("--emulate", action="store_true",
@@ -161,8 +172,7 @@ def _build_graph(args, devices: int, say, device: str | None = "meta"):
     from .models import build
 
     try:
-        model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
-                              experts=args.experts, devices=devices, scale=args.scale, device=device, dropout=args.dropout)
+        model, inputs = build(args.model, devices=devices, device=device, **_model_knobs(args))
     except ValueError as e:
         raise UserError(str(e)) from None
     say(f"capturing {args.model} ...")
@@ -272,7 +282,6 @@ def cmd_train(args) -> int:
     print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(steady)}), "
           f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
     if args.trace:
-        result.to_json(os.path.join(args.trace, "plan.json"))
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
               f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
     return 0
@@ -326,7 +335,7 @@ def cmd_sync(args) -> int:
     for name in ("trials", "per_round", "candidates"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    knobs = {k: getattr(args, k) for k in ("layers", "hidden", "batch", "seq", "experts", "scale") if getattr(args, k) is not None}
+    knobs = _model_knobs(args)
     plan = _plan_file(args.plan, cluster) if args.plan else None
     if plan is not None and len(plan.stages) > 1:
         raise UserError(f"--plan {args.plan} is a pipeline of {len(plan.stages)} stages: hap sync searches the gradient "
@@ -489,9 +498,7 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     from .runtime.module import HAP
 
     torch.manual_seed(0)  # the same model on every rank
-    model, batch = build(args["model"], layers=args["layers"], hidden=args["hidden"], batch=args["batch"], seq=args["seq"],
-                         experts=args["experts"], devices=load_cluster(args["cluster"]).gpus, scale=args["scale"],
-                         dropout=args["dropout"])
+    model, batch = build(args["model"], devices=load_cluster(args["cluster"]).gpus, **_model_knobs(args))
     plan = Plan.from_json(plan_path)
     if len(plan.stages) > 1:
         return _train_pipeline(rank, args, model, batch, plan, times_path)
@@ -597,7 +604,7 @@ def _rebalancer(args: dict, pipe, opt, batch, make_optimizer):
 class _TrainLoop:
     """What hap train's loops (hap.HAP's and hap.Pipeline's) do around each step: the progress
     line (rank 0), the step times, checkpoints every --checkpoint-every steps and at the end,
-    and with --trace a Chrome trace of the last 3 steps."""
+    and with --trace a Chrome trace of the last 3 steps and the plan they ran."""
 
     def __init__(self, rank: int, args: dict, start: int, dmodel, opt, start_tracing):
         import torch
@@ -645,6 +652,8 @@ class _TrainLoop:
             self.profiler.stop()
             os.makedirs(self.args["trace"], exist_ok=True)
             self.profiler.export_chrome_trace(os.path.join(self.args["trace"], f"rank{self.rank}.json"))
+            if self.rank == 0:  # the plan the traced steps ran (a reshard or re-plan changes it during the run)
+                self.dmodel.plan.to_json(os.path.join(self.args["trace"], "plan.json"))
         if self.rank == 0:
             with open(times_path, "w") as f:
                 json.dump(self.times, f)

@@ -56,7 +56,7 @@ def estimated_events(plan: Plan) -> tuple[list[Event], float]:
         t += comm_fwd
         events += [Event(j, COMPUTE, f"forward, stage {i}", t, st["fwd"][j]) for j in devices if st["fwd"][j] > 0]
         t += max(st["fwd"], default=0.0)
-    done_at = {}
+    done_at, backward_start = {}, t
     for i in reversed(range(len(stages))):
         st = stages[i]
         events += [Event(j, COMPUTE, f"backward, stage {i}", t, st["bwd"][j]) for j in devices if st["bwd"][j] > 0]
@@ -71,6 +71,12 @@ def estimated_events(plan: Plan) -> tuple[list[Event], float]:
         start = max(sync_end, done_at[b["stage"]])
         events += [Event(j, SYNC, f"all-reduce bucket {b['bucket']} ({size_text(b['bytes'])})", start, b["seconds"]) for j in devices]
         sync_end = start + b["seconds"]
+    for p in tl.get("sync", []):  # a searched strategy's buckets (hap sync), timed from the backward's start
+        what = f"bucket {p['bucket']}: {p['method']} ({size_text(p['nbytes'])})"
+        events += [Event(j, SYNC, what, backward_start + p["start"], p["seconds"]) for j in devices if p["seconds"] > 0]
+        events += [Event(j, SYNC, f"{what}, after the backward", backward_start + p["then_start"], p["then"])
+                   for j in devices if p["then"] > 0]
+        sync_end = max(sync_end, backward_start + p["then_start"] + p["then"])
     t = max(t, sync_end)
     if tl["step_sync"] > 0:
         events += [Event(j, COMM, "loss all-reduce", t, tl["step_sync"]) for j in devices]
@@ -109,7 +115,9 @@ def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
 def layouts(plan: Plan) -> list[str]:
     """Every tensor's placements in each stage's program (in order of first appearance) with
     its sizes per device where sharded, and how each parameter's gradient is synchronized."""
-    synced = {e.param: (e.bucket, e.devices) for e in plan.sync}
+    synced: dict[str, list] = {}
+    for e in plan.sync:
+        synced.setdefault(e.param, []).append(e)
     if len(plan.stages) == 1:
         return _stage_layouts(plan.stage, synced)
     lines = []
@@ -136,9 +144,10 @@ def _stage_layouts(stage: PlanStage, synced: dict) -> list[str]:
         extra = f"   [{'; '.join(sizes[t])}]" if t in sizes else ""
         sync = ""
         if t in synced:
-            bucket, devices = synced[t]
-            sync = f"   gradient: all-reduce in bucket {bucket}" + (
-                f" over devices {list(devices)}" if list(devices) != list(stage.devices) else "")
+            sync = "   gradient: " + "; ".join(
+                (f"rows {e.rows[0]}-{e.rows[0] + e.rows[1]}: " if e.rows is not None else "") + f"{e.method} in bucket "
+                f"{e.bucket}" + (f" over devices {list(e.devices)}" if list(e.devices) != list(stage.devices) else "")
+                for e in synced[t])
         lines.append(f"{t:<{width}}  {', '.join(ps)}{extra}{sync}")
     return lines
 
@@ -203,10 +212,7 @@ def measured_events(trace_dir: str | Path, devices: int) -> tuple[list[Event], l
         path = Path(trace_dir) / f"rank{r}.json"
         if not path.exists():
             raise ValueError(f"no trace for rank {r}: {path} (run `hap train --trace {trace_dir}`)")
-        try:
-            raw = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
-        except (ValueError, AttributeError) as e:
-            raise ValueError(f"{path} is not a Chrome trace ({type(e).__name__}): a damaged trace") from None
+        raw = _complete_events(path)
         marks = [e for e in raw if str(e.get("name", "")).startswith("hap step ")]
         if not marks:
             raise ValueError(f"{path} has no 'hap step' spans: record it with this version's `hap train --trace`")
@@ -222,6 +228,31 @@ def measured_events(trace_dir: str | Path, devices: int) -> tuple[list[Event], l
             if lane is not None:
                 events.append(Event(r, lane, name, (e["ts"] - t0) / 1e6, e.get("dur", 0) / 1e6))
     return events, steps
+
+
+def _complete_events(path: Path) -> list[dict]:
+    """A Chrome trace's complete events ("ph": "X"), each with a numeric start and length; a
+    ValueError naming the file where it is not such a trace."""
+    def damaged(why: str) -> ValueError:
+        return ValueError(f"{path} is not a Chrome trace ({why}): a damaged trace")
+
+    try:
+        trace = json.loads(path.read_text())
+    except ValueError as e:
+        raise damaged(type(e).__name__) from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list):
+        raise damaged("no list of traceEvents")
+    out = []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise damaged(f"event {i} is not an object")
+        if e.get("ph") != "X":
+            continue
+        if not all(isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool) for k in ("ts", "dur")):
+            raise damaged(f"event {i} has no numeric ts and dur")
+        out.append(e)
+    return out
 
 
 def _measured_lane(name: str) -> str | None:
@@ -282,7 +313,8 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
     os.makedirs(out_dir, exist_ok=True)
     try:
         estimated, total = (pipeline_events if len(plan.stages) > 1 else estimated_events)(plan)
-    except (KeyError, IndexError, TypeError) as e:  # a hand-edited (or older) plan file: the runtime reads no timeline
+        report = where_time_goes(plan)
+    except (KeyError, IndexError, TypeError, ValueError) as e:  # a hand-edited (or older) plan file: the runtime reads no timeline
         raise ValueError(f"malformed plan: its timeline cannot be drawn ({type(e).__name__}: {e})") from None
     if trace_dir:
         _check_traced(plan, Path(trace_dir))
@@ -290,7 +322,6 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
     Path(out_dir, "timeline.json").write_text(json.dumps(chrome_trace(estimated, measured, plan)))
     Path(out_dir, "layouts.txt").write_text("\n".join(layouts(plan)) + "\n")
     draw(estimated, total, measured, plan, Path(out_dir, "timeline.png"))
-    report = where_time_goes(plan)
     if len(plan.stages) > 1:
         report.append(f"  drawn: {total * 1e3:.2f} ms, the schedule simulated as the runtime runs it (a micro-batch's "
                       "transfers overlap the next computation; each stage's gradient sync starts when its own last "

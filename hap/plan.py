@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from .ir import Graph, size_text  # noqa: F401 (size_text: plan.size_text too)
+from .pipeline.schedule import SCHEDULES, ScheduleName
 from .placement import parse
 from .rules import Strategy
 from .rules.units import ShardClasses
@@ -127,11 +128,24 @@ class SyncEntry:
         """What the entries of one bucket share."""
         return self.strategy, self.compressor, self.low_rank, self.server, self.hierarchical, self.devices, self.sparse
 
+    @property
+    def method(self) -> str:
+        """How it is synchronized, in words: "all-reduce", "all-reduce (fp16)", "all-reduce
+        (PowerSGD rank 2)", "server 2"; a sparse gradient's "rows all-gathered" or "rows to
+        server 2"; ", hierarchical" where so."""
+        if self.strategy == "ps":
+            how = f"{'rows to ' if self.sparse else ''}server {self.server}"
+        elif self.sparse:
+            how = "rows all-gathered"
+        else:
+            how = "all-reduce" + {"none": "", "fp16": " (fp16)", "powersgd": f" (PowerSGD rank {self.low_rank})"}[self.compressor]
+        return how + (", hierarchical" if self.hierarchical else "")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Schedule:
     """How a plan of several stages pipelines its micro-batches."""
-    name: Literal["gpipe", "1f1b"]
+    name: ScheduleName
     micro_batches: int
 
 
@@ -240,6 +254,8 @@ class Plan:
         if not isinstance(d, dict):
             raise ValueError(f"malformed plan: a JSON object is expected, not a {type(d).__name__}")
         version = d.get("version")
+        if isinstance(version, bool):  # (True == 1)
+            raise ValueError(f"plan format version {version!r} is not {FORMAT_VERSION}")
         if version == 1:
             raise ValueError("this is a version-1 plan (before stages and per-parameter sync): plan the model again "
                              "with `hap plan`")
@@ -270,6 +286,11 @@ class Plan:
             raise ValueError("malformed plan: breakdown and memory_bytes must hold numbers")
         if "name" not in self.cluster:
             raise ValueError("malformed plan: its cluster has no name")
+        sched = self.schedule
+        if sched is not None and (sched.name not in SCHEDULES or not isinstance(
+                sched.micro_batches, int) or isinstance(sched.micro_batches, bool) or sched.micro_batches < 1):
+            raise ValueError(f"malformed plan: pipeline schedule {sched.name!r} of {sched.micro_batches!r} micro-batches "
+                             "(gpipe or 1f1b, of 1 micro-batch at least)")
         n = len(self.devices)
         groups = [list(st.devices) for st in self.stages]
         if sorted(d for g in groups for d in g) != list(range(n)):
@@ -280,6 +301,9 @@ class Plan:
             raise ValueError(f"malformed plan: the stages' node ranges {spans} must cover the model's nodes in order, "
                              "from node 0, without gaps")
         for k, st in enumerate(self.stages):
+            if not isinstance(st.segments, list) or not st.segments or len(st.ratios) != len(st.segments):
+                raise ValueError(f"malformed plan: stage {k} has ratios {st.ratios} for {st.segments!r} segments: a "
+                                 "row of shares per segment")
             if any(len(row) != len(st.devices) for row in st.ratios):
                 raise ValueError(f"malformed plan: stage {k} has {len(st.devices)} devices but ratios {st.ratios}")
             if not all(_is_share(x) for row in st.ratios for x in row) or not all(sum(row) > 0 for row in st.ratios):
@@ -450,6 +474,10 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
             known = get_args(Synchronizer if field_ == "strategy" else Compressor)
             if value not in known:
                 raise ValueError(f"sync of {e.param}: unknown {field_} {value!r}; choose {', '.join(map(repr, known))}")
+        if not isinstance(e.bucket, int) or isinstance(e.bucket, bool):
+            raise ValueError(f"sync of {e.param}: bucket must be an integer, got {e.bucket!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in e.devices):
+            raise ValueError(f"sync of {e.param}: devices must be device numbers, got {list(e.devices)}")
         if not isinstance(e.low_rank, int) or isinstance(e.low_rank, bool):
             raise ValueError(f"sync of {e.param}: PowerSGD rank must be an integer, got {e.low_rank!r}")
         if e.server is not None and (not isinstance(e.server, int) or isinstance(e.server, bool)):

@@ -215,3 +215,18 @@ def test_a_reader_that_goes_away_stops_hap_quietly():
     os.close(r)  # the reader is gone before hap writes a line
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
+
+
+def test_every_model_option_reaches_the_model_in_every_command():
+    """hap sync built its model knobs from its own list, without --dropout: a search at dropout
+    0.3 measured the model without it."""
+    from hap.cli import MODEL_KNOBS, _model_knobs, _parser
+
+    given = ["--layers", "2", "--hidden", "16", "--batch", "8", "--seq", "4", "--experts", "2", "--scale", "small",
+             "--dropout", "0.3"]
+    for command in (["plan", "--cluster", "local"], ["train", "--cluster", "local"],
+                    ["sync", "--cluster", "local", "--out", "o"]):
+        args = _parser().parse_args([command[0], "--model", "bert-moe", *command[1:], *given])
+        knobs = {"layers": 2, "hidden": 16, "batch": 8, "seq": 4, "experts": 2, "scale": "small", "dropout": 0.3}
+        assert _model_knobs(args) == knobs == _model_knobs(vars(args)), command
+    assert set(MODEL_KNOBS) == set(knobs)

@@ -41,6 +41,43 @@ def test_layouts_name_every_parameter_and_its_sync(vit_plan):
     assert "S(0)   [dim 0 seg 0: " in text  # the batch split, with its rows per device
 
 
+def test_a_searched_sync_strategy_is_drawn_and_laid_out_as_priced(vit_plan):
+    """A plan from hap sync (servers, a parameter split in two parts, one compressed): explain
+    drew the base plan's all-reduce buckets and printed its breakdown, and every part read
+    "all-reduce". Now the drawn iteration ends at the plan's estimate, the breakdown adds up to
+    it, and each part is named with its rows and synchronizer."""
+    from hap.cost.model import CostModel
+    from hap.rules import strategy_table
+    from hap.rules.units import ShardClasses
+    from hap.search.program import replay
+    from hap.sync.autosync import _with_estimate
+    from hap.sync.strategy import PartSync, SyncStrategy, Variables, VarSync, with_strategy
+
+    cluster = load_cluster("paper-hetero-8")
+    model, inputs = build("vit", layers=2, devices=cluster.gpus, device="meta")
+    graph = capture(model, inputs)
+    variables = Variables.of(vit_plan, graph, None)
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
+    est = replay(vit_plan.steps(graph), cost, vit_plan.segment_of, vit_plan.ratios)
+    split = variables.vars[0]
+    strategy = SyncStrategy(tuple(
+        VarSync(v.param, (PartSync(kind="ps", server=2), PartSync(kind="all_reduce", group=1, compressor="fp16")))
+        if v is split else VarSync(v.param, (PartSync(kind="ps", server=3),)) for v in variables.vars))
+    synced = _with_estimate(with_strategy(vit_plan, variables, strategy), graph, cluster, variables, cost, est)
+    assert synced.estimated_iteration_seconds != vit_plan.estimated_iteration_seconds
+    events, total = estimated_events(synced)
+    assert total == pytest.approx(synced.estimated_iteration_seconds, rel=1e-9)
+    assert sum(v for k, v in synced.breakdown.items() if k != "gradient_sync_overlapped") == pytest.approx(total, rel=1e-9)
+    sync = [e for e in events if e.lane == SYNC and e.device == 0]
+    assert any("server 3" in e.name for e in sync) and any("all-reduce (fp16)" in e.name for e in sync)
+    assert not any(e.name.startswith("all-reduce bucket") for e in sync)  # none of the base plan's buckets
+    text = "\n".join(layouts(synced))
+    line = next(x for x in text.splitlines() if x.startswith(split.param + " "))
+    half = split.rows - split.rows // 2
+    assert "gradient: " in line and f"rows 0-{half}: server 2 in bucket" in line
+    assert f"rows {half}-{split.rows}: all-reduce (fp16) in bucket" in line
+
+
 def test_a_pipelines_drawn_iteration_is_its_simulated_schedule():
     """A pp-exact plan of 3 stages on paper-hetero-8 (groups of unequal sizes): every device
     runs each micro-batch's forward and backward once, never two at a time; a stage's forward
@@ -115,3 +152,20 @@ def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
         assert main(["explain", str(tmp_path / "edited.json"), "-o", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("hap: error: malformed plan: its timeline cannot be drawn (") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("trace, why", [
+    ({"traceEvents": None}, "no list of traceEvents"),
+    ([], "no list of traceEvents"),
+    ({"traceEvents": [7]}, "event 0 is not an object"),
+    ({"traceEvents": [{"ph": "X", "name": "hap step 1", "dur": 5}]}, "event 0 has no numeric ts and dur"),
+    ({"traceEvents": [{"ph": "X", "name": "hap step 1", "ts": 0, "dur": 9},
+                      {"ph": "X", "name": "node", "ts": "3", "dur": 1}]}, "event 1 has no numeric ts and dur"),
+])
+def test_a_damaged_trace_is_named_in_one_line(tmp_path, trace, why):
+    """Each of these raised TypeError or KeyError from inside explain."""
+    from hap.explain import measured_events
+
+    (tmp_path / "rank0.json").write_text(json.dumps(trace))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/rank0.json is not a Chrome trace \({why}\): a damaged trace$"):
+        measured_events(tmp_path, 1)

@@ -120,15 +120,19 @@ PIPE = ["train", "--model", "vit", "--scale", "small", "--cluster", "local-homo"
         "--pipeline-stages", "2"]
 
 
-def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd):  # capfd: the ranks print
+def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd, tmp_path):  # capfd: the ranks print
     from hap.cli import main
+    from hap.pipeline.rebalance import _layout
+    from hap.plan import Plan
 
-    assert main([*PIPE, "--steps", "12", "--straggler", "rebalance",
+    assert main([*PIPE, "--steps", "12", "--straggler", "rebalance", "--trace", str(tmp_path),
                  "--straggler-schedule", "persistent:chi=6,rank=1,start=3"]) == 0
     out, err = capfd.readouterr()
     assert "rank 1 persistently 6x slower from iteration 3; mitigated by rebalance (exact)" in err
     moved = [line for line in out.splitlines() if line.startswith("after step ")]
     assert len(moved) == 1 and "re-planned for the measured speeds and moved" in moved[0], out
+    traced = Plan.from_json(tmp_path / "plan.json")  # the plan the traced last steps ran: the re-planned one
+    assert f" to {_layout(traced)} (estimated {traced.estimated_iteration_seconds * 1e3:.1f} ms)" in moved[0], moved
     summary = [line for line in out.splitlines() if line.startswith("pipeline straggler rebalance: ")]
     assert len(summary) == 1 and "moved 1 time (after step" in summary[0], out
     assert main([*PIPE, "--steps", "2", "--straggler", "zero-pri"]) == 2

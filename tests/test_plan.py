@@ -321,17 +321,33 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     for field, value in (("estimated_iteration_seconds", "fast"), ("breakdown", [1]), ("cluster", None)):
         with pytest.raises(ValueError, match=f"^malformed plan: {field} is "):  # summary() died on each
             Plan.from_dict({**data, field: value})
+    # loaded, then explain raised IndexError on each (True == 1 read as version 1)
+    with pytest.raises(ValueError, match=r"^plan format version True is not 2$"):
+        Plan.from_dict({**data, "version": True})
+    no_shares = {**data["stages"][0], "ratios": []}
+    with pytest.raises(ValueError, match=r"^malformed plan: stage 0 has ratios \[\] for \[\[0, \d+\]\] segments: a row "
+                                         "of shares per segment$"):
+        Plan.from_dict({**data, "stages": [no_shares]})
+    entry = {"param": "p_w", "bucket": 0, "devices": [0]}
+    with pytest.raises(ValueError, match=r"^sync of p_w: bucket must be an integer, got '0'$"):
+        Plan.from_dict({**data, "sync": [{**entry, "bucket": "0"}]})
+    with pytest.raises(ValueError, match=r"^sync of p_w: devices must be device numbers, got \['0', '1'\]$"):
+        Plan.from_dict({**data, "sync": [{**entry, "devices": "01"}]})
     with pytest.raises(ValueError, match="needs a pipeline schedule"):
         dataclasses.replace(result, stages=result.stages * 2)
+    for name, micro in (("zigzag", 4), ("1f1b", 0), ("gpipe", True)):
+        bad = dataclasses.replace(result, stages=result.stages * 2, schedule=hap_schedule(name, micro)).to_dict()
+        with pytest.raises(ValueError, match=rf"^malformed plan: pipeline schedule '{name}' of {micro} micro-batches"):
+            Plan.from_dict(bad)
     pipeline = dataclasses.replace(result, stages=result.stages * 2, schedule=hap_schedule())
     with pytest.raises(ValueError, match="pipeline of 2 stages"):
         pipeline.ratios
 
 
-def hap_schedule():
+def hap_schedule(name="1f1b", micro_batches=4):
     from hap.plan import Schedule
 
-    return Schedule(name="1f1b", micro_batches=4)
+    return Schedule(name=name, micro_batches=micro_batches)
 
 
 def test_megatron_splits_weights_that_autocast_casts_first():

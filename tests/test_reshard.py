@@ -4,6 +4,7 @@ ratios A, a reshard to B and 2 more steps equal 4 steps on one device; bad calls
 errors. The model and layouts are test_checkpoint's (an MLP with batch norm, Megatron-style
 sharding or data parallelism)."""
 
+import pytest
 from gloo import run_ranks
 from test_checkpoint import assert_state_like_reference, batch, distributed, optimizer, whole
 
@@ -27,6 +28,8 @@ def train_and_reshard(rank, world, layout, new_ratios, kind, validate=False):
             out["ratios"] = dmodel.plan.ratios
             out["fc1 rows"] = dmodel.plan.shard_sizes("p_fc1_weight", 0)
             out["x rows"] = dmodel.input_slices()[0]
+            from hap.explain import estimated_events
+            out["estimate"] = [dmodel.plan.estimated_iteration_seconds, estimated_events(dmodel.plan)[1]]
         loss = dmodel(*dmodel.local_batch(*batch(step)))
         loss.backward()
         opt.step()
@@ -42,6 +45,7 @@ def test_megatron_layout_reshards_with_adam_state(tmp_path):
     for got in reports:
         assert got["bytes"] == 17 * 4 * 80
         assert got["ratios"] == [[0.0, 1.0]] and got["fc1 rows"] == [0, 24]
+        assert got["estimate"][1] == pytest.approx(got["estimate"][0], rel=1e-9)  # the timeline is the new ratios'
         assert_state_like_reference(got, STEPS, "adam")
 
 

@@ -1,7 +1,9 @@
 """AutoSync's parts without a process group: strategies as plan entries, the knowledge
 constraints, candidate selection, the two prices, the learned simulators and the baselines."""
 
+import json
 import random
+import re
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from hap.planner import baseline_plan
 from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
 from hap.search.program import replay
-from hap.sync import AutoSyncConfig, baselines, price
+from hap.sync import AutoSyncConfig, autosync, baselines, price
 from hap.sync.sampler import SpaceConfig, _balance_servers, neighbour, sample, similarity
 from hap.sync.select import select
 from hap.sync.simulators import MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
@@ -415,3 +417,74 @@ def test_sparse_rows_pack_and_unpack_exactly(dtype, rows):
 def test_bad_autosync_config_gets_one_line(field, value, message):
     with pytest.raises(ValueError, match=message):
         AutoSyncConfig(**{field: value})
+
+
+# -- the trial log ----------------------------------------------------------------------------------
+
+def logged(key, strategy: SyncStrategy, seconds: float, kind="trial") -> str:
+    return json.dumps({"domain": key, "model": "mlp", "knobs": {}, "cluster": "t", "kind": kind,
+                       "strategy": strategy.to_json(), "seconds": seconds}) + "\n"
+
+
+def test_a_search_without_compression_never_meets_a_compressed_strategy(setting, tmp_path):
+    """A search with --compress keyed its rows like one without, so the one without took its
+    (faster) compressed trials for parents and returned one: an approximate strategy the user
+    never asked for. The keys now differ; rows logged before they did are left out."""
+    cl, graph, plan, *_ , variables = setting
+    exact = uniform(variables, PartSync(kind=AR))
+    fp16 = uniform(variables, PartSync(kind=AR, compressor="fp16"))
+    key = autosync._domain_key("mlp", {}, cl, plan)
+    assert autosync._domain_key("mlp", {}, cl, plan, compress=True) != key
+    log = tmp_path / "trials.jsonl"
+    log.write_text(logged(key, fp16, 0.001) + logged(key, exact, 0.002) + logged("other", fp16, 0.001))
+    kept = autosync._history(log, key, compress=False)
+    assert [(t["domain"], t["seconds"]) for t in kept] == [(key, 0.002), ("other", 0.001)]
+    assert len(autosync._history(log, key, compress=True)) == 3
+
+
+def test_an_unfinished_last_row_is_dropped_and_a_damaged_row_named(setting, tmp_path):
+    """A search stopped while writing a row could not resume (its log was refused); a row that is
+    JSON but not a trial failed with KeyError."""
+    cl, graph, plan, *_, variables = setting
+    row = logged("k", uniform(variables, PartSync(kind=AR)), 0.002)
+    log = tmp_path / "trials.jsonl"
+    log.write_text(row + row[:40])
+    said = []
+    assert len(autosync._load(log, said.append)) == 1
+    assert said == [f"[autosync] {log}:2: dropped an unfinished last line (a search stopped while writing it)"]
+    assert log.read_text() == row  # the next row starts on a line of its own
+    for bad, missing in (("{}", "domain, kind, strategy, seconds"), ("[]", "domain, kind, strategy, seconds"),
+                         (row.replace('"seconds": 0.002', '"seconds": "fast"').strip(), "seconds")):
+        log.write_text(row + bad + "\n")
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(log))}:2: not a trial row \(no {missing}\): a trial "
+                                             "log holds one trial per line$"):
+            autosync._load(log)
+    log.write_text(row + row[:40] + "\n" + row)  # a broken line inside the log is not an unfinished write
+    with pytest.raises(ValueError, match=r":2: not a JSON line"):
+        autosync._load(log)
+
+
+def test_other_searches_trials_train_the_simulators(tmp_path):
+    """The log's trials of other searches (another model, cluster or plan) were documented to
+    train the simulators but never did: each search now writes what it searched beside the log,
+    and a later search rebuilds those domains and learns from their trials, ranked within each."""
+    from hap.cost.cluster import load_cluster
+    from hap.sync.sampler import bandwidths
+
+    cluster = load_cluster("local-homo")
+    knobs = {"scale": "small"}
+    graph, plan, variables, cost, est = autosync._setting("vit", knobs, cluster, None)
+    other = autosync._domain_key("vit", knobs, cluster, plan)
+    autosync._save_domain(tmp_path, other, "vit", knobs, cluster, plan)
+    rng = random.Random(0)
+    strategies = [sample(variables, bandwidths(variables, cost), rng) for _ in range(3)]
+    history = [json.loads(logged(other, s, 0.01 * (i + 1))) for i, s in enumerate(strategies)]
+    history += [json.loads(logged("lost", strategies[0], 0.5)), json.loads(logged("mine", strategies[1], 0.2)),
+                json.loads(logged(other, strategies[0], 0.009, kind="confirm:trial"))]
+    said = []
+    got = autosync._other_samples(history, "mine", tmp_path, said.append)
+    assert [s.seconds for s in got] == [0.01, 0.02, 0.03]  # the other search's, without its confirmations
+    assert all(s.domain.endswith(f"[{other}]") for s in got)
+    assert [s.x.shape[0] for s in got] == [len(variables.entries(s)) for s in strategies]
+    assert said[0].startswith("[autosync] 1 trials of another search (lost) left out of training: FileNotFoundError")
+    assert said[1] == "[autosync] 3 trials of 1 other searches train the simulators too"

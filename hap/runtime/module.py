@@ -32,7 +32,7 @@ from ..capture import capture
 from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan, shard_sizes, sync_mismatch
-from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout
+from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout, timeline
 from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
@@ -309,7 +309,9 @@ class HAP(nn.Module):
         nbytes = ex.reshard(ratios, optimizers)
         self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
-        self.plan = dataclasses.replace(plan, estimated_iteration_seconds=estimate(self.graph, self.cluster, plan).seconds)
+        est = estimate(self.graph, self.cluster, plan)
+        self.plan = dataclasses.replace(plan, estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
+                                        timeline=timeline(est))
         self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
         self._parts = {}
         log.info("hap: resharded to %s (%d bytes moved on rank %d)", ex.ratios, nbytes, self.comm.rank)

@@ -11,8 +11,10 @@ candidates are neighbours (one choice changed) of the best strategies measured s
 baselines included, and no strategy is measured twice as a trial; at the end the best trial
 and the best baseline are measured again, alternately, and the lower median wins. Every
 measurement is one JSON line in DIR/trials.jsonl (model, cluster, strategy, measured seconds),
-so a search resumes where it stopped and the data set grows across runs (trials of other models and clusters in the file
-train the simulators too). The baselines (baselines.py) are measured in the same runs.
+so a search resumes where it stopped and the data set grows across runs. Each search also writes
+what it searched (model, knobs, cluster, plan) to DIR/domains/<key>.json, so that the trials of
+other models, clusters and plans in the log train the learned simulators too (transfer: pairs
+are ranked within a search only). The baselines (baselines.py) are measured in the same runs.
 
 DIR/result.json holds the best strategy measured and its seconds, each baseline's seconds, the
 simulators' pairwise ranking accuracy on held-out trials, and how the search went; DIR/plan.json
@@ -103,21 +105,15 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(config.seed)
-    meta_model, inputs = build(model, devices=cluster.size, device="meta", **knobs)
-    graph = capture(meta_model, inputs, name=model)
-    if plan is None:  # AutoSync's setting: data parallel, each device's batch share by its speed
-        plan = baseline_plan(graph, cluster, "dp-cp")
-    plan.check_fits(graph)
-    machines = [m.devices for m in cluster.topology.machines] if cluster.topology is not None else None
-    variables = Variables.of(plan, graph, machines)
+    graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
         raise ValueError(f"the plan of {model} keeps no parameter whole: there is no gradient to synchronize")
-    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
-    est = replay(plan.steps(graph), cost, plan.segment_of, plan.ratios)
     domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
-    key = _domain_key(model, knobs, cluster, plan)
+    key = _domain_key(model, knobs, cluster, plan, config.space.compress)
     log = out / "trials.jsonl"
-    history = _load(log)
+    history = _history(log, key, config.space.compress, say)
+    _save_domain(out, key, model, knobs, cluster, plan)
+    others = _other_samples(history, key, out, say)
     mine = [t for t in history if t["domain"] == key]
     say(f"[autosync] {domain.name}: {len(variables.vars)} synchronized parameters, "
         f"{sum(v.nbytes for v in variables.vars) / 2**20:.1f} MiB; {len(mine)} trials already in {log}")
@@ -142,7 +138,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
         simulator: Simulator | None = None
         while sum(1 for t in history if t["domain"] == key and t["kind"] == "trial") < config.trials:
             done = sum(1 for t in history if t["domain"] == key and t["kind"] == "trial")
-            simulator = _trained(history, key, domain, variables, config, simulator, done)
+            simulator = _trained(history, key, domain, others, config, simulator, done)
             pool = _candidates(history, key, variables, bw, rng, config)
             samples = [_sample(domain, s) for s in pool]
             if simulator is None:
@@ -216,22 +212,52 @@ def _confirm(history, key, measure, config: AutoSyncConfig, say) -> dict | None:
     return out
 
 
-def _domain_key(model: str, knobs: dict, cluster: Cluster, plan: Plan) -> str:
-    text = json.dumps({"model": model, "knobs": knobs, "cluster": cluster.to_dict(), "plan": plan.digest}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _domain_key(model: str, knobs: dict, cluster: Cluster, plan: Plan, compress: bool = False) -> str:
+    """The search a logged row belongs to. A search with compression is another search: one
+    without it must not return (or start from) an approximate strategy."""
+    spec = {"model": model, "knobs": knobs, "cluster": cluster.to_dict(), "plan": plan.digest}
+    if compress:
+        spec["compress"] = True
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _load(log: Path) -> list[dict]:
+_ROW_FIELDS = {"domain": str, "kind": str, "strategy": list, "seconds": (int, float)}
+"""The fields every logged row has, and their types."""
+
+
+def _load(log: Path, say: Callable[[str], None] = print) -> list[dict]:
+    """The rows of a trial log. An unfinished last line (a search stopped while writing it) is
+    dropped from the file, and said so, so that the search resumes; any other line that is not
+    a row is a ValueError naming it."""
     if not log.exists():
         return []
+    text = log.read_text()
+    lines = text.splitlines()
     rows = []
-    for n, line in enumerate(log.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{log}:{n}: not a JSON line (a trial log holds one trial per line)") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) and not text.endswith("\n"):
+                log.write_text(text[: len(text) - len(line)])
+                say(f"[autosync] {log}:{n}: dropped an unfinished last line (a search stopped while writing it)")
+                break
+            raise ValueError(f"{log}:{n}: not a JSON line (a trial log holds one trial per line)") from None
+        bad = [f for f, kind in _ROW_FIELDS.items() if not isinstance(row, dict) or not isinstance(row.get(f), kind)]
+        if bad:
+            raise ValueError(f"{log}:{n}: not a trial row (no {', '.join(bad)}): a trial log holds one trial per line")
+        rows.append(row)
     return rows
+
+
+def _history(log: Path, key: str, compress: bool, say: Callable[[str], None] = print) -> list[dict]:
+    """The log's rows (_load); in a search without compression, none of this search's of a
+    compressed strategy (logged by a search with compression before _domain_key told them apart):
+    such a search neither starts from nor returns an approximate strategy."""
+    rows = _load(log, say)
+    return rows if compress else [t for t in rows if t["domain"] != key or SyncStrategy.from_json(t["strategy"]).exact]
 
 
 def _sample(domain: Domain, strategy: SyncStrategy, seconds: float = 0.0) -> Sample:
@@ -245,14 +271,68 @@ def _samples(history: list[dict], key: str, domain: Domain) -> list[Sample]:
     return [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in history if t["domain"] == key]
 
 
-def _trained(history, key, domain, variables, config: AutoSyncConfig, current, done) -> Simulator | None:
+def _trained(history, key, domain, others: list[Sample], config: AutoSyncConfig, current, done) -> Simulator | None:
+    """The learned simulator, retrained every round once this search has `learn_after` trials:
+    on its own trials and `others` (other searches' in the log)."""
     if done < config.learn_after:
         return None
     if current is not None and done % config.per_round:
         return current
     sim = Simulator(config.simulator, seed=config.seed)
-    sim.train(_samples(history, key, domain), epochs=config.epochs)
+    sim.train(_samples(history, key, domain) + others, epochs=config.epochs)
     return sim
+
+
+def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
+    """(graph, plan, variables, cost, estimate) of a search: the model captured on the meta
+    device, its plan (default: data parallel at compute-proportional batch shares, AutoSync's
+    setting), the gradients it synchronizes, the cost model and the plan's estimate."""
+    meta_model, inputs = build(model, devices=cluster.size, device="meta", **knobs)
+    graph = capture(meta_model, inputs, name=model)
+    if plan is None:
+        plan = baseline_plan(graph, cluster, "dp-cp")
+    plan.check_fits(graph)
+    machines = [m.devices for m in cluster.topology.machines] if cluster.topology is not None else None
+    variables = Variables.of(plan, graph, machines)
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
+    return graph, plan, variables, cost, replay(plan.steps(graph), cost, plan.segment_of, plan.ratios)
+
+
+def _save_domain(out: Path, key: str, model: str, knobs: dict, cluster: Cluster, plan: Plan) -> None:
+    """DIR/domains/<key>.json: what a later search needs to learn from this one's trials."""
+    path = out / "domains" / f"{key}.json"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        spec = {"model": model, "knobs": knobs, "cluster": cluster.to_dict(), "plan": plan.to_dict()}
+        path.write_text(json.dumps(spec))
+
+
+def _other_samples(history: list[dict], key: str, out: Path, say: Callable[[str], None] = print) -> list[Sample]:
+    """The measured strategies of the other searches in the log, as samples of their own
+    domains (rebuilt from DIR/domains/<key>.json), for transfer. A search whose description is
+    missing (logged before they were written) or no longer builds is left out, and said so."""
+    from ..cost.cluster import cluster_from_dict
+
+    rows: dict[str, list[dict]] = {}
+    for t in history:
+        if t["domain"] != key and not t["kind"].startswith("confirm"):
+            rows.setdefault(t["domain"], []).append(t)
+    samples: list[Sample] = []
+    for other, measured in rows.items():
+        path = out / "domains" / f"{other}.json"
+        try:
+            spec = json.loads(path.read_text())
+            cluster = cluster_from_dict(spec["cluster"])
+            _, _, variables, cost, est = _setting(spec["model"], spec["knobs"], cluster, Plan.from_dict(spec["plan"]))
+            domain = Domain(f"{spec['model']} {json.dumps(spec['knobs'], sort_keys=True)} on {cluster.name} [{other}]",
+                            variables, cost, est)
+            samples += [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in measured]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            say(f"[autosync] {len(measured)} trials of another search ({other}) left out of training: "
+                f"{type(e).__name__}: {e}"[:300])
+    if samples:
+        say(f"[autosync] {len(samples)} trials of {len({s.domain for s in samples})} other searches train the simulators too")
+    return samples
 
 
 def _similarity(pool, samples, simulator, config: AutoSyncConfig):
@@ -363,11 +443,18 @@ def _best_so_far(trials: list[dict]) -> list[float]:
 
 
 def _with_estimate(plan: Plan, graph, cluster, variables, cost, est) -> Plan:
+    """`plan` (with the strategy's sync) estimated as price.overlapped prices it: its seconds,
+    breakdown and timeline (the buckets' phases, which `hap explain` draws)."""
     import dataclasses
 
-    seconds = price.overlapped(plan.sync, variables, cost, est)
-    return dataclasses.replace(plan, estimated_iteration_seconds=seconds,
-                               search={**plan.search, "sync": "autosync"})
+    phases, end = price.schedule(plan.sync, variables, cost, est)
+    _, backward = price.backward_clock(est)
+    exposed = end - backward
+    breakdown = {**est.breakdown(), "gradient_sync": exposed,
+                 "gradient_sync_overlapped": sum(p.seconds + p.then for p in phases) - exposed}
+    timeline = {**plan.timeline, "buckets": [], "sync": [dataclasses.asdict(p) for p in phases]}
+    return dataclasses.replace(plan, estimated_iteration_seconds=price.overlapped(plan.sync, variables, cost, est),
+                               breakdown=breakdown, timeline=timeline, search={**plan.search, "sync": "autosync"})
 
 
 def _plots(history: list[dict], key: str, out: Path) -> None:

@@ -186,18 +186,49 @@ def backward_clock(est: Estimate) -> tuple[dict[int, float], float]:
     return done_at, clock
 
 
-def overlapped(entries: list[SyncEntry], variables: Variables, cost: CostModel, est: Estimate) -> float:
-    """The plan's iteration seconds with its gradients synchronized by `entries`."""
+@dataclass(frozen=True, slots=True)
+class Phases:
+    """One bucket as `overlapped` runs it, in seconds from the start of the backward."""
+    bucket: int
+    method: str
+    """SyncEntry.method of its entries."""
+    nbytes: float
+    stage: int
+    """The stage whose backward completes its gradients."""
+    start: float
+    seconds: float
+    """Its first collective, overlapping the backward."""
+    then_start: float
+    then: float
+    """What depends on that collective's result, after the backward."""
+
+
+def schedule(entries: list[SyncEntry], variables: Variables, cost: CostModel, est: Estimate) -> tuple[list[Phases], float]:
+    """Every bucket's phases in launch order, and the backward's end with the sync's tail (seconds
+    from the start of the backward): the first collectives one at a time on the link, each once
+    its gradients are complete and the buckets before it have started; the rest after the
+    backward, bucket after bucket."""
     done_at, backward = backward_clock(est)
     launched = wire = 0.0
-    seconds = []
+    firsts = []
     for b in buckets(entries, variables):
         first, then = phases(b, variables, cost)
-        launched = max(launched, done_at[est.stage_of[b.first_use]])
-        wire = max(wire, launched) + first
-        seconds.append((wire, then))
-    end = backward
-    for first_done, then in seconds:  # after the backward, bucket by bucket
-        end = max(end, first_done) + then
+        stage = est.stage_of[b.first_use]
+        launched = max(launched, done_at[stage])
+        start = max(wire, launched)
+        wire = start + first
+        firsts.append((b, stage, start, first, then))
+    end, out = backward, []
+    for b, stage, start, first, then in firsts:
+        then_start = max(end, start + first)
+        end = then_start + then
+        out.append(Phases(b.entries[0].bucket, b.entries[0].method, b.nbytes, stage, start, first, then_start, then))
+    return out, end
+
+
+def overlapped(entries: list[SyncEntry], variables: Variables, cost: CostModel, est: Estimate) -> float:
+    """The plan's iteration seconds with its gradients synchronized by `entries`."""
+    _, end = schedule(entries, variables, cost, est)
+    _, backward = backward_clock(est)
     forward = est.seconds - est.grad_sync - backward - cost.step_overhead
     return forward + end + cost.step_overhead
