@@ -428,6 +428,10 @@ class Plan:
         else:
             for s, r in enumerate(self.ratios):
                 lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
+                idle = self.idle_devices(s)
+                if idle:
+                    lines.append(f"  note: devices {idle} get none of any split tensor in segment {s} (too few rows "
+                                 "to split by these ratios: a larger batch would use them)")
         lines.append(f"  memory per GPU: {' '.join(size_text(b) for b in self.memory_bytes)}")
         caps = [d.get("memory") for d in self.cluster.get("devices", [])]
         over = [j for j, (b, cap) in enumerate(zip(self.memory_bytes, caps)) if cap and b > cap]
@@ -445,6 +449,15 @@ class Plan:
         if self.replicated_ops:
             lines.append(f"  replicated (no sharding rule): {', '.join(self.replicated_ops)}")
         return "\n".join(lines)
+
+    def idle_devices(self, segment: int) -> list[int]:
+        """Devices of the one-stage plan given a share of `segment` but no element of any tensor
+        it splits there (integer shard sizes: a batch of 2 rows over 4 devices leaves 2 idle)."""
+        st = self.stage
+        shards = [sh.sizes for sh in st.shards if sh.segment == segment]
+        if not shards:
+            return []
+        return [st.devices[j] for j, r in enumerate(st.ratios[segment]) if r > 0 and all(sizes[j] == 0 for sizes in shards)]
 
     def listing(self) -> str:
         out = []

@@ -21,6 +21,18 @@ def write(tmp_path, text):
     return p
 
 
+TWO = "devices: [{flops: 1, memory: 1GiB, count: 2}]"
+
+
+def test_bits_and_bytes_by_the_case_of_b(tmp_path):
+    """Gb/s was read as gigabytes a second and GBps as gigabits (units were compared in lower
+    case): 8x off, silently."""
+    for unit, per_second in (("10Gbps", 1.25e9), ("10Gb/s", 1.25e9), ("10GBps", 1e10), ("10GB/s", 1e10),
+                             ("10 gbps", 1.25e9), ("10MiB/s", 10 * 2**20), ("80Mbps", 1e7)):
+        c = load_cluster(write(tmp_path, f"{TWO}\nnetwork: {{bandwidth: {unit}}}"))
+        assert c.topology.link(0, 1).bandwidth == pytest.approx(per_second), unit
+
+
 def test_parse_units_and_counts(tmp_path):
     c = load_cluster(write(tmp_path, GOOD))
     assert c.name == "two-kinds" and c.size == 3 and c.gpus == 6
@@ -52,6 +64,21 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: [{flops: 1, memory: 1GiB, memory: 2GiB}]", r"not valid YAML \(key 'memory' is given twice\)"),
     ("devices: [{name: null, flops: 1, memory: 1GiB}]", r"devices\[0\]: name must be text, got None"),
     ("devices: [{flops: 1, memory: 16}]", r"memory of 16 bytes is less than 1 KiB; give a unit \(say 16GiB\)$"),
+    # each crashed with a traceback, was read silently, or made a price infinite
+    ("devices: [{flops: 1, memory: 1" + "0" * 340 + "}]", r"devices\[0\].memory: a number of 341 digits is out of range$"),
+    (f"{TWO}\nmachines: [{{devices: 100000000000000000000, nic: {{bandwidth: 1Gbps}}}}]",
+     r"machines\[0\]: devices must be a count from 1 to 1024, got 100000000000000000000$"),
+    (f"{TWO}\nnetwork: {{bandwidth: 1e-320}}", r"network bandwidth of 9.99989e-321 is out of range"),
+    ("devices: [{flops: 1e-300, memory: 1GiB}]", r"devices\[0\] \(device0\) flops of 1e-300 is out of range"),
+    (f"{TWO}\nnetwork: {{bandwidth: 10, latency: 30us}}", r"network.bandwidth of 10 with no unit; give one \(say 10Gbps\)$"),
+    (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: 30}}", r"network.latency of 30 with no unit; give one \(say 30us\)$"),
+    ("devices: [{flops: 1, memory: 16Gb}]", r"devices\[0\].memory: cannot read '16Gb' \(a number, or a number with a unit: B, kB,"),
+    (f"{TWO}\nmachines: [{{name: m, nic: {{bandwidth: 1Gbps}}}}, {{name: m, nic: {{bandwidth: 1Gbps}}}}]",
+     r"machines\[1\]: machine name 'm' is given twice$"),
+    (f"{TWO}\nmachines: [{{nic: {{bandwidth: 1Gbps}}}}, {{nic: {{bandwidth: 1Gbps}}}}]\n"
+     "links: [{between: [0, 1], bandwidth: 1Gbps}, {between: [1, 0], bandwidth: 100Gbps}]",
+     r"links\[1\]: the link between devices 1 and 0 is given twice$"),
+    (f"name:\n{TWO}\nnetwork: {{bandwidth: 1Gbps}}", r": name must be text, got None$"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
     with pytest.raises(ClusterError, match=message) as e:

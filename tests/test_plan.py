@@ -469,3 +469,25 @@ def test_dqn_opp_keeps_a_frozen_parameter_whole():
     graph = capture(BigMLP(d=16, frozen_first=True), (torch.randn(12, 16), torch.randint(0, 8, (12,))))
     found = make_plan("dqn-opp", graph, load_cluster("local"))
     assert "l1.weight" not in {graph.tensors[p].target for p in found.search["split_parameters"]}
+
+
+def test_a_batch_too_small_for_the_shares_says_which_devices_idle():
+    """A batch of 2 over 4 devices at even shares runs as 1/1/0/0 rows: the summary printed the
+    shares alone, as if all four worked."""
+    from hap import capture, load_cluster
+    from hap.planner import baseline_plan
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.fc(x).pow(2).mean()
+
+    cluster = load_cluster("local-4")
+    small = baseline_plan(capture(Net(), (torch.randn(2, 4),)), cluster, "dp-ev")
+    assert small.ratios == [[0.25] * 4] and small.idle_devices(0) == [2, 3]
+    assert "note: devices [2, 3] get none of any split tensor in segment 0" in small.summary()
+    large = baseline_plan(capture(Net(), (torch.randn(8, 4),)), cluster, "dp-ev")
+    assert large.idle_devices(0) == [] and "note: devices" not in large.summary()

@@ -212,9 +212,36 @@ def fits_from_topology(topology: Topology) -> dict[str, Fit]:
 # Parsing and validation
 
 
-_SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_RATE_UNITS = {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "b/s": 1, "kb/s": 1e3, "mb/s": 1e6,
-               "gb/s": 1e9, "kib/s": 2**10, "mib/s": 2**20, "gib/s": 2**30}
+_PREFIXES = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+class _DataUnits:
+    """Bytes (sizes) or bytes per second (rates) in a unit: B is a byte and b a bit, whatever
+    the case of the prefix and of "ps" (Gbps and Gb/s are bits, GB/s and GBps bytes; a size in
+    bits is refused). The case of b decided nothing before: Gb/s was read as bytes, GBps as bits."""
+
+    def __init__(self, rate: bool):
+        self.rate = rate
+
+    def factor(self, unit: str) -> float | None:
+        m = re.fullmatch(r"([kmgt]i?)?([bB])(ps|/s)?", _lower_but_b(unit))
+        if m is None or (m.group(3) is not None) != self.rate or (m.group(2) == "b" and not self.rate):
+            return None
+        return _PREFIXES[m.group(1) or ""] / (8 if m.group(2) == "b" else 1)
+
+    def __str__(self) -> str:
+        return ("Gbps or Gb/s (bits), GB/s or GBps (bytes), with k, M, G, T, Ki, Mi, Gi prefixes" if self.rate
+                else "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB")
+
+
+def _lower_but_b(unit: str) -> str:
+    """`unit` in lower case but for its b or B (the one before "ps", "/s" or the end)."""
+    m = re.fullmatch(r"(.*?)([bB])((?:ps|/s)?)", unit, flags=re.IGNORECASE)
+    return unit.lower() if m is None else m.group(1).lower() + m.group(2) + m.group(3).lower()
+
+
+_SIZE_UNITS = _DataUnits(rate=False)
+_RATE_UNITS = _DataUnits(rate=True)
 _TIME_UNITS = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _FLOP_UNITS = {"": 1, "flops": 1, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15,
                "flop/s": 1, "gflop/s": 1e9, "tflop/s": 1e12, "pflop/s": 1e15}  # (hap clusters prints TFLOP/s)
@@ -224,25 +251,52 @@ def _quantity(value, units: dict[str, float], what: str) -> float:
     if isinstance(value, bool):
         raise ClusterError(f"{what}: expected a number, got {value!r}")
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ClusterError(f"{what}: a number of {len(str(abs(value)))} digits is out of range") from None
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z/]*)\s*", value)
         if m:
-            unit = m.group(2).lower()
+            unit = m.group(2)
             try:
                 number = float(m.group(1))
             except ValueError:
                 number = None
-            if number is not None and (unit in units or not unit):  # YAML reads 4e-4 as a string
-                return number * units.get(unit, 1.0)
-    allowed = ", ".join(u for u in units if u)
+            factor = 1.0 if not unit else units.factor(unit) if isinstance(units, _DataUnits) else units.get(unit.lower())
+            if number is not None and factor is not None:  # YAML reads 4e-4 as a string
+                return number * factor
+    allowed = units if isinstance(units, _DataUnits) else ", ".join(u for u in units if u)
     raise ClusterError(f"{what}: cannot read {value!r} (a number, or a number with a unit: {allowed})")
+
+
+SANE = (1e-30, 1e30)
+"""Every positive quantity of a cluster lies in this range: beyond it lies a typo, and prices
+that overflow (a bandwidth of 1e-320 made 1 / bandwidth infinite, flops of 1e308 an infinite
+total)."""
 
 
 def _positive(x: float, what: str, allow_zero: bool = False) -> float:
     if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
         raise ClusterError(f"{what} must be {'non-negative' if allow_zero else 'positive'}, got {x:g}")
+    if x != 0 and not SANE[0] <= x <= SANE[1]:
+        raise ClusterError(f"{what} of {x:g} is out of range ({SANE[0]:g} to {SANE[1]:g} in its unit's base)")
     return x
+
+
+BARE_BANDWIDTH = (1e3, math.inf)
+"""Bytes/s a bandwidth given as a bare number may be (below: a unit forgotten)."""
+BARE_LATENCY = (0.0, 1.0)
+"""Seconds a latency given as a bare number may be (a second or more: a unit forgotten)."""
+
+
+def _given_unit(value, what: str, plausible: tuple[float, float], example: str) -> None:
+    """A ClusterError for a bare number outside `plausible` in the base unit (bytes/s, seconds):
+    its unit was forgotten ("bandwidth: 10" read as 10 bytes/s, "latency: 30" as 30 s, as
+    "memory: 16" read as 16 bytes)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0 and not (
+            plausible[0] <= value < plausible[1]):
+        raise ClusterError(f"{what} of {value:g} with no unit; give one (say {example})")
 
 
 MAX_DEVICES = 1024  # more is a typo here, not a cluster (pricing the collectives of 1024 takes half a minute)
@@ -325,6 +379,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         unknown = set(net) - {"bandwidth", "latency", "emulate"}
         if unknown:
             raise ClusterError(f"network: unknown key(s) {sorted(unknown)}; allowed: bandwidth, latency, emulate")
+        _given_unit(net["bandwidth"], "network.bandwidth", BARE_BANDWIDTH, "10Gbps")
+        _given_unit(net.get("latency", 0), "network.latency", BARE_LATENCY, "30us")
         bw = _positive(_quantity(net["bandwidth"], _RATE_UNITS, "network.bandwidth"), "network bandwidth")
         lat = _positive(_quantity(net.get("latency", 0), _TIME_UNITS, "network.latency"), "network latency", allow_zero=True)
         if not isinstance(net.get("emulate", False), bool):
@@ -350,9 +406,16 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         fits = fits_from_network(1, 1.0, 0.0)
     if spec.get("emulate", False) and topology is None:
         raise ClusterError("emulate: true needs 'machines' or 'network' to say what to emulate")
-    return Cluster(name=str(spec.get("name", default_name)), devices=devices, collectives=fits,
+    return Cluster(name=_name(spec.get("name", default_name), "name"), devices=devices, collectives=fits,
                    local=spec.get("local", False), emulated_network=emulated, topology=topology,
                    emulate_links=spec.get("emulate", False), measured_fits="collectives" in spec)
+
+
+def _name(value, what: str) -> str:
+    """A name given as text (or a number); `name:` left empty became a cluster called None."""
+    if not isinstance(value, (str, int)) or isinstance(value, bool) or not str(value).strip():
+        raise ClusterError(f"{what} must be text, got {value!r}")
+    return str(value)
 
 
 def _parse_link(spec, where: str, default: Link | None = None) -> Link:
@@ -360,6 +423,8 @@ def _parse_link(spec, where: str, default: Link | None = None) -> Link:
         return default
     if not isinstance(spec, dict) or "bandwidth" not in spec or set(spec) - {"bandwidth", "latency"}:
         raise ClusterError(f"{where}: expected {{bandwidth: ..., latency: ...}}, got {spec!r}")
+    _given_unit(spec["bandwidth"], f"{where}.bandwidth", BARE_BANDWIDTH, "10Gbps")
+    _given_unit(spec.get("latency", 0), f"{where}.latency", BARE_LATENCY, "30us")
     return Link(bandwidth=_positive(_quantity(spec["bandwidth"], _RATE_UNITS, f"{where}.bandwidth"), f"{where} bandwidth"),
                 latency=_positive(_quantity(spec.get("latency", 0), _TIME_UNITS, f"{where}.latency"), f"{where} latency",
                                   allow_zero=True))
@@ -375,12 +440,15 @@ def _parse_topology(spec: dict, n: int) -> Topology:
         if not isinstance(m, dict) or set(m) - {"name", "devices", "intra", "nic"} or "nic" not in m:
             raise ClusterError(f"{where}: expected {{name, devices: count, intra: link, nic: link}}, got {m!r}")
         count = m.get("devices", 1)
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ClusterError(f"{where}: devices must be a positive count, got {count!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_DEVICES:
+            raise ClusterError(f"{where}: devices must be a count from 1 to {MAX_DEVICES}, got {count!r}")
         nic = _parse_link(m["nic"], f"{where}.nic")
         if count > 1 and "intra" not in m:
             raise ClusterError(f"{where}: a machine of {count} devices needs 'intra' (the link between them)")
-        machines.append(Machine(name=str(m.get("name", f"machine{i}")), devices=tuple(range(first, first + count)),
+        name = _name(m.get("name", f"machine{i}"), f"{where}.name")
+        if any(x.name == name for x in machines):
+            raise ClusterError(f"{where}: machine name {name!r} is given twice")
+        machines.append(Machine(name=name, devices=tuple(range(first, first + count)),
                                 intra=_parse_link(m.get("intra"), f"{where}.intra", nic), nic=nic))
         first += count
     if first != n:
@@ -394,6 +462,8 @@ def _parse_topology(spec: dict, n: int) -> Topology:
         if not (isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]
                 and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < n for d in pair)):
             raise ClusterError(f"{where}: 'between' must name two different devices 0..{n - 1}, got {pair!r}")
+        if any({a, b} == set(pair) for a, b, _ in overrides):
+            raise ClusterError(f"{where}: the link between devices {pair[0]} and {pair[1]} is given twice")
         overrides.append((pair[0], pair[1], _parse_link({k: v for k, v in e.items() if k != "between"}, where)))
     algorithm = spec.get("algorithm", "auto")
     if algorithm not in (*ALGORITHMS, "auto"):
