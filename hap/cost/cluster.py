@@ -247,7 +247,7 @@ _FLOP_UNITS = {"": 1, "flops": 1, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15,
                "flop/s": 1, "gflop/s": 1e9, "tflop/s": 1e12, "pflop/s": 1e15}  # (hap clusters prints TFLOP/s)
 
 
-def _quantity(value, units: dict[str, float], what: str) -> float:
+def _quantity(value, units: "dict[str, float] | _DataUnits", what: str) -> float:
     if isinstance(value, bool):
         raise ClusterError(f"{what}: expected a number, got {value!r}")
     if isinstance(value, (int, float)):
