@@ -486,5 +486,6 @@ def test_other_searches_trials_train_the_simulators(tmp_path):
     assert [s.seconds for s in got] == [0.01, 0.02, 0.03]  # the other search's, without its confirmations
     assert all(s.domain.endswith(f"[{other}]") for s in got)
     assert [s.x.shape[0] for s in got] == [len(variables.entries(s)) for s in strategies]
-    assert said[0].startswith("[autosync] 1 trials of another search (lost) left out of training: FileNotFoundError")
-    assert said[1] == "[autosync] 3 trials of 1 other searches train the simulators too"
+    assert said[0].startswith("[autosync] 1 measured strategies of another search (lost) left out of training: "
+                              "FileNotFoundError")
+    assert said[1] == "[autosync] 3 measured strategies of 1 other search train the simulators too"

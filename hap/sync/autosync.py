@@ -328,10 +328,12 @@ def _other_samples(history: list[dict], key: str, out: Path, say: Callable[[str]
                             variables, cost, est)
             samples += [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in measured]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            say(f"[autosync] {len(measured)} trials of another search ({other}) left out of training: "
+            say(f"[autosync] {len(measured)} measured strategies of another search ({other}) left out of training: "
                 f"{type(e).__name__}: {e}"[:300])
     if samples:
-        say(f"[autosync] {len(samples)} trials of {len({s.domain for s in samples})} other searches train the simulators too")
+        searches = len({s.domain for s in samples})
+        say(f"[autosync] {len(samples)} measured strategies of {searches} other search{'es' if searches > 1 else ''} "
+            "train the simulators too")
     return samples
 
 
