@@ -39,7 +39,7 @@ def main() -> int:
     rows = []
     for key in sorted({t["domain"] for t in history}):
         measured = [t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")]
-        mine = autosync._other_samples([t for t in history if t["domain"] == key], "", out, say=lambda m: None)
+        mine = autosync.logged_samples(out, key, measured)
         others = autosync._other_samples(history, key, out, say=lambda m: None)
         row = {"search": json.loads((out / "domains" / f"{key}.json").read_text())["knobs"], "strategies": len(mine),
                "trained_on": len(others), "hap": ranking_accuracy([t["hap_estimate"] for t in measured], mine)}

@@ -442,24 +442,19 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     (Adafactor's (1, 1) and (1, K) moments of a (1, K) shard), and a rank refusing alone would
     leave the others waiting in the next collective. State first made at a later step is
     checked on each rank alone."""
-    checked = _CHECKED.get(opt)
-    if checked is not None:
-        refused = _refused_state(opt, checked)
-        if refused is not None:
-            raise ValueError(refused)
-        return
-    params = [p for group in opt.param_groups for p in group["params"]]
-    comms = [_SHARDED[id(p)][2] for p in params if _watched(p)]
-    if not comms:
-        _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
-        return
-    checked = _CHECKED[opt] = set()
+    checked, comm = _CHECKED.get(opt), None
+    if checked is None:  # the first step
+        params = [p for group in opt.param_groups for p in group["params"]]
+        comms = [_SHARDED[id(p)][2] for p in params if _watched(p)]
+        if not comms:
+            _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
+            return
+        checked, comm = _CHECKED.setdefault(opt, set()), comms[0]
     refused = _refused_state(opt, checked)
-    if comms[0] is None:  # no process group (a unit test of the hook)
-        if refused is not None:
-            raise ValueError(refused)
-        return
-    gather_or_refuse(None, refused, comms[0])
+    if comm is not None:  # (None also without a process group: a unit test of the hook)
+        gather_or_refuse(None, refused, comm)
+    elif refused is not None:
+        raise ValueError(refused)
 
 
 def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:

@@ -307,26 +307,31 @@ def _save_domain(out: Path, key: str, model: str, knobs: dict, cluster: Cluster,
         path.write_text(json.dumps(spec))
 
 
+def logged_samples(out: Path, key: str, rows: list[dict]) -> list[Sample]:
+    """Logged rows of the search `key` as simulator samples of its domain, rebuilt from
+    DIR/domains/<key>.json (an OSError, or a ValueError where it no longer builds)."""
+    from ..cost.cluster import cluster_from_dict
+
+    spec = json.loads((out / "domains" / f"{key}.json").read_text())
+    cluster = cluster_from_dict(spec["cluster"])
+    _, _, variables, cost, est = _setting(spec["model"], spec["knobs"], cluster, Plan.from_dict(spec["plan"]))
+    domain = Domain(f"{spec['model']} {json.dumps(spec['knobs'], sort_keys=True)} on {cluster.name} [{key}]",
+                    variables, cost, est)
+    return [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in rows]
+
+
 def _other_samples(history: list[dict], key: str, out: Path, say: Callable[[str], None] = print) -> list[Sample]:
     """The measured strategies of the other searches in the log, as samples of their own
     domains (rebuilt from DIR/domains/<key>.json), for transfer. A search whose description is
     missing (logged before they were written) or no longer builds is left out, and said so."""
-    from ..cost.cluster import cluster_from_dict
-
     rows: dict[str, list[dict]] = {}
     for t in history:
         if t["domain"] != key and not t["kind"].startswith("confirm"):
             rows.setdefault(t["domain"], []).append(t)
     samples: list[Sample] = []
     for other, measured in rows.items():
-        path = out / "domains" / f"{other}.json"
         try:
-            spec = json.loads(path.read_text())
-            cluster = cluster_from_dict(spec["cluster"])
-            _, _, variables, cost, est = _setting(spec["model"], spec["knobs"], cluster, Plan.from_dict(spec["plan"]))
-            domain = Domain(f"{spec['model']} {json.dumps(spec['knobs'], sort_keys=True)} on {cluster.name} [{other}]",
-                            variables, cost, est)
-            samples += [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in measured]
+            samples += logged_samples(out, other, measured)
         except (OSError, ValueError, KeyError, TypeError) as e:
             say(f"[autosync] {len(measured)} measured strategies of another search ({other}) left out of training: "
                 f"{type(e).__name__}: {e}"[:300])
