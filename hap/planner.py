@@ -424,12 +424,29 @@ def _plan_at(graph: Graph, cluster: Cluster, rs: list[list[float]], config: Plan
 def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:
     """A plan's program priced again under this graph's node times and this cluster (say, times
     measured anew): the same replay that priced it when it was planned."""
+    return _replayed(graph, cluster, plan, config)[1]
+
+
+def priced(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Plan:
+    """`plan` with its estimate (seconds, breakdown, timeline, memory) priced again, as
+    `estimate` prices it; a plan whose sync entries came from elsewhere than its program's
+    buckets (plan.search["sync"]: `hap sync`, `resync`) with them, as sync.price prices them."""
+    cost, est = _replayed(graph, cluster, plan, config)
+    plan = dataclasses.replace(plan, estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
+                               timeline=timeline(est), memory_bytes=list(est.memory))
+    if "sync" not in plan.search:
+        return plan
+    from .sync.price import with_estimate  # (hap.sync plans with the planner)
+
+    return with_estimate(plan, graph, cost, est, searched=plan.search["sync"])
+
+
+def _replayed(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None) -> tuple[CostModel, Estimate]:
     if len(plan.devices) != cluster.size:
         raise ValueError(f"the plan is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
     classes = ShardClasses(graph, enumerate(strategy_table(graph)))
     cost = CostModel(graph, cluster, classes, (config or PlannerConfig()).optimizer)
-    segment_of = plan.segment_of
-    return replay(plan.steps(graph), cost, segment_of, plan.ratios)
+    return cost, replay(plan.steps(graph), cost, plan.segment_of, plan.ratios)
 
 
 def rebalanced_ratios(graph: Graph, cluster: Cluster, plan: Plan, speeds: Sequence[float],

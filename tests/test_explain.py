@@ -50,7 +50,7 @@ def test_a_searched_sync_strategy_is_drawn_and_laid_out_as_priced(vit_plan):
     from hap.rules import strategy_table
     from hap.rules.units import ShardClasses
     from hap.search.program import replay
-    from hap.sync.autosync import _with_estimate
+    from hap.sync.price import with_estimate
     from hap.sync.strategy import PartSync, SyncStrategy, Variables, VarSync, with_strategy
 
     cluster = load_cluster("paper-hetero-8")
@@ -63,7 +63,7 @@ def test_a_searched_sync_strategy_is_drawn_and_laid_out_as_priced(vit_plan):
     strategy = SyncStrategy(tuple(
         VarSync(v.param, (PartSync(kind="ps", server=2), PartSync(kind="all_reduce", group=1, compressor="fp16")))
         if v is split else VarSync(v.param, (PartSync(kind="ps", server=3),)) for v in variables.vars))
-    synced = _with_estimate(with_strategy(vit_plan, variables, strategy), graph, cluster, variables, cost, est)
+    synced = with_estimate(with_strategy(vit_plan, variables, strategy), graph, cost, est, searched="autosync")
     assert synced.estimated_iteration_seconds != vit_plan.estimated_iteration_seconds
     events, total = estimated_events(synced)
     assert total == pytest.approx(synced.estimated_iteration_seconds, rel=1e-9)

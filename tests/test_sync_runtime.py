@@ -112,6 +112,77 @@ def test_exact_strategies_train_like_one_device(name, tmp_path):
             assert torch.allclose(torch.tensor(got["params"][pname]), p.detach(), rtol=1e-4, atol=1e-6), (name, pname)
 
 
+NEW_RATIOS = (0.2, 0.3, 0.5)
+
+
+def searched_plan(graph, cl, ratios, name, searched="autosync"):
+    """The data-parallel plan at `ratios` synchronized by strategy `name`, priced as `hap sync`
+    prices the plan it saves."""
+    from hap.planner import _replayed
+    from hap.sync.price import with_estimate
+
+    plan = baseline_plan(graph, cl, "dp-ev", ratios=ratios)
+    plan = with_strategy(plan, Variables.of(plan, graph, cl.machines), strategies(Variables.of(plan, graph, None))[name])
+    cost, est = _replayed(graph, cl, plan, None)
+    return with_estimate(plan, graph, cost, est, searched)
+
+
+def reshard_searched(rank, world):
+    """One step of a plan from a sync search, a reshard, a resync, two more steps."""
+    from hap.explain import estimated_events
+
+    model, batches = data()
+    cl = cluster()
+    graph = capture(model, (batches[0],))
+    dmodel = hap.HAP(model, cl, (batches[0],), plan=searched_plan(graph, cl, RATIOS, "servers"))
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    out, losses = {}, []
+    for step, x in enumerate(batches):
+        if step == 1:
+            opt.zero_grad(set_to_none=True)
+            dmodel.reshard(NEW_RATIOS, opt)
+            out["resharded"] = dmodel.plan.to_dict()
+            out["drawn"] = estimated_events(dmodel.plan)[1]
+            dmodel.resync(searched_plan(graph, cl, NEW_RATIOS, "ar-groups").sync)
+            out["resynced"] = dmodel.plan.to_dict()
+        loss = dmodel(*dmodel.local_batch(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {**out, "losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
+
+
+def test_a_searched_strategy_stays_priced_as_searched_through_reshard_and_resync(tmp_path):
+    """reshard re-priced a plan from `hap sync` with its program's default all-reduce buckets
+    (and kept the old ratios' memory): now its estimate, timeline and memory are those of the
+    same strategy planned at the new ratios; resync prices the entries it switches to. The
+    training stays exact throughout."""
+    reports = run_ranks(reshard_searched, 3, tmp_path)
+    model, batches = data()
+    graph = capture(model, (batches[0],))
+    cl = cluster()
+    want = searched_plan(graph, cl, NEW_RATIOS, "servers")
+    before = searched_plan(graph, cl, RATIOS, "servers")
+    switched = searched_plan(graph, cl, NEW_RATIOS, "ar-groups", searched="resync")
+    assert want.estimated_iteration_seconds != before.estimated_iteration_seconds
+    assert want.estimated_iteration_seconds != switched.estimated_iteration_seconds
+    losses = train(model, batches)
+    for got in reports:
+        plan = hap.Plan.from_dict(got["resharded"])
+        assert plan.search["sync"] == "autosync" and plan.timeline["buckets"] == []
+        assert plan.estimated_iteration_seconds == pytest.approx(want.estimated_iteration_seconds, rel=1e-12)
+        assert got["drawn"] == pytest.approx(want.estimated_iteration_seconds, rel=1e-9)
+        assert plan.breakdown == pytest.approx(want.breakdown, rel=1e-12)
+        assert plan.memory_bytes == pytest.approx(want.memory_bytes) and plan.memory_bytes != before.memory_bytes
+        again = hap.Plan.from_dict(got["resynced"])
+        assert again.search["sync"] == "resync"
+        assert again.estimated_iteration_seconds == pytest.approx(switched.estimated_iteration_seconds, rel=1e-12)
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for pname, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][pname]), p.detach(), rtol=1e-4, atol=1e-6), pname
+
+
 def sampled(rank, world, seeds):
     """Strategies drawn by the sampler (parts, servers, groups, hierarchy mixed at random),
     switched between on one model (HAP.resync), each training from the same start."""

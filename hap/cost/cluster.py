@@ -139,6 +139,13 @@ class Cluster:
                     for a, b in (self.topology.coefficients("all_reduce", group, alg) for alg in ALGORITHMS)]
         return [self.collectives["all_reduce"]]
 
+    @property
+    def machines(self) -> tuple[tuple[int, ...], ...]:
+        """The devices of every machine (each device its own where the cluster names none)."""
+        if self.topology is None:
+            return tuple((d,) for d in range(self.size))
+        return tuple(tuple(m.devices) for m in self.topology.machines)
+
     def compute_proportional(self) -> list[float]:
         total = sum(d.total_flops for d in self.devices)
         return [d.total_flops / total for d in self.devices]

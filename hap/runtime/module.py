@@ -32,7 +32,7 @@ from ..capture import capture
 from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan, shard_sizes, sync_mismatch
-from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout, timeline
+from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout, priced
 from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
 from ..rules.units import ShardClasses
@@ -309,9 +309,7 @@ class HAP(nn.Module):
         nbytes = ex.reshard(ratios, optimizers)
         self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
-        est = estimate(self.graph, self.cluster, plan)
-        self.plan = dataclasses.replace(plan, estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
-                                        timeline=timeline(est))
+        self.plan = priced(self.graph, self.cluster, plan)
         self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
         self._parts = {}
         log.info("hap: resharded to %s (%d bytes moved on rank %d)", ex.ratios, nbytes, self.comm.rank)
@@ -343,12 +341,14 @@ class HAP(nn.Module):
         bad = unlike_rank_0(every_rank(plan.digest, self.comm))  # they would wait in each other's collectives
         if bad:
             raise ValueError(f"resync: ranks {bad} were given sync entries other than rank 0's")
-        machines = _machines(self.cluster)
+        machines = self.cluster.machines
         self.groups = _device_groups(plan, self.comm, Groups(self.comm, machines, {}).needed(sync), self.groups)
         _check_sync(plan, self.shards, self.executor)
         if self.grad_sync is not None:
             self.grad_sync.close()
         self.grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
+        if sync != self.plan.sync:  # priced with these entries from now on
+            plan = priced(self.graph, self.cluster, dataclasses.replace(plan, search={**plan.search, "sync": "resync"}))
         self.plan = plan
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -599,13 +599,6 @@ def _check_splits(plan: Plan, ex: Executor) -> None:
         if list(mine) != list(sh.sizes):
             raise ValueError(f"plan does not match the model: {sh.tensor} dim {sh.dim} segment {sh.segment} split "
                              f"{list(sh.sizes)} in the plan, {list(mine)} here")
-
-
-def _machines(cluster: Cluster) -> tuple[tuple[int, ...], ...]:
-    """The cluster's machines as ranks (each device its own where the cluster names none)."""
-    if cluster.topology is None:
-        return tuple((d,) for d in range(cluster.size))
-    return tuple(tuple(m.devices) for m in cluster.topology.machines)
 
 
 def _device_groups(plan: Plan, comm: Comm, more=(), made=None) -> dict[tuple[tuple[int, ...], int], object]:

@@ -158,7 +158,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     result = _result(history, key, domain, variables, plan, base, config, time.perf_counter() - t_start, confirmed)
     best = SyncStrategy.from_json(result["best"]["strategy"])
     best_plan = with_strategy(plan, variables, best)
-    best_plan = _with_estimate(best_plan, graph, cluster, variables, cost, est)
+    best_plan = price.with_estimate(best_plan, graph, cost, est, searched="autosync")
     best_plan.to_json(out / "plan.json")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     _plots(history, key, out)
@@ -292,8 +292,7 @@ def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
     if plan is None:
         plan = baseline_plan(graph, cluster, "dp-cp")
     plan.check_fits(graph)
-    machines = [m.devices for m in cluster.topology.machines] if cluster.topology is not None else None
-    variables = Variables.of(plan, graph, machines)
+    variables = Variables.of(plan, graph, cluster.machines)
     cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
     return graph, plan, variables, cost, replay(plan.steps(graph), cost, plan.segment_of, plan.ratios)
 
@@ -447,21 +446,6 @@ def _best_so_far(trials: list[dict]) -> list[float]:
         best = min(best, t["seconds"])
         out.append(best)
     return out
-
-
-def _with_estimate(plan: Plan, graph, cluster, variables, cost, est) -> Plan:
-    """`plan` (with the strategy's sync) estimated as price.overlapped prices it: its seconds,
-    breakdown and timeline (the buckets' phases, which `hap explain` draws)."""
-    import dataclasses
-
-    phases, end = price.schedule(plan.sync, variables, cost, est)
-    _, backward = price.backward_clock(est)
-    exposed = end - backward
-    breakdown = {**est.breakdown(), "gradient_sync": exposed,
-                 "gradient_sync_overlapped": sum(p.seconds + p.then for p in phases) - exposed}
-    timeline = {**plan.timeline, "buckets": [], "sync": [dataclasses.asdict(p) for p in phases]}
-    return dataclasses.replace(plan, estimated_iteration_seconds=price.overlapped(plan.sync, variables, cost, est),
-                               breakdown=breakdown, timeline=timeline, search={**plan.search, "sync": "autosync"})
 
 
 def _plots(history: list[dict], key: str, out: Path) -> None:

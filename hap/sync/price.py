@@ -22,12 +22,14 @@ the cluster's topology (CostModel.group_collective), as the emulated links also 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from ..cost.model import CostModel
 from ..cost.topology import LAUNCH_OVERHEAD
-from ..plan import SyncEntry
+from ..ir import Graph
+from ..plan import Plan, SyncEntry
 from ..search.program import Estimate
 from .strategy import Variables
 
@@ -232,3 +234,19 @@ def overlapped(entries: list[SyncEntry], variables: Variables, cost: CostModel, 
     _, backward = backward_clock(est)
     forward = est.seconds - est.grad_sync - backward - cost.step_overhead
     return forward + end + cost.step_overhead
+
+
+def with_estimate(plan: Plan, graph: Graph, cost: CostModel, est: Estimate, searched: str) -> Plan:
+    """`plan` estimated with its gradients synchronized by its own sync entries, as `overlapped`
+    prices them: its seconds, breakdown and timeline (the buckets' phases, which `hap explain`
+    draws). `est` is the replay of its program under `cost`; `searched` says where the entries
+    came from (plan.search["sync"]: planner.priced prices such a plan this way from then on)."""
+    variables = Variables.of(plan, graph, cost.cluster.machines)
+    phased, end = schedule(plan.sync, variables, cost, est)
+    _, backward = backward_clock(est)
+    exposed = end - backward
+    breakdown = {**est.breakdown(), "gradient_sync": exposed,
+                 "gradient_sync_overlapped": sum(p.seconds + p.then for p in phased) - exposed}
+    timeline = {**plan.timeline, "buckets": [], "sync": [dataclasses.asdict(p) for p in phased]}
+    return dataclasses.replace(plan, estimated_iteration_seconds=overlapped(plan.sync, variables, cost, est),
+                               breakdown=breakdown, timeline=timeline, search={**plan.search, "sync": searched})
