@@ -634,3 +634,41 @@ def test_an_optimizer_with_flat_state_over_sharded_parameters_is_refused():
                                          r"several parameters \(LBFGS's flat vectors, say\) is not exact where hap "
                                          r"shards some of them$"):
         lbfgs.step(closure)
+
+
+class _LARS(torch.optim.Optimizer):
+    """Layer-wise adaptive rate scaling (You et al. 2017) in its plain form: each parameter's step
+    is scaled by ||w|| / ||g||, a norm over the whole parameter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * float(p.norm() / p.grad.norm()))
+
+
+def test_an_optimizer_that_reads_the_whole_parameter_is_refused_at_its_first_step():
+    """LARS scales each step by the parameter's norm: on shards each rank took its own rows' norm,
+    silently inexact (its state is empty, so the state check saw nothing). The first step now
+    probes the optimizer's class on a parameter whole and split; SGD and Adam pass the probe.
+    No process group: the hook alone."""
+    from hap.runtime.module import _watch_optimizers
+
+    sharded = torch.nn.Parameter(torch.ones(4, 2))
+    _watch_optimizers({id(sharded): (sharded, "fc.weight")})
+    for ok in (torch.optim.SGD([sharded], lr=0.1, momentum=0.9, weight_decay=0.1),
+               torch.optim.Adam([sharded], lr=0.1, amsgrad=True)):
+        sharded.grad = torch.ones(4, 2)
+        ok.step()
+    lars = _LARS([sharded])
+    sharded.grad = torch.ones(4, 2)
+    with pytest.raises(ValueError, match=r"^_LARS updates a parameter's rows differently when they are split \(it "
+                                         r"reads the whole parameter: LAMB's and LARS's trust ratios, Muon's "
+                                         r"orthogonalization\): not exact where hap shards fc.weight; use an optimizer "
+                                         r"whose update is per element \(SGD, Adam, ...\) or a plan that keeps "
+                                         r"fc.weight whole$"):
+        lars.step()

@@ -441,7 +441,8 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     parameters agree (a collective): a shard of one row can look per element on its rank alone
     (Adafactor's (1, 1) and (1, K) moments of a (1, K) shard), and a rank refusing alone would
     leave the others waiting in the next collective. State first made at a later step is
-    checked on each rank alone."""
+    checked on each rank alone. At the first step the optimizer's update is also probed for
+    reading more than each element (_not_per_element)."""
     checked, comm = _CHECKED.get(opt), None
     if checked is None:  # the first step
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -450,7 +451,9 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
             _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
             return
         checked, comm = _CHECKED.setdefault(opt, set()), comms[0]
-    refused = _refused_state(opt, checked)
+        refused = _refused_state(opt, checked) or _not_per_element(opt, next(p for p in params if _watched(p)))
+    else:
+        refused = _refused_state(opt, checked)
     if comm is not None:  # (None also without a process group: a unit test of the hook)
         gather_or_refuse(None, refused, comm)
     elif refused is not None:
@@ -478,6 +481,35 @@ def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
                         f"{tuple(param.shape)}: state over several parameters ({type(opt).__name__}'s "
                         "flat vectors, say) is not exact where hap shards some of them")
     return None
+
+
+def _not_per_element(opt: torch.optim.Optimizer, sharded: torch.Tensor) -> str | None:
+    """Why the optimizer's update is not exact on shards, or None: a fresh optimizer of its
+    class and hyper-parameters steps twice on a probe parameter whole and on the same parameter
+    split 4/2 in rows; an update that is per element (SGD, Adam, ...) moves both alike, one that
+    reads the whole parameter (LAMB's and LARS's trust ratios, Muon's orthogonalization) does
+    not, and under hap each rank would read its own rows alone. An optimizer the probe cannot build or step
+    (LBFGS wants a closure; its flat state is refused by _refused_state) goes unprobed."""
+    gen = torch.Generator().manual_seed(0)
+    like = dict(dtype=sharded.dtype, device=sharded.device)
+    start = torch.randn(6, 4, generator=gen).to(**like)
+    grads = [torch.randn(6, 4, generator=gen).to(**like) for _ in range(2)]
+    whole, parts = nn.Parameter(start.clone()), [nn.Parameter(start[:4].clone()), nn.Parameter(start[4:].clone())]
+    hyper = {k: opt.param_groups[0][k] for k in opt.defaults if k in opt.param_groups[0]}
+    try:
+        one, split = type(opt)([whole], **hyper), type(opt)(parts, **hyper)
+        for g in grads:
+            whole.grad, parts[0].grad, parts[1].grad = g.clone(), g[:4].clone(), g[4:].clone()
+            one.step()
+            split.step()
+    except Exception:  # noqa: BLE001 (any optimizer's failure: the probe is a check, not the training)
+        return None
+    if torch.allclose(whole.detach(), torch.cat([p.detach() for p in parts]), rtol=1e-4, atol=1e-6):
+        return None
+    label = _watched(sharded)
+    return (f"{type(opt).__name__} updates a parameter's rows differently when they are split (it reads the whole "
+            f"parameter: LAMB's and LARS's trust ratios, Muon's orthogonalization): not exact where hap shards "
+            f"{label}; use an optimizer whose update is per element (SGD, Adam, ...) or a plan that keeps {label} whole")
 
 
 def _watched(param: torch.Tensor) -> str | None:
