@@ -363,6 +363,27 @@ def test_eval_mode_validates_like_one_device(tmp_path, segments):
             assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 
 
+def trained_in_eval_mode(rank, world):
+    model, batches, _ = dropout_bn()
+    dmodel = skewed(model.eval(), batches[0])
+    return {"training": dmodel.training, "losses": train(dmodel, batches),
+            "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}}
+
+
+def test_a_model_wrapped_in_eval_mode_trains_in_eval_mode(tmp_path):
+    """Fine-tuning with BatchNorm's running statistics frozen and no dropout: model.eval(), then
+    hap.HAP(model) trained in training mode (dropout on, statistics of the batch and updated),
+    unlike one device. The wrapper now takes the model's mode, as DDP does."""
+    model, batches, _ = dropout_bn()
+    model.eval()
+    losses = train(model, batches)
+    for got in run_ranks(trained_in_eval_mode, 2, tmp_path):
+        assert got["training"] is False
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-6), k
+
+
 class ScaledUnderNoGrad(torch.nn.Module):
     """A trainable parameter the forward reads only under torch.no_grad(): it gets no gradient."""
 

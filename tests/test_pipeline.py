@@ -830,7 +830,8 @@ def accumulated(rank, world, cut):
     model, batches = _vit_setup()
     cluster = local_cluster((1.0,) * world, "local")
     space = PipelineSpace(capture(model, batches[0]), cluster)
-    pipe = hap.Pipeline(model, cluster, batches[0], assemble(space, [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, 0.0, {}))
+    plan = assemble(space, [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, 0.0, {})
+    pipe = hap.Pipeline(model, cluster, batches[0], plan)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     for pair in ((batches[0], batches[1]), (batches[2], batches[0])):
         for batch in pair:
@@ -838,18 +839,21 @@ def accumulated(rank, world, cut):
         opt.step()
         opt.zero_grad()
     pipe.eval()
-    try:
-        pipe.train_step(*batches[0])
-        refused = None
-    except ValueError as e:  # every rank refuses before any collective
-        refused = str(e)
+    refused = []
+    for call in (lambda: pipe.train_step(*batches[0]), lambda: hap.Pipeline(model.eval(), cluster, batches[0], plan)):
+        try:
+            call()
+            refused.append(None)
+        except ValueError as e:  # every rank refuses before any collective
+            refused.append(str(e))
     return {"state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}, "refused": refused}
 
 
 def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
     """train_step twice before the optimizer's step sums both batches' gradients once each (an
     earlier step's, summed over the stage's devices already, used to be summed again); in eval
-    mode train_step is refused in one line."""
+    mode train_step is refused in one line, and so is a model in eval mode (it trained in training
+    mode)."""
     from hap.capture import capture
     model, batches = _vit_setup()
     n = len(capture(model, batches[0]).nodes)
@@ -860,7 +864,8 @@ def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
         opt.step()
         opt.zero_grad()
     for got in run_ranks(accumulated, 3, tmp_path, n // 2):
-        assert got["refused"].startswith("hap.Pipeline runs training steps (pipe.train())")
+        assert got["refused"][0].startswith("hap.Pipeline runs training steps (pipe.train())")
+        assert got["refused"][1].startswith("hap.Pipeline trains in training mode and the model is in eval mode")
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 

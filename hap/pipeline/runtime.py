@@ -64,6 +64,9 @@ class Pipeline(nn.Module):
                  comm: Comm | None = None):
         super().__init__()
         comm = rank_comm(cluster, comm, "hap.Pipeline")
+        if not model.training:  # (every rank's model alike: refused on all of them)
+            raise ValueError("hap.Pipeline trains in training mode and the model is in eval mode: call model.train() "
+                             "first (a model trained in eval mode, say with frozen BatchNorm statistics, trains with hap.HAP)")
         self.comm, self.cluster = comm, cluster
         self.emulation = Emulation.for_rank(cluster, comm.rank)
         object.__setattr__(self, "model", model)  # not a submodule: parameters() are this stage's only

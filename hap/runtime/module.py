@@ -100,6 +100,7 @@ class HAP(nn.Module):
         """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
         _watch_optimizers({id(p): (p, graph.tensors[name].target) for name, p in ex.params.items() if ex.stored[name][0].is_shard},
                           comm)
+        self.train(model.training)  # the model's mode, as DDP keeps it (a model fine-tuned in eval mode)
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
