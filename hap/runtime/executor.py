@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..ir import Graph, TensorRef
-from ..placement import P, R, Placement
+from ..placement import D, P, R, Placement
 from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
@@ -189,7 +189,10 @@ class Executor:
             return values[tensor]
         if p == P:  # a data input as a partial sum: rank 0 holds it
             return values[tensor] if self.comm.rank == 0 else torch.zeros_like(values[tensor])
-        return self._local(values[tensor], tensor, p, seg)
+        x = values[tensor]
+        if p.is_shard and x.requires_grad and torch.is_grad_enabled():  # given whole to every rank (D): its gradient whole too
+            return run_move(x, _free_move(p, True, src=D), self.comm, None, self.sizes(tensor, p, seg))
+        return self._local(x, tensor, p, seg)
 
     def forward(self, values: dict[str, torch.Tensor], presliced: frozenset[str] = frozenset()) -> torch.Tensor:
         """Run the program on this rank; the loss comes back as this rank's part (partial sum):
