@@ -403,6 +403,52 @@ def test_the_gradient_of_an_input_given_whole_is_one_devices(planner, tmp_path):
         assert torch.allclose(torch.tensor(got["grad"]), x.grad, rtol=1e-5, atol=1e-7)
 
 
+def trainable_changed(rank, world):
+    model, batches, _ = dropout_bn()
+    model.fc1.requires_grad_(False)
+    dmodel = skewed(model, batches[0])
+    out = []
+    for name, flip in (("fc1.weight", True), ("fc2.bias", False)):  # unfrozen after wrapping; frozen after it
+        p = dmodel.shards[next(k for k, t in dmodel.graph.tensors.items() if t.target == name)]
+        p.requires_grad_(flip)
+        try:
+            dmodel(*batches[0])
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+        p.requires_grad_(not flip)
+    return out
+
+
+def test_freezing_or_unfreezing_a_parameter_after_wrapping_is_refused(tmp_path):
+    """A layer frozen at wrapping and unfrozen later (a fine-tuning schedule) had its gradient
+    never summed over ranks: each rank's copy of the weight drifted apart, silently."""
+    for got in run_ranks(trainable_changed, 2, tmp_path):
+        assert got == [f"parameter {name} {was} when hap captured the model and {now} now: hap plans and synchronizes "
+                       "the gradients of the parameters that required grad then; set requires_grad before wrapping "
+                       "the model" for name, was, now in (("fc1.weight", "was frozen", "requires grad"),
+                                                          ("fc2.bias", "required grad", "is frozen"))]
+
+
+def optimizer_over_the_model(rank, world):
+    model, batches, _ = dropout_bn()
+    dmodel = skewed(model, batches[0])
+    dmodel(*batches[0]).backward()
+    try:
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
+    """DDP's habit, torch.optim.SGD(model.parameters()): hap trains copies of them, so it
+    stepped nothing and the loss never moved, silently."""
+    for got in run_ranks(optimizer_over_the_model, 2, tmp_path):
+        assert got == ("SGD holds the parameters of the model hap.HAP wrapped, which get no gradients: hap trains "
+                       "its own copies of them; build the optimizer over dmodel.parameters()")
+
+
 class ScaledUnderNoGrad(torch.nn.Module):
     """A trainable parameter the forward reads only under torch.no_grad(): it gets no gradient."""
 

@@ -41,7 +41,7 @@ from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import agree_plan, clip_by_global_norm, rank_comm, state_keys
+from ..runtime.module import agree_plan, check_trainable, clip_by_global_norm, rank_comm, state_keys, watch_wrapped
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -152,6 +152,7 @@ class Pipeline(nn.Module):
         """Label nodes, received transfers and the gradient sync in a recorded Chrome trace
         (torch.profiler), as hap.HAP's executor does."""
         self._stage_state = _StageState(self)
+        watch_wrapped(model)
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -208,6 +209,7 @@ class Pipeline(nn.Module):
                              "in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        check_trainable(self.params, self.graph)
         for name, x in zip(self.graph.inputs, batch):
             if tuple(x.shape) != tuple(self.graph.tensors[name].shape):
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}; the pipeline was planned for "

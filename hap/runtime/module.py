@@ -101,6 +101,7 @@ class HAP(nn.Module):
         _watch_optimizers({id(p): (p, graph.tensors[name].target) for name, p in ex.params.items() if ex.stored[name][0].is_shard},
                           comm)
         self.train(model.training)  # the model's mode, as DDP keeps it (a model fine-tuned in eval mode)
+        watch_wrapped(model)
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
@@ -120,6 +121,8 @@ class HAP(nn.Module):
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        if torch.is_grad_enabled():
+            check_trainable(self.shards, self.graph)
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
         ex, presliced = self._executor_for(batch, part) if self.training else self._evaluator_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
@@ -417,6 +420,9 @@ _SHARDED: dict[int, tuple[weakref.ref, str, Comm | None]] = {}
 """Every live hap.HAP's sharded parameters by id: (the parameter, its state-dict key, the ranks
 sharing it), watched by _check_optimizer_state (by id: a tensor's == is elementwise, so no weak
 dictionary of them)."""
+_WRAPPED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""The parameters of every model a live hap.HAP wrapped, by id: hap trains copies of them (its
+shards), so an optimizer built over these (DDP's habit) would step nothing."""
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = weakref.WeakKeyDictionary()
 _watching = False
 
@@ -428,14 +434,22 @@ def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]], comm: Comm |
     global _watching
     for key, (param, label) in sharded.items():
         _SHARDED[key] = (weakref.ref(param, lambda _, key=key: _SHARDED.pop(key, None)), label, comm)
-    if sharded and not _watching:
+    if not _watching:
         register_optimizer_step_post_hook(_check_optimizer_state)
         _watching = True
 
 
+def watch_wrapped(model: nn.Module) -> None:
+    """From now on an optimizer over `model`'s own parameters is refused at its first step: the
+    wrapper (hap.HAP, hap.Pipeline) trains copies of them."""
+    _WRAPPED.update((id(p), p) for p in model.parameters())
+    _watch_optimizers({})
+
+
 def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    """A ValueError after the first step of an optimizer that holds a sharded parameter and
-    whose state is not per element of its parameter: for a sharded one (Adafactor's factored
+    """A ValueError after the first step of an optimizer over a wrapped model's own parameters
+    (see watch_wrapped), or of one that holds a sharded parameter and whose state is not per
+    element of its parameter: for a sharded one (Adafactor's factored
     moments) each rank's statistics would be of its own rows; one larger than its parameter
     (LBFGS's flat vectors, kept under its first parameter) spans the others, sharded ones too.
     Each parameter is checked once per optimizer. At the first step the ranks sharing the
@@ -447,6 +461,9 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     checked, comm = _CHECKED.get(opt), None
     if checked is None:  # the first step
         params = [p for group in opt.param_groups for p in group["params"]]
+        if any(_WRAPPED.get(id(p)) is p and p.grad is None for p in params):
+            raise ValueError(f"{type(opt).__name__} holds the parameters of the model hap.HAP wrapped, which get no "
+                             "gradients: hap trains its own copies of them; build the optimizer over dmodel.parameters()")
         comms = [_SHARDED[id(p)][2] for p in params if _watched(p)]
         if not comms:
             _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
@@ -482,6 +499,20 @@ def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
                         f"{tuple(param.shape)}: state over several parameters ({type(opt).__name__}'s "
                         "flat vectors, say) is not exact where hap shards some of them")
     return None
+
+
+def check_trainable(params: dict[str, torch.Tensor], graph) -> None:
+    """A ValueError where a parameter (by graph name) was frozen or unfrozen after the model was
+    captured: the plan synchronizes the gradients of the parameters that required grad then, so
+    one unfrozen later was silently left different on every rank, and one frozen later would
+    leave its gradient bucket waiting."""
+    for name, p in params.items():
+        was = graph.tensors[name].requires_grad
+        if p.requires_grad != was:
+            raise ValueError(f"parameter {graph.tensors[name].target} {'required grad' if was else 'was frozen'} when "
+                             f"hap captured the model and {'is frozen' if was else 'requires grad'} now: hap plans and "
+                             "synchronizes the gradients of the parameters that required grad then; set requires_grad "
+                             "before wrapping the model")
 
 
 def _not_per_element(opt: torch.optim.Optimizer, sharded: torch.Tensor) -> str | None:
