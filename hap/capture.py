@@ -51,7 +51,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     statistics read, not updated); the model's own mode is left as it was."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}")
-    example_inputs = tuple(example_inputs)
+    example_inputs = example_tuple(example_inputs)
     for k, x in enumerate(example_inputs):
         if isinstance(x, (dict, list, tuple)):  # export would flatten it; hap's runtime passes tensors positionally
             raise CaptureError(f"input {k} is a {type(x).__name__}: hap runs a forward that takes tensors, one "
@@ -76,7 +76,18 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)):
         _count_flops(graph)
     graph.experts = _expert_params(model, graph)
+    returned = ep.call_spec.out_spec
+    graph.returns = None if returned is None or returned.is_leaf() else returned  # (one leaf: the loss, checked)
     return graph
+
+
+def example_tuple(example_inputs: Sequence[Any]) -> tuple:
+    """The example inputs as a tuple, one per forward argument; a CaptureError for a bare tensor
+    (tuple() would split its rows into arguments)."""
+    if isinstance(example_inputs, torch.Tensor):
+        raise CaptureError(f"example inputs must be a tuple of tensors, one per forward argument, not a tensor of shape "
+                           f"{tuple(example_inputs.shape)}: for a forward of one argument give (x,)")
+    return tuple(example_inputs)
 
 
 def _cuda_devices(model: torch.nn.Module, example_inputs: tuple) -> list[int]:

@@ -133,6 +133,9 @@ class Graph:
     """Parameters stacked per expert on dim 0 ([E, ...]): those of modules that name them in a
     `hap_expert_params` attribute (hap.models.moe.MoEFFN does). The planner's expert-parallel
     baseline shards exactly these on dim 0."""
+    returns: Any = None
+    """The structure forward returns its loss in ((loss,), {"loss": loss}: a pytree TreeSpec of
+    one leaf), which hap.HAP's forward returns it in too; None: the loss tensor itself."""
 
     def tensor(self, name: str) -> Tensor:
         return self.tensors[name]

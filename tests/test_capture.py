@@ -185,3 +185,15 @@ def test_a_forward_taking_a_dict_is_refused_saying_what_to_do():
     with pytest.raises(CaptureError, match=r"input 0 is a dict: hap runs a forward that takes tensors, one argument "
                                            r"each; wrap the model"):
         capture(TakesADict(), ({"x": torch.randn(3, 4), "y": torch.randn(3, 1)},))
+
+
+def test_example_inputs_given_as_a_bare_tensor_are_a_clear_error():
+    """tuple(x) split a tensor's rows into arguments: a cryptic export error for 6 rows, and for
+    one row a graph silently captured on a tensor of another shape."""
+    import torch.nn as nn
+
+    for rows in (6, 1):
+        with pytest.raises(CaptureError, match=rf"^example inputs must be a tuple of tensors, one per forward "
+                                               rf"argument, not a tensor of shape \({rows}, 4\): for a forward of one "
+                                               rf"argument give \(x,\)$"):
+            capture(nn.Linear(4, 1), torch.randn(rows, 4))

@@ -449,6 +449,59 @@ def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
                        "its own copies of them; build the optimizer over dmodel.parameters()")
 
 
+class Returning(torch.nn.Module):
+    """DropoutBatchNorm's loss returned in a dict or a 1-tuple, as library models do."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.inner, self.how = DropoutBatchNorm(), how
+
+    def forward(self, x, y):
+        loss = self.inner(x, y)
+        return {"loss": loss} if self.how == "dict" else (loss,)
+
+
+def _loss_of(out):
+    return out["loss"] if isinstance(out, dict) else out[0]
+
+
+def trained_returning(rank, world, how):
+    torch.manual_seed(0)
+    model = Returning(how)
+    _, batches, _ = dropout_bn()
+    dmodel = skewed(model, batches[0])
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    losses, kinds = [], set()
+    for batch in batches:
+        out = dmodel(*batch)
+        kinds.add(type(out).__name__)
+        _loss_of(out).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_loss_of(out).item())
+    return {"losses": losses, "kinds": sorted(kinds)}
+
+
+@pytest.mark.parametrize("how", ["dict", "tuple"])
+def test_a_loss_returned_in_a_dict_or_tuple_comes_back_in_it(how, tmp_path):
+    """A forward returning {"loss": loss} or (loss,) was captured, but hap.HAP returned the bare
+    tensor, so the training loop's out["loss"] failed."""
+    torch.manual_seed(0)
+    model = Returning(how)
+    _, batches, _ = dropout_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in batches:
+        loss = _loss_of(model(*batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for got in run_ranks(trained_returning, 2, tmp_path, how):
+        assert got["kinds"] == [how]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+
+
 class ScaledUnderNoGrad(torch.nn.Module):
     """A trainable parameter the forward reads only under torch.no_grad(): it gets no gradient."""
 

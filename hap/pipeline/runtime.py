@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture import capture
+from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..placement import P, R, Placement
 from ..plan import Plan
@@ -75,7 +75,7 @@ class Pipeline(nn.Module):
         self.plan = plan = agree_plan(plan, comm)
         if len(plan.stages) < 2 or plan.schedule is None:
             raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")
-        self.graph = graph = capture(model, tuple(example_inputs))
+        self.graph = graph = capture(model, example_tuple(example_inputs))
         self._state_keys = state_keys(model, graph)
         K, M = len(plan.stages), plan.schedule.micro_batches
         self.K, self.M, self.schedule = K, M, plan.schedule.name

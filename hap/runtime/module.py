@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_unflatten
 
-from ..capture import capture
+from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..placement import R
 from ..plan import Plan, shard_sizes, sync_mismatch
@@ -73,10 +74,11 @@ class HAP(nn.Module):
         rank needs, at no extra collective. The sums land in `piggybacked`."""
         self.piggybacked: torch.Tensor | None = None
         self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
+        example_inputs = example_tuple(example_inputs)
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
-        self.graph = graph = capture(model, tuple(example_inputs))
+        self.graph = graph = capture(model, example_inputs)
         self._state_keys = state_keys(model, graph)
         self.plan = agree_plan(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
         segment_of = self.plan.segment_of
@@ -128,7 +130,7 @@ class HAP(nn.Module):
         part = ex.forward(values, presliced)  # this rank's part of the loss
         if not self.global_loss:
             self._keep_loss(part)
-            return part
+            return self._as_returned(part)
         if self.piggyback is not None:
             extra = self.piggyback.to(part.device)
             sums = all_reduce(torch.cat([part.detach().reshape(1).to(extra.dtype), extra]), self.comm)
@@ -137,7 +139,11 @@ class HAP(nn.Module):
             total = all_reduce(part.detach(), self.comm)
         loss = part + (total - part).detach()  # the global loss's value, the part's gradient
         self._keep_loss(loss)
-        return loss
+        return self._as_returned(loss)
+
+    def _as_returned(self, loss: torch.Tensor):
+        """The loss in the structure the model's forward returns it in ((loss,), {"loss": loss})."""
+        return loss if self.graph.returns is None else tree_unflatten([loss], self.graph.returns)
 
     def _keep_loss(self, loss: torch.Tensor) -> None:
         """Remember a returned loss that holds a graph (a training step's; an eval forward's
