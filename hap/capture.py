@@ -111,6 +111,31 @@ def _aliases(model: torch.nn.Module, ep: ExportedProgram) -> dict[str, str]:
     return out
 
 
+def _copy_as_clone(graph: torch.fx.Graph, fx: torch.fx.Node) -> None:
+    """aten.copy(dst, src), which a slice assignment (h[:, :2] = ...) leaves in the functional
+    graph, has no autograd formula; its value is src broadcast to dst's shape in dst's dtype,
+    which expand, _to_copy and clone compute, with gradients."""
+    dst, src = fx.args[0].meta["val"], fx.args[1].meta["val"]
+    want = fx.meta["val"]
+    y = fx.args[1]
+    with graph.inserting_before(fx), want.fake_mode:
+        if tuple(src.shape) != tuple(want.shape):
+            y = _call(graph, torch.ops.aten.expand.default, (y, list(want.shape)), {}, src.expand(want.shape), fx)
+        if src.dtype != want.dtype:
+            y = _call(graph, torch.ops.aten._to_copy.default, (y,), {"dtype": want.dtype}, want, fx)
+        y = _call(graph, torch.ops.aten.clone.default, (y,), {}, want, fx)
+    assert tuple(dst.shape) == tuple(want.shape)
+    fx.replace_all_uses_with(y)
+    graph.erase_node(fx)
+
+
+def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, val, like: torch.fx.Node) -> torch.fx.Node:
+    node = graph.call_function(op, args, kwargs)
+    node.meta.update(like.meta)
+    node.meta["val"] = val
+    return node
+
+
 def _first_line(e: Exception) -> str:
     """torch's first line, and where in the model's code torch says the error arose (a data-
     dependent branch: `if labels.max() >= vocab`), which its message gives further down."""
@@ -143,6 +168,11 @@ def _functional(ep: ExportedProgram) -> ExportedProgram:
     with warnings.catch_warnings():  # torch's own pytree deprecation notices, not the user's business
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions({})
+    copies = [fx for fx in ep.graph.nodes if fx.op == "call_function" and fx.target is torch.ops.aten.copy.default]
+    for fx in copies:
+        _copy_as_clone(ep.graph, fx)
+    if copies:
+        ep.graph_module.recompile()
     left = [fx for fx in ep.graph.nodes if fx.op == "call_function" and isinstance(fx.target, torch._ops.HigherOrderOperator)]
     left += [fx for fx in ep.graph.nodes if fx.op == "get_attr"]  # a submodule no op of ours calls
     if left:
