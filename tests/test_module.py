@@ -637,6 +637,56 @@ def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
+class Rotary(torch.nn.Module):
+    """A buffer computed in __init__ (rotary inv_freq-like) that reset_parameters leaves alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(8) / 8))
+
+    def reset_parameters(self):
+        self.fc.reset_parameters()
+
+    def forward(self, x):
+        return (self.fc(x) * self.inv_freq).pow(2).mean()
+
+
+def meta_buffer(rank, world):
+    with torch.device("meta"):
+        model = Rotary()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    out = {}
+    try:
+        hap.HAP(model, hap.load_cluster("local"), (x,))
+        out["default"] = None
+    except ValueError as e:
+        out["default"] = str(e)
+
+    def init(sub):
+        if isinstance(sub, Rotary):
+            sub.inv_freq.copy_(1.0 / 100 ** (torch.arange(8) / 8))
+        else:
+            sub.reset_parameters()
+
+    with torch.device("meta"):
+        model = Rotary()
+    dmodel = hap.HAP(model, hap.load_cluster("local"), (x,), init=init)
+    out["inv_freq"] = dmodel.full_state_dict()["inv_freq"].tolist()
+    return out
+
+
+def test_a_meta_buffer_left_unset_by_init_is_refused(tmp_path):
+    """A buffer computed in __init__ is lost on the meta device; to_empty left it whatever the
+    memory held, silently. Now every materialized tensor init leaves unwritten is an error;
+    an init that sets it trains with its value."""
+    for got in run_ranks(meta_buffer, 2, tmp_path):
+        assert got["default"] == ("inv_freq was on the meta device and reset_parameters() left it unset: a value "
+                                  "computed in __init__ (a buffer such as rotary inv_freq) is lost on the meta "
+                                  "device; set it in init, or build it on a real device")
+        assert torch.allclose(torch.tensor(got["inv_freq"]), 1.0 / 100 ** (torch.arange(8) / 8))
+
+
 def mismatched_plans(rank, world):
     from hap.capture import capture
     from hap.planner import baseline_plan

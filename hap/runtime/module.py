@@ -622,7 +622,13 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
         own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
         if not any(t.is_meta for _, t in own):
             continue
+        was_meta = {n for n, t in own if t.is_meta}
         sub.to_empty(device="cpu", recurse=False)
+        own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))  # now real
+        with torch.no_grad():
+            for n, t in own:
+                if n in was_meta and t.dtype != torch.bool:
+                    t.fill_(_unset(t.dtype))
         if init is not None:
             init(sub)
         elif hasattr(sub, "reset_parameters"):
@@ -630,13 +636,33 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
         else:
             raise ValueError(f"module {prefix or '(root)'} ({type(sub).__name__}) is on the meta device and has no "
                              "reset_parameters(): pass hap.HAP(..., init=fn) to initialize it")
-        own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))  # now real
+        own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))  # (init may replace them)
+        for n, t in own:
+            if n in was_meta and _still_unset(t):
+                raise ValueError(f"{f'{prefix}.{n}' if prefix else n} was on the meta device and "
+                                 f"{'init' if init is not None else 'reset_parameters()'} left it unset: a value "
+                                 "computed in __init__ (a buffer such as rotary inv_freq) is lost on the meta "
+                                 "device; set it in init, or build it on a real device")
         with torch.no_grad():
             values = {by_target[f"{prefix}.{n}" if prefix else n]: t.detach() for n, t in own
                       if (f"{prefix}.{n}" if prefix else n) in by_target}
         yield values
         for n, p in sub.named_parameters(recurse=False):  # free the whole values; the shards were copied
             setattr(sub, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+
+
+def _unset(dtype: torch.dtype):
+    """What a materialized tensor (not bool) holds until its module's init writes it."""
+    return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
+
+
+def _still_unset(t: torch.Tensor) -> bool:
+    """Whether init left every element as _unset filled it (a bool tensor cannot tell)."""
+    if t.dtype == torch.bool or t.numel() == 0:
+        return False
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(t.isnan().all())
+    return bool((t == _unset(t.dtype)).all())
 
 
 def unlike_rank_0(values: Sequence) -> list[int]:
