@@ -434,19 +434,23 @@ def optimizer_over_the_model(rank, world):
     model, batches, _ = dropout_bn()
     dmodel = skewed(model, batches[0])
     dmodel(*batches[0]).backward()
+    names = [n for n, _ in dmodel.named_parameters()]
     try:
         torch.optim.SGD(model.parameters(), lr=0.1).step()
-        return None
+        return {"names": names, "refused": None}
     except ValueError as e:
-        return str(e)
+        return {"names": names, "refused": str(e)}
 
 
 def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
     """DDP's habit, torch.optim.SGD(model.parameters()): hap trains copies of them, so it
-    stepped nothing and the loss never moved, silently."""
+    stepped nothing and the loss never moved, silently. dmodel.named_parameters() names the
+    copies as the model does (it gave graph names, shards.p_fc1_weight)."""
+    model, _, _ = dropout_bn()
     for got in run_ranks(optimizer_over_the_model, 2, tmp_path):
-        assert got == ("SGD holds the parameters of the model hap.HAP wrapped, which get no gradients: hap trains "
-                       "its own copies of them; build the optimizer over dmodel.parameters()")
+        assert got["refused"] == ("SGD holds the parameters of the model hap.HAP wrapped, which get no gradients: hap "
+                                  "trains its own copies of them; build the optimizer over dmodel.parameters()")
+        assert got["names"] == [n for n, _ in model.named_parameters()]
 
 
 class Returning(torch.nn.Module):

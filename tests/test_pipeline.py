@@ -272,9 +272,9 @@ def test_tied_embedding_on_first_and_last_stage_trains_like_one_device(tmp_path)
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=torch.float64), v, rtol=1e-10, atol=1e-12), k
     # a stage's parameters are named as hap.HAP names them (they were p0, p1, ... per rank)
-    assert {"params.p_emb_weight", "params.p_mlp_0_weight"} <= set(reports[0]["names"])
-    assert {"params.p_emb_weight", "params.p_norm_weight"} <= set(reports[1]["names"])
-    assert "params.p_mlp_0_weight" not in reports[1]["names"]
+    assert {"emb.weight", "mlp.0.weight"} <= set(reports[0]["names"])  # the model's names
+    assert {"emb.weight", "norm.weight"} <= set(reports[1]["names"])
+    assert "mlp.0.weight" not in reports[1]["names"]
 
 
 def _second_batch_norm(graph) -> int:

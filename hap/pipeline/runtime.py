@@ -41,7 +41,8 @@ from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import agree_plan, check_trainable, clip_by_global_norm, rank_comm, state_keys, watch_wrapped
+from ..runtime.module import (agree_plan, check_trainable, clip_by_global_norm, model_named, rank_comm, state_keys,
+                              watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -464,6 +465,10 @@ class Pipeline(nn.Module):
             wire.all_reduce(flat, group=self._groups[devices])
             for p, part in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(part.view_as(p.grad))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This stage's parameters under the model's own names, as hap.HAP names its shards."""
+        return model_named(self.params, self.graph, prefix)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model, as hap.HAP's: the norm of every

@@ -361,6 +361,12 @@ class HAP(nn.Module):
             plan = priced(self.graph, self.cluster, dataclasses.replace(plan, search={**plan.search, "sync": "resync"}))
         self.plan = plan
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's shards under the model's own names (`fc1.weight`, a tied parameter under
+        its first name), as model.named_parameters() names them: parameter groups built by name
+        (no weight decay on biases) pick the same parameters."""
+        return model_named(self.shards, self.graph, prefix)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
         return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
@@ -505,6 +511,13 @@ def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
                         f"{tuple(param.shape)}: state over several parameters ({type(opt).__name__}'s "
                         "flat vectors, say) is not exact where hap shards some of them")
     return None
+
+
+def model_named(params: dict[str, torch.Tensor], graph, prefix: str = ""):
+    """(model name, parameter) of parameters held by graph tensor name, in the model's order."""
+    ordered = [name for name in graph.params if name in params]
+    for name in ordered + [name for name in params if name not in set(ordered)]:
+        yield (f"{prefix}." if prefix else "") + graph.tensors[name].target, params[name]
 
 
 def check_trainable(params: dict[str, torch.Tensor], graph) -> None:
