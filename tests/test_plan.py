@@ -447,6 +447,12 @@ def test_where_replicas_do_not_fit_the_planners_shard_or_say_why():
         make_plan("auto", graph, big, PlannerConfig(micro_batches=1000))
     with pytest.raises(ValueError, match=r"^auto: astar cannot plan as asked: 500 segments: the model has"):
         make_plan("auto", graph, big, PlannerConfig(segments=500))
+    # pipeline knobs for a pipeline that loses to astar: kept silently, now said
+    said = []
+    kept = make_plan("auto", graph, big, PlannerConfig(pipeline_stages=2, micro_batches=2), said.append)
+    assert len(kept.stages) == 1 and set(kept.search["auto"]) == {"astar", "pp-exact"}
+    assert said[-1] == ("auto: kept astar's plan, faster than the pipeline --pipeline-stages/--micro-batches asked "
+                        "for (plan with --planner pp-exact for that pipeline)")
 
 
 def test_a_frozen_parameter_holds_no_gradient_or_optimizer_state():

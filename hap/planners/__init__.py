@@ -132,6 +132,10 @@ def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progr
     for p in candidates:
         progress(f"auto: {p.search.get('planner', 'astar')} {p.estimated_iteration_seconds * 1e3:.2f} ms")
     best = min(candidates, key=lambda p: p.estimated_iteration_seconds)
+    kept = best.search.get("planner") or "astar"
+    if asked["pp-exact"] and kept != "pp-exact":  # the pipeline knobs were for a plan that lost
+        progress(f"auto: kept {kept}'s plan, faster than the pipeline --pipeline-stages/--micro-batches asked for "
+                 "(plan with --planner pp-exact for that pipeline)")
     best.search = {**best.search, "auto": {(p.search.get("planner") or "astar"): p.estimated_iteration_seconds
                                            for p in candidates}}
     return best
