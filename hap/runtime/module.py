@@ -47,6 +47,10 @@ from .launch import collective_timeout
 
 log = logging.getLogger("hap")
 
+SHAPES_KEPT = 32
+"""Executors of input shapes other than the planned one a model keeps (captured again when met
+after being dropped)."""
+
 
 class HAP(nn.Module):
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan | None = None,
@@ -195,8 +199,19 @@ class HAP(nn.Module):
                              f"whole batch, or each rank its part of the planned {planned} (part=True)")
         found = self._by_shape.get(key)
         if found is None:
-            found = self._by_shape[key] = self._reuse_plan(batch, key)
+            found = self._remember(key, self._reuse_plan(batch, key))
+        self._by_shape[key] = self._by_shape.pop(key)  # the most recently used last
         return found, frozenset()
+
+    def _remember(self, key: tuple, ex: Executor) -> Executor:
+        """Keep the executor of another input shape, and at most SHAPES_KEPT of them: the least
+        recently used goes (a loader of many sequence lengths would keep a graph for each);
+        the planned shape's stays. Every rank meets the same shapes, so all drop the same."""
+        self._by_shape[key] = ex
+        others = [k for k in self._by_shape if k != _shapes_of(self.graph)]
+        for k in others[: max(0, len(others) - SHAPES_KEPT)]:
+            del self._by_shape[k]
+        return ex
 
     def _part_shapes(self, rank: int) -> tuple:
         """Rank `rank`'s part of the planned batch: its inputs' shapes."""
@@ -238,7 +253,8 @@ class HAP(nn.Module):
                 raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))} in "
                                  f"eval mode: {whole}")
         if key not in self._by_shape:
-            self._by_shape[key] = self._reuse_plan(batch, key[1], training=False)
+            self._remember(key, self._reuse_plan(batch, key[1], training=False))
+        self._by_shape[key] = self._by_shape.pop(key)  # the most recently used last
         return self._by_shape[key], frozenset()
 
     def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple, training: bool = True) -> Executor:
