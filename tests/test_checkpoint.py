@@ -462,7 +462,8 @@ def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
                             "its checksum", got["a byte"]), got["a byte"]
         assert got["no checksums"] == 1  # (a checkpoint saved before checksums loads)
         assert got["unpicklable"].startswith("checkpoint save: extra does not pickle (")
-        assert got["kind"] == f"checkpoint {directory}/step-00000001 holds the state of optimizer class Adam, not SGD"
+        assert got["kind"] == (f"checkpoint {directory}/step-00000001 holds the state of optimizer class Adam, not SGD "
+                               "(to start SGD afresh, load the model alone: load(dmodel, None, ...))")
         spans = ("optimizer state 'row_var' of fc1.weight is ({rows}, 1), not one value per element of ({rows}, 12): "
                  "an optimizer whose statistics span a parameter (Adafactor's factored moments, say) is not exact "
                  "where hap shards it; use one with per-element state (SGD, Adam, ...) or a plan that keeps "

@@ -244,7 +244,8 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     if kind is not None:
         saved_kind = objects.get("optim/kind", kind)  # (older checkpoints did not say)
         if saved_kind != kind:
-            raise ValueError(f"checkpoint {path} holds the state of optimizer class {saved_kind}, not {kind}")
+            raise ValueError(f"checkpoint {path} holds the state of optimizer class {saved_kind}, not {kind} "
+                             f"(to start {kind} afresh, load the model alone: load(dmodel, None, ...))")
         _check_groups(groups, objects["optim/param_groups"], path)
     if extra == "extra_pickle":
         objects["extra"] = pickle.loads(objects.pop(extra))
