@@ -10,12 +10,17 @@
 - exact_partition: the cuts minimizing PipelinePricer's L over all choices of K - 1 pivots,
   by dynamic programming over (stages placed, pivot) with Pareto sets of (sum of stage
   times, largest stage time, largest sync), since L = sum + (M - 1) max + max sync is not a
-  sum of per-stage terms. Stages whose memory does not fit their devices are never chosen.
+  sum of per-stage terms; once per placement of the parameters several stages may share,
+  whose sync depends on which stages those are. Stages whose memory does not fit their
+  devices are never chosen. Its table (StageTable) takes every term from the pricer, so the
+  L it minimizes is the plan's estimate.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,26 +64,48 @@ def equal_groups(devices: int, stages: int) -> list[list[int]]:
 def group_layouts(speeds: Sequence[float], stages: int, limit: int = 6) -> list[list[list[int]]]:
     """Ways to give K stages groups of consecutive ranks (every rank once, every group
     non-empty), at most `limit`: equal groups first where K divides the devices, then the
-    layouts whose groups' total speeds are nearest to equal (least largest over smallest), so a
-    group of slow devices may be larger than one of fast devices."""
+    layouts whose groups' total speeds are nearest to equal (least largest over smallest, ties
+    by the list of group sizes), so a group of slow devices may be larger than one of fast
+    devices. Found best first (_nearest_layouts), not by sorting all C(m - 1, K - 1) layouts
+    (2.6 million at 32 devices and 8 stages)."""
     m = len(speeds)
     if not 1 <= stages <= m:
         raise ValueError(f"{stages} pipeline stages cannot each have a device of the {m}")
-    layouts = []
-    for bounds in itertools.combinations(range(1, m), stages - 1):
-        edges = (0, *bounds, m)
-        layouts.append([list(range(a, b)) for a, b in zip(edges, edges[1:])])
+    equal = equal_groups(m, stages) if m % stages == 0 else None
+    skip = tuple(len(g) for g in equal) if equal else None
+    found = _nearest_layouts(list(speeds), stages, max(0, limit - (equal is not None)), skip)
+    layouts = [[list(range(a, a + size)) for a, size in zip(np.cumsum((0, *sizes[:-1])), sizes)] for sizes in found]
+    return (([equal] if equal else []) + layouts)[:limit]
 
-    def spread(layout):
-        total = [sum(speeds[i] for i in g) for g in layout]
-        return max(total) / min(total), [len(g) for g in layout]
 
-    layouts.sort(key=spread)
-    if m % stages == 0:
-        equal = equal_groups(m, stages)
-        layouts.remove(equal)
-        layouts.insert(0, equal)
-    return layouts[:limit]
+def _nearest_layouts(speeds: list[float], K: int, count: int, skip: tuple[int, ...] | None) -> list[tuple[int, ...]]:
+    """The `count` group sizes (K consecutive groups, other than `skip`) of least (largest over
+    smallest group speed, sizes), in that order: a depth-first search, each group's end tried
+    nearest to an equal share first, that drops a partial layout no completion of which can
+    beat the worst one kept (the groups still to come share what remains: one holds at least
+    its mean, one at most)."""
+    m, kept = len(speeds), []  # sorted (spread, sizes)
+
+    def walk(start: int, sizes: tuple[int, ...], lo: float, hi: float) -> None:
+        rest = K - len(sizes) - 1  # groups after the next one
+        if rest == 0:
+            last = sum(speeds[start:])
+            key = (max(hi, last) / min(lo, last), sizes + (m - start,))
+            if key[1] != skip:
+                bisect.insort(kept, key)
+                del kept[count:]
+            return
+        target = sum(speeds[start:]) / (rest + 1)
+        for end in sorted(range(start + 1, m - rest + 1), key=lambda e: abs(sum(speeds[start:e]) - target)):
+            total = sum(speeds[start:end])
+            h, l, mean = max(hi, total), min(lo, total), sum(speeds[end:]) / rest
+            if len(kept) == count and max(h, mean) / min(l, mean) > kept[-1][0] * (1 + 1e-9):
+                continue
+            walk(end, sizes + (end - start,), l, h)
+
+    if count > 0:
+        walk(0, (), math.inf, 0.0)
+    return [sizes for _, sizes in kept]
 
 
 def speed_ratios(cost: CostModel, group: Sequence[int]) -> list[float]:
@@ -94,11 +121,18 @@ class Partition:
     """PipelinePricer's L of these cuts."""
     explored: int
     """Pareto states the search kept (its work)."""
+    exact: bool = True
+    """Whether the cuts are the optimum (exact_partition: not past SIGNATURES signatures)."""
 
 
 class StageTable:
     """t_k, sync_k and whether stage k fits, for every pair of positions (0, pivots..., n): the
-    one table the exact search and the DQN's environment read."""
+    one table the exact search, the polish and the DQN's environment read. Each entry is the
+    pricer's own (stage_times, transfer, sync, memory), so `objective` is the estimate's L.
+
+    A parameter that several stages hold (a tied embedding) makes their gradient sync depend on
+    which stages those are (PipelinePricer.shared_sync): `sync` holds the part each stage pays
+    alone, `shared` the rest, by the stages that the `shared_intervals` fall in."""
 
     def __init__(self, pricer: PipelinePricer, points: Sequence[int], groups, ratios, M: int, schedule: str):
         from .schedule import in_flight
@@ -116,12 +150,9 @@ class StageTable:
         starts at the model's first node, the last ends at its last)."""
         least = self.least
         for k, g in enumerate(groups):
-            r = np.asarray(ratios[k]) / M
-            wf, wb = pricer.work_f[pos][:, g], pricer.work_b[pos][:, g]
-            xf, xb = pricer.fixed_f[pos][:, g], pricer.fixed_b[pos][:, g]
-            # [a, b, device]: stage from position a to position b (exclusive)
-            comp = (r * (wf[None] - wf[:, None]) + (xf[None] - xf[:, None])).max(-1) \
-                + (r * (wb[None] - wb[:, None]) + (xb[None] - xb[:, None])).max(-1)
+            # [a, b]: stage from position a to position b (exclusive)
+            f, bw = pricer.stage_times(pos[:, None], pos[None, :] - 1, g, ratios[k], M)
+            comp = f + bw
             send = np.asarray([pricer.transfer(int(p), g, groups[k + 1], M) if k + 1 < K and 0 < p < n else 0.0
                                for p in pos])
             live = in_flight(schedule, K, M, k)
@@ -136,18 +167,127 @@ class StageTable:
                         self.sync[k, a, b] = pricer.sync(int(pos[a]), int(pos[b]) - 1, g)
         self.short = [(i, least[i], capacity[i]) for i in sorted(least) if least[i] > capacity[i]]
         """(device, least bytes, capacity) of each device that no stage it could hold fits."""
+        self.shared_intervals = self._shared_intervals()
+        """Intervals (position j to j + 1) holding a use of a trained parameter that nodes in
+        other intervals use too: which stages these fall in decides which stages share it."""
+        self._shared: dict[tuple[int, ...], np.ndarray] = {}
+
+    def _shared_intervals(self) -> list[int]:
+        out: set[int] = set()
+        for nodes, amount in self.pricer.spread:
+            found = np.unique(np.searchsorted(self.positions, nodes, side="right") - 1)
+            if amount[2] and len(found) > 1:
+                out.update(int(j) for j in found)
+        return sorted(out)
+
+    def signature(self, cuts_pos: Sequence[int]) -> tuple[int, ...]:
+        """The stage of every shared interval under cuts (positions)."""
+        found = np.searchsorted(np.asarray(cuts_pos, dtype=int), self.shared_intervals, side="right")
+        return tuple(int(x) for x in found)
+
+    def shared(self, signature: tuple[int, ...]) -> np.ndarray:
+        """Per stage: the seconds of PipelinePricer.shared_sync where the shared intervals fall in
+        the stages `signature` (the other nodes' stages do not change it: a parameter used in
+        one interval alone is held by one stage)."""
+        found = self._shared.get(signature)
+        if found is None:
+            per_interval = np.zeros(len(self.positions) - 1, dtype=int)
+            for j, k in zip(self.shared_intervals, signature):
+                per_interval[j:] = k  # signatures never decrease: the intervals after follow
+            stage_of = np.repeat(per_interval, np.diff(self.positions))
+            found = self._shared[signature] = np.asarray(self.pricer.shared_sync(stage_of, self.groups))
+        return found
+
+    def signatures(self, limit: int) -> list[tuple[int, ...]] | None:
+        """Every signature some cut has (each stage holds an interval at least), or None where
+        there are more than `limit`."""
+        K, last, J = len(self.groups), len(self.positions) - 2, self.shared_intervals
+        out: list[tuple[int, ...]] = []
+
+        def walk(prefix: tuple[int, ...]) -> None:
+            if len(out) > limit:
+                return
+            i = len(prefix)
+            if i == len(J):
+                out.append(prefix)
+                return
+            # interval j in stage k: stages 0..k-1 hold an interval each before it, k+1..K-1 after
+            # it, and the stages after the previous shared interval's start between the two
+            lo = max(prefix[-1] if i else 0, K - 1 - (last - J[i]))
+            hi = min(K - 1, J[i], prefix[-1] + J[i] - J[i - 1] if i else K - 1)
+            for k in range(lo, hi + 1):
+                walk(prefix + (k,))
+
+        walk(())
+        return out if len(out) <= limit else None
+
+    def allowed(self, signature: tuple[int, ...]) -> np.ndarray:
+        """[k, a, b]: whether stage k from position a to b holds exactly the shared intervals
+        `signature` puts in stage k."""
+        K, Q = len(self.groups), len(self.positions)
+        a, b = np.arange(Q)[:, None], np.arange(Q)[None, :]
+        ok = np.ones((K, Q, Q), dtype=bool)
+        for j, s in zip(self.shared_intervals, signature):
+            inside = (a <= j) & (j < b)
+            for k in range(K):
+                ok[k] &= inside == (k == s)
+        return ok
 
     def objective(self, cuts_pos: Sequence[int]) -> float:
         """L of the stages between consecutive positions (indices into `positions`)."""
         bounds = [0, *cuts_pos, len(self.positions) - 1]
         t = [self.t[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         s = [self.sync[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        if self.shared_intervals:
+            s = [x + y for x, y in zip(s, self.shared(self.signature(cuts_pos)))]
         return iteration_seconds(t, s, self.M, self.pricer.step_collectives)
 
 
+SIGNATURES = 256
+"""The most signatures (StageTable.signatures) exact_partition searches one by one."""
+
+
 def exact_partition(table: StageTable) -> Partition:
-    """The K - 1 cuts (positions) with the least L, or a ValueError when no cut fits memory."""
+    """The K - 1 cuts (positions) with the least L, or a ValueError when no cut fits memory.
+
+    Where several stages may hold one parameter (StageTable.shared), its sync is not a sum of
+    per-stage terms: the search runs once per signature (the stages the shared intervals fall
+    in), over the cuts of that signature alone, whose shared sync is then a constant per stage.
+    Past SIGNATURES of them it searches the per-stage terms alone and polishes that cut by the
+    whole L (exact=False)."""
+    runs, exact = _runs(table)
+    best, explored = None, 0
+    for extra, ok in runs:
+        found, work = _search(table, extra, ok)
+        explored += work
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    if best is None:
+        raise ValueError(f"no cut into {len(table.groups)} stages fits the devices' memory" + shortfall(table))
+    cuts_pos, seconds = best[1], table.objective(best[1])
+    if not exact:
+        cuts_pos, seconds = polish(table, cuts_pos)
+    return Partition(tuple(int(table.positions[c]) for c in cuts_pos), seconds, explored, exact)
+
+
+def _runs(table) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], bool]:
+    """The searches exact_partition makes, as (extra sync per stage, the stages allowed or None
+    for all), and whether together they are exact."""
+    K = len(table.groups)
+    if not getattr(table, "shared_intervals", None):  # (or a table of another kind: pipeline_infer's)
+        return [(np.zeros(K), None)], True
+    signatures = table.signatures(SIGNATURES)
+    if signatures is None:
+        return [(np.zeros(K), None)], False
+    return [(table.shared(sig), table.allowed(sig)) for sig in signatures], True
+
+
+def _search(table, extra: np.ndarray, ok: np.ndarray | None) -> tuple[tuple[float, tuple[int, ...]] | None, int]:
+    """The dynamic program over (stages placed, position) with Pareto sets, on stages that `ok`
+    allows (None: all), stage k's sync raised by extra[k]: ((L, cut positions) or None, the
+    Pareto states it kept)."""
     K, Q = len(table.groups), len(table.positions)
+    times = table.t if ok is None else np.where(ok, table.t, np.inf)
     # fronts[j]: Pareto set of (sum, max t, max sync, cut positions) over the first k stages ending at j
     fronts: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, ())]}
     explored = 0
@@ -157,10 +297,10 @@ def exact_partition(table: StageTable) -> Partition:
         for a, front in fronts.items():
             ends = [Q - 1] if last else range(a + 1, Q - 1 - (K - k - 1) + 1)
             for b in ends:
-                t = table.t[k, a, b]
+                t = times[k, a, b]
                 if not np.isfinite(t) or b <= a:
                     continue
-                sy = table.sync[k, a, b]
+                sy = table.sync[k, a, b] + extra[k]
                 cut = () if last else (b,)
                 for s, mx, ms, cuts in front:
                     nxt.setdefault(b, []).append((s + t, max(mx, t), max(ms, sy), cuts + cut))
@@ -168,10 +308,9 @@ def exact_partition(table: StageTable) -> Partition:
         explored += sum(len(f) for f in fronts.values())
     final = fronts.get(Q - 1, [])
     if not final:
-        raise ValueError(f"no cut into {K} stages fits the devices' memory" + shortfall(table))
+        return None, explored
     best = min(final, key=lambda x: x[0] + (table.M - 1) * x[1] + x[2])
-    cuts_pos = best[3]
-    return Partition(tuple(int(table.positions[c]) for c in cuts_pos), table.objective(cuts_pos), explored)
+    return (best[0] + (table.M - 1) * best[1] + best[2], best[3]), explored
 
 
 def shortfall(table: StageTable) -> str:

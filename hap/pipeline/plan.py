@@ -142,7 +142,7 @@ def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = No
     every way to group the devices."""
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
-    best, unfit, tried = None, None, 0
+    best, unfit, tried, exact = None, None, 0, True
     for K in space.stage_counts():
         for groups in space.layouts(K):
             tried += 1
@@ -153,6 +153,7 @@ def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = No
                 except ValueError as e:  # no cut of this layout fits memory; another may
                     unfit = e
                     continue
+                exact = exact and part.exact
                 if progress:
                     progress(f"pp-exact: K={K} groups {sizes} M={M}: {part.seconds * 1e3:.2f} ms")
                 if best is None or part.seconds < best[0].seconds:
@@ -162,5 +163,5 @@ def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = No
     part, K, M, groups = best
     return space.plan(part.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "pp-exact", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
-                       "exhaustive": True, "pivots": len(space.pivots), "explored": part.explored,
+                       "exhaustive": exact, "pivots": len(space.pivots), "explored": part.explored,
                        "layouts": tried}, groups)

@@ -18,9 +18,12 @@ takes
 
     L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + step_collectives
 
-sync_k being the all-reduce of stage k's gradients over its group after the flush, and
-step_collectives the loss's all-reduce and, for a model with random ops, the two broadcasts of
-the generator's state (before the step's draws and after it). The
+sync_k being stage k's gradient sync after the flush: the all-reduce over G_k of the gradients
+it alone holds, and one over the union of the groups for each set of stages that share
+parameters (a tied embedding), as the plan's sync buckets run them; and step_collectives the
+loss's all-reduce and, for a model with random ops, the two broadcasts of the generator's state
+(before the step's draws and after it). A stage holds every parameter its nodes load (a shared
+one on each of its stages: weights, gradient, optimizer state, and their accumulation). The
 schedule's event simulation (schedule.makespan) agrees with the first two terms exactly where
 the stages are alike, and is reported beside it.
 """
@@ -37,6 +40,7 @@ from ..cost.model import CostModel
 from ..rules.local import variant_collectives
 from ..search.program import Step
 from .schedule import ScheduleName, in_flight, makespan
+from .stages import stage_of_nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,22 +93,11 @@ class PipelinePricer:
             fixed_b[node.index] += pb
         cum = lambda a: np.vstack([np.zeros((1, m)), np.cumsum(a, axis=0)])  # noqa: E731
         self.work_f, self.work_b, self.fixed_f, self.fixed_b = cum(work_f), cum(work_b), cum(fixed_f), cum(fixed_b)
-        params, state, acts = np.zeros(n), np.zeros(n), np.zeros(n)
-        seen = set()
+        acts = np.zeros(n)
         for node in graph.nodes:
-            for name in node.inputs:
-                t = graph.tensors[name]
-                if t.kind == "param" and name not in seen:
-                    seen.add(name)
-                    params[node.index] += t.nbytes
-                    state[node.index] += cost.state_bytes(name)
             acts[node.index] = sum(graph.tensors[o].nbytes for o in node.outputs)
-        self.params, self.acts = np.concatenate([[0], np.cumsum(params)]), np.concatenate([[0], np.cumsum(acts)])
-        self.state = np.concatenate([[0], np.cumsum(state)])  # weights, gradients, optimizer states
-        self.grad_params = np.concatenate([[0], np.cumsum([sum(graph.tensors[x].nbytes for x in node.inputs
-                                                                 if graph.tensors[x].kind == "param" and graph.tensors[x].requires_grad
-                                                                 and graph.tensors[x].consumers[0] == node.index)
-                                                             for node in graph.nodes])])
+        self.acts = np.concatenate([[0], np.cumsum(acts)])
+        self._held_params(cost)
         # collectives inside nodes (a synchronized batch norm's sums), over a stage's group
         self._inner = [(step.node, variant_collectives(graph.nodes[step.node], step.strategy, graph)) for step in program]
         self._inner = [(k, found) for k, found in self._inner if found]
@@ -112,21 +105,63 @@ class PipelinePricer:
         self.cut_bytes = _cut_bytes(graph)  # [c]: bytes crossing a cut before node c (whole batch)
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
 
+    def _held_params(self, cost: CostModel) -> None:
+        """Per parameter: [weights, state (weights, gradient, optimizer states), gradient] bytes.
+        `params` and `state` are prefix sums at each parameter's first consumer (what comes
+        before a node); `_single` those of the parameters one node uses; `spread` lists the
+        parameters several nodes use (a tied embedding), held by every stage that runs one."""
+        graph, n = self.graph, len(self.graph.nodes)
+        names = [x for x, t in graph.tensors.items() if t.kind == "param" and t.consumers]
+        amounts = np.asarray([[graph.tensors[x].nbytes, cost.state_bytes(x),
+                               graph.tensors[x].nbytes * graph.tensors[x].requires_grad] for x in names],
+                             dtype=float).reshape(-1, 3)
+        users = [np.unique(graph.tensors[x].consumers) for x in names]
+        first, single = np.zeros((n, 3)), np.zeros((n, 3))
+        self.spread: list[tuple[np.ndarray, np.ndarray]] = []
+        """(the nodes that use it, its [weights, state, gradient] bytes) per parameter several nodes use."""
+        for nodes, amount in zip(users, amounts):
+            first[nodes[0]] += amount
+            if len(nodes) == 1:
+                single[nodes[0]] += amount
+            else:
+                self.spread.append((nodes, amount))
+        cum = lambda a: np.vstack([np.zeros((1, 3)), np.cumsum(a, axis=0)])  # noqa: E731
+        first = cum(first)
+        self.params, self.state = first[:, 0], first[:, 1]
+        self._single = cum(single)
+
     # -- pieces of the formula -----------------------------------------------------------------
 
-    def stage_times(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int) -> tuple[float, float]:
-        """(forward, backward) seconds of nodes a..b (inclusive) per micro-batch on the group."""
-        g = list(group)
-        r = np.asarray(ratios, dtype=float) / M
-        f = r * (self.work_f[b + 1, g] - self.work_f[a, g]) + (self.fixed_f[b + 1, g] - self.fixed_f[a, g])
-        bw = r * (self.work_b[b + 1, g] - self.work_b[a, g]) + (self.fixed_b[b + 1, g] - self.fixed_b[a, g])
-        # micro-batches after the first add their gradients into the held ones: (M - 1) / M per micro-batch
-        bw = bw + (M - 1) / M * float(self.grad_params[b + 1] - self.grad_params[a]) * self.add_per_byte[g]
-        return float(f.max()), float(bw.max()) + self.inner_seconds(a, b, g)
+    def held(self, a, b, whole: bool = False) -> np.ndarray:
+        """[weights, state, gradient] bytes of the parameters that nodes a..b (inclusive) load,
+        each once; one that several stages use counts in each (every one keeps its weights,
+        gradient and optimizer state). whole: only those no node outside a..b loads. a and b
+        may be index arrays (broadcast): then [..., 3]."""
+        a, b = np.asarray(a), np.asarray(b)
+        total = self._single[b + 1] - self._single[a]
+        for nodes, amount in self.spread:
+            inside = (nodes >= a[..., None]) & (nodes <= b[..., None])
+            total = total + (inside.all(-1) if whole else inside.any(-1))[..., None] * amount
+        return total
 
-    def inner_seconds(self, a: int, b: int, group: Sequence[int]) -> float:
+    def stage_times(self, a, b, group: Sequence[int], ratios: Sequence[float], M: int):
+        """(forward, backward) seconds of nodes a..b (inclusive) per micro-batch on the group:
+        the one price of a stage's time, which the estimate and StageTable (every stage at once:
+        a and b index arrays, broadcast, give arrays) both take."""
+        g = np.asarray(group)
+        ai, bi = np.asarray(a)[..., None], np.asarray(b)[..., None]
+        r = np.asarray(ratios, dtype=float) / M
+        f = r * (self.work_f[bi + 1, g] - self.work_f[ai, g]) + (self.fixed_f[bi + 1, g] - self.fixed_f[ai, g])
+        bw = r * (self.work_b[bi + 1, g] - self.work_b[ai, g]) + (self.fixed_b[bi + 1, g] - self.fixed_b[ai, g])
+        # micro-batches after the first add their gradients into the held ones: (M - 1) / M per micro-batch
+        bw = bw + (M - 1) / M * self.held(a, b)[..., 2:] * self.add_per_byte[g]
+        f, bw = f.max(-1), bw.max(-1) + self.inner_seconds(a, b, group)
+        return (float(f), float(bw)) if f.ndim == 0 else (f, bw)
+
+    def inner_seconds(self, a, b, group: Sequence[int]):
         """Seconds of the collectives that nodes a..b make inside themselves over the group
-        (forward and backward, per micro-batch; the walk's variant_comm, on a stage's devices)."""
+        (forward and backward, per micro-batch; the walk's variant_comm, on a stage's devices);
+        a and b may be index arrays."""
         if not self._inner or len(group) < 2:
             return 0.0
         key = tuple(group)
@@ -136,7 +171,8 @@ class PipelinePricer:
             for k, found in self._inner:
                 per[k] += sum(self.cost.group_collective(kind, nbytes, key) for kind, nbytes in found)
             cum = self._inner_cum[key] = np.concatenate([[0.0], np.cumsum(per)])
-        return float(cum[b + 1] - cum[a])
+        found = cum[np.asarray(b) + 1] - cum[np.asarray(a)]
+        return float(found) if np.ndim(found) == 0 else found
 
     def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> float:
         """Seconds to send one micro-batch's crossing bytes over the cut before node `cut`: each
@@ -151,13 +187,33 @@ class PipelinePricer:
         return max(topo.send(i, j, nbytes / pairs) for i, j in itertools.product(src, dst))
 
     def sync(self, a: int, b: int, group: Sequence[int]) -> float:
-        nbytes = float(self.grad_params[b + 1] - self.grad_params[a])
-        seconds = self.cost.group_collective("all_reduce", nbytes, group) if len(group) > 1 and nbytes else 0.0
-        machines = max(self.cost.grad_intra(nbytes)[i] for i in group)  # GPUs inside a machine sum first
+        """The part of stage a..b's gradient sync that depends on it alone: the all-reduce over
+        its group of the gradients no other stage holds (the plan's bucket of this group), and
+        each machine's GPUs summing every gradient the stage holds (shared_sync adds the rest)."""
+        held, own = (float(x[2]) for x in (self.held(a, b), self.held(a, b, whole=True)))
+        seconds = self.cost.group_collective("all_reduce", own, group) if len(group) > 1 and own else 0.0
+        machines = max(self.cost.grad_intra(held)[i] for i in group)  # GPUs inside a machine sum first
         return seconds + machines
 
+    def shared_sync(self, stage_of: Sequence[int], groups: Sequence[Sequence[int]]) -> list[float]:
+        """Per stage, seconds of the all-reduces of the gradients that several stages hold
+        (stage_of: every node's stage): one per set of stages over the union of their groups,
+        as the plan's sync buckets (plan.assemble) and the runtime run them, paid by each of
+        those stages after its own bucket (as sync prices it)."""
+        buckets: dict[tuple[int, ...], float] = {}
+        for nodes, amount in self.spread:
+            stages = tuple(sorted({int(stage_of[c]) for c in nodes}))
+            if len(stages) > 1 and amount[2]:
+                buckets[stages] = buckets.get(stages, 0.0) + float(amount[2])
+        out = [0.0] * len(groups)
+        for stages, nbytes in buckets.items():
+            seconds = self.cost.group_collective("all_reduce", nbytes, sorted(d for k in stages for d in groups[k]))
+            for k in stages:
+                out[k] += seconds
+        return out
+
     def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
-        params = float(self.state[b + 1] - self.state[a])
+        params = float(self.held(a, b)[1])
         acts = float(self.acts[b + 1] - self.acts[a])
         # per GPU: a machine's GPUs split its share of the micro-batch's activations and each
         # keeps the stage's whole parameter state (data parallel), as search.program.memory_terms
@@ -173,12 +229,13 @@ class PipelinePricer:
         if len(bounds) != K + 1:
             raise ValueError(f"{len(cuts)} cuts make {len(bounds) - 1} stages, not {K}")
         fwd, bwd, send, sync, mem = [], [], [], [], [0.0] * self.cost.m
+        shared = self.shared_sync(stage_of_nodes(cuts, n), groups)
         for k in range(K):
             a, b = bounds[k], bounds[k + 1] - 1
             f, bw = self.stage_times(a, b, groups[k], ratios[k], M)
             fwd.append(f)
             bwd.append(bw)
-            sync.append(self.sync(a, b, groups[k]))
+            sync.append(self.sync(a, b, groups[k]) + shared[k])
             for i, x in zip(groups[k], self.memory(a, b, groups[k], ratios[k], M, in_flight(schedule, K, M, k))):
                 mem[i] = x
             if k < K - 1:
