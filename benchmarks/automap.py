@@ -200,7 +200,12 @@ def main(argv=None) -> int:
                 print(f"{name} on {cname}: {e}", flush=True)
                 continue
             for K in (2, 4, 8):
-                case = {"model": name, "cluster": cname, **run_case(space, K, episodes, budget, not args.inference_only)}
+                try:
+                    case = {"model": name, "cluster": cname, **run_case(space, K, episodes, budget, not args.inference_only)}
+                except ValueError as e:  # no cut into K stages fits memory: said, not a crash
+                    cases.append({"model": name, "cluster": cname, "task": "PP", "K": K, "refused": str(e)})
+                    print(f"{name:8s} {cname} K={K}: {e}", flush=True)
+                    continue
                 cases.append(case)
                 online = (f", dqn {case['dqn_estimate'] * 1e3:.2f} ms ({case['dqn_seconds']:.1f} s, {case['episodes']} episodes), "
                           f"gap {case['gap'] * 100:.2f}%") if "gap" in case else ""
@@ -235,7 +240,7 @@ def main(argv=None) -> int:
         if c["task"] != "PP":
             continue
         if "refused" in c:
-            lines.append(f"| {c['model']} | {c['cluster']} | - | - | refused: {c['refused']} | | | | | | | | | | |")
+            lines.append(f"| {c['model']} | {c['cluster']} | {c.get('K', '-')} | - | refused: {c['refused']} | | | | | | | | | | | |")
             continue
         online = (f"{c['dqn_estimate'] * 1e3:.2f} | {c['gap'] * 100:.2f}% | {c['unpolished_gap'] * 100:.2f}% | "
                   f"{c['dqn_greedy_estimate'] * 1e3:.2f} | {c['exact_seconds']:.2f} | {c['dqn_seconds']:.1f} | {c['episodes']}") \
