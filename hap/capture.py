@@ -17,9 +17,11 @@ work.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import re
+import sys
 import warnings
 from typing import Any, Sequence
 
@@ -56,21 +58,30 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
         if isinstance(x, (dict, list, tuple)):  # export would flatten it; hap's runtime passes tensors positionally
             raise CaptureError(f"input {k} is a {type(x).__name__}: hap runs a forward that takes tensors, one "
                                "argument each; wrap the model so that it does (as hap.models.zoo.LibraryModel does)")
+    _refuse_backward_hooks(model)
     was_training = model.training
     model.train(training)
+    lost: list[str] = []
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _unsupported_calls(lost):
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, example_inputs)
+        if lost:
+            raise CaptureError(lost[0])
         ep = _functional(ep)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types; the user needs the first line
+        if lost:  # what failed it, said plainly (a packed sequence)
+            raise CaptureError(lost[0]) from e
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {_first_line(e)}") from e
     finally:
         model.train(was_training)
     frozen = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     graph = graph_from_exported(ep, name or type(model).__name__, _aliases(model, ep), frozen)
+    if any(graph.tensors[p].requires_grad for p in graph.params) and not graph.tensors[graph.loss].requires_grad:
+        raise CaptureError("the loss does not require grad: no trainable parameter reaches it with a gradient (is "
+                           "the forward computed under torch.no_grad()?)")
     # counting FLOPs runs random ops (torch.rand) for real: the generators are left as they were,
     # so that training after capture draws what one device draws
     with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)):
@@ -88,6 +99,74 @@ def example_tuple(example_inputs: Sequence[Any]) -> tuple:
         raise CaptureError(f"example inputs must be a tuple of tensors, one per forward argument, not a tensor of shape "
                            f"{tuple(example_inputs.shape)}: for a forward of one argument give (x,)")
     return tuple(example_inputs)
+
+
+def _refuse_backward_hooks(model: torch.nn.Module) -> None:
+    """A module's backward hooks change its gradients; the captured graph does not keep them."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
+        raise CaptureError("a global module backward hook is registered (register_module_full_backward_hook): "
+                           "hap computes gradients from the captured graph, which does not keep hooks")
+    for path, sub in model.named_modules():
+        if sub._backward_hooks or sub._backward_pre_hooks:
+            raise CaptureError(f"module {path or '(root)'} ({type(sub).__name__}) has a backward hook "
+                               "(register_full_backward_hook): hap computes gradients from the captured graph, "
+                               "which does not keep hooks; change the gradients after backward instead")
+
+
+@contextlib.contextmanager
+def _unsupported_calls(lost: list[str]):
+    """While torch.export traces the forward, record in `lost` what changes the backward that the
+    captured graph cannot keep: a custom torch.autograd.Function (export keeps its forward
+    alone: a gradient reversal's backward would be the identity; torch's own, a torch.library
+    custom op's or a higher-order op's, stay in the graph as that op) and a gradient hook
+    registered on a tensor (Tensor.register_hook); and pack_padded_sequence, whose failure
+    inside export names neither it nor packing. Private torch API in this one place: the three
+    are patched for the trace only, and call through."""
+    from torch.autograd import function
+
+    apply, register_hook = function.Function.apply.__func__, torch.Tensor.register_hook
+
+    def watched_apply(cls, *args, **kwargs):
+        where = _user_frame()
+        if cls.__name__ == "CheckpointFunction":
+            lost.append(f"torch.utils.checkpoint with use_reentrant=True at {where}: its recomputation is an "
+                        "autograd.Function, which torch.export cannot capture; pass use_reentrant=False")
+        elif not cls.__module__.startswith("torch."):  # torch's own: a custom op's or a higher-order op's, kept
+            lost.append(f"forward applies the custom autograd.Function {cls.__qualname__} at {where}: torch.export "
+                        "keeps its forward alone, so its backward would be lost; write it with differentiable ops")
+        return apply(cls, *args, **kwargs)
+
+    def watched_hook(tensor, hook):
+        lost.append(f"forward registers a gradient hook (Tensor.register_hook) at {_user_frame()}: hap computes "
+                    "gradients from the captured graph, which does not keep hooks; change the gradients after backward")
+        return register_hook(tensor, hook)
+
+    def watched_pack(*args, **kwargs):
+        lost.append(f"pack_padded_sequence at {_user_frame()}: a packed sequence's layout depends on the lengths' "
+                    "values, which torch.export cannot trace; pad the batch and mask instead")
+        return pack(*args, **kwargs)
+
+    rnn, pack = torch.nn.utils.rnn, torch.nn.utils.rnn.pack_padded_sequence
+    function.Function.apply, torch.Tensor.register_hook = classmethod(watched_apply), watched_hook
+    rnn.pack_padded_sequence = watched_pack
+    try:
+        yield
+    finally:
+        function.Function.apply, torch.Tensor.register_hook = classmethod(apply), register_hook
+        rnn.pack_padded_sequence = pack
+
+
+def _user_frame() -> str:
+    """file:line of the innermost caller outside torch and hap (the model's code)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARY_DIRS)):
+        frame = frame.f_back
+    return "an unknown place" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "<")
 
 
 def _cuda_devices(model: torch.nn.Module, example_inputs: tuple) -> list[int]:

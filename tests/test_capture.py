@@ -197,3 +197,82 @@ def test_example_inputs_given_as_a_bare_tensor_are_a_clear_error():
                                                rf"argument, not a tensor of shape \({rows}, 4\): for a forward of one "
                                                rf"argument give \(x,\)$"):
             capture(nn.Linear(4, 1), torch.randn(rows, 4))
+
+
+class _Reversed(torch.autograd.Function):
+    """Gradient reversal (domain adaptation): the identity forward, -g backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class _Changed(nn.Module):
+    """A two-layer MLP whose backward is changed `how`."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 1), how
+        if how == "module hook":
+            self.b.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 0.1,))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "function":
+            h = _Reversed.apply(h)
+        elif self.how == "tensor hook":
+            h.register_hook(lambda g: g * 0.1)
+        elif self.how in ("reentrant", "checkpoint"):
+            h = torch.utils.checkpoint.checkpoint(torch.tanh, h, use_reentrant=self.how == "reentrant")
+        elif self.how == "no grad":
+            with torch.no_grad():
+                return self.b(h).pow(2).mean()
+        return self.b(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("how, message", [
+    ("function", r"forward applies the custom autograd.Function _Reversed at test_capture.py:\d+: torch.export keeps "
+                 r"its forward alone, so its backward would be lost; write it with differentiable ops"),
+    ("tensor hook", r"forward registers a gradient hook \(Tensor.register_hook\) at test_capture.py:\d+: hap computes "
+                    r"gradients from the captured graph, which does not keep hooks; change the gradients after backward"),
+    ("module hook", r"module b \(Linear\) has a backward hook \(register_full_backward_hook\): hap computes gradients "
+                    r"from the captured graph, which does not keep hooks; change the gradients after backward instead"),
+    ("reentrant", r"torch.utils.checkpoint with use_reentrant=True at test_capture.py:\d+: its recomputation is an "
+                  r"autograd.Function, which torch.export cannot capture; pass use_reentrant=False"),
+    ("no grad", r"the loss does not require grad: no trainable parameter reaches it with a gradient \(is the forward "
+                r"computed under torch.no_grad\(\)\?\)"),
+])
+def test_what_changes_the_backward_outside_the_graph_is_refused(how, message):
+    """A custom autograd.Function's backward (export keeps its forward), gradient hooks and a
+    reentrant checkpoint were dropped silently (gradients as if the backward were the identity)
+    or failed at the first backward; now each is a one-line CaptureError at capture."""
+    with pytest.raises(CaptureError, match=f"^{message}$"):
+        capture(_Changed(how), (torch.randn(6, 4),))
+
+
+def test_a_non_reentrant_checkpoint_is_captured():
+    graph = capture(_Changed("checkpoint"), (torch.randn(6, 4),))
+    assert graph.tensors[graph.loss].requires_grad and any(n.op == "aten.tanh.default" for n in graph.nodes)
+
+
+def test_a_packed_sequence_is_refused_naming_it():
+    """Export failed inside pack_padded_sequence with "zeros(): argument 'size' failed to unpack
+    the object at pos 2", naming neither packing nor the place."""
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+        def forward(self, x, lengths):
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            out, _ = self.rnn(packed)
+            return nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0].pow(2).mean()
+
+    with pytest.raises(CaptureError, match=r"^pack_padded_sequence at test_capture.py:\d+: a packed sequence's layout "
+                                           r"depends on the lengths' values, which torch.export cannot trace; pad the "
+                                           r"batch and mask instead$"):
+        capture(Packed(), (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])))
