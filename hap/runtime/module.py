@@ -555,8 +555,9 @@ def _not_per_element(opt: torch.optim.Optimizer, sharded: torch.Tensor) -> str |
     class and hyper-parameters steps twice on a probe parameter whole and on the same parameter
     split 4/2 in rows; an update that is per element (SGD, Adam, ...) moves both alike, one that
     reads the whole parameter (LAMB's and LARS's trust ratios, Muon's orthogonalization) does
-    not, and under hap each rank would read its own rows alone. An optimizer the probe cannot build or step
-    (LBFGS wants a closure; its flat state is refused by _refused_state) goes unprobed."""
+    not, and under hap each rank would read its own rows alone. An optimizer the probe cannot
+    build or step (LBFGS wants a closure; its flat state is refused by _refused_state) goes
+    unprobed."""
     gen = torch.Generator().manual_seed(0)
     like = dict(dtype=sharded.dtype, device=sharded.device)
     start = torch.randn(6, 4, generator=gen).to(**like)
