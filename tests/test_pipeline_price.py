@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from test_pipeline import TiedLM  # an embedding whose weight is also the output projection
 
 
 def _space(model, inputs, speeds, **config):
@@ -89,22 +90,6 @@ def test_a_synchronized_batch_norm_stage_pays_its_all_reduces_in_the_table():
 
 # -- 2. parameters several stages use ------------------------------------------------------------
 
-class TiedLM(torch.nn.Module):
-    """An embedding whose weight is also the output projection."""
-
-    def __init__(self, vocab=4000, hidden=64):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, hidden)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 32), torch.nn.GELU(), torch.nn.Linear(32, hidden))
-        self.norm = torch.nn.LayerNorm(hidden)
-
-    def forward(self, ids, labels):
-        h = self.emb(ids)
-        h = self.norm(h + self.mlp(h))
-        logits = h @ self.emb.weight.T
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 class SharedLayers(torch.nn.Module):
     """A tied embedding (input and output) and one block run as layers 2 and 4 (ALBERT-like)."""
 
@@ -136,7 +121,7 @@ def test_a_tied_embedding_is_held_and_synchronized_by_both_its_stages():
     lacked the embedding and the sync was priced 0."""
     from hap.pipeline.plan import assemble
     from hap.pipeline.schedule import in_flight
-    space = _space(*_tokens(TiedLM(), 4000), (1.0, 1.0), pipeline_stages=2, micro_batches=2)
+    space = _space(*_tokens(TiedLM(vocab=4000, hidden=64), 4000), (1.0, 1.0), pipeline_stages=2, micro_batches=2)
     graph, pricer = space.graph, space.pricer
     n = len(graph.nodes)
     cut = next(nd.index for nd in graph.nodes if nd.op == "aten.layer_norm.default")
