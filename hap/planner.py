@@ -424,14 +424,14 @@ def _plan_at(graph: Graph, cluster: Cluster, rs: list[list[float]], config: Plan
 def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:
     """A plan's program priced again under this graph's node times and this cluster (say, times
     measured anew): the same replay that priced it when it was planned."""
-    return _replayed(graph, cluster, plan, config)[1]
+    return replayed(graph, cluster, plan, config)[1]
 
 
 def priced(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Plan:
     """`plan` with its estimate (seconds, breakdown, timeline, memory) priced again, as
     `estimate` prices it; a plan whose sync entries came from elsewhere than its program's
     buckets (plan.search["sync"]: `hap sync`, `resync`) with them, as sync.price prices them."""
-    cost, est = _replayed(graph, cluster, plan, config)
+    cost, est = replayed(graph, cluster, plan, config)
     plan = dataclasses.replace(plan, estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
                                timeline=timeline(est), memory_bytes=list(est.memory))
     if "sync" not in plan.search:
@@ -441,7 +441,8 @@ def priced(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | N
     return with_estimate(plan, graph, cost, est, searched=plan.search["sync"])
 
 
-def _replayed(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None) -> tuple[CostModel, Estimate]:
+def replayed(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> tuple[CostModel, Estimate]:
+    """The cost model of this graph, cluster and optimizer, and the plan's program replayed on it."""
     if len(plan.devices) != cluster.size:
         raise ValueError(f"the plan is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
     classes = ShardClasses(graph, enumerate(strategy_table(graph)))

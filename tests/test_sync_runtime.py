@@ -118,12 +118,12 @@ NEW_RATIOS = (0.2, 0.3, 0.5)
 def searched_plan(graph, cl, ratios, name, searched="autosync"):
     """The data-parallel plan at `ratios` synchronized by strategy `name`, priced as `hap sync`
     prices the plan it saves."""
-    from hap.planner import _replayed
+    from hap.planner import replayed
     from hap.sync.price import with_estimate
 
     plan = baseline_plan(graph, cl, "dp-ev", ratios=ratios)
     plan = with_strategy(plan, Variables.of(plan, graph, cl.machines), strategies(Variables.of(plan, graph, None))[name])
-    cost, est = _replayed(graph, cl, plan, None)
+    cost, est = replayed(graph, cl, plan)
     return with_estimate(plan, graph, cost, est, searched)
 
 

@@ -37,13 +37,9 @@ import torch
 
 from ..capture import capture
 from ..cost.cluster import Cluster
-from ..cost.model import CostModel
 from ..models import build
 from ..plan import Plan
-from ..planner import baseline_plan
-from ..rules import strategy_table
-from ..rules.units import ShardClasses
-from ..search.program import replay
+from ..planner import baseline_plan, replayed
 from . import baselines, price
 from .sampler import SpaceConfig, bandwidths, neighbour, sample, similarity
 from .select import select
@@ -293,8 +289,8 @@ def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
         plan = baseline_plan(graph, cluster, "dp-cp")
     plan.check_fits(graph)
     variables = Variables.of(plan, graph, cluster.machines)
-    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
-    return graph, plan, variables, cost, replay(plan.steps(graph), cost, plan.segment_of, plan.ratios)
+    cost, est = replayed(graph, cluster, plan)
+    return graph, plan, variables, cost, est
 
 
 def _save_domain(out: Path, key: str, model: str, knobs: dict, cluster: Cluster, plan: Plan) -> None:
