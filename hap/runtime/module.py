@@ -197,20 +197,20 @@ class HAP(nn.Module):
         if len(set(seen)) > 1:
             raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))}: give every rank the "
                              f"whole batch, or each rank its part of the planned {planned} (part=True)")
-        found = self._by_shape.get(key)
-        if found is None:
-            found = self._remember(key, self._reuse_plan(batch, key))
-        self._by_shape[key] = self._by_shape.pop(key)  # the most recently used last
-        return found, frozenset()
+        return self._kept(key, lambda: self._reuse_plan(batch, key)), frozenset()
 
-    def _remember(self, key: tuple, ex: Executor) -> Executor:
-        """Keep the executor of another input shape, and at most SHAPES_KEPT of them: the least
-        recently used goes (a loader of many sequence lengths would keep a graph for each);
-        the planned shape's stays. Every rank meets the same shapes, so all drop the same."""
-        self._by_shape[key] = ex
-        others = [k for k in self._by_shape if k != _shapes_of(self.graph)]
-        for k in others[: max(0, len(others) - SHAPES_KEPT)]:
-            del self._by_shape[k]
+    def _kept(self, key: tuple, make: Callable[[], Executor]) -> Executor:
+        """The executor of input shapes `key`, made by make() where it is not kept; at most
+        SHAPES_KEPT besides the planned shape's are kept, the least recently used going first (a
+        loader of many sequence lengths would keep a graph for each). Every rank meets the same
+        shapes, so all drop the same."""
+        ex = self._by_shape.pop(key, None)
+        made = ex is None
+        self._by_shape[key] = ex = make() if made else ex  # the most recently used last
+        if made:
+            others = [k for k in self._by_shape if k != _shapes_of(self.graph)]
+            for k in others[: max(0, len(others) - SHAPES_KEPT)]:
+                del self._by_shape[k]
         return ex
 
     def _part_shapes(self, rank: int) -> tuple:
@@ -252,10 +252,7 @@ class HAP(nn.Module):
             if len(set(seen)) > 1:
                 raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))} in "
                                  f"eval mode: {whole}")
-        if key not in self._by_shape:
-            self._remember(key, self._reuse_plan(batch, key[1], training=False))
-        self._by_shape[key] = self._by_shape.pop(key)  # the most recently used last
-        return self._by_shape[key], frozenset()
+        return self._kept(key, lambda: self._reuse_plan(batch, key[1], training=False)), frozenset()
 
     def _reuse_plan(self, batch: Sequence[torch.Tensor], key: tuple, training: bool = True) -> Executor:
         """Run a batch of another shape (the global batch, given to every rank: _executor_for
