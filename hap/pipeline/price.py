@@ -107,28 +107,27 @@ class PipelinePricer:
 
     def _held_params(self, cost: CostModel) -> None:
         """Per parameter: [weights, state (weights, gradient, optimizer states), gradient] bytes.
-        `params` and `state` are prefix sums at each parameter's first consumer (what comes
-        before a node); `_single` those of the parameters one node uses; `spread` lists the
-        parameters several nodes use (a tied embedding), held by every stage that runs one."""
+        `params`: the prefix sums of weights at each parameter's first consumer (what comes
+        before a node: the DQN's W feature); `_single` those of the three amounts of the
+        parameters one node uses; `spread` lists the parameters several nodes use (a tied
+        embedding), held by every stage that runs one."""
         graph, n = self.graph, len(self.graph.nodes)
         names = [x for x, t in graph.tensors.items() if t.kind == "param" and t.consumers]
         amounts = np.asarray([[graph.tensors[x].nbytes, cost.state_bytes(x),
                                graph.tensors[x].nbytes * graph.tensors[x].requires_grad] for x in names],
                              dtype=float).reshape(-1, 3)
         users = [np.unique(graph.tensors[x].consumers) for x in names]
-        first, single = np.zeros((n, 3)), np.zeros((n, 3))
+        first, single = np.zeros(n), np.zeros((n, 3))
         self.spread: list[tuple[np.ndarray, np.ndarray]] = []
         """(the nodes that use it, its [weights, state, gradient] bytes) per parameter several nodes use."""
         for nodes, amount in zip(users, amounts):
-            first[nodes[0]] += amount
+            first[nodes[0]] += amount[0]
             if len(nodes) == 1:
                 single[nodes[0]] += amount
             else:
                 self.spread.append((nodes, amount))
-        cum = lambda a: np.vstack([np.zeros((1, 3)), np.cumsum(a, axis=0)])  # noqa: E731
-        first = cum(first)
-        self.params, self.state = first[:, 0], first[:, 1]
-        self._single = cum(single)
+        self.params = np.concatenate([[0.0], np.cumsum(first)])
+        self._single = np.vstack([np.zeros((1, 3)), np.cumsum(single, axis=0)])
 
     # -- pieces of the formula -----------------------------------------------------------------
 
