@@ -702,7 +702,9 @@ def test_a_machine_of_several_gpus_keeps_its_stages_state_on_each_gpu(vit_space)
     groups, ratios = vit_space.groups_and_ratios(2)
     a, b = 0, vit_space.pivots[len(vit_space.pivots) // 2] - 1
     live = in_flight("1f1b", 2, 4, 0)
-    params = float(pricer.state[b + 1] - pricer.state[a])
+    graph = vit_space.graph  # the state (weights, gradient, Adam's moments) of the parameters nodes a..b load
+    params = sum(pricer.cost.state_bytes(name) for name, t in graph.tensors.items()
+                 if t.kind == "param" and any(a <= c <= b for c in t.consumers))
     acts = float(pricer.acts[b + 1] - pricer.acts[a])
     assert params > 0 and acts > 0
     got = pricer.memory(a, b, groups[0], ratios[0], 4, live)
