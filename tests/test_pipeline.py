@@ -220,7 +220,13 @@ def _bn_own_seed_setup():
     return model, batches
 
 
-SETUPS = {"vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+def _t5_setup():
+    from hap.models import zoo
+    torch.manual_seed(0)
+    return zoo.build("t5", STEPS)
+
+
+SETUPS = {"t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
           "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
@@ -248,6 +254,30 @@ def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):
     reports = run_ranks(pipelined, 4, tmp_path, "vit", [n // 4, 2 * n // 3], [[0], [1, 2], [3]],
                         [[1.0], [0.7, 0.3], [1.0]], 5, "1f1b")
     losses, ref = _reference(_vit_setup)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+def test_t5_trains_in_three_stages_with_replicated_and_stage_skipping_crossings(tmp_path):
+    """Hugging Face T5 (needs transformers): the relative position bias (replicated, made once,
+    read by every layer) and the shifted decoder inputs cross cuts whole; the encoder's
+    embeddings skip the middle stage. Three stages on 4 ranks, the middle one 60/40, 2
+    micro-batches of 4 rows."""
+    pytest.importorskip("transformers")
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace
+    from hap.pipeline.stages import crossings
+    model, batches = _t5_setup()
+    graph = capture(model, batches[0])
+    space = PipelineSpace(graph, local_cluster((1.0,) * 4, "local"))
+    cuts = [space.pivots[len(space.pivots) // 3], space.pivots[2 * len(space.pivots) // 3]]
+    found = crossings(graph, space.program, stage_of_nodes(cuts, len(graph.nodes)))
+    assert any(not c.placement.is_shard for c in found) and any(len(c.dsts) > 1 for c in found)
+    reports = run_ranks(pipelined, 4, tmp_path, "t5", cuts, [[0], [1, 2], [3]], [[1.0], [0.6, 0.4], [1.0]], 2, "1f1b")
+    losses, ref = _reference(_t5_setup)
     for got in reports:
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in ref.items():

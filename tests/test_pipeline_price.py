@@ -45,6 +45,48 @@ def _estimates_match_the_table(space, K, M, groups):
 
 # -- 1. the table is the estimate --------------------------------------------------------------
 
+class _Crossings(torch.nn.Module):
+    """Before node 7 three tensors cross: relu [12, 16] split on the batch (768 bytes for the
+    whole batch, its gradient comes back), table * 2 [16] replicated with a gradient (64 bytes)
+    and a float mask [16] replicated without (64 bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.table = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        pos = self.table * 2
+        keep = (torch.arange(16) % 3 != 0).float()
+        return ((self.b(h * keep + pos) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("paper", [False, True])
+def test_crossings_are_priced_as_the_runtime_routes_them(paper):
+    """Per micro-batch (M = 2) from group [0, 1] to [2, 3], each pair of devices moves its rows,
+    768 / 2 / 2 = 192 bytes, and the first device sends each replicated tensor whole to both
+    devices of the next group: forward 192 bytes of rows then 2 x 128 whole, back 192 then
+    2 x 64 (the mask has no gradient). They were priced as (768 + 128) / 2 / 2 bytes each way."""
+    import hap
+    from hap.cost.cluster import local_cluster, paper_cluster
+    from hap.pipeline.plan import PipelineSpace
+    torch.manual_seed(0)
+    graph = hap.capture(_Crossings(), (torch.randn(12, 16), torch.randn(12, 16)))
+    cluster = paper_cluster(8, True) if paper else local_cluster((1.0,) * 4, "local")
+    space = PipelineSpace(graph, cluster)
+    assert [n.op for n in graph.nodes[6:8]] == ["aten._to_copy.default", "aten.mul.Tensor"]
+    fwd, back = space.pricer.transfer(7, [0, 1], [2, 3], 2)
+    if paper:  # per link
+        send = cluster.topology.send
+        rows = max(send(i, j, 192) for i in (0, 1) for j in (2, 3))
+        assert (fwd, back) == pytest.approx((rows + send(0, 2, 128) + send(0, 3, 128), rows + send(0, 2, 64) + send(0, 3, 64)))
+    else:  # the measured fit
+        time = cluster.fit("broadcast").time
+        assert (fwd, back) == pytest.approx((time(192) + 2 * time(128), time(192) + 2 * time(64)))
+    est = space.pricer.estimate([7], [[0, 1], [2, 3]], [[0.5, 0.5], [0.5, 0.5]], 2)
+    assert est.send + est.send_back == pytest.approx((fwd, back))
+    assert est.stage_seconds[0] == pytest.approx(est.fwd[0] + est.bwd[0] + fwd + back)
+
 def test_the_exact_cut_of_ncf_is_the_least_estimate():
     """ncf's embedding tables are most of its bytes: the gradient accumulation that stage_times
     adds for micro-batches after the first ((M - 1) / M * 3 * gradient bytes / bandwidth) was

@@ -403,6 +403,13 @@ def test_misc_ops():
     found = _check_op(aten.scatter_reduce.two, x, 1, idx, torch.randn(5, 4, 6), "amax", include_self=False)
     assert named(found, "batch") and named(found, "dim2") and not named(found, "dim1")
     assert [st.name for st in _check_op(aten.one_hot.default, torch.tensor([1, 2, 0]), -1)] == ["replicated"]
+    # T5's relative position buckets and shift-right: elementwise, never partial (fill would
+    # write its value on every device's summand, min/floor_divide are not linear)
+    for target, args in ((aten.fill.Tensor, (x, torch.tensor(3.0))), (aten.fill.Scalar, (x, 3.0)),
+                         (aten.min.other, (x, torch.randn(10, 1))), (aten.max.other, (x, torch.randn(6))),
+                         (aten.floor_divide.default, (idx, torch.tensor(3)))):
+        found = _check_op(target, *args)
+        assert named(found, "dim0") and not named(found, "partial"), target
 
 
 def test_random_ops_draw_in_memory_order_as_one_device():

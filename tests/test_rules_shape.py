@@ -246,3 +246,26 @@ def test_view_property(data):
             o = next(d for d, k in enumerate(dst) if k > 1)
             if math.gcd(src[i], dst[o]) > 1:
                 assert ((S(i),), (S(o),)) in offered(n, g)
+
+
+def test_factories_shard_their_output_at_the_local_shape():
+    """zeros/new_zeros/new_full/ones make a constant: any shard is the constant at the local
+    shape, whatever the input's placement; the input shards alike only on a dim of the same
+    length (coupling two dims would make them split alike). arange is whole only. T5's
+    shift-right (new_zeros) and relative position buckets (arange, zeros) use them."""
+    def fn(y, ids):  # y: [10, 12, 4], ids: [10, 12]
+        a = y + ids.new_zeros(ids.shape).unsqueeze(-1) + torch.zeros(10, 12, 4)
+        b = a * y.new_full((12, 4), 2.0) + torch.arange(4)
+        return (b * b).sum() + torch.ones(3, 2).sum()
+
+    g = graph_of(fn, (10, 12, 4), torch.randint(0, 5, (10, 12)))
+    ops = check_ops(g, ["aten.new_zeros.default", "aten.zeros.default", "aten.new_full.default",
+                        "aten.arange.start_step" if any(n.op == "aten.arange.start_step" for n in g.nodes)
+                        else "aten.arange.default", "aten.ones.default"])
+    new_zeros = offered(ops["aten.new_zeros.default"][0], g)
+    assert {((S(0),), (S(0),)), ((S(1),), (S(1),)), ((R,), (S(1),)), ((S(0),), (R,))} <= new_zeros
+    assert ((S(0),), (S(1),)) not in new_zeros  # would split the batch and the sequence alike
+    assert ((S(0),), (S(0),)) not in offered(ops["aten.new_full.default"][0], g)  # [12, 4] from [10, 12, 4]
+    assert {((), (S(d),)) for d in range(3)} <= offered(ops["aten.zeros.default"][0], g)
+    arange = [n for n in g.nodes if n.op.startswith("aten.arange")][0]
+    assert {st.outputs for st in strategies_for(arange, g)} == {(R,)}

@@ -168,12 +168,14 @@ def _print_table(cluster_name, rows):
               f"{r['loss']:.1e} {r['grad']:.1e} {r['param']:.1e} {r['buffer']:.1e}")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_causal_lms_are_data_parallel_and_pipeline(name):
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+def test_language_models_are_data_parallel_and_pipeline(name):
     """Hugging Face's causal LM loss pads its labels (aten.pad) and the key-value cache starts
-    with an empty tensor (a legacy cat): data parallelism has a program for both, with no
-    collective on activations (before, its width-capped search dead-ended and the fallback
-    all-gathered activations, so the pipeline planners refused the model), and pp-exact cuts it."""
+    with an empty tensor (a legacy cat); T5 shifts its labels right into a new_zeros tensor and
+    buckets relative positions (arange, zeros, min): data parallelism has a program for all,
+    with no collective on activations (before, a width-capped search dead-ended, or ops had no
+    rule, and the fallback all-gathered activations, so the pipeline planners refused the
+    model), and pp-exact cuts it."""
     from hap.pipeline.plan import exact_plan
     from hap.planner import PlannerConfig
     model, batches = zoo.build(name, 1)

@@ -153,8 +153,8 @@ class StageTable:
             # [a, b]: stage from position a to position b (exclusive)
             f, bw = pricer.stage_times(pos[:, None], pos[None, :] - 1, g, ratios[k], M)
             comp = f + bw
-            send = np.asarray([pricer.transfer(int(p), g, groups[k + 1], M) if k + 1 < K and 0 < p < n else 0.0
-                               for p in pos])
+            send = np.asarray([sum(pricer.transfer(int(p), g, groups[k + 1], M)) if k + 1 < K and 0 < p < n else 0.0
+                               for p in pos])  # forward and back
             live = in_flight(schedule, K, M, k)
             for a in range(Q):
                 for b in range(a + 1, Q):
@@ -163,7 +163,7 @@ class StageTable:
                         for i, x in zip(g, mem):
                             least[i] = min(least.get(i, x), x)
                     if all(x <= capacity[i] for i, x in zip(g, mem)):
-                        self.t[k, a, b] = comp[a, b] + 2 * send[b]
+                        self.t[k, a, b] = comp[a, b] + send[b]
                         self.sync[k, a, b] = pricer.sync(int(pos[a]), int(pos[b]) - 1, g)
         self.short = [(i, least[i], capacity[i]) for i in sorted(least) if least[i] > capacity[i]]
         """(device, least bytes, capacity) of each device that no stage it could hold fits."""

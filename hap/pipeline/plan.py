@@ -117,7 +117,8 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
                 stages=stages, sync=sync, schedule=Schedule(name=config.schedule, micro_batches=M),
                 estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M, space.pricer.step_collectives),
                 timeline={"pipeline": {"stage_seconds": list(est.stage_seconds), "fwd": list(est.fwd), "bwd": list(est.bwd),
-                                       "send": list(est.send), "sync": list(est.sync), "simulated": est.simulated}},
+                                       "send": list(est.send), "send_back": list(est.send_back), "sync": list(est.sync),
+                                       "simulated": est.simulated}},
                 memory_bytes=list(est.memory), baselines={}, synthesis_seconds=seconds,
                 replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search)
 

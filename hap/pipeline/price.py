@@ -12,8 +12,9 @@ times at the whole batch), fixed_i what does not shrink with the share (per-node
 nodes on replicated tensors, reading the whole weights and writing their gradients: every
 micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
 collectives nodes make inside themselves over G_k (a synchronized batch norm's sums), and send_k the
-transfer of what crosses the cut after stage k, forward and back, over the slowest link
-between the two groups. An iteration of M micro-batches (GPipe or 1F1B: the same bubble) then
+transfer of what crosses the cut after stage k, forward and (what needs a gradient) back:
+split rows between pairs of devices at once (the slowest link decides), replicated tensors
+whole, every micro-batch, from one device to each device of the next group. An iteration of M micro-batches (GPipe or 1F1B: the same bubble) then
 takes
 
     L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + step_collectives
@@ -52,7 +53,9 @@ class PipelineEstimate:
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
     send: tuple[float, ...]
-    """Seconds of one micro-batch's transfer over each cut, one way."""
+    """Seconds of one micro-batch's crossings over each cut, forward."""
+    send_back: tuple[float, ...]
+    """Seconds of their gradients' way back."""
     sync: tuple[float, ...]
     memory: tuple[float, ...]
     """Peak bytes per device."""
@@ -102,7 +105,10 @@ class PipelinePricer:
         self._inner = [(step.node, variant_collectives(graph.nodes[step.node], step.strategy, graph)) for step in program]
         self._inner = [(k, found) for k, found in self._inner if found]
         self._inner_cum: dict[tuple[int, ...], np.ndarray] = {}
-        self.cut_bytes = _cut_bytes(graph)  # [c]: bytes crossing a cut before node c (whole batch)
+        self.crossing_bytes = _crossing_bytes(graph, program)
+        """[split or whole, forward or backward, c]: the bytes that cross the cut before node c
+        split on a dim (whole batch) or replicated, and those of them whose gradient comes back."""
+        self.cut_bytes = self.crossing_bytes[:, 0].sum(0)  # [c]: all bytes crossing the cut before node c
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
 
     def _held_params(self, cost: CostModel) -> None:
@@ -173,17 +179,25 @@ class PipelinePricer:
         found = cum[np.asarray(b) + 1] - cum[np.asarray(a)]
         return float(found) if np.ndim(found) == 0 else found
 
-    def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> float:
-        """Seconds to send one micro-batch's crossing bytes over the cut before node `cut`: each
-        pair of devices moves its share at once; the slowest pair decides."""
-        nbytes = self.cut_bytes[cut] / M
-        if nbytes <= 0:
-            return 0.0
-        pairs = max(len(src), len(dst))
+    def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch's crossings over the cut before node
+        `cut`, as the runtime routes them: split rows move between pairs of devices at once (the
+        slowest pair decides), and a replicated tensor goes whole, every micro-batch, from the
+        source group's first device to each destination device (its gradient comes back from
+        each), after its rows. A tensor read several stages on is priced at every cut it
+        crosses, each on its own link (the runtime sends it once, straight to each reader)."""
+        split, whole = self.crossing_bytes[0, :, cut] / M, self.crossing_bytes[1, :, cut]
+        there, back = (self._send_seconds(float(split[way]), float(whole[way]), src, dst) for way in (0, 1))
+        return there, back
+
+    def _send_seconds(self, split: float, whole: float, src: Sequence[int], dst: Sequence[int]) -> float:
         topo = self.cost.cluster.topology
+        pairs = max(len(src), len(dst))
         if topo is None or self.cost.cluster.measured_fits:
-            return self.cost.cluster.fit("broadcast").time(nbytes / pairs)
-        return max(topo.send(i, j, nbytes / pairs) for i, j in itertools.product(src, dst))
+            fit = self.cost.cluster.fit("broadcast")
+            return (fit.time(split / pairs) if split > 0 else 0.0) + (len(dst) * fit.time(whole) if whole > 0 else 0.0)
+        rows = max(topo.send(i, j, split / pairs) for i, j in itertools.product(src, dst)) if split > 0 else 0.0
+        return rows + (sum(topo.send(src[0], j, whole) for j in dst) if whole > 0 else 0.0)
 
     def sync(self, a: int, b: int, group: Sequence[int]) -> float:
         """The part of stage a..b's gradient sync that depends on it alone: the all-reduce over
@@ -227,7 +241,7 @@ class PipelinePricer:
         K = len(groups)
         if len(bounds) != K + 1:
             raise ValueError(f"{len(cuts)} cuts make {len(bounds) - 1} stages, not {K}")
-        fwd, bwd, send, sync, mem = [], [], [], [], [0.0] * self.cost.m
+        fwd, bwd, send, back, sync, mem = [], [], [], [], [], [0.0] * self.cost.m
         shared = self.shared_sync(stage_of_nodes(cuts, n), groups)
         for k in range(K):
             a, b = bounds[k], bounds[k + 1] - 1
@@ -238,18 +252,28 @@ class PipelinePricer:
             for i, x in zip(groups[k], self.memory(a, b, groups[k], ratios[k], M, in_flight(schedule, K, M, k))):
                 mem[i] = x
             if k < K - 1:
-                send.append(self.transfer(bounds[k + 1], groups[k], groups[k + 1], M))
-        t = [f + bw + 2 * (send[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
+                there, returned = self.transfer(bounds[k + 1], groups[k], groups[k + 1], M)
+                send.append(there)
+                back.append(returned)
+        t = [f + bw + (send[k] + back[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
         seconds = iteration_seconds(t, sync, M, self.step_collectives)
-        simulated = makespan(schedule, M, fwd, bwd, send) + max(sync) + self.step_collectives
-        return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(sync), tuple(mem), simulated)
+        simulated = makespan(schedule, M, fwd, bwd, send, back) + max(sync) + self.step_collectives
+        return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(back), tuple(sync),
+                                tuple(mem), simulated)
 
 
-def _cut_bytes(graph) -> np.ndarray:
-    """Bytes of the activations produced before node c and read at c or later, per c."""
-    delta = np.zeros(len(graph.nodes) + 2)
+def _crossing_bytes(graph, program: Sequence[Step]) -> np.ndarray:
+    """[split or whole, forward or backward, c]: bytes crossing the cut before node c, by the
+    placement the program gives them (split on a dim: the whole batch's; replicated: one
+    copy), forward, and backward for those whose gradient comes back (stages.crossings)."""
+    placed = {}
+    for step in program:
+        placed.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
+    delta = np.zeros((2, 2, len(graph.nodes) + 2))
     for t in graph.tensors.values():
         if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer:
-            delta[t.producer + 1] += t.nbytes
-            delta[max(t.consumers) + 1] -= t.nbytes
-    return np.cumsum(delta)[: len(graph.nodes) + 1]
+            kind = 0 if placed[t.name].is_shard else 1
+            for way in (0, 1) if t.requires_grad else (0,):
+                delta[kind, way, t.producer + 1] += t.nbytes
+                delta[kind, way, max(t.consumers) + 1] -= t.nbytes
+    return np.cumsum(delta, axis=-1)[..., : len(graph.nodes) + 1]

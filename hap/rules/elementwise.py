@@ -24,7 +24,7 @@ UNARY = [
     "masked_fill", "type_as", "bernoulli", "exponential", "eq", "ne", "lt", "gt", "le", "ge", "add", "sub",
     "mul", "div", "rsub", "remainder", "fmod", "where", "maximum", "minimum", "bitwise_and", "bitwise_or",
     "bitwise_xor", "logical_and", "logical_or", "logical_xor", "atan2", "copy", "lerp", "addcmul", "addcdiv",
-    "gelu_backward", "threshold", "nan_to_num", "scalar_tensor",
+    "gelu_backward", "threshold", "nan_to_num", "scalar_tensor", "fill", "floor_divide",
 ]
 # Overload suffixes that are elementwise for the names above.
 OVERLOADS = ["default", "Tensor", "Scalar", "self", "ScalarOther", "ScalarSelf", "Tensor_Scalar",
@@ -85,7 +85,8 @@ def _register_all():
             if ov in OVERLOADS or name in ("to", "_to_copy", "clone", "contiguous", "detach", "neg"):
                 keys.append(f"aten.{name}.{ov}")
     keys = [k for k in dict.fromkeys(keys) if not k.endswith((".out", "_out"))]
-    register(*keys, "aten.broadcast_tensors.default")(broadcast_strategies)
+    # min and max of two tensors (their other overloads reduce: reduction.py)
+    register(*keys, "aten.broadcast_tensors.default", "aten.min.other", "aten.max.other")(broadcast_strategies)
 
 
 _register_all()

@@ -321,3 +321,28 @@ def index(node: Node, graph: Graph) -> list[Strategy]:
     if all(s == shapes[0] for s in shapes):
         sts += [Strategy((R,) + (S(k),) * n_idx, (S(first + k),), f"index{k}") for k in range(b)]
     return sts + [Strategy((P,) + (R,) * n_idx, (P,), "partial")]
+
+
+
+@_register_new("aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format",
+               "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+               "aten.new_empty.default", "aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+def factory(node: Node, graph: Graph) -> list[Strategy]:
+    # A tensor made from a shape alone (new_zeros reads only its input's dtype and device):
+    # every element is one constant, so any shard of it is that constant at the local shape
+    # (local.SIZE_ARGS), whatever the input's placement:
+    #     zeros(n)[rows j] = zeros(n_j)
+    # The input is sharded alike only on a dim of the same length at the same place
+    # (x.new_zeros(x.shape)): a strategy sharding two dims makes them split alike (units.py).
+    # arange's elements are their positions: a shard would need its offset, so it is made
+    # whole on every device (the replicated strategy every op has).
+    if node.op.startswith("aten.arange"):
+        return []
+    out = shape_of(graph, node.outputs[0])
+    if not node.inputs:
+        return [Strategy((), (S(d),), f"dim{d}") for d in range(len(out))]
+    x = shape_of(graph, node.inputs[0])
+    alike = [d for d in range(len(out)) if len(x) == len(out) and x[d] == out[d]]
+    return ([Strategy((S(d),), (S(d),), f"dim{d}") for d in alike]
+            + [Strategy((R,), (S(d),), f"made{d}") for d in range(len(out))]
+            + [Strategy((S(k),), (R,), f"whole{k}") for k in range(len(x))])
