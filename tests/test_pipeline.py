@@ -785,6 +785,29 @@ def test_dqn_finds_the_two_stage_optimum(vit_space):
     assert res.seconds == pytest.approx(exact_partition(table).seconds, rel=1e-9)
 
 
+class SquaredMeanLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).mean() ** 2
+
+
+def test_a_loss_not_summed_over_rows_is_refused_a_pipeline_naming_the_node():
+    """mean(y) ** 2 squares the whole batch's mean: the micro-batches' losses do not add up to
+    it, and data parallelism has no program without a collective (the message said that no data
+    input was split on its batch)."""
+    import hap
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace
+    graph = hap.capture(SquaredMeanLoss(), (torch.randn(12, 8),))
+    with pytest.raises(ValueError, match=r"^data parallelism cannot run this model without moving activations "
+                                         r"between devices: pow_1 \(aten.pow.Tensor_Scalar\) has no strategy for "
+                                         r"mean as P; a pipeline cuts a data-parallel program$"):
+        PipelineSpace(graph, local_cluster((1.0, 1.0), "local"))
+
+
 def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     from hap.capture import capture
     from hap.cost.cluster import load_cluster, local_cluster

@@ -19,8 +19,8 @@ from ..rules.units import ShardClasses
 from ..search.program import Step
 from .partition import StageTable, exact_partition, group_layouts, pivots, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
-from .stages import (batch_granules, check_pipelinable, crossings, micro_batch_granules, piece_ratios, stage_of_nodes,
-                     stage_ranges, whole_batch_reason)
+from .stages import (batch_granules, check_pipelinable, crossings, data_parallel_obstacle, micro_batch_granules,
+                     piece_ratios, stage_of_nodes, stage_ranges, whole_batch_reason)
 
 
 class PipelineSpace:
@@ -31,11 +31,13 @@ class PipelineSpace:
         self.config = config = config or PlannerConfig()
         self.graph, self.cluster = graph, cluster
         self.program: list[Step] = baseline_plan(graph, cluster, "dp-ev", config).steps(graph)
-        if any(ms.move.communicates for step in self.program for ms in step.moves):
+        split = any(ld.tensor in graph.inputs and ld.placement.is_shard for step in self.program for ld in step.loads)
+        if not split or any(ms.move.communicates for step in self.program for ms in step.moves):
             unknown = sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)})
+            obstacle = data_parallel_obstacle(graph)
             raise ValueError("data parallelism cannot run this model without moving activations between devices"
                              + (f" (ops without a rule: {', '.join(unknown)})" if unknown else "")
-                             + ": a pipeline cuts a data-parallel program")
+                             + (f": {obstacle}" if obstacle else "") + "; a pipeline cuts a data-parallel program")
         check_pipelinable(graph, self.program, config.micro_batches or None)
         self.whole_batch = whole_batch_reason(graph, self.program)
         """Why every pipeline of this program runs 1 micro-batch (BatchNorm), or None."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Graph
-from ..placement import R, Placement
+from ..placement import R, Placement, S
 from ..rules.nn import sums_in_pass
 from ..rules.units import ShardClasses, round_sizes
 from ..search.program import Step
@@ -70,6 +70,30 @@ def whole_batch_reason(graph: Graph, program: Sequence[Step]) -> str | None:
     if graph.buffer_updates:
         name = next(iter(graph.buffer_updates))
         return f"the forward updates buffer {graph.tensors[name].target or name} from the whole batch"
+    return None
+
+
+def data_parallel_obstacle(graph: Graph) -> str | None:
+    """The first node that data parallelism (inputs split on dim 0, parameters whole, no
+    collective on activations) cannot run, and why, or None where every node has a strategy.
+    Walks the graph forward with the placements each tensor may have (R for D: the same
+    values), as the rules offer them; a whole tensor may be sliced locally."""
+    from ..rules import strategy_table
+
+    may: dict[str, set[Placement]] = {}
+    for name, t in graph.tensors.items():
+        if t.producer < 0:
+            may[name] = {S(0)} if name in graph.inputs and t.shape else {R}
+    plain = lambda p: R if p.kind == "D" else p  # noqa: E731
+    for node, strategies in zip(graph.nodes, strategy_table(graph)):
+        fits = [st for st in strategies
+                if all(plain(p) in may[x] or (p.is_shard and R in may[x]) for x, p in zip(node.inputs, st.inputs))]
+        if not fits:
+            held = ", ".join(f"{x} as {'/'.join(sorted(map(str, may[x])))}" for x in dict.fromkeys(node.inputs))
+            where = f" in {node.scope}" if node.scope else ""
+            return f"{node.name} ({node.op}{where}) has no strategy for {held}"
+        for k, name in enumerate(node.outputs):
+            may[name] = {plain(st.outputs[k]) for st in fits}
     return None
 
 
