@@ -88,7 +88,8 @@ def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
     """A pipeline's estimated iteration as events per device, and its length in seconds."""
     tl, sched = plan.timeline["pipeline"], plan.schedule
     K, send = len(plan.stages), tl["send"]
-    runs = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send)
+    back = tl.get("send_back", send)  # (plans written before 2026-11-27 priced both ways alike)
+    runs = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send, back)
     events: list[Event] = []
     for (kind, s, m), (start, end) in sorted(runs.items(), key=lambda item: item[1]):
         devices = plan.stages[s].devices
@@ -96,8 +97,8 @@ def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
                          start, end - start) for j in devices]
         if kind == "F" and s < K - 1 and send[s] > 0:  # asynchronous: the stage goes on computing
             events += [Event(j, COMM, f"micro-batch {m}'s activations to stage {s + 1}", end, send[s]) for j in devices]
-        if kind == "B" and s > 0 and send[s - 1] > 0:
-            events += [Event(j, COMM, f"micro-batch {m}'s gradients to stage {s - 1}", end, send[s - 1]) for j in devices]
+        if kind == "B" and s > 0 and back[s - 1] > 0:
+            events += [Event(j, COMM, f"micro-batch {m}'s gradients to stage {s - 1}", end, back[s - 1]) for j in devices]
     flushed = max(end for _, end in runs.values())
     t = flushed
     for s, stage in enumerate(plan.stages):
