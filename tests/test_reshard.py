@@ -72,6 +72,13 @@ def bad_reshards(rank, world):
             dmodel.reshard(ratios, opt)
         except ValueError as e:
             errors[name] = str(e)
+    # one rank alone refusing, or moving other rows, would leave the other waiting in a resplit
+    for name, ratios in {"disagree": [[0.75, 0.25], [0.25, 0.75]], "one-refuses": [[0.5, 0.5], [0.5, 0.3, 0.2]]}.items():
+        try:
+            dmodel.reshard(ratios[rank], opt)
+        except ValueError as e:
+            errors[name] = str(e)
+    errors["rows"] = dmodel.plan.shard_sizes("p_fc1_weight", 0)  # nothing moved
     dmodel(*batch(0)).backward()
     try:
         dmodel.reshard([0.5, 0.5], opt)
@@ -83,10 +90,13 @@ def bad_reshards(rank, world):
 def test_bad_reshards_are_one_line_errors(tmp_path):
     for got in run_ranks(bad_reshards, 2, tmp_path):
         assert got == {
-            "ranks": "ratios [0.5, 0.3, 0.2] for 3 ranks, this run has 2",
-            "negative": "ratios [1.5, -0.5] must be non-negative with a positive sum",
-            "zero": "ratios [0.0, 0.0] must be non-negative with a positive sum",
-            "segments": "ratios for 2 segments, the plan has 1",
+            "ranks": "reshard: ratios [0.5, 0.3, 0.2] for 3 ranks, this run has 2",
+            "negative": "reshard: ratios [1.5, -0.5] must be non-negative with a positive sum",
+            "zero": "reshard: ratios [0.0, 0.0] must be non-negative with a positive sum",
+            "segments": "reshard: ratios for 2 segments, the plan has 1",
+            "disagree": "reshard: ranks [1] were given other ratios than rank 0's [[0.75, 0.25]]",
+            "one-refuses": "reshard: ratios [0.5, 0.3, 0.2] for 3 ranks, this run has 2",
+            "rows": [17, 7],
             "grads": "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))"}
 
 

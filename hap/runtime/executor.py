@@ -311,9 +311,19 @@ class Executor:
         their per-parameter state of the parameter's shape (momentum, Adam's moments) moves
         with it. A collective: every rank calls it with the same ratios. Returns the bytes this
         rank sent and received."""
-        ratios = _checked_ratios(ratios, len(self.ratios), self.comm.world)
-        if any(p.grad is not None for p in self.params.values()):
-            raise ValueError("reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))")
+        # every rank checks, then all learn of any refusal and of ratios other than rank 0's: a
+        # rank refusing (or moving other rows) alone would leave the others waiting in a resplit
+        refused = None
+        try:
+            ratios = _checked_ratios(ratios, len(self.ratios), self.comm.world)
+        except ValueError as e:
+            refused = f"reshard: {e}"
+        if refused is None and any(p.grad is not None for p in self.params.values()):
+            refused = "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))"
+        every = gather_or_refuse(ratios, refused, self.comm)
+        bad = [r for r, other in enumerate(every) if other != every[0]]
+        if bad:
+            raise ValueError(f"reshard: ranks {bad} were given other ratios than rank 0's {every[0]}")
         sharded = [(name, p, seg) for name, (p, seg) in self.stored.items() if p.is_shard]
         old = {name: self.sizes(name, p, seg) for name, p, seg in sharded}
         old_ratios, self.ratios = self.ratios, ratios
