@@ -326,6 +326,43 @@ def test_state_dict_whole_and_through_dcp(tmp_path):
         assert got["lenient"] == [["bn.running_var"], []]
 
 
+class WithIdleHead(torch.nn.Module):
+    """A head the training loss never reads (a pooler, say): the graph has no node for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        return ((self.fc(x) - y) ** 2).mean()
+
+
+def idle_head(rank, world):
+    torch.manual_seed(0)
+    inputs = (torch.randn(10, 8), torch.randn(10, 8))
+    dmodel = hap.HAP(WithIdleHead(), hap.load_cluster(CLUSTERS[world]), inputs)
+    torch.manual_seed(1)
+    pretrained = WithIdleHead().state_dict()
+    out = {"keys": dmodel.load_state_dict(pretrained)}
+    out["equal"] = {k: torch.equal(v, pretrained[k]) for k, v in dmodel.full_state_dict().items()}
+    try:
+        dmodel.load_state_dict({**pretrained, "head.weight": torch.zeros(3, 9)})
+    except ValueError as e:
+        out["misshapen"] = str(e)
+    out["untouched"] = torch.equal(dmodel.full_state_dict()["head.weight"], pretrained["head.weight"])
+    return out
+
+
+def test_a_state_dict_loads_what_the_forward_never_reads(tmp_path):
+    """The head's loaded values stayed behind (the initial ones came back from full_state_dict,
+    and with no key reported missing or unexpected)."""
+    for got in run_ranks(idle_head, 2, tmp_path):
+        assert got["keys"] == [[], []]
+        assert got["equal"] == {k: True for k in ("fc.weight", "fc.bias", "head.weight", "head.bias")}
+        assert got["misshapen"] == "'head.weight' is (3, 9) in the state dict but (3, 8) in the model"
+        assert got["untouched"]
+
+
 class WithScratchBuffer(torch.nn.Module):
     """A buffer registered with persistent=False: state dicts leave it out, as torch's do."""
 

@@ -102,12 +102,23 @@ def load_state_dict(dmodel, state: dict[str, Any], strict: bool = True) -> Loade
     missing = sorted(graph.tensors[name].target for name in set(_persistent(dmodel)) - set(parts))
     if missing and strict:
         raise ValueError(f"the state dict has no {missing[0]!r}, which the model needs")
+    # what the forward never reads (a head the loss does not use) stays in the model hap wrapped,
+    # whole, where full_state_dict reads it
+    original = dmodel.model.state_dict()
+    idle = {key: value for key, value in state.items()
+            if key in original and key not in leaf_of and dmodel._state_keys.get(key) not in parts}
+    for key, value in idle.items():
+        if not isinstance(value, torch.Tensor) or value.shape != original[key].shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{key!r} is {shape} in the state dict but {tuple(original[key].shape)} in the model")
     with torch.no_grad():
         for name, part in parts.items():
             if name in ex.params:
                 ex.params[name].copy_(part)
             else:
                 ex.buffers[name] = part.clone()  # replaced, as a forward does
+        for key, value in idle.items():
+            original[key].copy_(value)
     return LoadedKeys(missing, unknown)
 
 
