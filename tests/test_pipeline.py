@@ -463,6 +463,60 @@ def checkpointed(rank, world, layout, directory, first, last, setup="tied"):
     return {"state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}}
 
 
+def stage_rates(rank, world, directory, phase, stage_names=None):
+    """Phase "pipeline": stage 0 trains at lr 0.1, stage 1 at 0.01 (group 0 of each stage's
+    optimizer), saves, and loads into a fresh pipeline. Phase "dp": hap.HAP loads it into one
+    group (refused) and into a group per stage (each its stage's rate)."""
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+    from hap.runtime import checkpoint
+
+    model, batches = _vit_setup()
+    if phase == "pipeline":
+        cut = len(capture(model, batches[0]).nodes) // 2
+        pipe = _pipeline(model, batches, world, [cut], [[0], [1]], [[1.0], [1.0]], 2)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1 if rank == 0 else 0.01, momentum=0.9)
+        pipe.train_step(*batches[0])
+        opt.step()
+        checkpoint.save(pipe, opt, directory, 1)
+        again = _pipeline(model, batches, world, [cut], [[0], [1]], [[1.0], [1.0]], 2)
+        fresh = torch.optim.SGD(again.parameters(), lr=0.5, momentum=0.9)
+        checkpoint.load(again, fresh, directory)
+        return {"lr": fresh.param_groups[0]["lr"], "names": [n for n, _ in pipe.named_parameters()]}
+    cluster = local_cluster((1.0,) * world, "local")
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(capture(model, batches[0]), cluster, "dp-ev"))
+    out = {}
+    try:
+        checkpoint.load(dmodel, torch.optim.SGD(dmodel.parameters(), lr=0.5), directory)
+    except ValueError as e:
+        out["one group"] = str(e).split(": ", 1)[1]
+    first = [p for n, p in dmodel.named_parameters() if n in stage_names[0]]
+    rest = [p for n, p in dmodel.named_parameters() if n not in stage_names[0]]
+    opt = torch.optim.SGD([{"params": first}, {"params": rest}], lr=0.5, momentum=0.9)
+    checkpoint.load(dmodel, opt, directory)
+    out["lr"] = [g["lr"] for g in opt.param_groups]
+    return out
+
+
+def test_each_stage_resumes_with_its_own_optimizer_settings(tmp_path):
+    """A checkpoint recorded group i's settings from the first rank that had one, so every stage
+    resumed at stage 0's learning rate (as did a move of the pipeline's rebalancer). Under data
+    parallelism the stages' parameters take a group each, as they were; one group for all would
+    give some of them another rate, and is refused in one line."""
+    directory = str(tmp_path / "ckpt")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    piped = run_ranks(stage_rates, 2, tmp_path / "a", directory, "pipeline")
+    assert [got["lr"] for got in piped] == [0.1, 0.01]
+    names = [got["names"] for got in piped]
+    assert names[0] and names[1] and not set(names[0]) & set(names[1])
+    for got in run_ranks(stage_rates, 2, tmp_path / "b", directory, "dp", [names[0]]):
+        assert got["one group"].startswith("parameter group 0 holds ") and " saved with lr " in got["one group"]
+        assert got["lr"] == [0.1, 0.01]
+
+
 PIPE_3 = ([[0], [1, 2]], [[1.0], [0.4, 0.6]], 2)  # stage 1 on two ranks at 40/60
 PIPE_2 = ([[0], [1]], [[1.0], [1.0]], 5)
 

@@ -258,6 +258,12 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
             raise ValueError(f"checkpoint {path} holds the state of optimizer class {saved_kind}, not {kind} "
                              f"(to start {kind} afresh, load the model alone: load(dmodel, None, ...))")
         _check_groups(groups, objects["optim/param_groups"], path)
+    hyper, refused = None, None
+    try:
+        hyper = _loaded_hyper(dmodel, opt, objects["optim/param_groups"]) if opt is not None else None
+    except ValueError as e:  # told to every rank before anything loads
+        refused = f"checkpoint {path}: {e}"
+    gather_or_refuse(None, refused, comm)
     if extra == "extra_pickle":
         objects["extra"] = pickle.loads(objects.pop(extra))
     rng = torch.empty_like(torch.get_rng_state())
@@ -268,7 +274,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
             ex.buffers[name] = held[f"model/{graph.tensors[name].target}"][1]  # replaced, as a forward does
     if opt is not None:
         values = {**{item: local for item, (_, local) in held.items()}, **objects}
-        opt.load_state_dict(_torch_optimizer_state(dmodel, opt, values, objects["optim/param_groups"]))
+        opt.load_state_dict(_torch_optimizer_state(dmodel, opt, values, hyper))
     torch.set_rng_state(rng)
     return objects["step"], objects["extra"]
 
@@ -515,31 +521,71 @@ def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> tuple[str | None
     for _, ranks_groups in every:
         for i, (hyper, keys) in enumerate(ranks_groups):
             if i == len(groups):
-                groups.append({**hyper, "params": []})
-            groups[i]["params"] += [key for key in keys if key not in groups[i]["params"]]
+                groups.append({**hyper, "params": [], "hyper_of": {}})
+            new = [key for key in keys if key not in groups[i]["params"]]
+            groups[i]["params"] += new
+            if not _same_hyper(hyper, _hyper(groups[i])):  # group i of another stage, set otherwise
+                groups[i]["hyper_of"].update({key: hyper for key in new})
     return (kinds[0] if kinds else None), groups
 
 
+def _hyper(group: dict, key: str | None = None) -> dict:
+    """A recorded group's hyper-parameters, or those its parameter `key` was trained with (a
+    pipeline stage's group i may be set otherwise than another's: `hyper_of`)."""
+    own = group.get("hyper_of", {})
+    if key is not None and key in own:
+        return own[key]
+    return {k: v for k, v in group.items() if k not in ("params", "hyper_of")}
+
+
+def _same_hyper(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else
+        (not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and x == y)
+        for x, y in ((a[k], b[k]) for k in a))
+
+
+def _loaded_hyper(dmodel, opt: torch.optim.Optimizer, saved: list[dict]) -> list[dict]:
+    """Per group of this rank's optimizer, the hyper-parameters its parameters were saved
+    with; a ValueError where one group holds parameters saved with different ones."""
+    group_of = {key: group for group in saved for key in group["params"]}
+    out = []
+    for i, params in enumerate(_opt_params(dmodel, opt)):
+        found: list[tuple[str, dict]] = []
+        for _, key, _ in params:
+            hyper = _hyper(group_of[key], key)
+            if not any(_same_hyper(hyper, h) for _, h in found):
+                found.append((key, hyper))
+        if len(found) > 1:
+            (a, ha), (b, hb) = found[:2]
+            differ = next(k for k in sorted(ha.keys() | hb.keys()) if not _same_hyper({k: ha.get(k)}, {k: hb.get(k)}))
+            raise ValueError(f"parameter group {i} holds {a!r} and {b!r}, saved with {differ} {ha.get(differ)!r} and "
+                             f"{hb.get(differ)!r}: give them groups of their own, as they were")
+        out.append(found[0][1] if found else {k: v for k, v in opt.param_groups[i].items() if k != "params"})
+    return out
+
+
 def _check_groups(groups: list[dict], saved: list[dict], path: str) -> None:
-    """The optimizers' parameter groups (over all ranks) must hold the parameters the checkpoint's do."""
-    if len(saved) != len(groups):
-        raise ValueError(f"the optimizer has {len(groups)} parameter groups, checkpoint {path} {len(saved)}")
-    for i, (group, old) in enumerate(zip(groups, saved)):
-        differ = sorted(set(group["params"]) ^ set(old["params"]))
-        if differ:
-            raise ValueError(f"parameter group {i} of the optimizer and of checkpoint {path} differ in {differ[0]!r}")
+    """The optimizers (over all ranks) must hold the parameters the checkpoint's do; their
+    groups may differ where each holds parameters saved alike (_loaded_hyper)."""
+    mine = {key for group in groups for key in group["params"]}
+    theirs = {key for group in saved for key in group["params"]}
+    differ = sorted(mine ^ theirs)
+    if differ:
+        where = "the optimizer" if differ[0] in mine else f"checkpoint {path}"
+        raise ValueError(f"{differ[0]!r} is in {where}'s parameter groups alone")
 
 
-def _torch_optimizer_state(dmodel, opt: torch.optim.Optimizer, values: dict[str, Any], saved: list[dict]) -> dict:
+def _torch_optimizer_state(dmodel, opt: torch.optim.Optimizer, values: dict[str, Any], hyper: list[dict]) -> dict:
     """The loaded optimizer state as torch's Optimizer.load_state_dict takes it: parameters
-    numbered in this optimizer's order, hyper-parameters from the checkpoint's groups."""
+    numbered in this optimizer's order, hyper-parameters per group as saved (_loaded_hyper)."""
     by_key: dict[str, dict[str, Any]] = {}
     for item, v in values.items():
         if item.startswith(_STATE):
             key, _, name = item.removeprefix(_STATE).rpartition("/")
             by_key.setdefault(key, {})[name] = v
     groups, state, index = [], {}, 0
-    for params, old in zip(_opt_params(dmodel, opt), saved):
+    for params, old in zip(_opt_params(dmodel, opt), hyper):
         groups.append({**old, "params": list(range(index, index + len(params)))})
         for _, key, _ in params:
             if key in by_key:
