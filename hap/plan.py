@@ -477,7 +477,7 @@ class Plan:
 
 def check_sync(sync: list[SyncEntry], devices: int) -> None:
     """ValueError, in one line, for sync entries the runtime cannot run: a device out of range, a
-    server outside its group, a compressor on a parameter server, a bucket whose entries
+    server outside its group, a compressor on a parameter server or a hierarchical all-reduce, a bucket whose entries
     disagree on how they are synchronized, a sparse gradient split, compressed or sharing its
     bucket, a parameter whose parts overlap or leave gaps."""
     how: dict[int, tuple] = {}
@@ -493,6 +493,9 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
             raise ValueError(f"sync of {e.param}: devices must be device numbers, got {list(e.devices)}")
         if not isinstance(e.low_rank, int) or isinstance(e.low_rank, bool):
             raise ValueError(f"sync of {e.param}: PowerSGD rank must be an integer, got {e.low_rank!r}")
+        for flag in ("hierarchical", "sparse"):
+            if not isinstance(getattr(e, flag), bool):
+                raise ValueError(f"sync of {e.param}: {flag} must be true or false, got {getattr(e, flag)!r}")
         if e.server is not None and (not isinstance(e.server, int) or isinstance(e.server, bool)):
             raise ValueError(f"sync of {e.param}: parameter server must be a device number, got {e.server!r}")
         if e.rows is not None and (len(e.rows) != 2 or not all(isinstance(x, int) and x >= 0 for x in e.rows)):
@@ -505,6 +508,9 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
             raise ValueError(f"sync of {e.param}: a server is named but the strategy is {e.strategy}")
         if e.compressor != "none" and e.strategy != "all_reduce":
             raise ValueError(f"sync of {e.param}: compressor {e.compressor} runs with all_reduce only, not {e.strategy}")
+        if e.compressor != "none" and e.hierarchical:  # the rooted reduction sends gradients as they are
+            raise ValueError(f"sync of {e.param}: compressor {e.compressor} runs with a flat all_reduce only, not "
+                             "a hierarchical one")
         if e.low_rank < 1:
             raise ValueError(f"sync of {e.param}: PowerSGD rank must be at least 1, got {e.low_rank}")
         if e.sparse and (e.rows is not None or e.compressor != "none" or e.hierarchical):

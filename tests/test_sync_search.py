@@ -106,6 +106,10 @@ def test_strategy_round_trips_and_prints(setting):
     (dict(low_rank="2", compressor="powersgd"), "PowerSGD rank must be an integer, got '2'"),
     (dict(strategy=PS, server="1"), "parameter server must be a device number, got '1'"),
     (dict(rows=(0,)), r"rows must be \[start, length\], got \[0\]"),
+    # the rooted reduction sent the gradient uncompressed, priced compressed
+    (dict(compressor="powersgd", hierarchical=True), "compressor powersgd runs with a flat all_reduce only"),
+    (dict(hierarchical="false"), "hierarchical must be true or false, got 'false'"),  # it ran hierarchical
+    (dict(sparse="false"), "sparse must be true or false, got 'false'"),
 ])
 def test_bad_sync_entries_get_one_line(entry, message):
     e = SyncEntry(**{"param": "w", "bucket": 0, "devices": (0, 1, 2), **entry})
@@ -413,10 +417,23 @@ def test_sparse_rows_pack_and_unpack_exactly(dtype, rows):
     ("local", 1.5, r"AutoSyncConfig.local must be in \[0, 1\], got 1.5"),
     ("confirm", -1, "AutoSyncConfig.confirm must be at least 0, got -1"),
     ("min_timed_seconds", -0.1, "AutoSyncConfig.min_timed_seconds must be at least 0, got -0.1"),
+    # these failed only after the baselines or 10 trials had run
+    ("horovod_samples", 0, "AutoSyncConfig.horovod_samples must be at least 1, got 0"),
+    ("simulator", "lstm", r"AutoSyncConfig.simulator must be one of \('rnn', 'gat', 'linear'\), got 'lstm'"),
+    ("similarity", "cosine", r"AutoSyncConfig.similarity must be one of \('choices', 'embedding'\), got 'cosine'"),
+    ("epochs", 0, "AutoSyncConfig.epochs must be at least 1, got 0"),
+    ("alpha", -5.0, "AutoSyncConfig.alpha must be at least 0, got -5.0"),
 ])
 def test_bad_autosync_config_gets_one_line(field, value, message):
     with pytest.raises(ValueError, match=message):
         AutoSyncConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("part_bytes", 0), ("max_groups", 0), ("max_parts", -3), ("low_rank", 0)])
+def test_bad_space_config_gets_one_line(field, value):
+    """part_bytes 0 divided by zero and max_groups 0 drew from an empty range; max_parts -3 was taken."""
+    with pytest.raises(ValueError, match=rf"^SpaceConfig.{field} must be an integer at least 1, got {value}$"):
+        SpaceConfig(**{field: value})
 
 
 # -- the trial log ----------------------------------------------------------------------------------

@@ -305,6 +305,12 @@ class _Synchronizer:
             part.grad().copy_(piece.view_as(part.grad()))
 
 
+def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """The Q of p's QR, in p's dtype: computed in float32 at least (torch has no QR of
+    bfloat16 or float16, on CPU or CUDA)."""
+    return torch.linalg.qr(p.to(torch.promote_types(p.dtype, torch.float32))).Q.to(p.dtype)
+
+
 def _synchronizer(e: SyncEntry, groups: Groups, bucket: int) -> _Synchronizer:
     world = tuple(range(groups.comm.world))
     if e.devices != world:
@@ -410,7 +416,7 @@ class _PowerSGD(_Synchronizer):
 
         def factor_q(msg):  # P summed: orthonormalize, then this rank's Q = M^T P^
             sizes = [m.shape[0] * self.r for m, _ in compressed]
-            p_hat = [torch.linalg.qr(p.view(m.shape[0], self.r)).Q for p, (m, _) in zip(msg[:sum(sizes)].split(sizes), compressed)]
+            p_hat = [_orthonormal(p.view(m.shape[0], self.r)) for p, (m, _) in zip(msg[:sum(sizes)].split(sizes), compressed)]
             q_local = [m.T @ p for (m, _), p in zip(compressed, p_hat)]
             state.update(p_hat=p_hat, q_local=q_local, plain_sum=msg[sum(sizes):].clone())
             return torch.cat([q.reshape(-1) for q in q_local]) if q_local else msg.new_zeros(0)

@@ -367,9 +367,11 @@ class HAP(nn.Module):
         machines = self.cluster.machines
         self.groups = _device_groups(plan, self.comm, Groups(self.comm, machines, {}).needed(sync), self.groups)
         _check_sync(plan, self.shards, self.executor)
+        # made before the old one goes: a refused one (a ValueError) leaves the old sync running
+        grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
         if self.grad_sync is not None:
             self.grad_sync.close()
-        self.grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
+        self.grad_sync = grad_sync
         if sync != self.plan.sync:  # priced with these entries from now on
             plan = priced(self.graph, self.cluster, dataclasses.replace(plan, search={**plan.search, "sync": "resync"}))
         self.plan = plan
@@ -750,6 +752,8 @@ def _check_sync(plan: Plan, shards, ex: Executor) -> None:
         if e.rows is not None:
             ends[e.param] = max(ends.get(e.param, 0), e.rows[0] + e.rows[1])
     for name, end in ends.items():
-        rows = shards[name].shape[0] if shards[name].dim() else 1
+        if not shards[name].dim():
+            raise ValueError(f"the plan syncs rows of {name}, a number: it has none (sync it whole)")
+        rows = shards[name].shape[0]
         if end != rows:
             raise ValueError(f"the plan syncs rows 0..{end} of {name}, which has {rows}")

@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, get_args
 
 import torch
 
@@ -48,6 +48,10 @@ from .strategy import SyncStrategy, Variables, with_strategy
 from .trials import TrialCluster, Workload
 
 
+SimulatorName = Literal["rnn", "gat", "linear"]
+SimilarityName = Literal["choices", "embedding"]
+
+
 @dataclass(kw_only=True, slots=True)
 class AutoSyncConfig:
     trials: int = 50
@@ -58,9 +62,9 @@ class AutoSyncConfig:
     """M: candidates sampled and predicted per round."""
     alpha: float = 0.1
     """Eq. 11's weight of similarity against the predicted time (normalized to the best)."""
-    simulator: Literal["rnn", "gat", "linear"] = "rnn"
+    simulator: SimulatorName = "rnn"
     """The learned simulator that ranks candidates once trained."""
-    similarity: Literal["choices", "embedding"] = "choices"
+    similarity: SimilarityName = "choices"
     """Eq. 11's similarity: shared choices, or the cosine of the simulator's hidden states."""
     learn_after: int = 10
     """Trials of this model and cluster before the learned simulator replaces hap's pricing."""
@@ -88,7 +92,12 @@ class AutoSyncConfig:
                                ("candidates", self.candidates >= 1, "at least 1"), ("local", 0 <= self.local <= 1, "in [0, 1]"),
                                ("parents", self.parents >= 1, "at least 1"), ("confirm", self.confirm >= 0, "at least 0"),
                                ("steps", self.steps >= 1, "at least 1"),
-                               ("min_timed_seconds", self.min_timed_seconds >= 0, "at least 0")):
+                               ("min_timed_seconds", self.min_timed_seconds >= 0, "at least 0"),
+                               ("alpha", self.alpha >= 0, "at least 0"), ("learn_after", self.learn_after >= 0, "at least 0"),
+                               ("epochs", self.epochs >= 1, "at least 1"),
+                               ("horovod_samples", self.horovod_samples >= 1, "at least 1"),
+                               ("simulator", self.simulator in get_args(SimulatorName), f"one of {get_args(SimulatorName)}"),
+                               ("similarity", self.similarity in get_args(SimilarityName), f"one of {get_args(SimilarityName)}")):
             if not ok:
                 raise ValueError(f"AutoSyncConfig.{name} must be {want}, got {getattr(self, name)!r}")
 

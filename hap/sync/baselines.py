@@ -76,6 +76,9 @@ def bayesian_optimization(measure: Callable[[Sequence[float]], float], bounds: S
     from sklearn.gaussian_process.kernels import Matern, WhiteKernel
     from scipy.stats import norm
 
+    if samples < 1 or initial < 0:
+        raise ValueError(f"bayesian_optimization needs at least 1 sample and no negative initial count, got "
+                         f"samples={samples}, initial={initial}")
     rng = random.Random(seed)
     lo = np.array([b[0] for b in bounds])
     hi = np.array([b[1] for b in bounds])

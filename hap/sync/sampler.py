@@ -42,6 +42,12 @@ class SpaceConfig:
     low_rank: int = 4
     """PowerSGD's rank, where it is tried."""
 
+    def __post_init__(self):
+        for name, least in (("max_parts", 1), ("part_bytes", 1), ("max_groups", 1), ("low_rank", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"SpaceConfig.{name} must be an integer at least {least}, got {value!r}")
+
 
 def bandwidths(variables: Variables, cost) -> list[float]:
     """Each device's network bandwidth (its machine's card): what c_lb balances by."""
