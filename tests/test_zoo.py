@@ -187,6 +187,23 @@ def test_language_models_are_data_parallel_and_pipeline(name):
     assert [st.devices for st in plan.stages] == [[0], [1]]
 
 
+def test_mixtral_with_per_token_experts_is_data_parallel_and_pipelines(tmp_path):
+    """Mixtral whose experts run token by token (transformers' "batched_mm": each token
+    repeated once per chosen expert, repeat_interleave) has a data-parallel program without
+    collectives on activations: it trains at 60/40 like one device, and pp-exact cuts it."""
+    from hap.pipeline.plan import exact_plan
+    from hap.planner import PlannerConfig
+    name = "mixtral-batched"
+    model, batches = zoo.build(name, 1)
+    graph = hap.capture(model, batches[0])
+    cluster = hap.load_cluster("local")
+    plan = baseline_plan(graph, cluster, "dp-cp", ratios=SKEW[2])
+    assert not [ms.tensor for st in plan.steps(graph) for ms in st.moves if ms.move.communicates]
+    assert [st.devices for st in exact_plan(graph, cluster, PlannerConfig(pipeline_stages=2)).stages] == [[0], [1]]
+    reports = run_ranks(train_ranks, 2, tmp_path, "local", [(name, "dp-skewed", plan.to_json())])[0]
+    compare(reports[f"{name}/dp-skewed"], train_reference(name))
+
+
 def test_a_model_without_a_data_parallel_program_is_refused_a_pipeline_naming_why():
     """Mixtral's routing (histc over the batch's tokens, a custom grouped matmul) has no
     data-parallel program: the pipeline planners say so, name the ops without a rule and the

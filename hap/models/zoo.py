@@ -71,10 +71,11 @@ def _llama(T, gen, steps):
     return LibraryModel(T.LlamaForCausalLM(cfg), ("input_ids", "labels")), _tokens(gen, steps)
 
 
-def _mixtral(T, gen, steps):
+def _mixtral(T, gen, steps, experts_implementation: str | None = None):
     cfg = T.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-                          max_position_embeddings=64)
+                          max_position_embeddings=64,
+                          **({"experts_implementation": experts_implementation} if experts_implementation else {}))
     return LibraryModel(T.MixtralForCausalLM(cfg), ("input_ids", "labels")), _tokens(gen, steps)
 
 
@@ -103,15 +104,20 @@ def _convnext(T, gen, steps):
 
 ZOO: dict[str, Callable] = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "mixtral": _mixtral, "t5": _t5,
                             "vit": _vit, "resnet": _resnet, "convnext": _convnext}
+VARIANTS: dict[str, Callable] = {
+    # each token times each of its experts, per token (transformers' "batched_mm" experts): data
+    # parallel, where the default sorts all the batch's tokens by expert
+    "mixtral-batched": lambda T, gen, steps: _mixtral(T, gen, steps, "batched_mm"),
+}
 
 
 def build(name: str, steps: int = 2, seed: int = 0) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
     """The model `name` (same weights for the same seed, in training mode) and `steps` batches."""
-    if name not in ZOO:
-        raise ValueError(f"unknown zoo model {name!r}; choose from {', '.join(ZOO)}")
+    if name not in ZOO and name not in VARIANTS:
+        raise ValueError(f"unknown zoo model {name!r}; choose from {', '.join([*ZOO, *VARIANTS])}")
     import transformers
 
     transformers.logging.set_verbosity_error()  # config notices about unused token ids
     torch.manual_seed(seed)
-    model, batches = ZOO[name](transformers, torch.Generator().manual_seed(seed), steps)
+    model, batches = {**ZOO, **VARIANTS}[name](transformers, torch.Generator().manual_seed(seed), steps)
     return model.train(), batches

@@ -164,6 +164,20 @@ def repeat(node: Node, graph: Graph) -> list[Strategy]:
     return along((k - lead, k) for k in range(lead, len(reps)) if reps[k] == 1) + [partial()]
 
 
+@_register_new("aten.repeat_interleave.self_int")
+def repeat_interleave(node: Node, graph: Graph) -> list[Strategy]:
+    # Each element k times in place along dim d (an int k): rows [a, b) of x become rows
+    # [k a, k b) of the output, so d shards alike too (its shard class splits both at the same
+    # granules: k times as many elements out), and the other dims are carried:
+    #     repeat_interleave(concat_j x_j, k, d) = concat_j repeat_interleave(x_j, k, d)
+    # Without a dim x is flattened first; a given output_size is the whole's (not a shard's).
+    rank = ndim(graph, node.inputs[0])
+    dim, size = arg(node, 2, "dim", None), arg(node, 3, "output_size", None)
+    if not isinstance(arg(node, 1, "repeats"), int) or size is not None or (dim is None and rank != 1):
+        return [partial()]
+    return along((k, k) for k in range(rank)) + [partial()]
+
+
 # ---------------------------------------------------------------------------------------------
 # Slicing and splitting: the dim worked along stays whole.
 
