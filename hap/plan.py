@@ -477,9 +477,10 @@ class Plan:
 
 def check_sync(sync: list[SyncEntry], devices: int) -> None:
     """ValueError, in one line, for sync entries the runtime cannot run: a device out of range, a
-    server outside its group, a compressor on a parameter server or a hierarchical all-reduce, a bucket whose entries
-    disagree on how they are synchronized, a sparse gradient split, compressed or sharing its
-    bucket, a parameter whose parts overlap or leave gaps."""
+    server outside its group, a compressor on a parameter server or a hierarchical all-reduce, a
+    bucket whose entries disagree on how they are synchronized, a sparse gradient split,
+    compressed or sharing its bucket, a parameter whose parts overlap or leave gaps, a flag that
+    is not a boolean."""
     how: dict[int, tuple] = {}
     parts: dict[str, list[tuple[int, int] | None]] = {}
     for e in sync:

@@ -14,8 +14,8 @@ micro-batch pays it), acc_i adding a micro-batch's gradients into those held, in
 collectives nodes make inside themselves over G_k (a synchronized batch norm's sums), and send_k the
 transfer of what crosses the cut after stage k, forward and (what needs a gradient) back:
 split rows between pairs of devices at once (the slowest link decides), replicated tensors
-whole, every micro-batch, from one device to each device of the next group. An iteration of M micro-batches (GPipe or 1F1B: the same bubble) then
-takes
+whole, every micro-batch, from one device to each device of the next group. An iteration of M
+micro-batches (GPipe or 1F1B: the same bubble) then takes
 
     L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + step_collectives
 

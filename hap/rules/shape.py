@@ -337,7 +337,6 @@ def index(node: Node, graph: Graph) -> list[Strategy]:
     return sts + [Strategy((P,) + (R,) * n_idx, (P,), "partial")]
 
 
-
 @_register_new("aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format",
                "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
                "aten.new_empty.default", "aten.arange.default", "aten.arange.start", "aten.arange.start_step")

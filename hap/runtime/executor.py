@@ -320,7 +320,7 @@ class Executor:
             refused = f"reshard: {e}"
         if refused is None and any(p.grad is not None for p in self.params.values()):
             refused = "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))"
-        every = gather_or_refuse(ratios, refused, self.comm)
+        every = gather_or_refuse(ratios if refused is None else None, refused, self.comm)
         bad = [r for r, other in enumerate(every) if other != every[0]]
         if bad:
             raise ValueError(f"reshard: ranks {bad} were given other ratios than rank 0's {every[0]}")
