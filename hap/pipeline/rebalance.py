@@ -108,7 +108,9 @@ class Rebalancer:
 
     def end_step(self) -> dict:
         """Measure the step; re-plan or move when it is time. Returns this step's record (the
-        same `moved` on every rank)."""
+        same `moved` on every rank). After a move `reb.opt` is another optimizer, over the new
+        stage's parameters, with the state and settings of the old: a learning-rate scheduler
+        or hook made over the old one stays with it (make it again where `moved` is set)."""
         seconds = time.perf_counter() - self._t0
         mine = torch.tensor([self.pipe.last_step["compute"]], dtype=torch.float64)
         found = [torch.zeros_like(mine) for _ in range(self.comm.world)]
