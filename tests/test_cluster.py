@@ -72,6 +72,13 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: [{flops: 1e-300, memory: 1GiB}]", r"devices\[0\] \(device0\) flops of 1e-300 is out of range"),
     (f"{TWO}\nnetwork: {{bandwidth: 10, latency: 30us}}", r"network.bandwidth of 10 with no unit; give one \(say 10Gbps\)$"),
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: 30}}", r"network.latency of 30 with no unit; give one \(say 30us\)$"),
+    # each was read as bytes/s or seconds: estimates of hours per step
+    ("devices: [{flops: 1, memory: 1GiB, gpus: 4, intra_bandwidth: 10}]",
+     r"devices\[0\] \(device0\) intra_bandwidth of 10 with no unit; give one \(say 100GB/s\)$"),
+    ("devices: [{flops: 1, memory: 1GiB, mem_bandwidth: 900}]", r"mem_bandwidth of 900 with no unit"),
+    ("devices: [{flops: 1, memory: 1GiB, op_overhead: 10}]", r"op_overhead of 10 with no unit; give one \(say 10us\)$"),
+    (f"{TWO}\ncollectives: {{all_reduce: {{alpha: 5, beta: 1e9}}}}", r"collectives.all_reduce.alpha of 5 with no unit"),
+    (f"{TWO}\ncollectives: {{all_reduce: {{alpha: 5us, beta: 10}}}}", r"collectives.all_reduce.beta of 10 with no unit"),
     ("devices: [{flops: 1, memory: 16Gb}]", r"devices\[0\].memory: cannot read '16Gb' \(a number, or a number with a unit: B, kB,"),
     (f"{TWO}\nmachines: [{{name: m, nic: {{bandwidth: 1Gbps}}}}, {{name: m, nic: {{bandwidth: 1Gbps}}}}]",
      r"machines\[1\]: machine name 'm' is given twice$"),

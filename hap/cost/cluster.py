@@ -329,6 +329,9 @@ def _parse_device(spec, i: int) -> list[Device]:
     for key, v in (("count", count), ("gpus", gpus)):
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_DEVICES:
             raise ClusterError(f"{where} ({name}): {key} must be an integer from 1 to {MAX_DEVICES}, got {v!r}")
+    for key, plausible, example in (("intra_bandwidth", BARE_BANDWIDTH, "100GB/s"), ("mem_bandwidth", BARE_BANDWIDTH, "900GB/s"),
+                                    ("op_overhead", BARE_LATENCY, "10us")):
+        _given_unit(spec.get(key, 0), f"{where} ({name}) {key}", plausible, example)
     dev = Device(
         name=name,
         flops=_positive(_quantity(spec["flops"], _FLOP_UNITS, f"{where}.flops"), f"{where} ({name}) flops"),
@@ -404,6 +407,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
             raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
         if not isinstance(f, dict) or set(f) != {"alpha", "beta"}:
             raise ClusterError(f"collectives.{key}: expected {{alpha: seconds, beta: bytes/s}}, got {f!r}")
+        _given_unit(f["alpha"], f"collectives.{key}.alpha", BARE_LATENCY, "30us")
+        _given_unit(f["beta"], f"collectives.{key}.beta", BARE_BANDWIDTH, "10Gbps")
         fits[key] = Fit(alpha=_positive(_quantity(f["alpha"], _TIME_UNITS, f"collectives.{key}.alpha"), f"{key} alpha", allow_zero=True),
                         beta=_positive(_quantity(f["beta"], _RATE_UNITS, f"collectives.{key}.beta"), f"{key} beta"))
     missing = [k for k in COLLECTIVES if k not in fits]
