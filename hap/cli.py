@@ -16,6 +16,7 @@ Bad input gets one line on stderr naming the problem and exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -252,6 +253,7 @@ def cmd_train(args) -> int:
     if args.plan is not None:
         result = _plan_file(args.plan, cluster)
         _check_plan_fits(args.plan, result, graph)
+        result = _priced_here(args.plan, result, graph, cluster, say)
         planner = f"the plan in {args.plan}"
     else:
         try:
@@ -322,6 +324,30 @@ def _plan_file(path: str, cluster):
     if len(plan.devices) != cluster.size:
         raise UserError(f"--plan {path} is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
     return plan
+
+
+def _priced_here(path: str, plan, graph, cluster, say):
+    """The plan priced on the cluster it is about to run on (it may have been made for another
+    of the same size, or its shares or groups edited since): the summary and the measured
+    over estimated ratio then speak of this run."""
+    import dataclasses
+
+    from .planner import priced
+
+    try:
+        here = priced(graph, cluster, dataclasses.replace(plan, cluster=cluster.to_dict(),
+                                                          devices=[d.name for d in cluster.devices]))
+    except ValueError as e:
+        raise UserError(f"--plan {path}: {e}") from None
+    made_for = plan.cluster.get("name") if isinstance(plan.cluster, dict) else None
+    old, new = plan.estimated_iteration_seconds, here.estimated_iteration_seconds
+    if made_for != cluster.name:
+        say(f"--plan {path} was made for cluster {made_for!r}; priced on {cluster.name!r}: "
+            f"{new * 1e3:.2f} ms per iteration (it said {old * 1e3:.2f} ms)")
+    elif not math.isclose(old, new, rel_tol=1e-6):
+        say(f"--plan {path} says {old * 1e3:.2f} ms per iteration, priced again {new * 1e3:.2f} ms "
+            "(edited since it was planned?): training with the price of it as it is")
+    return here
 
 
 def cmd_sync(args) -> int:

@@ -430,7 +430,12 @@ def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig |
 def priced(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Plan:
     """`plan` with its estimate (seconds, breakdown, timeline, memory) priced again, as
     `estimate` prices it; a plan whose sync entries came from elsewhere than its program's
-    buckets (plan.search["sync"]: `hap sync`, `resync`) with them, as sync.price prices them."""
+    buckets (plan.search["sync"]: `hap sync`, `resync`) with them, as sync.price prices them; a
+    pipeline's by its pricer (pipeline.plan.priced_pipeline)."""
+    if len(plan.stages) > 1:
+        from .pipeline.plan import priced_pipeline  # (the pipeline plans with the planner)
+
+        return priced_pipeline(graph, cluster, plan, config)
     cost, est = replayed(graph, cluster, plan, config)
     plan = dataclasses.replace(plan, estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
                                timeline=timeline(est), memory_bytes=list(est.memory))

@@ -188,6 +188,21 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
                      refused(tmp_path / "short.json"))
 
 
+def test_a_plan_file_is_priced_on_the_cluster_it_trains_on(tmp_path, capfd):
+    """A plan made for local-homo trained on local (same size, rank 1 three times slower): its
+    summary and the measured over estimated ratio spoke of local-homo (2.2 ms, where local
+    prices it at 7.5)."""
+    small = ["--model", "vit", "--scale", "small"]
+    assert main(["plan", *small, "--cluster", "local-homo", "--quiet", "--json", str(tmp_path / "p.json")]) == 0
+    capfd.readouterr()
+    assert main(["train", *small, "--cluster", "local", "--steps", "1", "--plan", str(tmp_path / "p.json")]) == 0
+    out = "".join(capfd.readouterr())
+    found = re.search(r"was made for cluster 'local-homo'; priced on 'local': ([\d.]+) ms per iteration "
+                      r"\(it said ([\d.]+) ms\)", out)
+    assert found and float(found[1]) > 2 * float(found[2])
+    assert f"estimated iteration {float(found[1]):.1f} ms" in out
+
+
 def test_profile_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
     # each torchrun process started its own local ranks, which hung on torchrun's rendezvous
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")

@@ -273,3 +273,26 @@ def test_group_layouts_of_32_devices_in_8_stages_are_found_without_listing_them_
     # uniform speeds: after the equal groups, sizes of 3 to 5 (5/3, the least spread of any
     # other), the least list of sizes first: four 3s, then the 20 devices left in four 5s
     assert [len(g) for g in partition.group_layouts([1.0] * 32, 8)[1]] == [3, 3, 3, 3, 5, 5, 5, 5]
+
+
+def test_a_pipeline_plan_priced_again_is_its_estimate_until_edited():
+    """planner.priced prices a pipeline by its pricer (it replayed the stages' programs as one
+    data-parallel program): the plan as planned prices to its own estimate; its groups swapped
+    (the slow device's stage on the fast one) price otherwise."""
+    import dataclasses
+
+    import hap
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import exact_plan
+    from hap.planner import PlannerConfig, priced
+    from test_pipeline import _vit_setup
+    model, batches = _vit_setup()
+    graph, cluster = hap.capture(model, batches[0]), local_cluster((1.0, 3.0), "local")
+    plan = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=2))
+    again = priced(graph, cluster, plan)
+    assert again.estimated_iteration_seconds == pytest.approx(plan.estimated_iteration_seconds, rel=1e-12)
+    assert again.timeline == plan.timeline and again.memory_bytes == plan.memory_bytes
+    swapped = dataclasses.replace(plan, stages=[dataclasses.replace(st, devices=other.devices)
+                                                for st, other in zip(plan.stages, plan.stages[::-1])])
+    assert priced(graph, cluster, swapped).estimated_iteration_seconds > 1.2 * plan.estimated_iteration_seconds
+

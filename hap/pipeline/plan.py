@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -117,12 +118,29 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
     est = space.pricer.estimate(cuts, groups, ratios, M, config.schedule)
     return Plan(model=graph.model_name, cluster=space.cluster.to_dict(), devices=[d.name for d in space.cluster.devices],
                 stages=stages, sync=sync, schedule=Schedule(name=config.schedule, micro_batches=M),
-                estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M, space.pricer.step_collectives),
+                baselines={}, synthesis_seconds=seconds,
+                replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search,
+                **_estimated(est, M, space.pricer.step_collectives))
+
+
+def _estimated(est: PipelineEstimate, M: int, step_collectives: float) -> dict:
+    """A pipeline Plan's fields that state its estimate."""
+    return dict(estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M, step_collectives),
                 timeline={"pipeline": {"stage_seconds": list(est.stage_seconds), "fwd": list(est.fwd), "bwd": list(est.bwd),
                                        "send": list(est.send), "send_back": list(est.send_back), "sync": list(est.sync),
                                        "simulated": est.simulated}},
-                memory_bytes=list(est.memory), baselines={}, synthesis_seconds=seconds,
-                replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search)
+                memory_bytes=list(est.memory))
+
+
+def priced_pipeline(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Plan:
+    """A pipeline plan (its cuts, groups, shares, micro-batches and schedule as they are)
+    priced again on `cluster`, as planning it there prices it (planner.priced's pipeline half)."""
+    M, schedule = plan.schedule.micro_batches, plan.schedule.name
+    config = PlannerConfig(optimizer=(config or PlannerConfig()).optimizer, micro_batches=M, schedule=schedule)
+    space = PipelineSpace(graph, cluster, config)
+    est = space.pricer.estimate([st.nodes[0] for st in plan.stages[1:]], [st.devices for st in plan.stages],
+                                [st.ratios[0] for st in plan.stages], M, schedule)
+    return dataclasses.replace(plan, **_estimated(est, M, space.pricer.step_collectives))
 
 
 def breakdown(est: PipelineEstimate, M: int, step_collectives: float) -> dict[str, float]:
@@ -133,7 +151,7 @@ def breakdown(est: PipelineEstimate, M: int, step_collectives: float) -> dict[st
     busy = sum(est.stage_seconds)
     steady = (M - 1) * max(est.stage_seconds)
     return {"pipeline_fill_and_drain": busy, "pipeline_steady": steady,
-            "gradient_sync": est.seconds - busy - steady - step_collectives,
+            "gradient_sync": max(0.0, est.seconds - busy - steady - step_collectives),  # (not -1e-19)
             "loss_and_rng_collectives": step_collectives}
 
 
