@@ -240,6 +240,9 @@ def cmd_train(args) -> int:
                         "`hap profile` wrote) or pass --emulate to run its devices here at this machine's speed")
     if not cluster.local:
         say(f"emulating {cluster.name}'s {cluster.size} devices as local processes at this machine's speed (--emulate)")
+    elif args.emulate:
+        say(f"--emulate does nothing here: cluster {cluster.name!r} is local (its slowdowns and emulated links run as "
+            "the file says)")
     # the ranks capture the real model, whose graph can differ from the meta one's (a contiguous
     # attention output on the CPU): a small model is captured for planning as they will
     graph = _build_graph(args, cluster.gpus, say, device=None if args.scale == "small" else "meta")

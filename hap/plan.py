@@ -417,6 +417,8 @@ class Plan:
                     + ")"),
                  f"  estimated iteration {self.estimated_iteration_seconds * 1e3:.1f} ms  ("
                  + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms" for k, v in self.breakdown.items()) + ")"]
+        if self.search.get("note"):
+            lines.append(f"  note: {self.search['note']}")
         for name, b in self.baselines.items():
             speedup = b["seconds"] / self.estimated_iteration_seconds if self.estimated_iteration_seconds else float("nan")
             lines.append(f"  {name:6s} {b['seconds'] * 1e3:9.1f} ms   hap is {speedup:.2f}x" + ("" if b.get("fits", True) else "  (does not fit in memory)"))

@@ -74,6 +74,28 @@ class PlannerConfig:
     layer searches cost more than the expansions they save (benchmarks/synthesis_time.py
     --layer-cuts compares)."""
 
+    def __post_init__(self):
+        from .cost.model import OPTIMIZER_STATES
+
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"PlannerConfig.optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+                             f"got {self.optimizer!r}")
+        for name in ("segments", "max_rounds"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"PlannerConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("pipeline_stages", "micro_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"PlannerConfig.{name} must be a non-negative integer (0: the planner's choice), "
+                                 f"got {getattr(self, name)!r}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"PlannerConfig.schedule must be gpipe or 1f1b, got {self.schedule!r}")
+
+    @property
+    def pipeline_asked(self) -> list[str]:
+        """The pipeline knobs given (those only the pipeline planners read)."""
+        return ([f for f in ("pipeline_stages", "micro_batches") if getattr(self, f)]
+                + (["schedule"] if self.schedule != "1f1b" else []))
+
 
 def _dp() -> Restriction:
     def allow_load(kind, name, p):
@@ -197,9 +219,16 @@ def _live_bytes(graph: Graph) -> list[float]:
 
 def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
          progress: Callable[[str], None] | None = None) -> Plan:
-    """Synthesize the fastest program and ratios for `graph` on `cluster`."""
+    """Synthesize the fastest program and ratios for `graph` on `cluster` (one stage: a
+    pipeline knob of `config` is a ValueError; hap.planners.make_plan("pp-exact", ...) reads them)."""
+    config = config or PlannerConfig()
+    if config.pipeline_asked:
+        raise ValueError(f"PlannerConfig.{config.pipeline_asked[0]} is for the pipeline planners "
+                         "(hap.planners.make_plan('pp-exact', ...)); hap.plan synthesizes one stage")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a hap Cluster (hap.load_cluster({cluster!r}), say), got {type(cluster).__name__}")
     with paused_gc():
-        return _plan(graph, cluster, config or PlannerConfig(), progress)
+        return _plan(graph, cluster, config, progress)
 
 
 def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Callable[[str], None] | None) -> Plan:

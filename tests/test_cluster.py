@@ -79,6 +79,9 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: [{flops: 1, memory: 1GiB, op_overhead: 10}]", r"op_overhead of 10 with no unit; give one \(say 10us\)$"),
     (f"{TWO}\ncollectives: {{all_reduce: {{alpha: 5, beta: 1e9}}}}", r"collectives.all_reduce.alpha of 5 with no unit"),
     (f"{TWO}\ncollectives: {{all_reduce: {{alpha: 5us, beta: 10}}}}", r"collectives.all_reduce.beta of 10 with no unit"),
+    (f"{TWO}\nnetwork: {{bandwidth: 1Gbps, emulate: true}}\ncollectives: {{all_reduce: {{alpha: 5us, beta: 1GB/s}}}}",
+     r"no cost for collective\(s\) all_gather, .*: with network.emulate, 'collectives' \(as measured under the "
+     r"emulation: hap profile writes them\) must give all of"),  # it said: give 'network' or 'collectives'
     ("devices: [{flops: 1, memory: 16Gb}]", r"devices\[0\].memory: cannot read '16Gb' \(a number, or a number with a unit: B, kB,"),
     (f"{TWO}\nmachines: [{{name: m, nic: {{bandwidth: 1Gbps}}}}, {{name: m, nic: {{bandwidth: 1Gbps}}}}]",
      r"machines\[1\]: machine name 'm' is given twice$"),

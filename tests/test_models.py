@@ -114,6 +114,17 @@ def test_paper_param_counts(name):
     assert n == pytest.approx(MODELS[name].paper_params_m, rel=1e-3)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_inputs_allocate_nothing_at_any_batch(name):
+    """On meta the inputs were drawn on the CPU first: `hap plan --batch 1000000000` asked for
+    3 TB and died with a traceback. Their shapes and dtypes are the CPU build's."""
+    _, huge = build(name, scale="small", batch=10**9, device="meta")
+    _, meta = build(name, scale="small", device="meta")
+    _, cpu = build(name, scale="small")
+    assert all(x.is_meta and x.shape[0] == 10**9 for x in huge)
+    assert [(x.shape, x.dtype) for x in meta] == [(x.shape, x.dtype) for x in cpu]
+
+
 def test_paper_shapes_and_batches():
     _, (img, lab) = build("vgg19", device="meta")
     assert tuple(img.shape) == (512, 3, 32, 32) and tuple(lab.shape) == (512,)

@@ -430,6 +430,23 @@ def test_freezing_or_unfreezing_a_parameter_after_wrapping_is_refused(tmp_path):
                                                           ("fc2.bias", "required grad", "is frozen"))]
 
 
+def unplannable(rank, world):
+    model, batches, _ = dropout_bn()
+    try:
+        hap.HAP(model, hap.load_cluster("local"), batches[0], config=hap.PlannerConfig(pipeline_stages=2))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_plan_rank_0_cannot_make_is_an_error_on_every_rank(tmp_path):
+    """Rank 0 plans; where it failed (here: a pipeline knob, which hap.plan used to ignore),
+    the other ranks waited for its plan until gloo timed out."""
+    ours = "PlannerConfig.pipeline_stages is for the pipeline planners (hap.planners.make_plan('pp-exact', ...)); " \
+           "hap.plan synthesizes one stage"
+    assert run_ranks(unplannable, 2, tmp_path) == [ours, f"rank 0 could not plan: ValueError: {ours}"]
+
+
 def optimizer_over_the_model(rank, world):
     model, batches, _ = dropout_bn()
     dmodel = skewed(model, batches[0])

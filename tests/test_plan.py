@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -453,6 +454,31 @@ def test_where_replicas_do_not_fit_the_planners_shard_or_say_why():
     assert len(kept.stages) == 1 and set(kept.search["auto"]) == {"astar", "pp-exact"}
     assert said[-1] == ("auto: kept astar's plan, faster than the pipeline --pipeline-stages/--micro-batches asked "
                         "for (plan with --planner pp-exact for that pipeline)")
+    assert f"  note: {said[-1]}" in kept.summary().splitlines()  # said under --quiet too
+
+
+def test_a_knob_a_planner_does_not_read_is_refused():
+    """make_plan and hap.plan ignored a pipeline knob given to astar (one stage, silently), or
+    segments given to a pipeline planner; PlannerConfig took an unknown optimizer (a KeyError
+    in the cost model) and hap.plan a cluster's name (an AttributeError)."""
+    from hap.planners import make_plan
+    graph = capture(BigMLP(), (torch.randn(12, 256), torch.randint(0, 8, (12,))))
+    cluster = load_cluster("local")
+    for name, config, message in (
+            ("astar", PlannerConfig(pipeline_stages=2), "PlannerConfig.pipeline_stages is for the planners pp-exact, "
+                                                        "dqn, auto, not astar"),
+            ("dp-ev", PlannerConfig(schedule="gpipe"), "PlannerConfig.schedule is for the planners pp-exact, dqn, auto"),
+            ("pp-exact", PlannerConfig(segments=3), "PlannerConfig.segments is for the planners astar, auto, not pp-exact")):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            make_plan(name, graph, cluster, config)
+    with pytest.raises(ValueError, match=r"^PlannerConfig.micro_batches is for the pipeline planners"):
+        plan(graph, cluster, PlannerConfig(micro_batches=4))
+    with pytest.raises(TypeError, match=r"^cluster must be a hap Cluster \(hap.load_cluster\('local'\), say\), got str$"):
+        plan(graph, "local")
+    with pytest.raises(ValueError, match=r"^PlannerConfig.optimizer must be one of adam, momentum, sgd, got 'lamb'$"):
+        PlannerConfig(optimizer="lamb")
+    with pytest.raises(ValueError, match=r"^PlannerConfig.segments must be a positive integer, got 0$"):
+        PlannerConfig(segments=0)
 
 
 def test_a_frozen_parameter_holds_no_gradient_or_optimizer_state():

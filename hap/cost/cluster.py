@@ -413,6 +413,10 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
                         beta=_positive(_quantity(f["beta"], _RATE_UNITS, f"collectives.{key}.beta"), f"{key} beta"))
     missing = [k for k in COLLECTIVES if k not in fits]
     if missing and len(devices) > 1:
+        if emulated is not None and "collectives" in spec:  # the network's fits are then not used
+            raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: with network.emulate, 'collectives' "
+                               f"(as measured under the emulation: hap profile writes them) must give all of "
+                               f"{', '.join(COLLECTIVES)}")
         raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: give 'network' or 'collectives'")
     if len(devices) == 1:
         fits = fits_from_network(1, 1.0, 0.0)

@@ -135,14 +135,19 @@ def build(name: str, *, layers: int | None = None, hidden: int | None = None, ba
           device: str | torch.device | None = None, dropout: float | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """The model (in training mode) and its example inputs, both on `device` (default CPU).
 
-    device="meta" allocates nothing; hap.capture works on the result. Example inputs are random
-    images / token ids and labels from a torch.Generator seeded 0 (made on the CPU, then moved).
+    device="meta" allocates nothing, whatever the batch; hap.capture works on the result.
+    Example inputs are random images / token ids and labels from a torch.Generator seeded 0
+    (made on the CPU, then moved).
     """
     info, cfg, batch = resolve(name, layers=layers, hidden=hidden, batch=batch, seq=seq, experts=experts,
                                devices=devices, scale=scale, dropout=dropout)
     dev = torch.device(device if device is not None else "cpu")
     gen = torch.Generator().manual_seed(0)
-    inputs = tuple(t.to(dev) for t in info.example_inputs(cfg, batch, gen))
+    if dev.type == "meta":  # shapes only: one row's inputs tell them (dim 0 is the batch)
+        inputs = tuple(torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=dev)
+                       for t in info.example_inputs(cfg, 1, gen))
+    else:
+        inputs = tuple(t.to(dev) for t in info.example_inputs(cfg, batch, gen))
     with dev:
         model = info.model(cfg)
     return model.train(), inputs

@@ -17,6 +17,7 @@ with `@register("name")`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Literal, Protocol
 
 from ..cost.cluster import Cluster
@@ -69,13 +70,22 @@ def planner_named(name: str) -> Planner:
 
 def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
               progress: Progress | None = None) -> Plan:
-    """The plan of planner `name` (planner_named) for `graph` on `cluster`."""
-    return planner_named(name)(graph, cluster, config or PlannerConfig(), progress or (lambda msg: None))
+    """The plan of planner `name` (planner_named) for `graph` on `cluster`. A knob of `config`
+    the planner does not read (KNOBS) is a ValueError: it would be ignored."""
+    planner, config = planner_named(name), config or PlannerConfig()
+    asked = {"pipeline": config.pipeline_asked, "segments": ["segments"] if config.segments > 1 else []}
+    for knob, fields in asked.items():
+        if fields and knob not in KNOBS[name]:
+            raise ValueError(f"PlannerConfig.{fields[0]} is for the planners {', '.join(reading(knob))}, not {name}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a hap Cluster (hap.load_cluster({cluster!r}), say), got {type(cluster).__name__}")
+    return planner(graph, cluster, config, progress or (lambda msg: None))
 
 
 @register("astar", reads=("segments",))
 def _astar(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
-    return synthesize_plan(graph, cluster, config, progress=progress)
+    one_stage = dataclasses.replace(config, pipeline_stages=0, micro_batches=0, schedule="1f1b")  # (auto's)
+    return synthesize_plan(graph, cluster, one_stage, progress=progress)
 
 
 def _baseline(name: str) -> Planner:
@@ -133,9 +143,15 @@ def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progr
         progress(f"auto: {p.search.get('planner', 'astar')} {p.estimated_iteration_seconds * 1e3:.2f} ms")
     best = min(candidates, key=lambda p: p.estimated_iteration_seconds)
     kept = best.search.get("planner") or "astar"
-    if asked["pp-exact"] and kept != "pp-exact":  # the pipeline knobs were for a plan that lost
-        progress(f"auto: kept {kept}'s plan, faster than the pipeline --pipeline-stages/--micro-batches asked for "
-                 "(plan with --planner pp-exact for that pipeline)")
-    best.search = {**best.search, "auto": {(p.search.get("planner") or "astar"): p.estimated_iteration_seconds
-                                           for p in candidates}}
+    note = None  # the knobs were for a plan that lost: said, and kept in the plan (its summary says it too)
+    if asked["pp-exact"] and kept != "pp-exact":
+        note = (f"auto: kept {kept}'s plan, faster than the pipeline --pipeline-stages/--micro-batches asked for "
+                "(plan with --planner pp-exact for that pipeline)")
+    elif asked["astar"] and kept != "astar":
+        note = (f"auto: kept {kept}'s plan, faster than astar's of the --segments asked for (plan with --planner "
+                "astar for those segments)")
+    if note:
+        progress(note)
+    best.search = {**best.search, **({"note": note} if note else {}),
+                   "auto": {(p.search.get("planner") or "astar"): p.estimated_iteration_seconds for p in candidates}}
     return best

@@ -84,7 +84,12 @@ class HAP(nn.Module):
             example_inputs = tuple(x.to("meta") for x in example_inputs)
         self.graph = graph = capture(model, example_inputs)
         self._state_keys = state_keys(model, graph)
-        self.plan = agree_plan(plan if plan is not None or comm.rank != 0 else make_plan(graph, cluster, config), comm)
+        if plan is None and comm.rank == 0:
+            try:
+                plan = make_plan(graph, cluster, config)
+            except (ValueError, TypeError, SearchError) as e:  # told to the others, waiting for the plan
+                plan = e
+        self.plan = agree_plan(plan, comm)
         segment_of = self.plan.segment_of
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm)
@@ -699,11 +704,16 @@ def unlike_rank_0(values: Sequence) -> list[int]:
     return [r for r, v in enumerate(values) if v != values[0]]
 
 
-def agree_plan(plan: Plan | None, comm: Comm) -> Plan:
-    """Rank 0's plan on every rank; a rank that was given a different plan is an error."""
-    mine = plan.to_json() if plan is not None else None
-    box = [mine]
+def agree_plan(plan: Plan | Exception | None, comm: Comm) -> Plan:
+    """Rank 0's plan on every rank; a rank that was given a different plan is an error, and so
+    is rank 0's failure to plan (`plan` an exception there), on every rank."""
+    failed = isinstance(plan, Exception)
+    box = [f"{type(plan).__name__}: {plan}" if failed else plan.to_json() if plan is not None else None]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
+    if failed:
+        raise plan
+    if not box[0].lstrip().startswith("{"):
+        raise ValueError(f"rank 0 could not plan: {box[0]}")
     agreed = Plan.from_json(box[0])
     digests = every_rank(plan.digest if plan is not None else agreed.digest, comm)
     bad = unlike_rank_0(digests)
