@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 
 from .ir import Graph, size_text  # noqa: F401 (size_text: plan.size_text too)
 from .pipeline.schedule import SCHEDULES, ScheduleName
-from .placement import parse
+from .placement import Placement, parse
 from .rules import Strategy
 from .rules.units import ShardClasses
 from .search.moves import Move
@@ -309,6 +309,25 @@ class Plan:
             if not all(_is_share(x) for row in st.ratios for x in row) or not all(sum(row) > 0 for row in st.ratios):
                 raise ValueError(f"malformed plan: stage {k}'s ratios {st.ratios} must be finite shares at least 0, "
                                  "some positive")
+        for k, st in enumerate(self.stages):
+            segs = st.segments
+            if not all(isinstance(x, list) and len(x) == 2 and all(isinstance(y, int) for y in x) for x in segs) \
+                    or segs[0][0] != st.nodes[0] or segs[-1][1] != st.nodes[1] \
+                    or any(b[0] != a[1] + 1 or a[0] > a[1] for a, b in zip(segs, segs[1:])):
+                raise ValueError(f"malformed plan: stage {k}'s segments {segs} must cover its nodes {st.nodes} in "
+                                 "order, without gaps")
+            bad_shard = next((sh for sh in st.shards if not isinstance(sh.segment, int) or isinstance(sh.segment, bool)
+                              or not 0 <= sh.segment < len(segs)), None)
+            if bad_shard is not None:
+                raise ValueError(f"malformed plan: stage {k} splits {bad_shard.tensor} in segment {bad_shard.segment!r} "
+                                 f"of its {len(segs)}")
+        if not all(isinstance(b, dict) and isinstance(b.get("seconds"), (int, float)) for b in self.baselines.values()):
+            raise ValueError("malformed plan: every baseline needs its seconds")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                   for x in (self.estimated_iteration_seconds, *[d.get("memory", 1) for d in self.cluster.get("devices", [])])):
+            raise ValueError("malformed plan: its estimate and its devices' memory must be positive numbers")
+        if self.search.get("gap") is not None and not isinstance(self.search["gap"], (int, float)):
+            raise ValueError(f"malformed plan: search gap {self.search['gap']!r} is not a number")
         bad = next((e for e in self.sync if not set(e.devices) <= set(range(n))), None)
         if bad is not None:
             raise ValueError(f"malformed plan: {bad.param} is synchronized over devices {list(bad.devices)} of {n}")
@@ -376,6 +395,7 @@ class Plan:
                                       self.schedule.micro_batches)
         except ValueError as e:
             raise ValueError(f"{e} (a plan made for another model or batch?)") from None
+        _check_held(graph, program)
         ran = sorted(step.node for step in program)
         if ran != list(range(len(graph.nodes))):
             missing = sorted(set(range(len(graph.nodes))) - set(ran))
@@ -536,12 +556,50 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
             end = start + length
 
 
+def _pairs(value, what: str) -> tuple[tuple[str, str], ...]:
+    """(name, placement text) pairs of an instruction, or a ValueError naming `what`."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(y, str) for y in x) for x in value):
+        raise ValueError(f"malformed plan: {what} must be a list of [tensor, placement] pairs, got {value!r}")
+    return tuple(map(tuple, value))
+
+
 def _stage_from_dict(d: dict) -> PlanStage:
+    for ins in d["program"]:
+        for key in ("inputs", "outputs", "loads"):
+            _pairs(ins[key], f"instruction {ins.get('node')!r} {key}")
     program = [Instruction(**{**ins, "inputs": tuple(map(tuple, ins["inputs"])), "outputs": tuple(map(tuple, ins["outputs"])),
                               "loads": tuple(map(tuple, ins["loads"])), "moves": tuple(MoveOp(**mv) for mv in ins["moves"])})
                for ins in d["program"]]
     shards = [ShardSize(**{**sh, "sizes": tuple(sh["sizes"])}) for sh in d["shards"]]
     return PlanStage(**{**d, "program": program, "shards": shards})
+
+
+def _check_held(graph: Graph, program: list[Step]) -> None:
+    """A ValueError where the program takes a tensor in a placement it does not hold there (its
+    loads, moves and earlier outputs make what it holds), or places one on a dim it lacks: a
+    hand-edited plan the ranks would fail in (a KeyError inside each)."""
+    held: set[tuple[str, Placement]] = set()
+
+    def placed(tensor: str, p: Placement, node) -> tuple[str, Placement]:
+        if p.is_shard and p.dim >= len(graph.tensors[tensor].shape):
+            raise ValueError(f"the plan places {tensor} as {p} at {node.name}, a tensor of "
+                             f"{len(graph.tensors[tensor].shape)} dims (a hand-edited plan?)")
+        return tensor, p
+
+    for step in program:
+        node = graph.nodes[step.node]
+        held.update(placed(ld.tensor, ld.placement, node) for ld in step.loads)
+        for ms in step.moves:
+            if (ms.tensor, ms.move.src) not in held:
+                raise ValueError(f"the plan moves {ms.tensor} from {ms.move.src} before {node.name}, where it does not "
+                                 "hold it so (a hand-edited plan?)")
+            held.add(placed(ms.tensor, ms.move.dst, node))
+        for name, p in zip(node.inputs, step.strategy.inputs):
+            if placed(name, p, node) not in held:
+                raise ValueError(f"the plan runs {node.name} on {name} as {p}, which it does not hold so there "
+                                 "(a hand-edited plan?)")
+        held.update(placed(name, p, node) for name, p in zip(node.outputs, step.strategy.outputs))
 
 
 def instructions(steps: list[Step], graph: Graph) -> list[Instruction]:

@@ -343,6 +343,38 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     pipeline = dataclasses.replace(result, stages=result.stages * 2, schedule=hap_schedule())
     with pytest.raises(ValueError, match="pipeline of 2 stages"):
         pipeline.ratios
+    # each failed with an IndexError, KeyError or TypeError in the CLI, or inside the ranks
+    st = data["stages"][0]
+    for edit, message in (
+            ({"stages": [{**st, "segments": [[0, 10]]}]}, r"stage 0's segments \[\[0, 10\]\] must cover its nodes"),
+            ({"stages": [{**st, "shards": [{"tensor": "x", "dim": 0, "segment": 3, "sizes": [4] * n}]}]},
+             r"stage 0 splits x in segment 3 of its 1"),
+            ({"baselines": {"x": {}}}, "every baseline needs its seconds"),
+            ({"search": {**data["search"], "gap": "big"}}, "search gap 'big' is not a number"),
+            ({"estimated_iteration_seconds": -1.0}, "its estimate and its devices' memory must be positive numbers"),
+            ({"stages": [{**st, "program": [{**st["program"][0], "loads": [["x", "S(0)", "extra"]]}, *st["program"][1:]]}]},
+             r"instruction '\w+' loads must be a list of \[tensor, placement\] pairs")):
+        with pytest.raises(ValueError, match="^malformed plan: " + message):
+            Plan.from_dict({**data, **edit})
+
+
+def test_a_program_that_takes_what_it_does_not_hold_is_refused_before_it_runs(graph, result):
+    """A placement edited by hand (an input taken as S(0) where its load is R, an output on a dim
+    it lacks) passed every check and failed inside the ranks with a KeyError."""
+    data = result.to_dict()
+    st = data["stages"][0]
+    first = st["program"][0]
+    (name, p), = [(t, q) for t, q in first["inputs"] if t in graph.params][:1]
+    other = "R" if p != "R" else "S(0)"
+    taken = {**first, "inputs": [[t, other if t == name else q] for t, q in first["inputs"]]}
+    with pytest.raises(ValueError, match=rf"^the plan runs {first['node']} on {name} as {re.escape(other)}, which it "
+                                         r"does not hold so there \(a hand-edited plan\?\)$"):
+        Plan.from_dict({**data, "stages": [{**st, "program": [taken, *st["program"][1:]]}]}).check_fits(graph)
+    out, q = first["outputs"][0]
+    no_dim = {**first, "outputs": [[out, "S(7)"]]}
+    with pytest.raises(ValueError, match=rf"^the plan places {out} as S\(7\) at {first['node']}, a tensor of \d dims"):
+        Plan.from_dict({**data, "stages": [{**st, "program": [no_dim, *st["program"][1:]]}]}).check_fits(graph)
+    result.check_fits(graph)  # as planned: fits
 
 
 def hap_schedule(name="1f1b", micro_batches=4):
