@@ -295,6 +295,8 @@ class Plan:
         groups = [list(st.devices) for st in self.stages]
         if sorted(d for g in groups for d in g) != list(range(n)):
             raise ValueError(f"malformed plan: the stages' device groups {groups} do not split its {n} devices once each")
+        if len(groups) == 1 and groups[0] != list(range(n)):  # its ratios go to the ranks in order
+            raise ValueError(f"malformed plan: a one-stage plan runs on its devices in rank order, not {groups[0]}")
         spans = [list(st.nodes) for st in self.stages]
         ok = all(len(sp) == 2 and all(isinstance(x, int) for x in sp) and sp[0] <= sp[1] for sp in spans)
         if not ok or spans[0][0] != 0 or any(b[0] != a[1] + 1 for a, b in zip(spans, spans[1:])):

@@ -350,6 +350,7 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
             ({"stages": [{**st, "shards": [{"tensor": "x", "dim": 0, "segment": 3, "sizes": [4] * n}]}]},
              r"stage 0 splits x in segment 3 of its 1"),
             ({"baselines": {"x": {}}}, "every baseline needs its seconds"),
+            ({"stages": [{**st, "devices": st["devices"][::-1]}]}, r"a one-stage plan runs on its devices in rank order"),
             ({"search": {**data["search"], "gap": "big"}}, "search gap 'big' is not a number"),
             ({"estimated_iteration_seconds": -1.0}, "its estimate and its devices' memory must be positive numbers"),
             ({"stages": [{**st, "program": [{**st["program"][0], "loads": [["x", "S(0)", "extra"]]}, *st["program"][1:]]}]},
