@@ -444,3 +444,28 @@ def test_einsum_shards_no_dim_of_a_diagonal():
     found = _check_op(aten.einsum.default, "bii->bi", [_param(4, 5, 5)])
     assert {st.name for st in found} >= {"shard-b", "partial-operand-0"}
     assert not any(st.name == "shard-i" for st in found)
+
+
+def test_ops_of_library_models_that_forced_gathers():
+    """Each had no rule, so data parallelism gathered activations and the pipelines refused the
+    model: LongT5's einsums with an ellipsis, Bloom's ALiBi bias broadcast into baddbmm,
+    MobileViT's bilinear resize, and `mask & other` (transformers' and_masks, with every
+    attention_mask)."""
+    q, k = _param(2, 3, 4, 5, 6), _param(2, 3, 7, 5, 6)  # [..., q, h, d], [..., k, h, d]
+    found = _check_op(aten.einsum.default, "...qhd,...khd->...hqk", [q, k])
+    assert {st.inputs for st in found} >= {(S(0), S(0)), (S(1), S(1)), (S(3), S(3))}  # batch, block, head
+    assert any(st.outputs == (P,) and st.inputs == (S(4), S(4)) for st in found)  # d: a partial sum
+    found = _check_op(aten.einsum.default, "...nd,nd->...n", [_param(3, 4, 5), _param(4, 5)])  # ellipsis on one
+    assert any(st.inputs == (S(0), R) and st.outputs == (S(0),) for st in found)
+    found = _check_op(aten.einsum.default, "...ij,...jk->...ik", [_param(2, 3, 4, 5), _param(3, 5, 6)])  # right-aligned
+    assert any(st.inputs == (S(1), S(0)) and st.outputs == (S(1),) for st in found)
+    alibi = _param(6, 1, 7)  # [B*H, 1, S]: one row added to every query row
+    found = _check_op(aten.baddbmm.default, alibi, _param(6, 4, 5), _param(6, 5, 7), beta=1.0, alpha=0.5)
+    assert {(st.inputs, st.outputs) for st in found} >= {((S(0), S(0), S(0)), (S(0),)), ((R, S(1), R), (S(1),)),
+                                                         ((S(2), R, S(2)), (S(2),))}
+    x = _param(3, 4, 5, 6)
+    found = _check_op(aten.upsample_bilinear2d.vec, x, [8, 9], False, None)
+    assert {st.inputs for st in found} >= {(S(0),), (S(1),), (P,)}
+    mask = torch.rand(4, 1, 5, 6) > 0.5
+    found = _check_op(aten.__and__.Tensor, mask, torch.rand(4, 3, 5, 6) > 0.3)
+    assert named(found, "dim0") and named(found, "dim3") and not named(found, "partial")

@@ -25,6 +25,7 @@ UNARY = [
     "mul", "div", "rsub", "remainder", "fmod", "where", "maximum", "minimum", "bitwise_and", "bitwise_or",
     "bitwise_xor", "logical_and", "logical_or", "logical_xor", "atan2", "copy", "lerp", "addcmul", "addcdiv",
     "gelu_backward", "threshold", "nan_to_num", "scalar_tensor", "fill", "floor_divide",
+    "__and__", "__or__", "__xor__",  # what `mask & other` records (transformers' and_masks)
 ]
 # Overload suffixes that are elementwise for the names above.
 OVERLOADS = ["default", "Tensor", "Scalar", "self", "ScalarOther", "ScalarSelf", "Tensor_Scalar",

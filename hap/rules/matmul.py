@@ -122,11 +122,16 @@ def einsum(node: Node, graph: Graph) -> list[Strategy]:
     eq = arg(node, 0, "equation").replace(" ", "")
     lhs, _, out = eq.partition("->")
     subs = lhs.split(",")
-    if "..." in eq or not out and "->" not in eq:
-        return []  # ellipsis or implicit output: replicated only
+    if "->" not in eq:
+        return []  # implicit output: replicated only
     shapes = [graph.tensors[t].shape for t in node.inputs]
     if len(subs) != len(shapes):
         return []
+    if "..." in eq:  # the ellipsis as letters of their own, right-aligned as it broadcasts
+        spans = [len(shp) - len(s.replace("...", "")) for s, shp in zip(subs, shapes)]
+        lead = _batch_letters(max(spans), eq)
+        subs = [s.replace("...", lead[len(lead) - k:]) for s, k in zip(subs, spans)]
+        out = out.replace("...", lead)
     for s, shp in zip(subs, shapes):
         for ch, n in zip(s, shp):
             # A letter whose size differs across operands is broadcasting: never shard it.
@@ -142,8 +147,15 @@ def _avoids(st: Strategy, subs: list[str], ch: str) -> bool:
 
 @register("aten.baddbmm.default")
 def baddbmm(node: Node, graph: Graph) -> list[Strategy]:
-    # out = beta * self + alpha * bmm(b1, b2)
-    sts = einsum_strategies(["bik", "bkj"], "bij", "bij", {"b": "batch", "i": "rows", "k": "reduce", "j": "columns"})
-    if ndim(graph, node.inputs[0]) != 3 or graph.tensors[node.inputs[0]].shape != graph.tensors[node.outputs[0]].shape:
+    # out = beta * self + alpha * bmm(b1, b2); self broadcasts (Bloom's ALiBi bias [B*H, 1, S]):
+    # a dim it lacks or holds once is a letter of its own, never split with the output's
+    addend_shape, out_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.outputs[0]].shape
+    if len(addend_shape) > 3:
         return []
+    addend = ""
+    for pos, n in zip(range(3 - len(addend_shape), 3), addend_shape):
+        if n not in (1, out_shape[pos]):
+            return []
+        addend += "bij"[pos] if n == out_shape[pos] else _LETTERS[-1 - pos]
+    sts = einsum_strategies(["bik", "bkj"], addend, "bij", {"b": "batch", "i": "rows", "k": "reduce", "j": "columns"})
     return [Strategy((st.inputs[2], st.inputs[0], st.inputs[1]), st.outputs, st.name) for st in sts]

@@ -377,6 +377,26 @@ def pool(node: Node, graph: Graph) -> list[Strategy]:
     return found
 
 
+_RESIZES = {  # op -> number of trailing spatial dims
+    f"aten.{name}.{overload}": n
+    for name, n in (("upsample_nearest1d", 1), ("upsample_nearest2d", 2), ("upsample_nearest3d", 3),
+                    ("_upsample_nearest_exact1d", 1), ("_upsample_nearest_exact2d", 2), ("_upsample_nearest_exact3d", 3),
+                    ("upsample_linear1d", 1), ("upsample_bilinear2d", 2), ("upsample_bicubic2d", 2),
+                    ("upsample_trilinear3d", 3))
+    for overload in ("default", "vec")
+}
+
+
+@register(*_RESIZES)
+def resize(node: Node, graph: Graph) -> list[Strategy]:
+    # Interpolation resizes the trailing spatial dims of every (batch, channel) plane on its
+    # own, each output pixel a fixed weighted sum of input pixels: leading dims split alike,
+    # and it is linear, so partial sums pass through:  up(x1 + x2) = up(x1) + up(x2).
+    lead = ndim(graph, node.inputs[0]) - _RESIZES[node.op]
+    names = ("batch", "channel") if lead == 2 else ("channel",)
+    return [_along(node, d, _dim_name(d, names)) for d in range(lead)] + [Strategy((P,), (P,), "partial")]
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses.
 #
