@@ -283,3 +283,48 @@ def test_repeat_interleave_shards_the_repeated_dim_at_k_times_the_rows():
     assert {((S(0),), (S(0),)), ((S(2),), (S(2),)), ((P,), (P,))} <= offered(along_rows, g)
     assert ((S(0),), (S(0),)) in offered(flat, g)
 
+
+
+class _Positional(nn.Module):
+    """mask[arange(B)[:, None, None], arange(K)[None, None, :]] (transformers' padding mask)
+    and h[arange(B), ids.argmax(-1)] (CLIP's pooler): each output row reads its own row."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 5, 3))
+
+    def forward(self, mask, ids):  # mask [B, K] bool, ids [B, K]
+        B, K = mask.shape
+        m = mask[torch.arange(B)[:, None, None], torch.arange(K)[None, None, :]]  # [B, 1, K]
+        pooled = self.w[torch.arange(B), ids.argmax(-1)]  # [B, 3]
+        return (self.w.sum(-1).unsqueeze(1) * m).sum() + (pooled ** 2).sum()
+
+
+def test_an_arange_index_keeps_each_row_on_its_device():
+    """Data parallelism gathered the mask (and pipelines refused every model given an
+    attention_mask): a row-for-row index now splits with its rows, each device indexing its own
+    by their local positions. Checked with the real aranges, not random indices."""
+    mask, ids = torch.rand(6, 5) > 0.3, torch.randn(6, 5)
+    g = capture(_Positional(), (mask, ids))
+    table = [(n.index, strategies_for(n, g)) for n in g.nodes]
+    classes = ShardClasses(g, table)
+    pad, pool = [n for n in g.nodes if n.op == "aten.index.Tensor"]
+    values = {pad.inputs[1]: torch.arange(6)[:, None, None], pad.inputs[2]: torch.arange(5)[None, None, :]}
+    values[pool.inputs[1]], values[pool.inputs[2]] = torch.arange(6), torch.randint(0, 5, (6,))
+    values["mask"] = mask
+    for node, wanted in ((pad, {((S(0), R, R), (S(0),)), ((S(1), R, R), (S(2),))}), (pool, {((S(0), R, S(0)), (S(0),))})):
+        found = {(st.inputs, st.outputs): st for st in dict(table)[node.index] if st.local == "local_positions"}
+        assert set(found) == wanted
+        for st in found.values():
+            for ratios in RATIOS:
+                check_strategy(node, g, st, ratios, classes, inputs={t: values[t] for t in node.inputs if t in values})
+
+
+def test_an_arange_of_another_length_is_no_row_for_row_index():
+    def fn(y):  # y: [10, 12, 4]; arange(6) picks rows 0..5 of 10: not each row its own
+        return (y[torch.arange(6)] ** 2).sum() + (y[:, torch.arange(12)] ** 2).sum()
+
+    g = graph_of(fn, (10, 12, 4))
+    short, full = [n for n in g.nodes if n.op == "aten.index.Tensor"]
+    assert not [st for st in strategies_for(short, g) if st.local == "local_positions"]
+    assert [(st.inputs, st.outputs) for st in strategies_for(full, g) if st.local == "local_positions"] == [((S(1), R), (S(1),))]

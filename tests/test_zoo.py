@@ -187,13 +187,15 @@ def test_language_models_are_data_parallel_and_pipeline(name):
     assert [st.devices for st in plan.stages] == [[0], [1]]
 
 
-def test_mixtral_with_per_token_experts_is_data_parallel_and_pipelines(tmp_path):
+@pytest.mark.parametrize("name", ["mixtral-batched", "llama-padded"])
+def test_library_variants_are_data_parallel_and_pipeline(name, tmp_path):
     """Mixtral whose experts run token by token (transformers' "batched_mm": each token
-    repeated once per chosen expert, repeat_interleave) has a data-parallel program without
-    collectives on activations: it trains at 60/40 like one device, and pp-exact cuts it."""
+    repeated once per chosen expert, repeat_interleave), and Llama given an attention_mask
+    (transformers indexes it as mask[batch_idx, kv_idx] with aranges: each row its own row)
+    have a data-parallel program without collectives on activations: they train at 60/40
+    like one device, and pp-exact cuts them."""
     from hap.pipeline.plan import exact_plan
     from hap.planner import PlannerConfig
-    name = "mixtral-batched"
     model, batches = zoo.build(name, 1)
     graph = hap.capture(model, batches[0])
     cluster = hap.load_cluster("local")

@@ -71,6 +71,19 @@ def _llama(T, gen, steps):
     return LibraryModel(T.LlamaForCausalLM(cfg), ("input_ids", "labels")), _tokens(gen, steps)
 
 
+def _llama_padded(T, gen, steps):
+    """Llama given an attention_mask: rows of different lengths, right-padded, their padding
+    ignored by the loss (-100), as a batch of sentences comes."""
+    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    batches = []
+    for ids, _ in _tokens(gen, steps):
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=gen)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()  # [B, T]: 1 for tokens, 0 for padding
+        batches.append((ids * mask, mask, ids.masked_fill(mask == 0, -100)))
+    return LibraryModel(T.LlamaForCausalLM(cfg), ("input_ids", "attention_mask", "labels")), batches
+
+
 def _mixtral(T, gen, steps, experts_implementation: str | None = None):
     cfg = T.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
@@ -108,6 +121,7 @@ VARIANTS: dict[str, Callable] = {
     # each token times each of its experts, per token (transformers' "batched_mm" experts): data
     # parallel, where the default sorts all the batch's tokens by expert
     "mixtral-batched": lambda T, gen, steps: _mixtral(T, gen, steps, "batched_mm"),
+    "llama-padded": _llama_padded,
 }
 
 

@@ -334,7 +334,80 @@ def index(node: Node, graph: Graph) -> list[Strategy]:
     sts = [Strategy((S(d),) + (R,) * n_idx, (S(o),), f"dim{o}") for d, o in out_of.items()]
     if all(s == shapes[0] for s in shapes):
         sts += [Strategy((R,) + (S(k),) * n_idx, (S(first + k),), f"index{k}") for k in range(b)]
+    sts += _positional_rows(node, graph, x, indices, pos, shapes, b, first)
     return sts + [Strategy((P,) + (R,) * n_idx, (P,), "partial")]
+
+
+def _positional_rows(node: Node, graph: Graph, x, indices, pos, shapes, b: int, first: int) -> list[Strategy]:
+    # x[..., arange(n) along output dim o, ...] (transformers' padding mask: mask[batch_idx,
+    # kv_idx]; CLIP's pooler: h[batch_idx, ids.argmax(-1)]) reads row i of dim d for output row
+    # i: d and o split alike, and each device indexes its own rows by their local positions
+    # (variant "local_positions"); another index that varies along o is split alike (its
+    # values, positions in other dims, stay), one that does not is whole:
+    #     out[o = i] = x[d = i, ..., J[i]]
+    #     =>  out[o in rows_j] = x_j[d = i - start_j, ..., J_j[i - start_j]]
+    found = []
+    for k, d in enumerate(pos):
+        along = _arange_dim(graph, indices[d].name, x[d])
+        if along is None:
+            continue
+        at = b - len(shapes[k]) + along  # its dim in the indices' broadcast shape
+        ins = [S(d)]
+        for j, s in enumerate(shapes):
+            mine = at - (b - len(s))  # the same dim in index j's own shape
+            ins.append(R if j == k or mine < 0 or s[mine] == 1 else S(mine))
+        found.append(Strategy(tuple(ins), (S(first + at),), f"positions{d}", "local_positions"))
+    return found
+
+
+_SAME_VALUES = {"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+                "aten.expand.default", "aten._to_copy.default", "aten.clone.default", "aten.alias.default",
+                "aten.lift_fresh_copy.default", "aten.to.dtype"}
+
+
+def _arange_dim(graph: Graph, name: str, n: int) -> int | None:
+    """The dim along which tensor `name` holds 0, 1, ..., n - 1 (constant along its other
+    dims), where it is made so from aten.arange(n) through views, unsqueezes, expands and
+    copies; else None."""
+    t = graph.tensors[name]
+    if t.producer < 0:
+        return None
+    node = graph.nodes[t.producer]
+    if node.op.startswith("aten.arange"):
+        start, end, step = ((0, arg(node, 0, "end"), 1) if node.op == "aten.arange.default" else
+                            (arg(node, 0, "start"), arg(node, 1, "end"), arg(node, 2, "step", 1)))
+        return 0 if (start, end, step) == (0, n, 1) and len(t.shape) == 1 else None
+    if node.op not in _SAME_VALUES or not node.inputs:
+        return None
+    src = graph.tensors[node.inputs[0]].shape
+    inner = _arange_dim(graph, node.inputs[0], n)
+    if inner is None:
+        return None
+    if node.op == "aten.expand.default":
+        lead = len(t.shape) - len(src)
+        return inner + lead if t.shape[inner + lead] == n else None
+    if node.op in ("aten._to_copy.default", "aten.clone.default", "aten.alias.default",
+                   "aten.lift_fresh_copy.default", "aten.to.dtype"):
+        return inner
+    # a view that only adds or drops dims of length 1: the arange's dim is its one longer dim
+    if [m for m in src if m != 1] != [n] or [m for m in t.shape if m != 1] != [n]:
+        return None
+    return next(i for i, m in enumerate(t.shape) if m == n)
+
+
+@variant("local_positions")
+def local_positions(node, st, args, kwargs, ctx, graph):
+    # the arange index rebuilt at this device's rows: 0, 1, ..., its row count - 1
+    x, indices = args[0], list(args[1])
+    d = int(st.name.removeprefix("positions"))
+    ref = arg(node, 1, "indices")[d]
+    whole = graph.tensors[ref.name].shape
+    along = _arange_dim(graph, ref.name, graph.tensors[node.inputs[0]].shape[d])
+    rows = x.shape[d]
+    view = [rows if i == along else 1 for i in range(len(whole))]
+    local = [rows if i == along else m for i, m in enumerate(whole)]
+    indices[d] = torch.arange(rows, device=x.device).view(view).expand(local)
+    return torch.ops.aten.index.Tensor(x, indices)
 
 
 @_register_new("aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format",
