@@ -397,7 +397,7 @@ class Plan:
                                       self.schedule.micro_batches)
         except ValueError as e:
             raise ValueError(f"{e} (a plan made for another model or batch?)") from None
-        _check_held(graph, program)
+        _check_held(graph, [self.steps(graph, k) for k in range(len(self.stages))])
         ran = sorted(step.node for step in program)
         if ran != list(range(len(graph.nodes))):
             missing = sorted(set(range(len(graph.nodes))) - set(ran))
@@ -577,12 +577,21 @@ def _stage_from_dict(d: dict) -> PlanStage:
     return PlanStage(**{**d, "program": program, "shards": shards})
 
 
-def _check_held(graph: Graph, program: list[Step]) -> None:
-    """A ValueError where the program takes a tensor in a placement it does not hold there (its
-    loads, moves and earlier outputs make what it holds), or places one on a dim it lacks: a
-    hand-edited plan the ranks would fail in (a KeyError inside each)."""
-    held: set[tuple[str, Placement]] = set()
+def _check_held(graph: Graph, programs: list[list[Step]]) -> None:
+    """A ValueError where a stage's program takes a tensor in a placement it does not hold there
+    (its loads, moves and outputs make what it holds; a pipeline stage starts with what earlier
+    stages produced, as they produced it), or places one on a dim it lacks: a hand-edited plan
+    the ranks would fail in (a KeyError inside each)."""
+    produced: dict[str, Placement] = {}
+    for program in programs:
+        held = set(produced.items())
+        _walk_held(graph, program, held)
+        for step in program:
+            produced.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
 
+
+def _walk_held(graph: Graph, program: list[Step], held: set) -> None:
+    """_check_held's walk of one stage's program, from what it holds at its start."""
     def placed(tensor: str, p: Placement, node) -> tuple[str, Placement]:
         if p.is_shard and p.dim >= len(graph.tensors[tensor].shape):
             raise ValueError(f"the plan places {tensor} as {p} at {node.name}, a tensor of "

@@ -220,13 +220,35 @@ def _bn_own_seed_setup():
     return model, batches
 
 
+class RepeatedBias(torch.nn.Module):
+    """A bias repeated over the batch (Bloom's ALiBi): whole on every device, sliced to each
+    device's rows at its first use (stage 0) and used so again after the cut (stage 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.randn(8))
+        self.l1, self.l2, self.l3 = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, y):
+        bias = self.b.repeat(x.shape[0], 1)  # [B, 8]
+        h = torch.relu(self.l1(x) + bias)
+        h = torch.relu(self.l2(h) + bias)
+        return ((self.l3(h) - y) ** 2).mean()
+
+
+def _repeated_bias_setup():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return RepeatedBias(), [(torch.randn(12, 8, generator=gen), torch.randn(12, 8, generator=gen)) for _ in range(STEPS)]
+
+
 def _t5_setup():
     from hap.models import zoo
     torch.manual_seed(0)
     return zoo.build("t5", STEPS)
 
 
-SETUPS = {"t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+SETUPS = {"repeated-bias": _repeated_bias_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
           "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
@@ -278,6 +300,26 @@ def test_t5_trains_in_three_stages_with_replicated_and_stage_skipping_crossings(
     assert any(not c.placement.is_shard for c in found) and any(len(c.dsts) > 1 for c in found)
     reports = run_ranks(pipelined, 4, tmp_path, "t5", cuts, [[0], [1, 2], [3]], [[1.0], [0.6, 0.4], [1.0]], 2, "1f1b")
     losses, ref = _reference(_t5_setup)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+def test_a_slice_made_before_the_cut_is_made_again_after_it(tmp_path):
+    """What crosses a cut arrives as its producer made it (whole); stage 1 read the rows stage 0
+    had sliced from it, which it never received (a KeyError in the ranks, found on Bloom)."""
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    model, batches = _repeated_bias_setup()
+    graph = capture(model, batches[0])
+    cut = [n.index for n in graph.nodes if n.op == "aten.linear.default"][1]
+    plan = assemble(PipelineSpace(graph, local_cluster((1.0, 1.0), "local")), [cut], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
+    repeat = next(n.outputs[0] for n in graph.nodes if n.op == "aten.repeat.default")
+    assert [[mv.tensor for ins in st.program for mv in ins.moves] for st in plan.stages] == [[repeat], [repeat]]
+    reports = run_ranks(pipelined, 2, tmp_path, "repeated-bias", [cut], [[0], [1]], [[1.0], [1.0]], 2, "1f1b")
+    losses, ref = _reference(_repeated_bias_setup)
     for got in reports:
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in ref.items():

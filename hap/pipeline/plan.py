@@ -17,7 +17,7 @@ from ..plan import Plan, PlanStage, Schedule, SyncEntry, instructions, shard_siz
 from ..planner import PlannerConfig, baseline_plan
 from ..rules import has_rule, strategy_table
 from ..rules.units import ShardClasses
-from ..search.program import Step
+from ..search.program import MoveStep, Step
 from .partition import StageTable, exact_partition, group_layouts, pivots, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
 from .stages import (batch_granules, check_pipelinable, crossings, data_parallel_obstacle, micro_batch_granules,
@@ -98,8 +98,8 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
     crossings(graph, space.program, stage_of)  # a clear error for a cut that cannot be sent
     micro = micro_batch_granules(space.granules, M)
     stages = []
-    for k, (a, b) in enumerate(stage_ranges(cuts, n)):
-        steps = [st for st in space.program if a <= st.node <= b]
+    ranges = stage_ranges(cuts, n)
+    for k, ((a, b), steps) in enumerate(zip(ranges, stage_programs(graph, space.program, ranges))):
         pieces = piece_ratios(micro, ratios[k])
         stages.append(PlanStage(devices=list(groups[k]), nodes=[a, b], segments=[[a, b]], ratios=[list(ratios[k])],
                                 program=instructions(steps, graph),
@@ -121,6 +121,47 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
                 baselines={}, synthesis_seconds=seconds,
                 replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search,
                 **_estimated(est, M, space.pricer.step_collectives))
+
+
+def stage_programs(graph: Graph, program: Sequence[Step], ranges: Sequence[tuple[int, int]]) -> list[list[Step]]:
+    """The program's steps of each stage (node range), each able to run on what its stage
+    holds: what crosses a cut arrives as its producer made it, so a local move an earlier stage
+    made of it (a whole tensor sliced to its rows, at its first use) is made again before its
+    first use in a later stage (Bloom's ALiBi bias: a KeyError in the ranks before)."""
+    made: dict[tuple[str, object], MoveStep] = {}
+    produced: dict[str, object] = {}
+    out = []
+    for a, b in ranges:
+        held = set(produced.items())  # the crossings, as produced
+
+        def ensure(tensor, p, extra):
+            if (tensor, p) in held:
+                return
+            ms = made.get((tensor, p))
+            assert ms is not None and not ms.move.communicates, f"{tensor} {p} is neither held nor made locally"
+            ensure(ms.tensor, ms.move.src, extra)
+            extra.append(ms)
+            held.add((tensor, p))
+
+        steps = []
+        for st in program:
+            if not a <= st.node <= b:
+                continue
+            node, extra = graph.nodes[st.node], []
+            held.update((ld.tensor, ld.placement) for ld in st.loads)
+            for ms in st.moves:
+                ensure(ms.tensor, ms.move.src, extra)
+                extra.append(ms)
+                held.add((ms.tensor, ms.move.dst))
+                made.setdefault((ms.tensor, ms.move.dst), ms)
+            for name, p in zip(node.inputs, st.strategy.inputs):
+                ensure(name, p, extra)
+            steps.append(dataclasses.replace(st, moves=tuple(extra)))
+            for name, p in zip(node.outputs, st.strategy.outputs):
+                held.add((name, p))
+                produced[name] = p
+        out.append(steps)
+    return out
 
 
 def _estimated(est: PipelineEstimate, M: int, step_collectives: float) -> dict:
