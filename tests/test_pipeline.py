@@ -93,6 +93,15 @@ def _reference(setup) -> tuple[list[float], dict]:
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def _like_one_device(reports, setup, note=None) -> None:
+    """Every rank's losses and final state are one device's (the reports of `pipelined`)."""
+    losses, ref = _reference(setup)
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), (note, k)
+
+
 def pipelined(rank, world, setup_name, cuts, groups, ratios, micro_batches, schedule, device="cpu"):
     import hap
     from hap.capture import capture
@@ -261,11 +270,7 @@ def test_two_stage_pipeline_with_uneven_data_parallel_stage_trains_like_one_devi
     model, batches = _vit_setup()
     n = len(capture(model, batches[0]).nodes)
     reports = run_ranks(pipelined, 3, tmp_path, "vit", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 3, schedule)
-    losses, ref = _reference(_vit_setup)
-    for got in reports:
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)
-        for k, v in ref.items():
-            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), (schedule, k)
+    _like_one_device(reports, _vit_setup, schedule)
 
 
 def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):
@@ -275,11 +280,7 @@ def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):
     n = len(capture(model, batches[0]).nodes)
     reports = run_ranks(pipelined, 4, tmp_path, "vit", [n // 4, 2 * n // 3], [[0], [1, 2], [3]],
                         [[1.0], [0.7, 0.3], [1.0]], 5, "1f1b")
-    losses, ref = _reference(_vit_setup)
-    for got in reports:
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)
-        for k, v in ref.items():
-            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+    _like_one_device(reports, _vit_setup)
 
 
 def test_t5_trains_in_three_stages_with_replicated_and_stage_skipping_crossings(tmp_path):
@@ -299,11 +300,7 @@ def test_t5_trains_in_three_stages_with_replicated_and_stage_skipping_crossings(
     found = crossings(graph, space.program, stage_of_nodes(cuts, len(graph.nodes)))
     assert any(not c.placement.is_shard for c in found) and any(len(c.dsts) > 1 for c in found)
     reports = run_ranks(pipelined, 4, tmp_path, "t5", cuts, [[0], [1, 2], [3]], [[1.0], [0.6, 0.4], [1.0]], 2, "1f1b")
-    losses, ref = _reference(_t5_setup)
-    for got in reports:
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)
-        for k, v in ref.items():
-            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+    _like_one_device(reports, _t5_setup)
 
 
 def test_a_slice_made_before_the_cut_is_made_again_after_it(tmp_path):
@@ -319,11 +316,7 @@ def test_a_slice_made_before_the_cut_is_made_again_after_it(tmp_path):
     repeat = next(n.outputs[0] for n in graph.nodes if n.op == "aten.repeat.default")
     assert [[mv.tensor for ins in st.program for mv in ins.moves] for st in plan.stages] == [[repeat], [repeat]]
     reports = run_ranks(pipelined, 2, tmp_path, "repeated-bias", [cut], [[0], [1]], [[1.0], [1.0]], 2, "1f1b")
-    losses, ref = _reference(_repeated_bias_setup)
-    for got in reports:
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)
-        for k, v in ref.items():
-            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+    _like_one_device(reports, _repeated_bias_setup)
 
 
 def test_tied_embedding_on_first_and_last_stage_trains_like_one_device(tmp_path):
