@@ -160,16 +160,13 @@ class Rebalancer:
 
     def _plan_at_speeds(self) -> tuple[str, float, float]:
         from ..planner import PlannerConfig, slowed_cluster
-        from .plan import PipelineSpace, exact_plan
+        from .plan import exact_plan, priced_pipeline
 
         plan, graph = self.pipe.plan, self.pipe.graph
         config = PlannerConfig(pipeline_stages=len(plan.stages), micro_batches=plan.schedule.micro_batches,
                                schedule=plan.schedule.name)
         slowed = slowed_cluster(self.pipe.cluster, self.speeds, overheads=True)
-        space = PipelineSpace(graph, slowed, config)
-        current = space.pricer.estimate([st.nodes[0] for st in plan.stages[1:]], [st.devices for st in plan.stages],
-                                        [st.ratios[0] for st in plan.stages], plan.schedule.micro_batches,
-                                        plan.schedule.name).seconds
+        current = priced_pipeline(graph, slowed, plan, config).estimated_iteration_seconds
         better = exact_plan(graph, slowed, config)
         return better.to_json(), current, better.estimated_iteration_seconds
 
