@@ -69,7 +69,7 @@ def rebalanced(rank, world, chi, memory=None):
 
     config = RebalanceConfig(schedule=parse_schedule(f"persistent:chi={chi},rank=1,start=3", world), window=2)
     reb = Rebalancer(pipe, make(list(pipe.parameters())), batch, config, make)
-    losses, moves = [], []
+    losses, moves, detected = [], [], None
     for it in range(STEPS):
         reb.begin_step(it)
         losses.append(reb.pipe.train_step(*batch).item())
@@ -79,9 +79,11 @@ def rebalanced(rank, world, chi, memory=None):
         record = reb.end_step()
         if record["moved"] is not None:
             moves.append((it, record["moved"]))
+        if detected is None and record["speeds"] != [1.0] * world:
+            detected = record["speeds"]  # the first speeds measured otherwise than equal
     state = reb.pipe.full_state_dict()
     return {"losses": losses, "moves": moves, "state": {k: v.tolist() for k, v in state.items()},
-            "cuts": [[st.nodes for st in p.stages] for p in (plan, reb.pipe.plan)], "speeds": reb.speeds}
+            "cuts": [[st.nodes for st in p.stages] for p in (plan, reb.pipe.plan)], "speeds": reb.speeds, "detected": detected}
 
 
 def test_a_persistent_straggler_recuts_the_pipeline_and_training_stays_exact(tmp_path):
@@ -96,7 +98,7 @@ def test_a_persistent_straggler_recuts_the_pipeline_and_training_stays_exact(tmp
         assert len(got["moves"]) == 1, got["moves"]
         assert [(it, m["to"]) for it, m in got["moves"]] == [(it, m["to"]) for it, m in reports[0]["moves"]]
         assert got["moves"][0][0] >= 3  # not before the slowdown
-        assert got["speeds"][1] < 0.5 * got["speeds"][0], got["speeds"]  # measured: several times slower
+        assert got["detected"][1] < 0.5 * got["detected"][0], got["detected"]  # measured: several times slower
         (before_0, before_1), (after_0, after_1) = got["cuts"]
         assert after_1[1] - after_1[0] < before_1[1] - before_1[0], got["cuts"]  # the slow rank's stage shrank
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
@@ -112,7 +114,9 @@ def test_no_pipeline_fitting_at_the_new_speeds_keeps_the_current_one(tmp_path):
     losses = train(model, [batch] * STEPS)
     for got in reports:
         assert got["moves"] == [] and got["cuts"][0] == got["cuts"][1]
-        assert got["speeds"][1] < 0.5 * got["speeds"][0], got["speeds"]  # the slowdown was measured
+        # the slowdown was measured (at its detection: a later window may take a noisy pause of
+        # the fast rank for a slowdown too, as one CI run did: final speeds 0.40 and 0.21)
+        assert got["detected"][1] < 0.5 * got["detected"][0], got["detected"]
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
 
 
