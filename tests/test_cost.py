@@ -230,3 +230,40 @@ def test_whole_parameters_cost_their_bytes_whatever_the_share(sparse):
         # the work itself no longer counts the parameter bytes
         moved = n.bytes_moved - wb
         assert base_f[0] == pytest.approx(n.flops / 1e12 + moved / 1e9)
+
+
+@pytest.mark.parametrize("ratios, sent", [([0.6, 0.4], 6), ([0.5, 0.5], 5)])
+def test_sparse_gradient_sync_is_padded_to_the_busiest_ranks_rows(ratios, sent):
+    from hap.planner import baseline_plan
+    from hap.search.program import replay
+
+    graph = capture(Lookup(True), (torch.randint(0, 100, (10,)),))
+    devs = tuple(Device(name=f"d{i}", flops=1e12, memory=2**34) for i in range(2))
+    cl = Cluster(name="t", devices=devs, collectives=fits_from_network(2, 1e9, 0.0))
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+    program = baseline_plan(graph, cl, "dp-ev").steps(graph)
+    est = replay(program, cost, [0] * len(graph.nodes), [ratios])
+    (bucket,) = est.buckets  # the head's 36 floats (144 bytes), all-reduced, then the table's rows
+    # 10 ids split `ratios`: the busiest rank holds `sent` rows of 8 floats with an int64 index
+    # (40 bytes); gloo gathers equal sizes, so both ranks send `sent` pairs: 2 * sent * 40 bytes
+    # all-gathered (480 at 60/40, 400 at 50/50), where the bytes of 10 pairs were priced before.
+    assert bucket.nbytes == 144 + 2 * sent * 40
+    # the network's all-reduce: 20 us + V / 1 GB/s; its all-gather: 20 us + V / 2 GB/s, first
+    # of the row counts (8 bytes per rank), then of the pairs
+    head = 20e-6 + 144 / 1e9
+    assert bucket.seconds == pytest.approx(head + 20e-6 + 2 * 8 / 2e9 + 20e-6 + 2 * sent * 40 / 2e9, rel=1e-9)
+
+
+def test_a_small_tables_sparse_gradient_is_priced_as_the_whole_table_on_every_rank():
+    from hap.planner import baseline_plan
+    from hap.search.program import replay
+
+    graph = capture(Lookup(True), (torch.randint(0, 100, (150,)),))  # 150 ids, a table of 100 rows
+    devs = tuple(Device(name=f"d{i}", flops=1e12, memory=2**34) for i in range(2))
+    cl = Cluster(name="t", devices=devs, collectives=fits_from_network(2, 1e9, 0.0))
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+    program = baseline_plan(graph, cl, "dp-ev").steps(graph)
+    for ratios in ([0.6, 0.4], [0.9, 0.1]):
+        est = replay(program, cost, [0] * len(graph.nodes), [ratios])
+        # each rank may hold every row of the table (90 or 60 ids of 100 rows): 100 pairs each
+        assert [b.nbytes for b in est.buckets] == [144 + 2 * 100 * 40]

@@ -506,3 +506,20 @@ def test_other_searches_trials_train_the_simulators(tmp_path):
     assert said[0].startswith("[autosync] 1 measured strategies of another search (lost) left out of training: "
                               "FileNotFoundError")
     assert said[1] == "[autosync] 3 measured strategies of 1 other search train the simulators too"
+
+
+def test_sparse_rows_are_padded_to_the_busiest_ranks_at_the_plans_shares():
+    cl = cluster_from_dict({
+        "name": "t",
+        "devices": [{"name": "fast", "count": 1, "flops": 2e12, "memory": "16GiB"},
+                    {"name": "slow", "count": 2, "flops": 1e12, "memory": "16GiB"}],
+        "network": {"bandwidth": "1GB/s", "latency": "20us"}})
+    graph = capture(Rec(), (torch.randint(0, 1000, (24,)),))
+    plan = baseline_plan(graph, cl, "dp-cp")  # batch shares 2:1:1, 12, 6 and 6 of the 24 ids
+    assert plan.shard_sizes(graph.inputs[0], 0) == [12, 6, 6]
+    cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+    table = next(v for v in Variables.of(plan, graph, None, cost).vars if v.sparse)
+    # every rank sends as many (index, row) pairs as the busiest: 3 * 12 pairs of 72 bytes
+    assert table.sparse_rows == 36 and table.wire_bytes == 36 * 72
+    # without the cost model, the 24 pairs unpadded (what was priced before)
+    assert next(v for v in Variables.of(plan, graph).vars if v.sparse).wire_bytes == 24 * 72

@@ -295,13 +295,31 @@ class CostModel:
     def sync_bytes(self, param: str) -> float:
         """The bytes a bucket's all-reduce carries for a parameter kept whole: its size; for a
         sparse gradient (rules.nn.sparse_gradient_rows), what all-gathering every rank's rows
-        with their int64 indices costs as an all-reduce: an all-gather of V bytes moves what
-        an all-reduce of V / 2 does."""
+        with their int64 indices at even shares costs as an all-reduce (an all-gather of V
+        bytes moves what an all-reduce of V / 2 does). The search and the buckets' forming
+        price it so: every strategy of a sparse lookup keeps the table whole and syncs it
+        alike. `walk` prices it at the program's shares (sparse_sync)."""
         t = self.graph.tensors[param]
         rows = self.sparse_rows.get(param)
         if rows is None:
             return float(t.nbytes)
         return sparse_gradient_bytes(t.nbytes, t.shape[0], rows) / 2
+
+    def sparse_sync(self, param: str, most_looked_up) -> tuple:
+        """(bytes all-gathered, seconds) of a sparse gradient's sync as runtime/gradsync._Sparse
+        runs it: the ranks all-gather their row counts, then their (index, row) pairs, each
+        rank's padded to the most any rank holds (sparse_sent_rows). `most_looked_up`: the
+        most ids any device looks up in the table per step (a number, or the LP's expression)."""
+        t = self.graph.tensors[param]
+        table, rows = t.shape[0], self.sparse_rows[param]
+        pair = sparse_gradient_bytes(t.nbytes, table, 1)
+        sent = sparse_sent_rows(table, rows, most_looked_up)
+        counts = self.comm("all_gather_padded", 8.0 * self.m).at(1 / self.m)
+        if rows < table:  # V = m * sent * pair, the whole being every id's pair
+            gather = self.comm("all_gather_padded", rows * pair).at(sent * (1 / rows))
+        else:
+            gather = self.comm("all_gather_padded", table * pair).at(1.0)
+        return sent * (self.m * pair), counts + gather
 
     def grad_sync(self, nbytes: float) -> float:
         """One bucket's all-reduce of gradients (nbytes of them)."""
@@ -385,6 +403,17 @@ def sparse_gradient_bytes(nbytes: float, table_rows: int, rows: int) -> float:
     """What a sparse gradient of `rows` rows (of a table of `nbytes` in `table_rows` rows)
     sends: the rows, each with its int64 index."""
     return rows * (nbytes / table_rows + 8)
+
+
+def sparse_sent_rows(table_rows: int, rows: int, most_looked_up):
+    """The rows each rank sends in a sparse gradient's all-gather, padded to the most any rank
+    holds (gloo and NCCL gather only equal sizes): a rank holds one row per distinct id it looked
+    up, at most the table. While a step's ids (`rows`, rules.nn.sparse_gradient_rows) are fewer
+    than the table's rows, that is at most the most ids any rank looks up (`most_looked_up`: a
+    number, or the LP's expression in the shares); else the whole table, which bounds it from
+    above also where a rank looks up fewer ids than the table has rows (the bound stays linear
+    in the shares, as the LP needs)."""
+    return most_looked_up if rows < table_rows else table_rows
 
 
 def max_share(shares: Sequence[float]) -> float:

@@ -294,15 +294,21 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     max(0, that excess) beyond its stages.
     """
     graph, m, chunk_of, bucket_of = cost.graph, cost.m, cost.chunk_of, cost.bucket_of
-    sync_at: dict[int, float] = {}
+    sync_at: dict[int, float] = {}  # dense gradient bytes all-reduced, by node of first use
+    sparse_at: dict[int, list[tuple]] = {}  # sparse gradients' (bytes, seconds), by node of first use
+    looked_up = sparse_looked_up(program, cost, segment_of, alg)
     for name, node in synced_params(program, graph, segment_of).items():
-        sync_at[node] = sync_at.get(node, 0.0) + cost.sync_bytes(name)
+        if name in cost.sparse_rows:
+            sparse_at.setdefault(node, []).append(cost.sparse_sync(name, looked_up[name]))
+        else:
+            sync_at[node] = sync_at.get(node, 0.0) + cost.sync_bytes(name)
     stages = [Stage(fwd=[0.0] * m, bwd=[0.0] * m)]
     total = 0.0
     backward_done = 0.0  # P: backward seconds of the closed stages, their collectives included
     opening_bwd = 0.0  # C: backward seconds of the collectives that opened the current stage
     anchor, anchor_stage = 0.0, 0  # -(P + C) where the current bucket began, and the stage open there
     bucket_bytes, synced, excess = 0.0, 0.0, []
+    bucket_sparse: list[tuple] = []  # the open bucket's sparse gradients: each synced alone, after its dense ones
     buckets: list[Bucket] = []
     stage_of: dict[int, int] = {}
 
@@ -317,13 +323,14 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
                             fwd=[0.0] * m, bwd=[0.0] * m))
 
     def end_bucket(bucket: int) -> None:
-        nonlocal bucket_bytes, synced
-        if bucket_bytes:
-            seconds = cost.grad_sync(bucket_bytes)
+        nonlocal bucket_bytes, synced, bucket_sparse
+        if bucket_bytes or bucket_sparse:
+            seconds = cost.grad_sync(bucket_bytes) + sum(sec for _, sec in bucket_sparse)
+            nbytes = bucket_bytes + sum(b for b, _ in bucket_sparse)
             synced += seconds
             excess.append(synced + anchor)
-            buckets.append(Bucket(bucket, bucket_bytes, seconds, anchor_stage))
-        bucket_bytes = 0.0
+            buckets.append(Bucket(bucket, nbytes, seconds, anchor_stage))
+        bucket_bytes, bucket_sparse = 0.0, []
 
     prev_seg = segment_of[program[0].node] if program else 0
     prev_node = None
@@ -350,6 +357,7 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
         cur.fwd = [a + b for a, b in zip(cur.fwd, fwd)]
         cur.bwd = [a + b for a, b in zip(cur.bwd, bwd)]
         bucket_bytes += sync_at.get(k, 0.0)
+        bucket_sparse += sparse_at.get(k, [])
     if prev_node is not None:
         end_bucket(bucket_of[prev_node])
     cur = stages[-1]
@@ -366,6 +374,22 @@ def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
     return Estimate(seconds=w.total + cost.step_overhead, stages=w.stages, grad_sync=w.exposed_sync,
                     memory=memory(program, cost, segment_of, ratios), buckets=w.buckets, stage_of=w.stage_of,
                     step_collectives=cost.step_overhead)
+
+
+def sparse_looked_up(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], alg) -> dict:
+    """Per parameter with a sparse gradient, the most ids any device looks up in it per step:
+    each lookup's ids split as the program splits them (under `alg`: a number, or the LP's
+    expression in the shares)."""
+    graph, out = cost.graph, {}
+    for step in program:
+        node = graph.nodes[step.node]
+        if node.op != "aten.embedding.default" or node.inputs[0] not in cost.sparse_rows:
+            continue
+        ids, placed = node.inputs[1], step.strategy.inputs[1]
+        n = graph.tensors[ids].numel
+        most = n * alg.largest([(ids, placed.dim, segment_of[step.node])]) if placed.is_shard else n
+        out[node.inputs[0]] = out.get(node.inputs[0], 0.0) + most
+    return out
 
 
 def synced_params(program: Sequence[Step], graph: Graph, segment_of: Sequence[int]) -> dict[str, int]:

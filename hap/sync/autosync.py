@@ -297,8 +297,8 @@ def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
     if plan is None:
         plan = baseline_plan(graph, cluster, "dp-cp")
     plan.check_fits(graph)
-    variables = Variables.of(plan, graph, cluster.machines)
     cost, est = replayed(graph, cluster, plan)
+    variables = Variables.of(plan, graph, cluster.machines, cost)
     return graph, plan, variables, cost, est
 
 

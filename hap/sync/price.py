@@ -241,7 +241,7 @@ def with_estimate(plan: Plan, graph: Graph, cost: CostModel, est: Estimate, sear
     prices them: its seconds, breakdown and timeline (the buckets' phases, which `hap explain`
     draws). `est` is the replay of its program under `cost`; `searched` says where the entries
     came from (plan.search["sync"]: planner.priced prices such a plan this way from then on)."""
-    variables = Variables.of(plan, graph, cost.cluster.machines)
+    variables = Variables.of(plan, graph, cost.cluster.machines, cost)
     phased, end = schedule(plan.sync, variables, cost, est)
     _, backward = backward_clock(est)
     exposed = end - backward

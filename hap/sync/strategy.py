@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
-from ..cost.model import sparse_gradient_bytes
+from ..cost.model import CostModel, sparse_gradient_bytes, sparse_sent_rows
 from ..ir import Graph
 from ..plan import Compressor, Plan, SyncEntry, check_sync
 from ..rules.nn import sparse_gradient_rows
+from ..search.program import NumericShares, sparse_looked_up
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,8 +101,9 @@ class Variable:
     """Index of the first node that uses it: its gradient is complete when the backward passes there."""
     sparse: bool = False
     """Its gradient is sparse: an embedding's rows looked up in a step (rules.nn.sparse_gradient_rows)."""
-    sparse_rows: int = 0
-    """For a sparse gradient, the most rows it holds in a step."""
+    sparse_rows: float = 0
+    """For a sparse gradient, the rows its all-gather carries in a step: every rank's, each
+    padded to the most any rank holds (cost.model.sparse_sent_rows)."""
 
     @property
     def rows(self) -> int:
@@ -122,16 +124,24 @@ class Variables:
     machines: tuple[tuple[int, ...], ...] = field(default=())
 
     @classmethod
-    def of(cls, plan: Plan, graph: Graph, machines: Sequence[Sequence[int]] | None = None) -> "Variables":
+    def of(cls, plan: Plan, graph: Graph, machines: Sequence[Sequence[int]] | None = None,
+           cost: CostModel | None = None) -> "Variables":
+        """The variables of `plan`; with `cost` (of `graph`), a sparse gradient's rows are
+        padded as the plan's shares pad them (a plan of one stage; a pipeline's as if unpadded)."""
         synced = {e.param for e in plan.sync}
         sparse = sparse_gradient_rows(graph)
+        n = len(plan.devices)
+        sent = dict(sparse)  # without a cost model: every rank's rows, unpadded
+        if cost is not None and sparse and len(plan.stages) == 1:
+            looked_up = sparse_looked_up(plan.steps(graph), cost, plan.segment_of, NumericShares(cost, plan.ratios))
+            sent = {name: n * sparse_sent_rows(graph.tensors[name].shape[0], rows, looked_up.get(name, rows))
+                    for name, rows in sparse.items()}
         out = []
         for name in synced:
             t = graph.tensors[name]
             out.append(Variable(param=name, target=t.target or name, shape=tuple(t.shape), nbytes=t.nbytes,
-                                first_use=min(t.consumers), sparse=name in sparse, sparse_rows=sparse.get(name, 0)))
+                                first_use=min(t.consumers), sparse=name in sparse, sparse_rows=sent.get(name, 0)))
         out.sort(key=lambda v: (-v.first_use, v.param))
-        n = len(plan.devices)
         return cls(tuple(out), n, tuple(tuple(m) for m in machines) if machines else tuple((d,) for d in range(n)))
 
     def split(self, var: Variable, parts: int) -> list[tuple[int, int]]:
