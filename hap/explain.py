@@ -328,6 +328,9 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
                       "transfers overlap the next computation; each stage's gradient sync starts when its own last "
                       "backward ends); the estimate, the pipeline formula the planners minimise, puts every transfer "
                       "on the critical path and syncs after the whole flush")
+    if plan.edited_since_written:
+        report.insert(0, "note: this plan was edited after hap wrote it: the estimate drawn is of the plan as written "
+                         "(`hap train --plan` prices it again where it runs)")
     if steps:
         report.append(f"  measured step (last traced, per rank): {', '.join(f'{s * 1e3:.2f}' for s in steps)} ms; "
                       f"estimate {plan.estimated_iteration_seconds * 1e3:.2f} ms")

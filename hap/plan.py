@@ -169,7 +169,7 @@ def _is_share(x) -> bool:
 # explain's, which says when it cannot draw it)
 _FIELD_TYPES = {"model": str, "cluster": dict, "devices": list, "estimated_iteration_seconds": (int, float),
                 "breakdown": dict, "memory_bytes": list, "baselines": dict, "synthesis_seconds": (int, float),
-                "replicated_ops": list, "search": dict}
+                "replicated_ops": list, "search": dict, "written": str}
 
 
 @dataclass(kw_only=True)
@@ -197,6 +197,10 @@ class Plan:
     """Ops without a sharding rule: they run replicated (each listed once)."""
     search: dict = field(default_factory=dict)
     """How the plan was found: planner, rounds, expansions, which candidate won."""
+    written: str = ""
+    """The `content_digest` of the plan when hap wrote it (to_json; "" for a plan never written):
+    a file whose cluster, stages, schedule or sync was edited since no longer matches, and its
+    estimate is then of the plan as written (`edited_since_written`)."""
     version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -244,7 +248,7 @@ class Plan:
         return asdict(self)
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
+        text = json.dumps({**self.to_dict(), "written": self.content_digest}, indent=1)
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -349,6 +353,20 @@ class Plan:
         key = json.dumps({"stages": [asdict(st) for st in self.stages], "sync": [asdict(e) for e in self.sync]},
                          sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    @property
+    def content_digest(self) -> str:
+        """A hash of everything the estimate prices: the cluster, devices, stages, schedule and sync."""
+        key = json.dumps({"cluster": self.cluster, "devices": self.devices, "stages": [asdict(st) for st in self.stages],
+                          "schedule": asdict(self.schedule) if self.schedule else None,
+                          "sync": [asdict(e) for e in self.sync]}, sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    @property
+    def edited_since_written(self) -> bool:
+        """Whether this plan, read from a file hap wrote, differs from what it wrote there (its
+        estimate, breakdown and timeline are then of the plan as written)."""
+        return bool(self.written) and self.written != self.content_digest
 
     def device_groups(self) -> list[tuple[int, ...]]:
         """Every device group the plan names (stages, synchronization), once, in a fixed order:

@@ -169,3 +169,17 @@ def test_a_damaged_trace_is_named_in_one_line(tmp_path, trace, why):
     (tmp_path / "rank0.json").write_text(json.dumps(trace))
     with pytest.raises(ValueError, match=rf"^{tmp_path}/rank0.json is not a Chrome trace \({why}\): a damaged trace$"):
         measured_events(tmp_path, 1)
+
+
+def test_explain_says_when_a_plan_file_was_edited_after_hap_wrote_it(tmp_path, capsys, vit_plan):
+    path = tmp_path / "plan.json"
+    vit_plan.to_json(path)
+    assert main(["explain", str(path), "-o", str(tmp_path / "x")]) == 0
+    assert "edited" not in capsys.readouterr().out  # as written: its estimate is its own
+    d = json.loads(path.read_text())
+    shares = d["stages"][0]["ratios"][0]
+    shares[0], shares[1] = shares[1] + 0.1, shares[0] - 0.1  # the user moves shares by hand
+    path.write_text(json.dumps(d))
+    assert main(["explain", str(path), "-o", str(tmp_path / "x")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: this plan was edited after hap wrote it: the estimate drawn is of the plan as written")
