@@ -63,7 +63,8 @@ class PlannerConfig:
     """Pipeline planners (pp-exact, dqn): stages K (0: the best of 2, 4, 8 and, on up to 8
     devices, one stage per device; groups need not be equal)."""
     micro_batches: int = 0
-    """Pipeline planners: micro-batches per iteration (0: 2 K, at most the batch's rows)."""
+    """Pipeline planners: micro-batches per iteration (0: the best of K, 2 K and 4 K, at most the
+    batch's rows)."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline planners: the schedule."""
     layer_cuts: bool = False

@@ -96,3 +96,29 @@ def test_agent_learns_a_chain_and_is_deterministic():
     states = torch.eye(4)[:3]
     assert torch.equal(a.online(states), b.online(states))  # seeded: the same run twice
     assert all(a.act(s, torch.tensor([True, True]), greedy=True) == 1 for s in states)  # go right to the reward
+
+
+@pytest.mark.parametrize("settings, why", [
+    (dict(batch=64, buffer=32), "batch \\(64\\) must be at most buffer \\(32\\)"),
+    (dict(target_every=0), "target_every must be a whole number of at least 1, got 0"),
+    (dict(batch=0), "batch must be a whole number of at least 1, got 0"),
+    (dict(gamma=1.5), "gamma must be a number in \\[0, 1\\], got 1.5"),
+    (dict(lr=0.0), "lr must be a positive number, got 0.0"),
+    (dict(epsilon_steps=2.5), "epsilon_steps must be a whole number"),
+])
+def test_dqn_settings_that_would_never_learn_or_crash_later_are_refused(settings, why):
+    with pytest.raises(ValueError, match=f"^DQNConfig.{why}"):
+        DQNConfig(**settings)
+
+
+def test_inference_arguments_are_checked_and_a_path_may_be_text(tmp_path):
+    from hap.automap.pipeline_infer import WEIGHTS, GeneratedTable, infer_cuts, main
+    import numpy as np
+    table = GeneratedTable(np.random.default_rng(0), 2)
+    assert infer_cuts(table, weights=str(WEIGHTS))[1] == infer_cuts(table)[1]
+    for bad in (dict(beam=0), dict(branch=0)):
+        with pytest.raises(ValueError, match="beam and branch must be whole numbers of at least 1"):
+            infer_cuts(table, **bad)
+    with pytest.raises(SystemExit):  # refused before any training
+        main(["--out", str(tmp_path / "missing" / "x.pt"), "--episodes", "1"])
+    assert not (tmp_path / "missing").exists()

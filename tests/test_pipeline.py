@@ -4,6 +4,8 @@ uneven shares inside a stage)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -739,6 +741,32 @@ def test_dqn_places_its_cuts_on_the_screened_device_layout():
         with pytest.raises(ValueError, match=r"fits the devices' memory: device 0 \(cpu0/4x, 1000 B\) needs at "
                                              r"least [0-9.]+ MiB for any stage of 4 micro-batches"):
             find()
+
+
+def test_the_dqn_polishes_cuts_that_do_not_fit_into_one_that_does():
+    """At 400 KiB a device, the speed-proportional cut of ViT-small into 4 stages fits no
+    device, nor does an untrained DQN's greedy cut, but one move of the polish reaches the exact
+    optimum: the DQN planner used to polish fitting cuts only, and said no pipeline fits. Its
+    own best cut (raw_seconds) counts no cut it did not meet: inf here."""
+    import dataclasses
+
+    from hap.automap.pipeline import CutEnvironment, search_cuts, screened_table
+    from hap.automap.pipeline_infer import infer_cuts
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.models import build
+    from hap.pipeline.partition import exact_partition
+    from hap.pipeline.plan import PipelineSpace
+    from hap.planner import PlannerConfig
+    base = local_cluster((4.0, 1.0, 1.0, 1.0), "fast-and-slow")
+    cluster = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, memory=400 * 1024) for d in base.devices))
+    model, inputs = build("vit", scale="small", device="meta")
+    table = screened_table(PipelineSpace(capture(model, inputs), cluster, PlannerConfig(pipeline_stages=4)), 4, 4)
+    assert CutEnvironment(table).reference == math.inf
+    res = search_cuts(table, episodes=0)
+    exact = exact_partition(table).seconds
+    assert res.seconds == pytest.approx(exact, rel=1e-12) and res.raw_seconds == res.greedy_seconds == math.inf
+    assert infer_cuts(table, beam=1)[1] == pytest.approx(exact, rel=1e-12)
 
 
 def test_exact_partition_equals_brute_force(vit_space):

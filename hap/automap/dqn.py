@@ -47,6 +47,23 @@ class DQNConfig:
     """Learning steps between copies of the online net into the target net."""
     seed: int = 0
 
+    def __post_init__(self):
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        for name in ("depth", "hidden", "epsilon_steps", "batch", "buffer", "target_every"):
+            if not whole(getattr(self, name)) or getattr(self, name) < (0 if name == "depth" else 1):
+                raise ValueError(f"DQNConfig.{name} must be a whole number of at least {0 if name == 'depth' else 1}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.batch > self.buffer:
+            raise ValueError(f"DQNConfig.batch ({self.batch}) must be at most buffer ({self.buffer}): "
+                             "a batch is drawn from the buffer, and the agent would never learn")
+        for name, lo, hi in (("gamma", 0, 1), ("epsilon_start", 0, 1), ("epsilon_end", 0, 1), ("alpha", 0, 1),
+                             ("beta", 0, 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ValueError(f"DQNConfig.{name} must be a number in [{lo}, {hi}], got {v!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"DQNConfig.lr must be a positive number, got {self.lr!r}")
+
 
 class DuelingQNet(nn.Module):
     def __init__(self, state_dim: int, actions: int, hidden: int, depth: int):

@@ -45,7 +45,7 @@ class DQNResult:
     """L of `cuts`: the best of the DQN's best few cuts and its greedy cut, each polished
     (partition.polish)."""
     raw_seconds: float
-    """L of the best cut the DQN met, before the polish."""
+    """L of the best cut the DQN met (its episodes' and its greedy cut), before the polish."""
     greedy_seconds: float
     """L of the trained network's own greedy cut (no exploration)."""
     episodes: int
@@ -161,7 +161,7 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
     agent = Agent(env.state_dim, SLOTS, DQNConfig(depth=2, hidden=128, lr=1e-3, gamma=1.0,
                                                   epsilon_steps=max(1, int(0.8 * steps)),
                                                   seed=seed))
-    met = {tuple(env.proportional_cut()): env.reference}  # distinct cuts -> L, the best few kept
+    met: dict[tuple, float] = {}  # distinct cuts the DQN met -> L, the best few kept
     done_episodes = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -177,8 +177,11 @@ def search_cuts(table: StageTable, episodes: int = 3000, budget_s: float = 60.0,
     greedy_L = table.objective(tuple(greedy))
     met[tuple(greedy)] = greedy_L
     raw = min(met.values())
-    starts = sorted(met.items(), key=lambda kv: kv[1])[:POLISHED] + [(tuple(greedy), greedy_L)]
-    L, polished = min(((polish(table, c)[::-1]) if math.isfinite(v) else (v, c) for c, v in starts), key=lambda x: x[0])
+    # every start is polished, one that does not fit too (a move that fits is a step down from
+    # inf); the speed-proportional cut too, which is no cut of the DQN's (raw does not count it)
+    starts = [c for c, _ in sorted(met.items(), key=lambda kv: kv[1])[:POLISHED]]
+    starts = list(dict.fromkeys(starts + [tuple(greedy), tuple(env.proportional_cut())]))
+    L, polished = min((polish(table, c)[::-1] for c in starts), key=lambda x: x[0])
     cuts = tuple(int(table.positions[c]) for c in polished)
     return DQNResult(cuts, L, raw, greedy_L, done_episodes, time.perf_counter() - t0)
 
@@ -223,5 +226,10 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
         raise ValueError(f"no pipeline of {K} stages the DQN met fits the devices' memory" + shortfall(table))
     return space.plan(res.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "dqn", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
-                       "exhaustive": False, "episodes": res.episodes, "greedy_seconds": res.greedy_seconds,
-                       "unpolished_seconds": res.raw_seconds}, groups)
+                       "exhaustive": False, "episodes": res.episodes, "greedy_seconds": _finite(res.greedy_seconds),
+                       "unpolished_seconds": _finite(res.raw_seconds)}, groups)
+
+
+def _finite(seconds: float) -> float | None:
+    """A plan's figure as JSON can hold it: None for a cut that fits no device (inf)."""
+    return seconds if math.isfinite(seconds) else None

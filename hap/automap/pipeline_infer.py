@@ -83,7 +83,7 @@ def train(episodes: int = 30000, seed: int = 0, out: Path = WEIGHTS, budget_s: f
     probe = CutEnvironment(GeneratedTable(rng, 2))
     # epsilon reaches its floor after 0.7 x 3 steps per episode; with 11 / 3 cuts per episode on
     # average (K from 2, 4, 8) that is at 57% of the episodes (the shipped weights were trained so)
-    cfg = DQNConfig(depth=3, hidden=128, lr=5e-4, gamma=1.0, buffer=20000, epsilon_steps=int(0.7 * episodes * 3), seed=seed)
+    cfg = DQNConfig(depth=3, hidden=128, lr=5e-4, gamma=1.0, buffer=20000, epsilon_steps=max(1, int(0.7 * episodes * 3)), seed=seed)
     agent = Agent(probe.state_dim, SLOTS, cfg)
     t0, recent = time.perf_counter(), []
     for e in range(episodes):
@@ -122,8 +122,10 @@ def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4,
     keeps the `beam` sequences of highest Q), the complete sequences priced by the table's
     objective, the best few then polished by a local search (partition.polish; polished=False:
     the network's own best). beam=1 is the greedy rollout."""
+    if not (isinstance(beam, int) and beam >= 1 and isinstance(branch, int) and branch >= 1):
+        raise ValueError(f"infer_cuts: beam and branch must be whole numbers of at least 1, got {beam!r} and {branch!r}")
     t0 = time.perf_counter()
-    net, env = _network(weights), CutEnvironment(table)
+    net, env = _network(Path(weights)), CutEnvironment(table)
     frontier = [((), 0, 0.0)]  # (cuts as pivot indices, previous pivot, Q of the last choice)
     for k in range(env.K - 1):
         states = torch.stack([env.state(k, prev) for _, prev, _ in frontier])
@@ -137,8 +139,8 @@ def infer_cuts(table, beam: int = 32, weights: Path = WEIGHTS, branch: int = 4,
         frontier = sorted(nxt, key=lambda x: -x[2])[:beam]
     ranked = sorted({c: table.objective(c) for c, _, _ in frontier}.items(), key=lambda kv: kv[1])
     best = ranked[0][::-1]
-    if polished and np.isfinite(best[0]):  # the few best (distinct) sequences, as the online DQN's
-        best = min(polish(table, c)[::-1] for c, v in ranked[:POLISHED] if np.isfinite(v))
+    if polished:  # the few best (distinct) sequences, as the online DQN's, one that does not fit too
+        best = min(polish(table, c)[::-1] for c, _ in ranked[:POLISHED])
     cuts = tuple(int(table.positions[c]) for c in best[1])
     return cuts, best[0], time.perf_counter() - t0
 
@@ -150,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=3600.0, help="seconds at most")
     ap.add_argument("--out", type=Path, default=WEIGHTS)
     args = ap.parse_args(argv)
+    if not args.out.parent.is_dir():  # said now, not after an hour of training
+        ap.error(f"--out {args.out}: no directory {args.out.parent}")
     torch.set_num_threads(1)
     train(args.episodes, args.seed, args.out, args.budget)
     rng = np.random.default_rng(args.seed + 1)
