@@ -283,13 +283,16 @@ class DropoutBatchNorm(torch.nn.Module):
 
 def train_and_validate(model, batches, val):
     """Training steps with a validation pass (eval mode, no_grad; twice, and on a batch of
-    another size) after each: training and validation losses."""
+    another size) after each, and a statistics refresh (a training-mode forward under
+    torch.inference_mode: batch norm's running statistics move): training and validation losses."""
     def validate(model, batch):
+        with torch.inference_mode():
+            refreshed = model(*val).item()
         model.eval()
         with torch.no_grad():
             found = [model(*batch).item(), model(*batch).item(), model(*val).item()]
         model.train()
-        return found
+        return [refreshed] + found
 
     return train(model, batches, validate)
 
@@ -346,7 +349,7 @@ def test_eval_mode_validates_like_one_device(tmp_path, segments):
     was refused)."""
     model, batches, val = dropout_bn()
     losses = train_and_validate(model, batches, val)
-    assert losses[1] == losses[2]  # no dropout in eval mode
+    assert losses[2] == losses[3]  # no dropout in eval mode
     model.eval()
     with torch.no_grad():
         losses.append(model(*[x[:6] for x in batches[0]]).item())
@@ -919,3 +922,13 @@ def test_an_optimizer_that_reads_the_whole_parameter_is_refused_at_its_first_ste
                                          r"whose update is per element \(SGD, Adam, ...\) or a plan that keeps "
                                          r"fc.weight whole$"):
         lars.step()
+    # under a warmup from rate 0, and in a second group whose settings differ from the first's,
+    # the probe still moves its parameters (it stepped at rate 0 and passed: silently inexact)
+    other = torch.nn.Parameter(torch.ones(3))
+    for warm in (_LARS([{"params": [sharded]}]), _LARS([{"params": [other], "lr": 0.0}, {"params": [sharded]}])):
+        warmup = torch.optim.lr_scheduler.LambdaLR(warm, lambda step: step / 10)  # rate 0 at the first step
+        assert warm.param_groups[-1]["lr"] == 0.0
+        sharded.grad = torch.ones(4, 2)
+        with pytest.raises(ValueError, match="^_LARS updates a parameter's rows differently"):
+            warm.step()
+        del warmup

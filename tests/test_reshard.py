@@ -84,6 +84,13 @@ def bad_reshards(rank, world):
         dmodel.reshard([0.5, 0.5], opt)
     except ValueError as e:
         errors["grads"] = str(e)
+    opt.step()  # momentum now held for fc1's rows
+    opt.zero_grad(set_to_none=True)
+    try:
+        dmodel.reshard([0.5, 0.5])  # the optimizer forgotten: its momentum would stay at the old rows
+    except ValueError as e:
+        errors["optimizer"] = str(e)
+    errors["rows after"] = dmodel.plan.shard_sizes("p_fc1_weight", 0)
     return errors
 
 
@@ -97,7 +104,10 @@ def test_bad_reshards_are_one_line_errors(tmp_path):
             "disagree": "reshard: ranks [1] were given other ratios than rank 0's [[0.75, 0.25]]",
             "one-refuses": "reshard: ratios [0.5, 0.3, 0.2] for 3 ranks, this run has 2",
             "rows": [17, 7],
-            "grads": "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))"}
+            "grads": "reshard between steps: gradients must be cleared first (zero_grad(set_to_none=True))",
+            "optimizer": "reshard: SGD keeps state of fc1.weight, whose rows move: pass it, dmodel.reshard(ratios, "
+                         "optimizers=[opt]), so that its state moves with them",
+            "rows after": [17, 7]}
 
 
 def held_graph(rank, world):

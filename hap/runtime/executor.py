@@ -392,7 +392,10 @@ class Executor:
                         x = all_reduce(x, self.comm)
                     x = self._local(x, buf, q, q_seg)
                 assert x.shape == self.buffers[buf].shape, f"buffer {buf}: new value {tuple(x.shape)}, kept {tuple(self.buffers[buf].shape)}"
-                self.buffers[buf] = x  # not copied in place: the backward may have saved the old value
+                if torch.is_inference_mode_enabled():  # an inference tensor kept would break the next training step;
+                    self.buffers[buf].copy_(x)  # one device updates it in place here too (nothing was saved)
+                else:
+                    self.buffers[buf] = x  # not copied in place: the backward may have saved the old value
 
     def _span(self, label: str):
         """A named span in the Chrome trace while one is recorded (torch.profiler), else nothing."""

@@ -325,6 +325,7 @@ class HAP(nn.Module):
         the same ratios, after zero_grad(set_to_none=True). Returns the bytes this rank sent
         and received."""
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        gather_or_refuse(None, _optimizer_left_behind(self.shards.values(), optimizers), self.comm)
         # The last step's graph, alive while the caller holds its loss, keeps each parameter's
         # gradient accumulator with the old shape, which the next backward would meet: let it go
         # (the loss keeps its value; a graph already backpropagated is of no further use).
@@ -510,6 +511,21 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         raise ValueError(refused)
 
 
+def _optimizer_left_behind(params, passed: Sequence[torch.optim.Optimizer]) -> str | None:
+    """Why a reshard would leave an optimizer's state behind, or None: an optimizer that has
+    stepped, is not among those `passed`, and keeps per-element state of a sharded parameter
+    (its rows are about to move; the state would stay at the old ones)."""
+    sharded = {id(p) for p in params if _watched(p)}
+    for opt in list(_CHECKED.keys()):
+        if any(opt is o for o in passed):
+            continue
+        for param, state in opt.state.items():
+            if id(param) in sharded and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state.values()):
+                return (f"reshard: {type(opt).__name__} keeps state of {_watched(param)}, whose rows move: pass it, "
+                        "dmodel.reshard(ratios, optimizers=[opt]), so that its state moves with them")
+    return None
+
+
 def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
     """Why the optimizer's state of a parameter not in `checked` is not exact under hap (see
     _check_optimizer_state), or None; adds the parameters it looked at to `checked`."""
@@ -567,7 +583,10 @@ def _not_per_element(opt: torch.optim.Optimizer, sharded: torch.Tensor) -> str |
     start = torch.randn(6, 4, generator=gen).to(**like)
     grads = [torch.randn(6, 4, generator=gen).to(**like) for _ in range(2)]
     whole, parts = nn.Parameter(start.clone()), [nn.Parameter(start[:4].clone()), nn.Parameter(start[4:].clone())]
-    hyper = {k: opt.param_groups[0][k] for k in opt.defaults if k in opt.param_groups[0]}
+    group = next((g for g in opt.param_groups if any(p is sharded for p in g["params"])), opt.param_groups[0])
+    hyper = {k: group[k] for k in opt.defaults if k in group}
+    if "lr" in hyper and not float(hyper["lr"]):  # a warmup from 0 would move neither probe: probe at a rate that moves
+        hyper["lr"] = opt.defaults["lr"] if float(opt.defaults.get("lr") or 0) else 1e-2
     try:
         one, split = type(opt)([whole], **hyper), type(opt)(parts, **hyper)
         for g in grads:
