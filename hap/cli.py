@@ -230,6 +230,8 @@ def cmd_train(args) -> int:
     if args.plan is not None and (args.planner or args.strategy or args.calibrate):
         flag = "--planner" if args.planner else "--strategy" if args.strategy else "--calibrate"
         raise UserError(f"--plan trains the plan in {args.plan} as it is: {flag} would be ignored")
+    if args.calibrate and cluster.size < 2:  # said before any node is timed
+        raise UserError(f"--calibrate: calibration needs two devices at least; cluster {cluster.name!r} has {cluster.size}")
     planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
     config = _planner_config(args, planner if args.plan is None else f"the plan in {args.plan}")
     straggling = _check_straggler(args, cluster.size)
@@ -486,7 +488,10 @@ def _calibrated(args, graph, cluster, say):
     model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                           experts=args.experts, devices=cluster.gpus, scale=args.scale)
     t0 = time.perf_counter()
-    timing, cached = calibrated_timing(graph, model, inputs, cluster, cache_dir=".hap-cache")
+    try:
+        timing, cached = calibrated_timing(graph, model, inputs, cluster, cache_dir=".hap-cache")
+    except ValueError as e:  # a batch too small to tell the devices' rows apart
+        raise UserError(f"--calibrate: {e}") from None
     say("node times calibrated on this cluster: " + ("from .hap-cache/" if cached else
                                                         f"measured in {time.perf_counter() - t0:.0f} s, cached in .hap-cache/"))
     return timing

@@ -245,3 +245,11 @@ def test_every_model_option_reaches_the_model_in_every_command():
         knobs = {"layers": 2, "hidden": 16, "batch": 8, "seq": 4, "experts": 2, "scale": "small", "dropout": 0.3}
         assert _model_knobs(args) == knobs == _model_knobs(vars(args)), command
     assert set(MODEL_KNOBS) == set(knobs)
+
+
+def test_calibrating_one_device_is_refused_before_any_timing(tmp_path, capsys):
+    one = tmp_path / "one.yaml"
+    one.write_text("name: one\ndevices: [{name: cpu0, flops: 9e10, memory: 4GiB}]\nlocal: true\n")
+    assert main(["train", "--model", "vit", "--scale", "small", "--cluster", str(one), "--steps", "1", "--calibrate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "hap: error: --calibrate: calibration needs two devices at least; cluster 'one' has 1"

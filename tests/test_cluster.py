@@ -68,10 +68,14 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: [{flops: 1, memory: 1" + "0" * 340 + "}]", r"devices\[0\].memory: a number of 341 digits is out of range$"),
     (f"{TWO}\nmachines: [{{devices: 100000000000000000000, nic: {{bandwidth: 1Gbps}}}}]",
      r"machines\[0\]: devices must be a count from 1 to 1024, got 100000000000000000000$"),
-    (f"{TWO}\nnetwork: {{bandwidth: 1e-320}}", r"network bandwidth of 9.99989e-321 is out of range"),
+    (f"{TWO}\nnetwork: {{bandwidth: 1e-320GB/s}}", r"network bandwidth of [0-9.e-]+ is out of range"),
     ("devices: [{flops: 1e-300, memory: 1GiB}]", r"devices\[0\] \(device0\) flops of 1e-300 is out of range"),
     (f"{TWO}\nnetwork: {{bandwidth: 10, latency: 30us}}", r"network.bandwidth of 10 with no unit; give one \(say 10Gbps\)$"),
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: 30}}", r"network.latency of 30 with no unit; give one \(say 30us\)$"),
+    # YAML reads these as text: bare numbers all the same
+    (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: '30'}}", r"network.latency of 30 with no unit"),
+    (f"{TWO}\nnetwork: {{bandwidth: 5e1, latency: 30us}}", r"network.bandwidth of 50 with no unit"),
+    (f"{TWO}\nnetwork: {{bandwidth: .nan, latency: 30us}}", r"network.bandwidth must be a finite number, got nan$"),
     # each was read as bytes/s or seconds: estimates of hours per step
     ("devices: [{flops: 1, memory: 1GiB, gpus: 4, intra_bandwidth: 10}]",
      r"devices\[0\] \(device0\) intra_bandwidth of 10 with no unit; give one \(say 100GB/s\)$"),

@@ -267,3 +267,21 @@ def test_a_small_tables_sparse_gradient_is_priced_as_the_whole_table_on_every_ra
         est = replay(program, cost, [0] * len(graph.nodes), [ratios])
         # each rank may hold every row of the table (90 or 60 ids of 100 rows): 100 pairs each
         assert [b.nbytes for b in est.buckets] == [144 + 2 * 100 * 40]
+
+
+def test_a_groups_collectives_are_priced_as_the_whole_clusters_are():
+    """Over every device, a group's all-reduce is the gradient all-reduce (machines of several
+    GPUs gather to one GPU and broadcast back, also in a group: paper-hetero-16 has them); on a
+    cluster of measured fits, a group's all-gather is the all-gather's fit (it was the broadcast's)."""
+    from hap.cost.cluster import load_cluster
+
+    graph = capture(Lookup(False), (torch.randint(0, 100, (10,)),))
+    for name in ("paper-hetero-16", "paper-hetero-8"):
+        cl = load_cluster(name)
+        cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+        assert cost.group_collective("all_reduce", 1e8, range(cl.size)) == pytest.approx(cost.grad_sync(1e8), rel=1e-9)
+    local = load_cluster("local")
+    cost = CostModel(graph, local, ShardClasses(graph, enumerate(strategy_table(graph))))
+    for kind in ("all_gather", "broadcast"):
+        assert cost.group_collective(kind, 1e6, [0, 1]) == pytest.approx(local.fit(kind).time(1e6), rel=1e-12)
+    assert local.fit("all_gather").time(1e6) != local.fit("broadcast").time(1e6)

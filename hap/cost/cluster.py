@@ -301,8 +301,16 @@ def _given_unit(value, what: str, plausible: tuple[float, float], example: str) 
     """A ClusterError for a bare number outside `plausible` in the base unit (bytes/s, seconds):
     its unit was forgotten ("bandwidth: 10" read as 10 bytes/s, "latency: 30" as 30 s, as
     "memory: 16" read as 16 bytes)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0 and not (
-            plausible[0] <= value < plausible[1]):
+    if isinstance(value, str):  # YAML reads 3e1 and '30' as text: bare numbers too
+        try:
+            value = float(value)
+        except ValueError:
+            return  # a number with its unit (or unreadable: _quantity says so)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if not math.isfinite(value):
+        raise ClusterError(f"{what} must be a finite number, got {value!r}")
+    if value != 0 and not plausible[0] <= value < plausible[1]:
         raise ClusterError(f"{what} of {value:g} with no unit; give one (say {example})")
 
 

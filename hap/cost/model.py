@@ -336,8 +336,9 @@ class CostModel:
         if topo is None or self.cluster.measured_fits:
             if kind == "all_reduce":
                 return self.grad_sync(nbytes)
-            return self.cluster.fit("broadcast").time(nbytes)
-        return topo.run_seconds(kind, nbytes, devices)
+            return self.cluster.fit("broadcast" if kind == "reduce" else kind).time(nbytes)
+        inside = self.intra_coll * nbytes if any(self.gpus(j) > 1 for j in devices) else 0.0  # as grad_sync adds it
+        return topo.run_seconds(kind, nbytes, devices) + inside
 
     @property
     def grad_sync_least_slope(self) -> float:
