@@ -1,6 +1,7 @@
 """hap profile: the line fits it rests on, the emulation it measures, and the cluster file it
 writes (which the planner must read back)."""
 
+import json
 import time
 
 import pytest
@@ -252,12 +253,17 @@ def test_calibration_cache_keys_precision_and_frozen_layers_and_survives_damage(
     graph = capture(model, x)
     speeds = []
     monkeypatch.setattr(calibrate, "measure_nodes", lambda graph, model, inputs, speed, small: speeds.append(speed))
+    n = len(graph.nodes)
     monkeypatch.setattr(calibrate, "calibrate_nodes", lambda measured, model, inputs, cluster: NodeTiming(
-        fwd=(1.0,), bwd=(2.0,), fwd_fixed=(0.0,), bwd_fixed=(0.0,), device_flops=9e10))
+        fwd=(1.0,) * n, bwd=(2.0,) * n, fwd_fixed=(0.0,) * n, bwd_fixed=(0.0,) * n, device_flops=9e10))
     path = tmp_path / f"timing-{calibrate._timing_key(graph, cluster)}.json"
-    for damage in ("{", "", '{"fwd": [1.0]}'):
+    whole = {"fwd": [1.0] * n, "bwd": [2.0] * n, "fwd_fixed": [0.0] * n, "bwd_fixed": [0.0] * n, "device_flops": 9e10,
+             "device_scale": None}
+    # valid JSON, damaged all the same: one node's times; a negative time; 3 devices' scales for 2
+    wrong = [{**whole, "fwd": [1.0]}, {**whole, "bwd": [-2.0] * n}, {**whole, "device_scale": [[1, 0, 1, 0]] * 3}]
+    for damage in ("{", "", '{"fwd": [1.0]}', *map(json.dumps, wrong)):
         path.write_text(damage)
         timing, cached = calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path))
-        assert not cached and timing.fwd == (1.0,)
+        assert not cached and timing.fwd == (1.0,) * n
         assert calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path)) == (timing, True)  # replaced
-    assert speeds == [pytest.approx(9e10)] * 3
+    assert speeds == [pytest.approx(9e10)] * 6

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -238,6 +239,24 @@ def _calibrate_rank(rank: int, model: nn.Module, inputs, plans: list[str], clust
 
 # -- calibrated node times, cached ---------------------------------------------------------------
 
+def _check_cached(timing: NodeTiming, nodes: int, devices: int) -> None:
+    """A ValueError unless a cached timing holds, for each of `nodes` nodes, finite
+    non-negative seconds, and a finite non-negative scale per device of `devices`."""
+    def numbers(values, n, what):
+        if len(values) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                       and math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"{what}: {n} finite non-negative numbers expected")
+
+    for what in ("fwd", "bwd", "fwd_fixed", "bwd_fixed"):
+        numbers(getattr(timing, what), nodes, what)
+    numbers([timing.device_flops], 1, "device_flops")
+    if timing.device_scale is not None:
+        if len(timing.device_scale) != devices:
+            raise ValueError(f"device_scale: {devices} devices expected, got {len(timing.device_scale)}")
+        for row in timing.device_scale:
+            numbers(row, 4, "device_scale")
+
+
 def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster,
                       cache_dir: str | None = None) -> tuple[NodeTiming, bool]:
     """The graph's node times on this cluster (measure_nodes at the full and a quarter batch,
@@ -253,8 +272,10 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
             with open(path) as f:
                 found = json.load(f)
             scale = found.pop("device_scale")
-            return NodeTiming(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()},
-                              device_scale=tuple(map(tuple, scale)) if scale else None), True
+            timing = NodeTiming(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()},
+                                device_scale=tuple(map(tuple, scale)) if scale else None)
+            _check_cached(timing, len(graph.nodes), cluster.size)
+            return timing, True
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # damaged: measure anew, replace it
             log.warning("hap: the calibration cache %s is damaged (%s: %s); measuring again", path, type(e).__name__, e)
     speed = max(d.flops * d.slowdown for d in cluster.devices)  # the machine's, unslowed (every device may be emulated)
