@@ -176,9 +176,9 @@ class Cluster:
                                for m in self.topology.machines]
             out["links"] = [{"between": [a, b], **link(x)} for a, b, x in self.topology.overrides]
             out["algorithm"] = self.topology.algorithm
-        if self.measured_fits or self.topology is None or self.emulated_network is not None:
+        if self.measured_fits or self.topology is None:  # (a topology's or a network's fits follow from it)
             out["collectives"] = {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()}
-        if self.emulate_links:
+        if self.emulate_links and "machines" in out:  # (one device has no links to emulate)
             out["emulate"] = True
         if self.emulated_network is not None:
             bandwidth, latency = self.emulated_network
