@@ -86,9 +86,25 @@ def test_cluster_file_reads_op_overhead_and_rejects_bad_slowdown():
                            "network": {"bandwidth": "1GB/s", "emulate": "yes"}})
 
 
-def profile_worker(rank, world):
-    spec = profile_cluster(local_cluster((1.0, 3.0), "local"), Comm.default(), quick=True)
+def profile_worker(rank, world, cluster_spec=None):
+    cluster = local_cluster((1.0, 3.0), "local") if cluster_spec is None else cluster_from_dict(cluster_spec)
+    spec = profile_cluster(cluster, Comm.default(), quick=True)
     return {"spec": spec}
+
+
+def test_profiling_emulated_machines_keeps_them_emulated(tmp_path):
+    """The profiled file of machines whose links are emulated keeps the machines and
+    `emulate: true` beside the collectives measured under the emulation (it wrote one measured
+    localhost machine instead: training on it ran unemulated, priced as emulated)."""
+    link = {"bandwidth": "100MB/s", "latency": "100us"}
+    given = {"name": "emu", "local": True, "emulate": True, "algorithm": "ring",
+             "devices": [{"name": "cpu", "count": 2, "flops": 1e11, "memory": "4GiB"}],
+             "machines": [{"name": m, "devices": 1, "intra": link, "nic": link} for m in ("a", "b")]}
+    spec = run_ranks(profile_worker, 2, tmp_path, given)[0]["spec"]
+    spec.pop("report")
+    profiled, original = cluster_from_dict(spec), cluster_from_dict(given)
+    assert profiled.emulate_links and profiled.measured_fits
+    assert profiled.topology == original.topology
 
 
 def test_profile_measures_the_emulated_slowdown(tmp_path):

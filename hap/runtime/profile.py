@@ -302,6 +302,8 @@ def profile_cluster(cluster: Cluster, comm: Comm, quick: bool = False) -> dict |
     if cluster.emulated_network is not None:
         bandwidth, latency = cluster.emulated_network
         spec["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+    elif cluster.emulate_links:  # the emulated machines stay, and emulated (the collectives were measured so)
+        spec.update({k: v for k, v in cluster.to_dict().items() if k in ("machines", "links", "algorithm", "emulate")})
     elif links:  # the measured collectives price the plan; the links describe the machine
         spec.update(local_topology(links, comm.world))
     if cluster.local:
