@@ -419,12 +419,14 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         _given_unit(f["beta"], f"collectives.{key}.beta", BARE_BANDWIDTH, "10Gbps")
         fits[key] = Fit(alpha=_positive(_quantity(f["alpha"], _TIME_UNITS, f"collectives.{key}.alpha"), f"{key} alpha", allow_zero=True),
                         beta=_positive(_quantity(f["beta"], _RATE_UNITS, f"collectives.{key}.beta"), f"{key} beta"))
+    given = spec.get("collectives") or {}
+    if given and topology is not None and set(given) != set(COLLECTIVES) and len(devices) > 1:
+        # measured fits price every collective of the plan in place of the topology: all or none
+        raise ClusterError(f"collectives: give all of {', '.join(COLLECTIVES)} (as measured: hap profile writes them) "
+                           f"or none ({'the machines price' if 'machines' in spec else 'the network prices'} them); missing: "
+                           f"{', '.join(k for k in COLLECTIVES if k not in given)}")
     missing = [k for k in COLLECTIVES if k not in fits]
     if missing and len(devices) > 1:
-        if emulated is not None and "collectives" in spec:  # the network's fits are then not used
-            raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: with network.emulate, 'collectives' "
-                               f"(as measured under the emulation: hap profile writes them) must give all of "
-                               f"{', '.join(COLLECTIVES)}")
         raise ClusterError(f"no cost for collective(s) {', '.join(missing)}: give 'network' or 'collectives'")
     if len(devices) == 1:
         fits = fits_from_network(1, 1.0, 0.0)
@@ -432,7 +434,7 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         raise ClusterError("emulate: true needs 'machines' or 'network' to say what to emulate")
     return Cluster(name=_name(spec.get("name", default_name), "name"), devices=devices, collectives=fits,
                    local=spec.get("local", False), emulated_network=emulated, topology=topology,
-                   emulate_links=spec.get("emulate", False), measured_fits="collectives" in spec)
+                   emulate_links=spec.get("emulate", False), measured_fits=bool(given))
 
 
 def _name(value, what: str) -> str:
