@@ -195,6 +195,12 @@ def test_fit_calibration_splits_each_pass_into_fixed_and_work():
     assert fitted.device_scale[1] == fitted.device_scale[0]  # the smaller share first: the same fit
     with pytest.raises(ValueError, match="two different, non-zero batch rows"):
         fit_calibration(timing, [(8, 8)], 16, [[(7e-3, 13e-3), (7e-3, 13e-3)]])
+    # node times without a fixed part (measured at one batch size): the measured 1 ms is spread
+    # over the two nodes, 0.5 ms each (it was dropped: the calibrated forward 6 of 7 ms at 12 rows)
+    bare = NodeTiming(fwd=(1e-3, 3e-3), bwd=(2e-3, 6e-3), fwd_fixed=(0.0, 0.0), bwd_fixed=(0.0, 0.0), device_flops=1e11)
+    fitted = fit_calibration(bare, [(12, 4)], 16, [[(7e-3, 13e-3), (3e-3, 5e-3)]])
+    assert fitted.fwd_fixed == fitted.bwd_fixed == (0.5, 0.5)
+    assert fitted.device_scale[0] == pytest.approx((2.0, 1e-3, 2.0, 1e-3))  # 1 ms of the 1 s spread
 
 
 def test_wait_clock_runs_from_before_to_after_and_not_for_launches():

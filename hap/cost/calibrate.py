@@ -169,6 +169,10 @@ def fit_calibration(timing: NodeTiming, rows: Sequence[tuple[int, int]], batch: 
     rows of the batch under each."""
     if any(min(own) <= 0 or own[0] == own[1] for own in rows):
         raise ValueError(f"every device needs two different, non-zero batch rows to fit; got {list(rows)}")
+    n = len(timing.fwd)
+    if n:  # node times without a fixed part (measured at one batch size): the measured one spread evenly
+        timing = dataclasses.replace(timing, fwd_fixed=timing.fwd_fixed if sum(timing.fwd_fixed) else (1 / n,) * n,
+                                     bwd_fixed=timing.bwd_fixed if sum(timing.bwd_fixed) else (1 / n,) * n)
     sums = (sum(timing.fwd), sum(timing.fwd_fixed), sum(timing.bwd), sum(timing.bwd_fixed))
     scale = []
     for own, busy in zip(rows, passes):
