@@ -6,10 +6,12 @@ module at a time; bad set-ups fail with one clear error on every rank. SGD, not 
 turns the rounding noise of gradients that are exactly zero in theory (attention's key bias)
 into full-size steps."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gloo import rank_device, run_ranks, to_device
 
 import hap
@@ -932,3 +934,54 @@ def test_an_optimizer_that_reads_the_whole_parameter_is_refused_at_its_first_ste
         with pytest.raises(ValueError, match="^_LARS updates a parameter's rows differently"):
             warm.step()
         del warmup
+
+
+class DrawsFromValues(torch.nn.Module):
+    """Random ops whose draws depend on their inputs' values or that dropout lists never named:
+    stochastic binary neurons (bernoulli of probabilities), Gumbel noise (exponential_) and a
+    reparameterized sample about given means (normal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = torch.sigmoid(self.fc1(x))
+        h = torch.bernoulli(h) + h - h.detach()  # straight-through
+        g = F.gumbel_softmax(self.fc2(x), tau=0.5)
+        n = torch.normal(h, 0.5)
+        return ((self.fc3(h + g + n) - y) ** 2).mean()
+
+
+def draws_from_values(rank, world, planner):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = DrawsFromValues()
+    batches = [(torch.randn(10, 8, generator=gen), torch.randn(10, 1, generator=gen)) for _ in range(3)]
+    dmodel = skewed(model, batches[0], planner)
+    torch.manual_seed(5 + rank)  # ranks' generators differ: every rank must draw what one device draws
+    return {"losses": train(dmodel, batches), "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
+
+
+@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
+def test_random_ops_drawn_from_their_inputs_values_train_like_one_device(planner, tmp_path):
+    """bernoulli(probs) and exponential_ ran as plain elementwise ops (each rank drew its shard's
+    own numbers) and normal(means) unseeded: losses 10-20% off one device's at 60/40."""
+    from hap.rules import strategies_for
+    from hap.rules.local import is_random
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = DrawsFromValues()
+    batches = [(torch.randn(10, 8, generator=gen), torch.randn(10, 1, generator=gen)) for _ in range(3)]
+    graph = hap.capture(model, batches[0])
+    for node in graph.nodes:
+        if node.op in ("aten.bernoulli.default", "aten.normal.Tensor_float"):  # drawn whole on every device
+            assert is_random(node) and {st.name for st in strategies_for(node, graph)} == {"replicated", "duplicated"}
+    reference = copy.deepcopy(model)
+    torch.manual_seed(5)
+    losses = train(reference, batches)
+    for got in run_ranks(draws_from_values, 2, tmp_path, planner):
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, p in reference.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-6), name

@@ -138,3 +138,36 @@ class _Regression(nn.Module):
 
     def forward(self, x, y):
         return nn.functional.mse_loss(self.net(x), y)
+
+
+class SelfProducts(nn.Module):
+    """One tensor given twice to a node: w @ w, h * h, x[rows, rows]."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(12, 12))
+
+    def forward(self, x):
+        h = x @ (self.w @ self.w)
+        rows = torch.arange(x.shape[0])
+        return (h * h).sum() + x[rows, rows].sum()
+
+
+def test_a_tensor_given_twice_takes_one_placement():
+    """The rules placed each argument alone: w @ w as (S(0), R), which a device holding one
+    value of w cannot run (training failed: shapes cannot be multiplied); every strategy left
+    runs like one device at uneven splits (tests/rulecheck.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from rulecheck import check_ops
+    from hap.rules import strategies_for
+
+    graph = hap.capture(SelfProducts(), (torch.randn(12, 12),))
+    found = check_ops(graph, ["aten.matmul.default", "aten.mul.Tensor", "aten.index.Tensor"])
+    twice = [n for nodes in found.values() for n in nodes if len(set(n.inputs)) < len(n.inputs)]
+    assert len(twice) == 3  # w @ w, h * h, x[rows, rows]
+    for n in twice:
+        for st in strategies_for(n, graph):
+            assert len({(t, p) for t, p in zip(n.inputs, st.inputs)}) == len(set(n.inputs)), (n.op, str(st))

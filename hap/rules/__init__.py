@@ -47,11 +47,15 @@ RuleFn = Callable[[Node, Graph], list[Strategy]]
 RULES: dict[str, RuleFn] = {}
 
 # Ops whose output depends on a random generator: replicated compute needs the same seed on
-# every device and sharded compute a mask drawn for the whole tensor (the runtime's job).
+# every device and sharded compute a mask drawn for the whole tensor (the runtime's job). These
+# draw values that depend on their input's shape only (rules/local._random draws them whole);
+# any other op torch tags nondeterministic_seeded (bernoulli of probabilities, normal about
+# given means, multinomial) runs replicated on the ranks' common generator (rules/local.is_random).
 RANDOM_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.bernoulli.p",
               "aten.rand_like.default", "aten.randn_like.default", "aten.feature_dropout.default",
               "aten.uniform.default", "aten.normal_functional.default", "aten.randint_like.default",
-              "aten.randint_like.low_dtype",
+              "aten.randint_like.low_dtype", "aten.exponential.default", "aten.geometric.default",
+              "aten.cauchy.default", "aten.log_normal.default",
               # factories: a tensor from nothing (stochastic depth's mask)
               "aten.rand.default", "aten.randn.default", "aten.randint.default", "aten.randint.low",
               "aten.randperm.default"}
@@ -84,6 +88,8 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
     seen = set()
     rule = RULES.get(node.op)
     found = rule(node, graph) if rule is not None else []
+    if found and _drawn_replicated(node):  # its draws depend on its inputs' values: one whole draw per device
+        found = []
     for st in found:
         st = _canonical(st, node, graph, short_shards)
         if st is not None and (st.inputs, st.outputs) not in seen:
@@ -95,6 +101,12 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
             seen.add((st.inputs, st.outputs))
             out.append(st)
     return out
+
+
+def _drawn_replicated(node: Node) -> bool:
+    from .local import drawn_whole, is_random  # (local reads the rules)
+
+    return is_random(node) and not drawn_whole(node)
 
 
 def strategy_table(graph: Graph) -> list[list[Strategy]]:
@@ -132,6 +144,10 @@ def _canonical(st: Strategy, node: Node, graph: Graph, short_shards: bool = Fals
             if p.kind == "D" and not t.requires_grad:
                 p = R
             acc.append(p)
+    placed: dict[str, Placement] = {}
+    for name, p in zip(node.inputs, ins):  # one tensor given twice (w @ w) is one value on a device: one placement
+        if placed.setdefault(name, p) != p:
+            return None
     return Strategy(tuple(ins), tuple(outs), st.name, st.local)
 
 

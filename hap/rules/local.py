@@ -124,7 +124,7 @@ def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: G
     if st.local is not None:
         _load_variants()
         out = VARIANTS[st.local](node, st, args, kwargs, ctx, graph)
-    elif is_random(node):
+    elif is_random(node) and drawn_whole(node):
         random_op = _attention_with_dropout if node.op == ATTENTION else _random
         out = random_op(node, st, args, kwargs, ctx, graph)
     else:
@@ -214,14 +214,35 @@ ATTENTION = "aten.scaled_dot_product_attention.default"
 
 def is_random(node: Node) -> bool:
     """Whether the node draws random numbers (dropout in training with p > 0, rand_like,
-    attention with dropout)."""
+    attention with dropout, any op torch tags nondeterministic_seeded)."""
     if node.op == ATTENTION:
         return attention_dropout(node.args, node.kwargs) > 0
     if node.op in DROPOUTS:  # (x, p, train)
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         return float(p) > 0 and train is not False
-    return node.op in RANDOM_OPS
+    return node.op in RANDOM_OPS or _seeded(node)
+
+
+def _seeded(node: Node) -> bool:
+    """Whether torch tags the op nondeterministic_seeded and it draws here: attention kernels
+    and recurrent layers carry the tag for their dropout, which a rate of 0 (or train=False) turns off."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    for i, a in enumerate(target._schema.arguments):
+        if a.name in ("dropout_p", "dropout", "train"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            if not value:
+                return False
+    return True
+
+
+def drawn_whole(node: Node) -> bool:
+    """Whether a random node's draws depend on its input's shape alone, so that each device
+    can draw them whole and keep its part (_random); else (bernoulli of probabilities) the
+    node runs replicated, every device drawing what one device draws."""
+    return node.op == ATTENTION or node.op in DROPOUTS or node.op in RANDOM_OPS
 
 
 def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> torch.Tensor:
