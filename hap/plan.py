@@ -312,9 +312,13 @@ class Plan:
                                  "row of shares per segment")
             if any(len(row) != len(st.devices) for row in st.ratios):
                 raise ValueError(f"malformed plan: stage {k} has {len(st.devices)} devices but ratios {st.ratios}")
-            if not all(_is_share(x) for row in st.ratios for x in row) or not all(sum(row) > 0 for row in st.ratios):
+            if not all(_is_share(x) for row in st.ratios for x in row) or not all(
+                    0 < sum(row) < math.inf for row in st.ratios):
                 raise ValueError(f"malformed plan: stage {k}'s ratios {st.ratios} must be finite shares at least 0, "
-                                 "some positive")
+                                 "some positive, of a finite sum")
+            if st.nodes[1] - st.nodes[0] + 1 != len(st.program):
+                raise ValueError(f"malformed plan: stage {k} runs nodes {st.nodes} with a program of {len(st.program)} "
+                                 "instructions, one per node")
         for k, st in enumerate(self.stages):
             segs = st.segments
             if not all(isinstance(x, list) and len(x) == 2 and all(isinstance(y, int) for y in x) for x in segs) \
@@ -327,6 +331,12 @@ class Plan:
             if bad_shard is not None:
                 raise ValueError(f"malformed plan: stage {k} splits {bad_shard.tensor} in segment {bad_shard.segment!r} "
                                  f"of its {len(segs)}")
+            whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+            bad_shard = next((sh for sh in st.shards if not whole(sh.dim) or not isinstance(sh.sizes, (list, tuple))
+                              or len(sh.sizes) != len(st.devices) or not all(map(whole, sh.sizes))), None)
+            if bad_shard is not None:
+                raise ValueError(f"malformed plan: stage {k} splits {bad_shard.tensor} dim {bad_shard.dim!r} into "
+                                 f"{bad_shard.sizes!r}: a dim and a whole number of rows per device of the stage")
         if not all(isinstance(b, dict) and isinstance(b.get("seconds"), (int, float)) for b in self.baselines.values()):
             raise ValueError("malformed plan: every baseline needs its seconds")
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
@@ -415,12 +425,13 @@ class Plan:
                                       self.schedule.micro_batches)
         except ValueError as e:
             raise ValueError(f"{e} (a plan made for another model or batch?)") from None
-        _check_held(graph, [self.steps(graph, k) for k in range(len(self.stages))])
         ran = sorted(step.node for step in program)
         if ran != list(range(len(graph.nodes))):
             missing = sorted(set(range(len(graph.nodes))) - set(ran))
             what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
             raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
+        _check_held(graph, [self.steps(graph, k) for k in range(len(self.stages))])
+        _check_steps(graph, program, strategy_table(graph))
         unknown = sorted({e.param for e in self.sync} - set(graph.params))
         if unknown:
             raise ValueError(f"the plan synchronizes {unknown[:3]}, which are not parameters of this model")
@@ -593,6 +604,24 @@ def _stage_from_dict(d: dict) -> PlanStage:
                for ins in d["program"]]
     shards = [ShardSize(**{**sh, "sizes": tuple(sh["sizes"])}) for sh in d["shards"]]
     return PlanStage(**{**d, "program": program, "shards": shards})
+
+
+def _check_steps(graph: Graph, program: list[Step], table) -> None:
+    """A one-line ValueError unless every step takes a strategy the rules give its node and
+    every move is one the move catalogue has (search.moves): a hand-edited step (a partial sum
+    relabelled duplicated, a collective renamed) would run silently wrong or be priced wrong."""
+    from .search.moves import moves_between, rebalance
+
+    for step in program:
+        node = graph.nodes[step.node]
+        if step.strategy not in table[step.node]:
+            raise ValueError(f"the plan runs {node.name} ({node.op}) as {step.strategy}, which its rules do not give "
+                             "(a hand-edited plan?)")
+        for ms in step.moves:
+            mv = ms.move
+            if mv != rebalance(mv.src) and mv not in moves_between(mv.src, mv.dst, graph.tensors[ms.tensor].requires_grad):
+                raise ValueError(f"the plan moves {ms.tensor} by {mv.name} {mv.src} -> {mv.dst} [{mv.fwd}, backward "
+                                 f"{mv.bwd}], which is no move hap has (a hand-edited plan?)")
 
 
 def _check_held(graph: Graph, programs: list[list[Step]]) -> None:

@@ -90,6 +90,11 @@ class PlannerConfig:
                                  f"got {getattr(self, name)!r}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"PlannerConfig.schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.width is not None and (not isinstance(self.width, int) or isinstance(self.width, bool) or self.width < 1):
+            raise ValueError(f"PlannerConfig.width must be a positive integer or None (no limit), got {self.width!r}")
+        after = self.width_after
+        if isinstance(after, bool) or not isinstance(after, (int, float)) or not math.isfinite(after) or after < 0:
+            raise ValueError(f"PlannerConfig.width_after must be a finite number of at least 0, got {after!r}")
 
     @property
     def pipeline_asked(self) -> list[str]:

@@ -471,7 +471,7 @@ def odd_states(rank, world, directory):
     ada = torch.optim.Adafactor(dmodel.parameters(), lr=0.01)  # factored moments over fc1's split rows
     dmodel(*batch(1)).backward()
     for what, call in {"step": ada.step, "save": lambda: checkpoint.save(dmodel, ada, directory, 2),
-                       "reshard": lambda: dmodel.reshard([0.4, 0.6], [ada])}.items():
+                       "reshard": lambda: dmodel.reshard([0.4, 0.6], [ada, adam])}.items():
         try:
             call()
         except ValueError as e:

@@ -314,8 +314,23 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     with pytest.raises(ValueError, match=f"stage 0 has {n} devices but ratios"):
         Plan.from_dict({**data, "stages": [stage]})
     negative = {**data["stages"][0], "ratios": [[-0.5, *row[1:-1], row[-1] + 0.5 + row[0]] for row in data["stages"][0]["ratios"]]}
-    with pytest.raises(ValueError, match=r"stage 0's ratios .* must be finite shares at least 0, some positive$"):
+    with pytest.raises(ValueError, match=r"stage 0's ratios .* must be finite shares at least 0, some positive, of "
+                                         r"a finite sum$"):
         Plan.from_dict({**data, "stages": [negative]})  # trained until a rank failed; explain drew it
+    huge = {**data["stages"][0], "ratios": [[1e308] * n]}  # finite, their sum not: "cannot convert float NaN to integer"
+    with pytest.raises(ValueError, match=r"of a finite sum$"):
+        Plan.from_dict({**data, "stages": [huge]})
+    # nodes and segments shrunk to the first two nodes: an IndexError in check_fits
+    short = {**data["stages"][0], "nodes": [0, 1], "segments": [[0, 1]]}
+    with pytest.raises(ValueError, match=r"^malformed plan: stage 0 runs nodes \[0, 1\] with a program of \d+ "
+                                         r"instructions, one per node$"):
+        Plan.from_dict({**data, "stages": [short]})
+    sh = {"tensor": "x", "dim": 0, "segment": 0, "sizes": [1] * n}
+    for bad in ({**sh, "dim": "0"}, {**sh, "sizes": [1.5] * n}, {**sh, "sizes": [1]}):  # a TypeError in check_fits
+        odd = {**data["stages"][0], "shards": [bad, *data["stages"][0]["shards"]]}
+        with pytest.raises(ValueError, match=r"^malformed plan: stage 0 splits .* a dim and a whole number of rows per "
+                                             r"device of the stage$"):
+            Plan.from_dict({**data, "stages": [odd]})
     gap = {**data["stages"][0], "nodes": [1, data["stages"][0]["nodes"][1]]}  # failed inside the ranks
     with pytest.raises(ValueError, match=r"node ranges \[\[1, \d+\]\] must cover the model's nodes in order"):
         Plan.from_dict({**data, "stages": [gap]})
@@ -512,6 +527,12 @@ def test_a_knob_a_planner_does_not_read_is_refused():
         PlannerConfig(optimizer="lamb")
     with pytest.raises(ValueError, match=r"^PlannerConfig.segments must be a positive integer, got 0$"):
         PlannerConfig(segments=0)
+    for width in (0, -1, 2.5, "24", True):  # -1 meant no limit (18 s on a small ViT), 2.5 a pybind traceback
+        with pytest.raises(ValueError, match=r"^PlannerConfig.width must be a positive integer or None"):
+            PlannerConfig(width=width)
+    for after in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=r"^PlannerConfig.width_after must be a finite number of at least 0"):
+            PlannerConfig(width_after=after)
 
 
 def test_a_frozen_parameter_holds_no_gradient_or_optimizer_state():
@@ -556,3 +577,69 @@ def test_a_batch_too_small_for_the_shares_says_which_devices_idle():
     assert "note: devices [2, 3] get none of any split tensor in segment 0" in small.summary()
     large = baseline_plan(capture(Net(), (torch.randn(8, 4),)), cluster, "dp-ev")
     assert large.idle_devices(0) == [] and "note: devices" not in large.summary()
+
+
+def test_steps_the_rules_and_moves_do_not_give_are_refused(graph):
+    """A Megatron plan edited by hand: the row-parallel linear's partial-sum output relabelled
+    duplicated (its all-reduce dropped), or a move's collective renamed, passed every check and
+    trained to a wrong loss, or was priced without its collective. A plan for another model is
+    said to be one (it was blamed on hand-editing)."""
+    from hap.planner import baseline_plan
+
+    cluster = load_cluster("local")
+    megatron = baseline_plan(graph, cluster, "megatron")
+    data = megatron.to_dict()
+    st = data["stages"][0]
+    k, ins = next((k, ins) for k, ins in enumerate(st["program"]) if ins["moves"])
+    forged = {**ins, "moves": [{**ins["moves"][0], "fwd": None}, *ins["moves"][1:]]}
+    with pytest.raises(ValueError, match=r"^the plan moves \S+ by \w+ .*, which is no move hap has \(a hand-edited "
+                                         r"plan\?\)$"):
+        Plan.from_dict({**data, "stages": [{**st, "program": [*st["program"][:k], forged, *st["program"][k + 1:]]}]}
+                       ).check_fits(graph)
+    renamed = {**st["program"][0], "strategy": "bogus"}
+    with pytest.raises(ValueError, match=r"^the plan runs \w+ \(aten\.\S+\) as bogus: .* which its rules do not give"):
+        Plan.from_dict({**data, "stages": [{**st, "program": [renamed, *st["program"][1:]]}]}).check_fits(graph)
+    megatron.check_fits(graph)  # as made: fits
+    with pytest.raises(ValueError, match=r"^the plan does not run node \w+ of this model's \d+: a plan made for "
+                                         r"another model$"):
+        megatron.check_fits(capture(TwoMLPs(), (torch.randn(32, 64),)))
+
+
+class TwoMLPs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLP(), MLP()
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+class Reused(nn.Module):
+    """One layer applied 12 times: its weight loaded duplicated in both segments of two."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.out = nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        for _ in range(12):
+            x = torch.tanh(self.layer(x))
+        return nn.functional.cross_entropy(self.out(x), y)
+
+
+def test_a_parameter_loaded_whole_in_two_segments_is_kept_once():
+    """Loaded duplicated in two segments, the reused weight counted as loaded in two placements:
+    kept whole and all-reduced, which made two segments 2x slower than one (whose plan is a
+    candidate)."""
+    from hap.cost.cluster import cluster_from_dict
+    from hap.search.program import synced_params
+
+    gen = torch.Generator().manual_seed(0)
+    graph = capture(Reused(), (torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)))
+    cluster = cluster_from_dict({"name": "c", "network": {"bandwidth": "10Gbps", "latency": "30us"},
+                                 "devices": [{"name": "a", "flops": 2e12, "memory": "16GiB"},
+                                             {"name": "b", "flops": 1e12, "memory": "16GiB"}]})
+    one, two = plan(graph, cluster), plan(graph, cluster, PlannerConfig(segments=2))
+    assert two.estimated_iteration_seconds <= one.estimated_iteration_seconds * (1 + 1e-9)
+    assert synced_params(one.steps(graph), graph, segment_graph(graph, 2)) == synced_params(one.steps(graph), graph,
+                                                                                          one.segment_of)

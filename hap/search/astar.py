@@ -397,10 +397,11 @@ class Frame:
             if t.consumers[0] == k:
                 if len(ps) > 1 or kept_as(ps[0]) == R:  # kept whole: synced
                     sync += self.cost.sync_bytes(name)
-                elif name in self.shared:
-                    keeps.append((self.shared[name], ps[0].code, seg))
+                elif name in self.shared:  # (a whole placement is alike in every segment)
+                    keeps.append((self.shared[name], ps[0].code, seg if ps[0].is_shard else 0))
             else:
-                uses.append((self.shared[name], ps[0].code if len(ps) == 1 else -1, seg))
+                uses.append((self.shared[name], ps[0].code if len(ps) == 1 else -1,
+                             seg if len(ps) == 1 and ps[0].is_shard else 0))
         return sync, tuple(keeps), tuple(uses)
 
     def _chunk_key(self, lo: int, hi: int) -> tuple:

@@ -435,8 +435,9 @@ def kept_placements(program: Sequence[Step], graph: Graph, segment_of: Sequence[
     loaded: dict[str, set[tuple[Placement, int]]] = {}
     for step in program:
         for ld in step.loads:
-            if graph.tensors[ld.tensor].kind in ("param", "buffer"):
-                loaded.setdefault(ld.tensor, set()).add((ld.placement, segment_of[step.node]))
+            if graph.tensors[ld.tensor].kind in ("param", "buffer"):  # whole (R, D, P) is alike in every segment
+                seg = segment_of[step.node] if ld.placement.is_shard else 0
+                loaded.setdefault(ld.tensor, set()).add((ld.placement, seg))
     kept = {}
     for name, places in loaded.items():
         p, seg = next(iter(places)) if len(places) == 1 else (R, 0)
