@@ -34,7 +34,7 @@ from .plan import Plan, PlanStage, SyncEntry, instructions, shard_sizes
 from .rules import has_rule, strategy_table
 from .rules.units import ShardClasses
 from .search.astar import Frame, Restriction, SearchError, paused_gc, synthesize
-from .search.program import Estimate, Step, kept_as, replay, sync_buckets
+from .search.program import Estimate, Step, kept_as, memory, replay, sync_buckets
 
 
 @dataclass(kw_only=True, slots=True)
@@ -310,7 +310,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                 break  # converged, or back to a program already balanced
             seen.add(key)
             try:
-                ratios = balance(program, cost, segment_of, g, capacity).ratios
+                ratios = _balanced(program, cost, segment_of, g, capacity)
             except BalanceError as e:
                 say(f"  load balancer: {e}")
                 break
@@ -333,7 +333,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
             if tuple(program) not in seen:
                 seen.add(tuple(program))
                 try:
-                    balanced = balance(program, cost, segment_of, g, capacity).ratios
+                    balanced = _balanced(program, cost, segment_of, g, capacity)
                 except BalanceError as e:
                     say(f"  {name} balanced: {e}")
                 else:
@@ -362,7 +362,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                 try:
                     program = search(ratios, frugal)
                     price("hap with sharded parameters", program, ratios)
-                    ratios = balance(program, cost, segment_of, g, capacity).ratios
+                    ratios = _balanced(program, cost, segment_of, g, capacity)
                     price("hap with sharded parameters, balanced", program, ratios)
                 except (SearchError, BalanceError) as e:
                     say(f"  {e}")
@@ -375,11 +375,35 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
     if not feasible:
         worst = min(candidates, key=lambda c: max(m / cap for m, cap in zip(c[4].memory, capacity)))
         j = max(range(len(capacity)), key=lambda j: worst[4].memory[j] / capacity[j])
-        raise BalanceError(f"out of memory: the most frugal program found needs {size_text(worst[4].memory[j])} on "
-                           f"device {j} ({cluster.devices[j].name}), which has {size_text(capacity[j])}")
+        need, has = size_text(worst[4].memory[j]), size_text(capacity[j])
+        close = f" ({worst[4].memory[j] - capacity[j]:.0f} bytes too many)" if need == has else ""
+        raise BalanceError(f"out of memory: the most frugal program found needs {need} on device {j} "
+                           f"({cluster.devices[j].name}), which has {has}{close}")
     seconds, winner, program, ratios, est = min(feasible, key=lambda c: c[0])
     return _assemble(cost, segment_of, program, ratios, est, baselines, time.perf_counter() - t0,
                      {**stats, "winner": winner, "candidates": len(candidates)})
+
+
+def _balanced(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], g: int,
+              capacity: Sequence[float], tries: int = 4) -> list[list[float]]:
+    """The load balancer's ratios for `program` whose whole-row shards fit memory. The LP meets
+    capacity with continuous shares; rounding them to whole rows may put a device at its limit a
+    row over it (the plan was then dropped as not fitting, a slower one taken). Such a device's
+    capacity is lowered by its overflow and the LP solved again, a few times at most (a
+    BalanceError from the first solve only: later, the last ratios are returned, and the
+    planner's memory filter decides)."""
+    caps = list(capacity)
+    ratios = balance(program, cost, segment_of, g, caps).ratios
+    for _ in range(tries - 1):
+        over = [m - c for m, c in zip(memory(program, cost, segment_of, ratios), capacity)]
+        if max(over) <= 0:
+            break
+        caps = [cap - o * 1.01 if o > 0 else cap for cap, o in zip(caps, over)]
+        try:
+            ratios = balance(program, cost, segment_of, g, caps).ratios
+        except BalanceError:
+            break
+    return ratios
 
 
 def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp", "tp", "ep", "megatron"],

@@ -643,3 +643,31 @@ def test_a_parameter_loaded_whole_in_two_segments_is_kept_once():
     assert two.estimated_iteration_seconds <= one.estimated_iteration_seconds * (1 + 1e-9)
     assert synced_params(one.steps(graph), graph, segment_graph(graph, 2)) == synced_params(one.steps(graph), graph,
                                                                                           one.segment_of)
+
+
+class Deep(nn.Module):
+    def __init__(self, n=4, d=512):
+        super().__init__()
+        self.layers, self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(n)), nn.Linear(d, 10)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return nn.functional.cross_entropy(self.out(x), y)
+
+
+def test_balanced_ratios_fit_after_rounding_to_whole_rows():
+    """The LP put the slow device exactly at its capacity; whole-row shards were 0.1% over, every
+    balanced candidate was dropped and planning said out of memory, though the planner's own
+    memory-frugal program fits at other ratios. Now the device's capacity is lowered by its
+    overflow and the LP solved again."""
+    from hap.cost.cluster import cluster_from_dict
+
+    gen = torch.Generator().manual_seed(0)
+    graph = capture(Deep(), (torch.randn(16, 512, generator=gen), torch.randint(0, 10, (16,), generator=gen)))
+    state = sum(t.nbytes for t in graph.tensors.values() if t.kind == "param") * 4  # weights, grads, Adam's moments
+    caps = [int(state * 0.8), int(state * 0.4)]
+    cluster = cluster_from_dict({"name": "c", "network": {"bandwidth": "10Gbps", "latency": "30us"}, "devices": [
+        {"name": "d0", "flops": 4e12, "memory": f"{caps[0]}B"}, {"name": "d1", "flops": 1e12, "memory": f"{caps[1]}B"}]})
+    found = plan(graph, cluster)
+    assert all(m <= c for m, c in zip(found.memory_bytes, caps))
