@@ -165,8 +165,9 @@ class Graph:
 
 def node_signature(n: Node, graph: Graph) -> tuple:
     """What a node's strategies and cost depend on: its op, its arguments (tensors by shape,
-    dtype and whether they carry a gradient) and which outputs carry one. Nodes with equal
-    signatures (the layers of a deep model) share that work."""
+    dtype and whether they carry a gradient), which outputs carry one, and which inputs are
+    one tensor given twice (w @ w takes one placement for both: rules._canonical). Nodes with
+    equal signatures (the layers of a deep model) share that work."""
     def sig(a):
         if isinstance(a, TensorRef):
             t = graph.tensors[a.name]
@@ -178,7 +179,8 @@ def node_signature(n: Node, graph: Graph) -> tuple:
         return repr(a)
 
     outs = tuple(graph.tensors[o].requires_grad for o in n.outputs)
-    return (n.op, sig(n.args), sig(n.kwargs), outs)
+    repeats = tuple(n.inputs.index(name) for name in n.inputs)  # each input's first position
+    return (n.op, sig(n.args), sig(n.kwargs), outs, repeats)
 
 
 def chunk_cuts(graph: Graph, max_live: int = 1, max_chunk: int = 16) -> list[int]:

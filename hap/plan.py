@@ -332,11 +332,12 @@ class Plan:
                 raise ValueError(f"malformed plan: stage {k} splits {bad_shard.tensor} in segment {bad_shard.segment!r} "
                                  f"of its {len(segs)}")
             whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+            pieces = None if len(self.stages) > 1 else len(st.devices)  # (a pipeline stage's: per micro-batch piece)
             bad_shard = next((sh for sh in st.shards if not whole(sh.dim) or not isinstance(sh.sizes, (list, tuple))
-                              or len(sh.sizes) != len(st.devices) or not all(map(whole, sh.sizes))), None)
+                              or len(sh.sizes) != (pieces or len(sh.sizes)) or not all(map(whole, sh.sizes))), None)
             if bad_shard is not None:
                 raise ValueError(f"malformed plan: stage {k} splits {bad_shard.tensor} dim {bad_shard.dim!r} into "
-                                 f"{bad_shard.sizes!r}: a dim and a whole number of rows per device of the stage")
+                                 f"{list(bad_shard.sizes)!r}: a dim and a whole number of rows per device of the stage")
         if not all(isinstance(b, dict) and isinstance(b.get("seconds"), (int, float)) for b in self.baselines.values()):
             raise ValueError("malformed plan: every baseline needs its seconds")
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0

@@ -1010,8 +1010,22 @@ def accumulated(rank, world, cut):
             pipe.train_step(*batch)
         opt.step()
         opt.zero_grad()
-    pipe.eval()
+    def no_grad_step():
+        with torch.no_grad():  # (drew dropout, and no gradient came)
+            pipe.train_step(*batches[0])
+
+    def straggler_mitigator():
+        from hap.straggler import Mitigator, StragglerConfig
+        Mitigator(pipe, StragglerConfig(policy="zero-pri"), opt)
+
     refused = []
+    for call in (no_grad_step, straggler_mitigator):
+        try:
+            call()
+            refused.append(None)
+        except ValueError as e:
+            refused.append(str(e))
+    pipe.eval()
     for call in (lambda: pipe.train_step(*batches[0]), lambda: hap.Pipeline(model.eval(), cluster, batches[0], plan)):
         try:
             call()
@@ -1025,7 +1039,7 @@ def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
     """train_step twice before the optimizer's step sums both batches' gradients once each (an
     earlier step's, summed over the stage's devices already, used to be summed again); in eval
     mode train_step is refused in one line, and so is a model in eval mode (it trained in training
-    mode)."""
+    mode), train_step under torch.no_grad and the columns' straggler Mitigator (an AttributeError)."""
     from hap.capture import capture
     model, batches = _vit_setup()
     n = len(capture(model, batches[0]).nodes)
@@ -1036,8 +1050,10 @@ def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
         opt.step()
         opt.zero_grad()
     for got in run_ranks(accumulated, 3, tmp_path, n // 2):
-        assert got["refused"][0].startswith("hap.Pipeline runs training steps (pipe.train())")
-        assert got["refused"][1].startswith("hap.Pipeline trains in training mode and the model is in eval mode")
+        assert got["refused"][0].startswith("hap.Pipeline.train_step under torch.no_grad() would train nothing")
+        assert got["refused"][1].startswith("the straggler Mitigator prunes or migrates the columns of hap.HAP's")
+        assert got["refused"][2].startswith("hap.Pipeline runs training steps (pipe.train())")
+        assert got["refused"][3].startswith("hap.Pipeline trains in training mode and the model is in eval mode")
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
@@ -1162,3 +1178,54 @@ def test_the_dqn_still_learns_where_the_proportional_cut_does_not_fit():
     assert math.isfinite(r) and r > 0 and L == pytest.approx(best.seconds)
     found = search_cuts(table, episodes=300, budget_s=60)
     assert found.seconds == math.inf or found.seconds >= best.seconds * (1 - 1e-9)
+
+
+class _DetachedSide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.aux, self.l3, self.head = (torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.l1(x))
+        side = self.aux(h).detach()  # no gradient reaches aux
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.l3(h + side))), y)
+
+
+def _detached_setup():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return _DetachedSide(), (torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen))
+
+
+def detached_side(rank, world):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    model, batch = _detached_setup()
+    graph = capture(model, batch)
+    cluster = local_cluster((1.0,) * 3, "local")
+    space = PipelineSpace(graph, cluster)
+    second = [n.index for n in graph.nodes if n.op == "aten.linear.default"][1]
+    plan = assemble(space, [min(p for p in space.pivots if p > second)], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 1, 0.0, {})
+    pipe = hap.Pipeline(model, cluster, batch, plan)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.1)
+    pipe.train_step(*batch)
+    grads = {k: p.grad is None for k, p in pipe.named_parameters() if k.startswith("aux")}
+    opt.step()
+    return {"no grad": grads, "state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
+
+
+def test_a_parameter_no_gradient_reaches_keeps_none_in_a_stage_of_two_devices(tmp_path):
+    """On one device a parameter used only on a detached branch has no gradient and AdamW leaves
+    it alone; a stage of two devices gave it zeros, and AdamW decayed it."""
+    model, batch = _detached_setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    model(*batch).backward()
+    assert model.aux.weight.grad is None
+    opt.step()
+    for rank, got in enumerate(run_ranks(detached_side, 3, tmp_path)):
+        if rank < 2:  # stage 0 holds aux
+            assert got["no grad"] == {"aux.weight": True, "aux.bias": True}
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, atol=1e-6), k

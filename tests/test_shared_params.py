@@ -145,10 +145,10 @@ class SelfProducts(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.w = nn.Parameter(torch.randn(12, 12))
+        self.a, self.b, self.w = (nn.Parameter(torch.randn(12, 12)) for _ in range(3))
 
     def forward(self, x):
-        h = x @ (self.w @ self.w)
+        h = x @ (self.a @ self.b) @ (self.w @ self.w)  # a @ b first: alike but for w given twice
         rows = torch.arange(x.shape[0])
         return (h * h).sum() + x[rows, rows].sum()
 
@@ -162,12 +162,15 @@ def test_a_tensor_given_twice_takes_one_placement():
 
     sys.path.insert(0, str(Path(__file__).parent))
     from rulecheck import check_ops
-    from hap.rules import strategies_for
+    from hap.rules import strategies_for, strategy_table
 
     graph = hap.capture(SelfProducts(), (torch.randn(12, 12),))
     found = check_ops(graph, ["aten.matmul.default", "aten.mul.Tensor", "aten.index.Tensor"])
     twice = [n for nodes in found.values() for n in nodes if len(set(n.inputs)) < len(n.inputs)]
     assert len(twice) == 3  # w @ w, h * h, x[rows, rows]
+    table = strategy_table(graph)  # (shared by alike nodes: a @ b's list must not serve w @ w)
     for n in twice:
-        for st in strategies_for(n, graph):
+        for st in [*strategies_for(n, graph), *table[n.index]]:
             assert len({(t, p) for t, p in zip(n.inputs, st.inputs)}) == len(set(n.inputs)), (n.op, str(st))
+    ab = next(n for n in found["aten.matmul.default"] if len(set(n.inputs)) == 2 and n.inputs[0] == "p_a")
+    assert any(st.inputs[0].is_shard for st in table[ab.index])  # and a @ b keeps its sharded strategies

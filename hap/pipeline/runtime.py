@@ -208,6 +208,9 @@ class Pipeline(nn.Module):
         if not self.training:
             raise ValueError("hap.Pipeline runs training steps (pipe.train()); evaluate the model with hap.HAP "
                              "in eval mode, say on a checkpoint")
+        if not torch.is_grad_enabled():  # (it drew dropout and moved statistics, and no gradient came)
+            raise ValueError("hap.Pipeline.train_step under torch.no_grad() would train nothing: a pipeline runs "
+                             "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
         check_trainable(self.params, self.graph)
@@ -456,15 +459,22 @@ class Pipeline(nn.Module):
         for bucket in sorted(self._buckets):
             devices, names = self._buckets[bucket]
             params = [self.params[n] for n in names if self.params[n].requires_grad]
+            if not params:
+                continue
+            # which ranks' backward reached each parameter, summed beside the gradients: one that
+            # none reached (used only on a detached branch) keeps no gradient, as on one device
+            had = [p.grad is not None for p in params]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            if not params:
-                continue
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor(had, dtype=params[0].grad.dtype, device=params[0].grad.device)])
             wire.all_reduce(flat, group=self._groups[devices])
-            for p, part in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(part.view_as(p.grad))
+            parts = flat.split([p.numel() for p in params] + [len(params)])
+            for p, part, reached in zip(params, parts, parts[-1].tolist()):
+                if reached:
+                    p.grad.copy_(part.view_as(p.grad))
+                else:
+                    p.grad = None
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This stage's parameters under the model's own names, as hap.HAP names its shards."""

@@ -104,6 +104,11 @@ class StragglerConfig:
 
 class Mitigator:
     def __init__(self, dmodel, config: StragglerConfig, optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = ()):
+        from ..pipeline.runtime import Pipeline
+
+        if isinstance(dmodel, Pipeline):  # (hap train says so for --straggler on a pipeline plan)
+            raise ValueError("the straggler Mitigator prunes or migrates the columns of hap.HAP's tensor-parallel layers; "
+                             "a pipeline's stages are data parallel: rebalance it with hap.pipeline.rebalance.Rebalancer")
         self.dmodel, self.config = dmodel, config
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         if config.policy == "rebalance" and not self.optimizers:
