@@ -419,7 +419,8 @@ class Plan:
 
         try:
             program = [st for k in range(len(self.stages)) for st in self.steps(graph, k)]
-            classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+            table = strategy_table(graph)
+            classes = ShardClasses(graph, enumerate(table))
             pieces = None
             if self.schedule is not None:  # a pipeline stage's shards are its pieces'
                 pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in self.stages],
@@ -432,7 +433,7 @@ class Plan:
             what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
             raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
         _check_held(graph, [self.steps(graph, k) for k in range(len(self.stages))])
-        _check_steps(graph, program, strategy_table(graph))
+        _check_steps(graph, program, table)
         unknown = sorted({e.param for e in self.sync} - set(graph.params))
         if unknown:
             raise ValueError(f"the plan synchronizes {unknown[:3]}, which are not parameters of this model")

@@ -524,7 +524,7 @@ def rebalanced_ratios(graph: Graph, cluster: Cluster, plan: Plan, speeds: Sequen
     classes = ShardClasses(graph, enumerate(strategy_table(graph)))
     cost = CostModel(graph, slowed, classes, (config or PlannerConfig()).optimizer)
     segment_of = plan.segment_of
-    return balance(plan.steps(graph), cost, segment_of, len(plan.segments), [d.memory for d in slowed.devices]).ratios
+    return _balanced(plan.steps(graph), cost, segment_of, len(plan.segments), [d.memory for d in slowed.devices])
 
 
 def slowed_cluster(cluster: Cluster, speeds: Sequence[float], overheads: bool = False) -> Cluster:

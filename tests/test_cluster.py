@@ -161,3 +161,5 @@ def test_an_empty_collectives_section_leaves_the_machines_pricing():
             "machines": [{"name": "a", "devices": 4, "intra": {"bandwidth": "100GB/s"}, "nic": {"bandwidth": "1GB/s"}}]}
     plain, empty = cluster_from_dict(spec), cluster_from_dict({**spec, "collectives": {}})
     assert not empty.measured_fits and empty == plain  # it read as measured fits: the topology's per-size choice off
+    net = {"devices": spec["devices"], "network": {"bandwidth": "1GB/s", "emulate": True}}
+    assert cluster_from_dict({**net, "collectives": None}) == cluster_from_dict(net)  # (it said: no cost for ...)

@@ -254,7 +254,7 @@ def test_sparse_gradient_sync_is_padded_to_the_busiest_ranks_rows(ratios, sent):
     assert bucket.seconds == pytest.approx(head + 20e-6 + 2 * 8 / 2e9 + 20e-6 + 2 * sent * 40 / 2e9, rel=1e-9)
 
 
-def test_a_small_tables_sparse_gradient_is_priced_as_the_whole_table_on_every_rank():
+def test_a_sparse_gradient_sends_at_most_the_tables_rows():
     from hap.planner import baseline_plan
     from hap.search.program import replay
 
@@ -263,10 +263,17 @@ def test_a_small_tables_sparse_gradient_is_priced_as_the_whole_table_on_every_ra
     cl = Cluster(name="t", devices=devs, collectives=fits_from_network(2, 1e9, 0.0))
     cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
     program = baseline_plan(graph, cl, "dp-ev").steps(graph)
-    for ratios in ([0.6, 0.4], [0.9, 0.1]):
+    # the busiest rank looks up 90 ids at 60/40 (at most 90 rows), 135 at 90/10 (at most the
+    # table's 100 rows): 2 ranks send that many pairs of 40 bytes
+    for ratios, sent in (([0.6, 0.4], 90), ([0.9, 0.1], 100)):
         est = replay(program, cost, [0] * len(graph.nodes), [ratios])
-        # each rank may hold every row of the table (90 or 60 ids of 100 rows): 100 pairs each
-        assert [b.nbytes for b in est.buckets] == [144 + 2 * 100 * 40]
+        assert [b.nbytes for b in est.buckets] == [144 + 2 * sent * 40]
+    # 8 ranks of 16 or so ids each send their ids' rows, not the table (the busiest: 19 of 150)
+    devs8 = tuple(Device(name=f"d{i}", flops=1e12, memory=2**34) for i in range(8))
+    cl8 = Cluster(name="t", devices=devs8, collectives=fits_from_network(8, 1e9, 0.0))
+    cost8 = CostModel(graph, cl8, ShardClasses(graph, enumerate(strategy_table(graph))))
+    est = replay(baseline_plan(graph, cl8, "dp-ev").steps(graph), cost8, [0] * len(graph.nodes), [[1 / 8] * 8])
+    assert [b.nbytes for b in est.buckets] == [144 + 8 * 19 * 40]
 
 
 def test_a_groups_collectives_are_priced_as_the_whole_clusters_are():

@@ -1229,3 +1229,25 @@ def test_a_parameter_no_gradient_reaches_keeps_none_in_a_stage_of_two_devices(tm
             assert got["no grad"] == {"aux.weight": True, "aux.bias": True}
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, atol=1e-6), k
+
+
+def test_a_draw_from_input_values_is_refused_a_pipeline():
+    """bernoulli of probabilities cannot be drawn whole before the step, as a pipeline draws
+    (each micro-batch drew its own numbers from an advanced generator)."""
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace
+
+    class Stochastic(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            h = torch.sigmoid(self.fc1(x))
+            return ((self.fc2(torch.bernoulli(h) + h - h.detach()) - y) ** 2).mean()
+
+    graph = capture(Stochastic(), (torch.randn(8, 8), torch.randn(8, 1)))
+    with pytest.raises(ValueError, match=r"^\w+ \(aten.bernoulli.default\) draws random numbers from its input's "
+                                         r"values: a pipeline draws every node's numbers whole before the step"):
+        PipelineSpace(graph, local_cluster((1.0, 1.0), "local"))

@@ -405,7 +405,7 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
             raise ClusterError(f"network.emulate must be true or false, got {net['emulate']!r}")
         if net.get("emulate", False):
             emulated = (bw, lat)
-        if "collectives" not in spec or not net.get("emulate", False):
+        if not spec.get("collectives") or not net.get("emulate", False):
             fits.update(fits_from_network(len(devices), bw, lat))
         topology = uniform(len(devices), bw, lat)
     if not isinstance(spec.get("collectives") or {}, dict):

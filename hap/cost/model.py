@@ -95,6 +95,8 @@ class CostModel:
         self.sync_slope = self.grad_sync(2.0) - self.grad_sync(1.0)
         self.sync_alpha = self.grad_sync(1.0) - self.sync_slope
         self.sparse_rows = sparse_gradient_rows(graph)  # parameters with sparse gradients: rows per step
+        self.sparse_ids = {name: sum(graph.tensors[graph.nodes[k].inputs[1]].numel for k in graph.tensors[name].consumers)
+                           for name in self.sparse_rows}  # ids looked up in each per step, all devices together
         self.first_use_bytes = [0.0] * len(graph.nodes)  # bytes of trainable parameters each node uses first
         for name, t in graph.tensors.items():
             if t.kind == "param" and t.requires_grad and t.consumers:
@@ -305,21 +307,22 @@ class CostModel:
             return float(t.nbytes)
         return sparse_gradient_bytes(t.nbytes, t.shape[0], rows) / 2
 
-    def sparse_sync(self, param: str, most_looked_up) -> tuple:
+    def sparse_sync(self, param: str, most_looked_up, exact: bool = True) -> tuple:
         """(bytes all-gathered, seconds) of a sparse gradient's sync as runtime/gradsync._Sparse
         runs it: the ranks all-gather their row counts, then their (index, row) pairs, each
         rank's padded to the most any rank holds (sparse_sent_rows). `most_looked_up`: the
-        most ids any device looks up in the table per step (a number, or the LP's expression)."""
+        most ids any device looks up in the table per step (a number, or the LP's expression);
+        exact=False prices it as the LP must (linearly)."""
         t = self.graph.tensors[param]
-        table, rows = t.shape[0], self.sparse_rows[param]
+        table = t.shape[0]
         pair = sparse_gradient_bytes(t.nbytes, table, 1)
-        sent = sparse_sent_rows(table, rows, most_looked_up)
+        sent = sparse_sent_rows(table, self.sparse_ids[param], most_looked_up, self.m, exact)
+        gathered = sent * (self.m * pair)  # V of the padded all-gather
+        if self.m == 1:
+            return gathered, 0.0
         counts = self.comm("all_gather_padded", 8.0 * self.m).at(1 / self.m)
-        if rows < table:  # V = m * sent * pair, the whole being every id's pair
-            gather = self.comm("all_gather_padded", rows * pair).at(sent * (1 / rows))
-        else:
-            gather = self.comm("all_gather_padded", table * pair).at(1.0)
-        return sent * (self.m * pair), counts + gather
+        f = self.cluster.fit("all_gather")  # as _all_gather_padded prices V, the machines' GPUs gathering it too
+        return gathered, counts + f.alpha + gathered * (1 / f.beta + self.intra_coll)
 
     def grad_sync(self, nbytes: float) -> float:
         """One bucket's all-reduce of gradients (nbytes of them)."""
@@ -406,15 +409,17 @@ def sparse_gradient_bytes(nbytes: float, table_rows: int, rows: int) -> float:
     return rows * (nbytes / table_rows + 8)
 
 
-def sparse_sent_rows(table_rows: int, rows: int, most_looked_up):
+def sparse_sent_rows(table_rows: int, ids: int, most_looked_up, m: int, exact: bool = True):
     """The rows each rank sends in a sparse gradient's all-gather, padded to the most any rank
-    holds (gloo and NCCL gather only equal sizes): a rank holds one row per distinct id it looked
-    up, at most the table. While a step's ids (`rows`, rules.nn.sparse_gradient_rows) are fewer
-    than the table's rows, that is at most the most ids any rank looks up (`most_looked_up`: a
-    number, or the LP's expression in the shares); else the whole table, which bounds it from
-    above also where a rank looks up fewer ids than the table has rows (the bound stays linear
-    in the shares, as the LP needs)."""
-    return most_looked_up if rows < table_rows else table_rows
+    holds (gloo and NCCL gather only equal sizes): a rank holds one row per distinct id it looks
+    up, at most the table. So the most ids any rank looks up (`most_looked_up`), at most the
+    table's rows; where a step's `ids` are at least m times the table's rows, the busiest rank
+    looks up at least that many: the table, at any shares. exact=False (the LP, which takes no
+    minimum) drops the cap: a linear bound, above the rows only where the busiest rank looks up
+    more ids than the table has rows."""
+    if ids >= m * table_rows:
+        return table_rows
+    return min(most_looked_up, table_rows) if exact else most_looked_up
 
 
 def max_share(shares: Sequence[float]) -> float:

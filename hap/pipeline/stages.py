@@ -101,7 +101,14 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
     """ValueError, in one line, where micro-batches would change the mathematics (with
     micro_batches None: whatever their count). (Random ops do not: the runtime draws each node's
     random numbers once per step, whole, in one device's order, and gives every micro-batch its
-    rows.)"""
+    rows; but for a node whose draws depend on its input's values, bernoulli of probabilities,
+    which cannot be drawn before the step: refused.)"""
+    from ..rules.local import drawn_whole, is_random
+
+    drawn = next((n for n in graph.nodes if is_random(n) and not drawn_whole(n)), None)
+    if drawn is not None:
+        raise ValueError(f"{drawn.name} ({drawn.op}) draws random numbers from its input's values: a pipeline draws "
+                         "every node's numbers whole before the step; train this model with hap.HAP")
     why = whole_batch_reason(graph, program)
     if why is not None and micro_batches is not None and micro_batches > 1:
         raise ValueError(f"{why}: a pipeline runs it exactly with 1 micro-batch only, not {micro_batches}")

@@ -225,13 +225,15 @@ def is_random(node: Node) -> bool:
 
 
 def _seeded(node: Node) -> bool:
-    """Whether torch tags the op nondeterministic_seeded and it draws here: attention kernels
-    and recurrent layers carry the tag for their dropout, which a rate of 0 (or train=False) turns off."""
+    """Whether torch tags the op nondeterministic_seeded and it draws here: attention kernels,
+    recurrent layers, alpha dropout and RReLU carry the tag for draws that a rate of 0 (or
+    train/training False) turns off."""
     target = node.target
     if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
+    dropout_like = "dropout" in node.op  # (alpha_dropout's p is a rate; bernoulli's a probability)
     for i, a in enumerate(target._schema.arguments):
-        if a.name in ("dropout_p", "dropout", "train"):
+        if a.name in ("dropout_p", "dropout", "train", "training") or (dropout_like and a.name == "p"):
             value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
             if not value:
                 return False

@@ -181,6 +181,9 @@ def synthesize(graph: Graph, strategies: Sequence[Sequence[Strategy]], cost: Cos
     t0 = time.perf_counter()
     with paused_gc():
         space = _Space(graph, strategies, cost, segment_of, ratios, restriction, heuristic, layer_bounds, frame)
+        # (replay prices a sparse gradient's sync padded at the ratios, the search at even shares
+        # (CostModel.sync_bytes): for a model with one, the incumbents' bound is in replay's price,
+        # and the search keeps an incumbent where it finds nothing it prices cheaper)
         known = min(((space.frame.replay(p, ratios).seconds - cost.step_overhead, i) for i, p in enumerate(incumbents)
                      if restriction is None or restriction.admits(p, graph)), default=(math.inf, -1))
         found = space.run(0, (), True, space.n, True, max_expansions, width, int(width_after * space.n), upper=known[0])

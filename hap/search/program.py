@@ -299,7 +299,8 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     looked_up = sparse_looked_up(program, cost, segment_of, alg)
     for name, node in synced_params(program, graph, segment_of).items():
         if name in cost.sparse_rows:
-            sparse_at.setdefault(node, []).append(cost.sparse_sync(name, looked_up[name]))
+            exact = getattr(alg, "continuous", True) is False  # integer shares: numbers, not the LP's expressions
+            sparse_at.setdefault(node, []).append(cost.sparse_sync(name, looked_up[name], exact))
         else:
             sync_at[node] = sync_at.get(node, 0.0) + cost.sync_bytes(name)
     stages = [Stage(fwd=[0.0] * m, bwd=[0.0] * m)]

@@ -62,6 +62,12 @@ def _part_bytes(var, e: SyncEntry) -> float:
     return var.wire_bytes * (e.rows[1] / var.rows if e.rows is not None else 1.0)
 
 
+def _summed_bytes(bucket: Bucket, variables: Variables) -> float:
+    """What a server broadcasts for a sparse gradient's bucket (alone in it): the summed rows,
+    not the padded ones it gathered."""
+    return next(v for v in variables.vars if v.param == bucket.entries[0].param).summed_bytes
+
+
 def message_bytes(bucket: Bucket, variables: Variables) -> tuple[float, float]:
     """Bytes of its first and second message: the gradient (half for fp16), or PowerSGD's two
     factors, P then Q (rank r: r * (rows + rest) elements per part, uncompressible parts whole)."""
@@ -100,7 +106,8 @@ def analytic(entries: list[SyncEntry], variables: Variables, cost: CostModel, co
         if e.sparse:  # every rank's rows: all-gathered (each receives the others'), or in to a server and the sum out
             w = variables.devices
             if e.strategy == "ps":
-                servers[e.server] = servers.get(e.server, 0.0) + (w - 1) / w * 2 * first / _ring_bandwidth(
+                out = _summed_bytes(b, variables)
+                servers[e.server] = servers.get(e.server, 0.0) + (w - 1) / w * (first + out) / _ring_bandwidth(
                     topo, range(w), cost) + w * phi + LAUNCH_OVERHEAD
             else:
                 collective += (w - 1) / w * first / _ring_bandwidth(topo, range(w), cost) + w * phi + LAUNCH_OVERHEAD
@@ -161,7 +168,7 @@ def phases(bucket: Bucket, variables: Variables, cost: CostModel) -> tuple[float
     price = cost.group_collective
     if e.sparse:  # the row counts, then the rows: all-gathered, or gathered to the server, which sends the sum
         gather = price("all_gather", 8.0 * variables.devices, world) + price("all_gather", first, world)
-        return gather, price("broadcast", first, world) if e.strategy == "ps" else 0.0
+        return gather, price("broadcast", _summed_bytes(bucket, variables), world) if e.strategy == "ps" else 0.0
     if not e.hierarchical:
         if e.strategy == "ps":
             return price("reduce", first, world), price("broadcast", first, world)

@@ -104,6 +104,9 @@ class Variable:
     sparse_rows: float = 0
     """For a sparse gradient, the rows its all-gather carries in a step: every rank's, each
     padded to the most any rank holds (cost.model.sparse_sent_rows)."""
+    summed_rows: float = 0
+    """For a sparse gradient, the most rows of its sum (a server broadcasts it): one per id
+    looked up in the step, at most the table (rules.nn.sparse_gradient_rows)."""
 
     @property
     def rows(self) -> int:
@@ -113,6 +116,11 @@ class Variable:
     def wire_bytes(self) -> float:
         """The bytes its gradient sends: all of it, or a sparse one's rows with their int64 indices."""
         return sparse_gradient_bytes(self.nbytes, self.rows, self.sparse_rows) if self.sparse else float(self.nbytes)
+
+    @property
+    def summed_bytes(self) -> float:
+        """The bytes of its summed gradient: all of it, or a sparse one's summed rows with their indices."""
+        return sparse_gradient_bytes(self.nbytes, self.rows, self.summed_rows) if self.sparse else float(self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +142,14 @@ class Variables:
         sent = dict(sparse)  # without a cost model: every rank's rows, unpadded
         if cost is not None and sparse and len(plan.stages) == 1:
             looked_up = sparse_looked_up(plan.steps(graph), cost, plan.segment_of, NumericShares(cost, plan.ratios))
-            sent = {name: n * sparse_sent_rows(graph.tensors[name].shape[0], rows, looked_up.get(name, rows))
-                    for name, rows in sparse.items()}
+            sent = {name: n * sparse_sent_rows(graph.tensors[name].shape[0], cost.sparse_ids[name],
+                                               looked_up.get(name, rows), n) for name, rows in sparse.items()}
         out = []
         for name in synced:
             t = graph.tensors[name]
             out.append(Variable(param=name, target=t.target or name, shape=tuple(t.shape), nbytes=t.nbytes,
-                                first_use=min(t.consumers), sparse=name in sparse, sparse_rows=sent.get(name, 0)))
+                                first_use=min(t.consumers), sparse=name in sparse, sparse_rows=sent.get(name, 0),
+                                summed_rows=sparse.get(name, 0)))
         out.sort(key=lambda v: (-v.first_use, v.param))
         return cls(tuple(out), n, tuple(tuple(m) for m in machines) if machines else tuple((d,) for d in range(n)))
 
