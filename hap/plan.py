@@ -361,16 +361,15 @@ class Plan:
     @property
     def digest(self) -> str:
         """A hash of the stages and sync: ranks compare it at start-up."""
-        key = json.dumps({"stages": [asdict(st) for st in self.stages], "sync": [asdict(e) for e in self.sync]},
-                         sort_keys=True)
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
+        return self._hash("stages", "sync")
 
     @property
     def content_digest(self) -> str:
         """A hash of everything the estimate prices: the cluster, devices, stages, schedule and sync."""
-        key = json.dumps({"cluster": self.cluster, "devices": self.devices, "stages": [asdict(st) for st in self.stages],
-                          "schedule": asdict(self.schedule) if self.schedule else None,
-                          "sync": [asdict(e) for e in self.sync]}, sort_keys=True)
+        return self._hash("cluster", "devices", "stages", "schedule", "sync")
+
+    def _hash(self, *fields: str) -> str:
+        key = json.dumps({f: _plain(getattr(self, f)) for f in fields}, sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     @property
@@ -606,6 +605,13 @@ def _stage_from_dict(d: dict) -> PlanStage:
                for ins in d["program"]]
     shards = [ShardSize(**{**sh, "sizes": tuple(sh["sizes"])}) for sh in d["shards"]]
     return PlanStage(**{**d, "program": program, "shards": shards})
+
+
+def _plain(value):
+    """A plan field as JSON holds it (dataclasses as dicts)."""
+    if dataclasses.is_dataclass(value):
+        return asdict(value)
+    return [_plain(v) for v in value] if isinstance(value, list) else value
 
 
 def _check_steps(graph: Graph, program: list[Step], table) -> None:
