@@ -417,7 +417,8 @@ class Plan:
         from .rules.units import ShardClasses
 
         try:
-            program = [st for k in range(len(self.stages)) for st in self.steps(graph, k)]
+            stage_steps = [self.steps(graph, k) for k in range(len(self.stages))]
+            program = [st for steps in stage_steps for st in steps]
             table = strategy_table(graph)
             classes = ShardClasses(graph, enumerate(table))
             pieces = None
@@ -431,7 +432,7 @@ class Plan:
             missing = sorted(set(range(len(graph.nodes))) - set(ran))
             what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
             raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
-        _check_held(graph, [self.steps(graph, k) for k in range(len(self.stages))])
+        _check_held(graph, stage_steps)
         _check_steps(graph, program, table)
         unknown = sorted({e.param for e in self.sync} - set(graph.params))
         if unknown:

@@ -383,6 +383,7 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         raise ClusterError(f"'devices' lists {len(devices)} devices; hap plans for {MAX_DEVICES} at most")
     fits: dict[str, Fit] = {}
     emulated = topology = None
+    given = spec.get("collectives") or {}  # measured fits (an empty section is none)
     if "network" in spec and "machines" in spec:
         raise ClusterError("give 'network' (every device its own machine) or 'machines', not both")
     if "machines" in spec:
@@ -405,12 +406,12 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
             raise ClusterError(f"network.emulate must be true or false, got {net['emulate']!r}")
         if net.get("emulate", False):
             emulated = (bw, lat)
-        if not spec.get("collectives") or not net.get("emulate", False):
+        if not given or not net.get("emulate", False):
             fits.update(fits_from_network(len(devices), bw, lat))
         topology = uniform(len(devices), bw, lat)
-    if not isinstance(spec.get("collectives") or {}, dict):
+    if not isinstance(given, dict):
         raise ClusterError(f"'collectives' must map each collective to {{alpha, beta}}, got {spec['collectives']!r}")
-    for key, f in (spec.get("collectives") or {}).items():
+    for key, f in given.items():
         if key not in COLLECTIVES:
             raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
         if not isinstance(f, dict) or set(f) != {"alpha", "beta"}:
@@ -419,7 +420,6 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         _given_unit(f["beta"], f"collectives.{key}.beta", BARE_BANDWIDTH, "10Gbps")
         fits[key] = Fit(alpha=_positive(_quantity(f["alpha"], _TIME_UNITS, f"collectives.{key}.alpha"), f"{key} alpha", allow_zero=True),
                         beta=_positive(_quantity(f["beta"], _RATE_UNITS, f"collectives.{key}.beta"), f"{key} beta"))
-    given = spec.get("collectives") or {}
     if given and topology is not None and set(given) != set(COLLECTIVES) and len(devices) > 1:
         # measured fits price every collective of the plan in place of the topology: all or none
         raise ClusterError(f"collectives: give all of {', '.join(COLLECTIVES)} (as measured: hap profile writes them) "

@@ -103,9 +103,9 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
     random numbers once per step, whole, in one device's order, and gives every micro-batch its
     rows; but for a node whose draws depend on its input's values, bernoulli of probabilities,
     which cannot be drawn before the step: refused.)"""
-    from ..rules.local import drawn_whole, is_random
+    from ..rules.local import drawn_replicated
 
-    drawn = next((n for n in graph.nodes if is_random(n) and not drawn_whole(n)), None)
+    drawn = next((n for n in graph.nodes if drawn_replicated(n)), None)
     if drawn is not None:
         raise ValueError(f"{drawn.name} ({drawn.op}) draws random numbers from its input's values: a pipeline draws "
                          "every node's numbers whole before the step; train this model with hap.HAP")

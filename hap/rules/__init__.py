@@ -88,8 +88,11 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
     seen = set()
     rule = RULES.get(node.op)
     found = rule(node, graph) if rule is not None else []
-    if found and _drawn_replicated(node):  # its draws depend on its inputs' values: one whole draw per device
-        found = []
+    if found:
+        from .local import drawn_replicated  # (local reads the rules)
+
+        if drawn_replicated(node):  # its draws depend on its inputs' values: one whole draw per device
+            found = []
     for st in found:
         st = _canonical(st, node, graph, short_shards)
         if st is not None and (st.inputs, st.outputs) not in seen:
@@ -101,12 +104,6 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
             seen.add((st.inputs, st.outputs))
             out.append(st)
     return out
-
-
-def _drawn_replicated(node: Node) -> bool:
-    from .local import drawn_whole, is_random  # (local reads the rules)
-
-    return is_random(node) and not drawn_whole(node)
 
 
 def strategy_table(graph: Graph) -> list[list[Strategy]]:

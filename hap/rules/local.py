@@ -247,6 +247,12 @@ def drawn_whole(node: Node) -> bool:
     return node.op == ATTENTION or node.op in DROPOUTS or node.op in RANDOM_OPS
 
 
+def drawn_replicated(node: Node) -> bool:
+    """Whether the node draws random numbers from its input's values (bernoulli of
+    probabilities): it runs replicated, every device drawing what one device draws."""
+    return is_random(node) and not drawn_whole(node)
+
+
 def _part(whole: torch.Tensor, tensor: str, p: Placement, ctx: LocalContext) -> torch.Tensor:
     """This device's part of a whole tensor in placement p (S: its shard; else all of it)."""
     if p.kind != "S":
