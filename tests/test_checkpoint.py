@@ -10,8 +10,10 @@ the sharded layout, rows of each split [17, 7] (or [12, 7, 5, 0] on four ranks: 
 none). fc1 has no bias: batch norm makes its gradient zero in theory, which Adam would turn
 from rounding noise into full steps."""
 
+import dataclasses
 import json
 import os
+import warnings
 import re
 import signal
 
@@ -187,6 +189,64 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
     for got in run_ranks(train, 2, tmp_path, ("sharded", [0.7, 0.3]), "sgd", directory, 2, True):
         assert got["start"] == 2
         assert_like_reference(got, 2, "sgd")
+
+
+def powersgd_training(rank, world, directory, steps, resume=False, save_at=None, resync_at=None, compress=True,
+                      forget=False):
+    """SGD under data parallelism at uneven shares, both weights synchronized by PowerSGD of
+    rank 1 (its error feedback carries most of each gradient; the vectors go whole); the
+    parameters after `steps`, and the warnings a resume gave. forget: zero the error feedback
+    after the load (as a resume did before checkpoints held it)."""
+    shares = {2: [0.6, 0.4], 4: [0.4, 0.3, 0.2, 0.1]}[world]
+    dmodel = distributed(world, ("dp", shares))
+    if compress:
+        dmodel.resync([dataclasses.replace(e, compressor="powersgd", low_rank=1) for e in dmodel.plan.sync])
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = checkpoint.load(dmodel, opt, directory)[0] if resume else 0
+    if forget:
+        for err, _ in dmodel.grad_sync.compressor_state().values():
+            err.zero_()
+    for step in range(start, steps):
+        if step == resync_at:  # the same strategy again: a new GradSync, which takes the old one's state
+            dmodel.resync(list(dmodel.plan.sync))
+        dmodel(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step + 1 == save_at:
+            checkpoint.save(dmodel, opt, directory, step + 1)
+    return {"start": start, "model": {k: v.tolist() for k, v in dmodel.full_state_dict().items()},
+            "warned": [str(w.message) for w in caught if "PowerSGD" in str(w.message)]}
+
+
+def test_powersgd_error_feedback_resumes_on_another_number_of_ranks(tmp_path):
+    """PowerSGD's next steps depend on the ranks' error feedback only through its sum (and Q:
+    checkpoint._compressor_items), so a run of 2 ranks saved at step 3 and resumed on 4 ends
+    where the uninterrupted run does, and the control, resumed with the error feedback at zero
+    (as before checkpoints held it), does not. The uninterrupted run resyncs to the same
+    strategy at step 3: had that dropped the error feedback, it would end where the control
+    does. A resume that does not compress warns that it drops it."""
+    directory = str(tmp_path / "ckpt")
+    runs = {}
+    for name, world, args in [("uninterrupted", 2, (6, False, None, 3)), ("saved", 2, (3, False, 3)), ("resumed", 4, (6, True)),
+                              ("forgot", 2, (6, True, None, None, True, True)),
+                              ("uncompressed", 2, (3, True, None, None, False))]:
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks(powersgd_training, world, tmp_path / name, directory, *args)
+    expected = {k: torch.tensor(v) for k, v in runs["uninterrupted"][0]["model"].items()}
+
+    def like_expected(got):
+        return all(torch.allclose(torch.tensor(got["model"][k]), v, rtol=1e-4, atol=1e-5) for k, v in expected.items())
+
+    assert runs["resumed"][0]["start"] == 3
+    for got in runs["resumed"]:
+        assert like_expected(got) and got["warned"] == []
+    assert not like_expected(runs["forgot"][0])
+    assert runs["uncompressed"][0]["warned"] == [
+        f"checkpoint {directory}/step-00000003: PowerSGD's error feedback of 2 part(s) (fc1.weight/whole, ...) is "
+        "dropped: this run does not compress them as the saved run did"]
+    assert runs["uncompressed"][1]["warned"] == []
 
 
 def wrong_checkpoints(rank, world, directory):

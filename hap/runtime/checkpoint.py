@@ -17,6 +17,8 @@ hash its files (a share each), and rank 0 records their SHA-256, renames it into
 points `latest` at it (a file replaced atomically): a save that dies midway leaves the previous
 checkpoint the latest, `load` never sees a partial one, and a file changed since (a flipped
 bit) is refused before it is read.
+PowerSGD's error feedback (summed over the ranks) and Q are saved per part it compresses and
+restored where the loading run compresses that part alike (_compressor_items says why a sum is enough).
 Optimizer state is saved with its parameter's rows where it holds one value per element of
 the parameter (momentum, Adam's moments); an optimizer whose state spans a sharded parameter
 (Adafactor's factored moments) is refused, as it would not be one device's.
@@ -47,6 +49,7 @@ POINTER = "latest"
 CHECKSUMS = "checksums.json"
 """In a checkpoint: the SHA-256 of every file DCP wrote, checked before a load reads them."""
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
+_POWERSGD = "sync/powersgd/"  # + <parameter's key>/<rows>/error, .../q
 _NAME = re.compile(r"step-(\d+)(\.\d+)?$")
 
 
@@ -187,6 +190,7 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     except (ValueError, OSError) as e:
         refused = f"checkpoint save: {e}"
     gather_or_refuse(None, refused, comm)  # (and the staging directory is there)
+    items.update(_compressor_items(dmodel))
     with _quiet():
         dcp.save(items, storage_writer=dcp.FileSystemWriter(staging), process_group=comm.group,
                  planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
@@ -276,7 +280,66 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
         values = {**{item: local for item, (_, local) in held.items()}, **objects}
         opt.load_state_dict(_torch_optimizer_state(dmodel, opt, values, hyper))
     torch.set_rng_state(rng)
+    _load_compressor(dmodel, path, meta, comm)
     return objects["step"], objects["extra"]
+
+
+def _compressor_key(dmodel, name: str, rows: tuple[int, int] | None) -> str:
+    """Where a checkpoint keeps PowerSGD's state of parameter `name`'s part `rows` (ending in /)."""
+    where = "whole" if rows is None else f"rows{rows[0]}+{rows[1]}"
+    return f"{_POWERSGD}{dmodel.graph.tensors[name].target}/{where}/"
+
+
+def _compressor_items(dmodel) -> dict[str, torch.Tensor]:
+    """PowerSGD's state for a checkpoint (a collective): per part it compresses, the ranks'
+    error feedback summed, and Q (the same on every rank). The sum is all a later step needs:
+    the ranks all-reduce P = sum(M) Q and Q = sum(M)^T P^, and leave errors summing to
+    sum(M) - P^ P^T sum(M), with M = gradient + error; so a load gives the whole sum to one
+    rank, under any number of ranks, and trains on as the saved run would (up to rounding)."""
+    sync = getattr(dmodel, "grad_sync", None)  # (a pipeline has none)
+    state = sync.compressor_state() if sync is not None else {}
+    if not state:
+        return {}
+    errors = [err for err, _ in state.values()]
+    summed = torch.cat([e.detach().reshape(-1).double() for e in errors])
+    dist.all_reduce(summed, group=dmodel.comm.group)
+    out = {}
+    for ((name, rows), (err, q)), total in zip(state.items(), summed.split([e.numel() for e in errors])):
+        key = _compressor_key(dmodel, name, rows)
+        out[key + "error"] = total.view(err.shape).to(err.dtype)
+        out[key + "q"] = q.detach().clone()
+    return out
+
+
+def _load_compressor(dmodel, path: str, meta: Metadata, comm) -> None:
+    """Give PowerSGD its saved state where this run compresses a part as the saved run did
+    (the error sum to rank 0, zero elsewhere: see _compressor_items); a warning names what
+    this run cannot take (a part it does not compress, or of another shape), which starts
+    afresh as it would without a checkpoint. A collective."""
+    sync = getattr(dmodel, "grad_sync", None)
+    mine = sync.compressor_state() if sync is not None else {}
+    saved = {k[:k.rindex("/") + 1] for k in meta.state_dict_metadata if k.startswith(_POWERSGD)}
+    items = {}
+    for (name, rows), (err, q) in mine.items():  # (the same keys on every rank: the plan's)
+        key = _compressor_key(dmodel, name, rows)
+        for what, t in (("error", err), ("q", q)):
+            size = getattr(meta.state_dict_metadata.get(key + what), "size", None)
+            if size is not None and tuple(size) == tuple(t.shape):
+                items[key + what] = torch.empty_like(t)
+    if items:
+        _load(items, path, comm)
+    state = {}
+    for (name, rows), (err, _) in mine.items():
+        key = _compressor_key(dmodel, name, rows)
+        if key + "error" in items:
+            state[(name, rows)] = (items[key + "error"] if comm.rank == 0 else torch.zeros_like(err), items.get(key + "q"))
+    if state:
+        sync.restore_compressor_state(state)
+    dropped = sorted(saved - {_compressor_key(dmodel, name, rows) for name, rows in state})
+    if dropped and comm.rank == 0:
+        warnings.warn(f"checkpoint {path}: PowerSGD's error feedback of {len(dropped)} part(s) "
+                      f"({dropped[0][len(_POWERSGD):-1]}{', ...' if len(dropped) > 1 else ''}) is dropped: "
+                      "this run does not compress them as the saved run did", stacklevel=2)
 
 
 def latest(directory: str) -> tuple[str, int] | None:

@@ -132,10 +132,12 @@ class GradSync:
         for e in sync:
             by_bucket.setdefault(e.bucket, []).append(e)
         self.buckets: list[list[Part]] = []
+        self.entries: list[list[SyncEntry]] = []
         self.synchronizers: list[_Synchronizer] = []
         for b in sorted(by_bucket):
             entries = by_bucket[b]
             self.buckets.append([Part(params[e.param], e.rows) for e in entries])
+            self.entries.append(entries)
             self.synchronizers.append(_synchronizer(entries[0], groups, b))
         # per process group, the buckets whose collectives it carries, in the order it carries them
         self.lane_queue: dict[Lane, list[int]] = {}
@@ -164,6 +166,34 @@ class GradSync:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+    def compressor_state(self) -> dict[tuple[str, tuple[int, int] | None], tuple[torch.Tensor, torch.Tensor | None]]:
+        """What PowerSGD carries from step to step, per part it compresses (parameter, rows):
+        this rank's error feedback and Q, in the plan's bucket order (a part it sends whole
+        carries no error). The tensors themselves, not copies."""
+        out = {}
+        for sync, parts, entries in zip(self.synchronizers, self.buckets, self.entries):
+            if isinstance(sync, _PowerSGD):
+                sync.start(parts)
+                out.update({(e.param, e.rows): (err, q) for e, err, q in zip(entries, sync.error, sync.q) if q is not None})
+        return out
+
+    def restore_compressor_state(self, state: dict[tuple[str, tuple[int, int] | None], tuple]) -> list:
+        """Carry PowerSGD's state (as compressor_state gives it; a Q may be None) into the
+        parts this sync compresses alike; returns the keys of `state` it could not take (a part
+        not compressed here, or of another shape). A Q of another rank keeps its fresh draw."""
+        mine = self.compressor_state()
+        left = []
+        for key, (err, q) in state.items():
+            held = mine.get(key)
+            if held is None or err.shape != held[0].shape:
+                left.append(key)
+                continue
+            with torch.no_grad():
+                held[0].copy_(err)
+                if q is not None and q.shape == held[1].shape:
+                    held[1].copy_(q)
+        return left
 
     def _reset(self) -> None:
         self.missing = [len(w) for w in self.waiting_on]
@@ -305,6 +335,15 @@ class _Synchronizer:
             part.grad().copy_(piece.view_as(part.grad()))
 
 
+def _matrix_shape(part: Part) -> tuple[int, int]:
+    """The matrix PowerSGD views a part's gradient as: [rows, the rest] ([1, 1] for a number)."""
+    shape = part.param.shape
+    if not shape:
+        return (1, 1)
+    rows = part.rows[1] if part.rows is not None else shape[0]
+    return (rows, part.param.numel() // shape[0] if shape[0] else 0)
+
+
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
     """The Q of p's QR, in p's dtype: computed in float32 at least (torch has no QR of
     bfloat16 or float16, on CPU or CUDA)."""
@@ -393,21 +432,27 @@ class _PowerSGD(_Synchronizer):
         self.q: list[torch.Tensor | None] = []
 
     def _compressible(self, part: Part) -> bool:
-        shape = part.param.shape
-        rows = part.rows[1] if part.rows is not None else (shape[0] if shape else 1)
-        return min(rows, part.param.numel() // max(1, shape[0] if shape else 1)) > self.r
+        return min(_matrix_shape(part)) > self.r
 
     def lanes(self, parts):
         return self.lanes_all if any(self._compressible(p) for p in parts) else self.lanes_all[:1]
 
+    def start(self, parts: list[Part]) -> None:
+        """Before the first step (or a restore): every part's error feedback at zero and its Q
+        drawn from the bucket's seed, the same on every rank."""
+        if self.error is not None:
+            return
+        shapes = [_matrix_shape(part) for part in parts]
+        gen = torch.Generator().manual_seed(1_000_003 * self.bucket)
+        like = [part.param for part in parts]
+        self.error = [torch.zeros(shape, dtype=p.dtype, device=p.device) for shape, p in zip(shapes, like)]
+        self.q = [torch.randn(shape[1], self.r, generator=gen, dtype=p.dtype).to(p.device)
+                  if min(shape) > self.r else None for shape, p in zip(shapes, like)]
+
     def plan(self, flat, parts):
         grads = [part.grad().reshape(part.grad().shape[0], -1) if part.grad().dim() else part.grad().reshape(1, 1)
                  for part in parts]
-        if self.error is None:
-            self.error = [torch.zeros_like(g) for g in grads]
-            gen = torch.Generator().manual_seed(1_000_003 * self.bucket)
-            self.q = [torch.randn(g.shape[1], self.r, generator=gen, dtype=g.dtype).to(g.device)
-                      if min(g.shape) > self.r else None for g in grads]
+        self.start(parts)
         ms = [g + e for g, e in zip(grads, self.error)]
         compressed = [(m, q) for m, q in zip(ms, self.q) if q is not None]
         plain = [m.reshape(-1) for m, q in zip(ms, self.q) if q is None]

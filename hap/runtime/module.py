@@ -376,6 +376,8 @@ class HAP(nn.Module):
         # made before the old one goes: a refused one (a ValueError) leaves the old sync running
         grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
         if self.grad_sync is not None:
+            # PowerSGD's error feedback goes on where a part stays compressed alike (else it is dropped)
+            grad_sync.restore_compressor_state(self.grad_sync.compressor_state())
             self.grad_sync.close()
         self.grad_sync = grad_sync
         if sync != self.plan.sync:  # priced with these entries from now on
