@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from .balance.lp import BalanceError, balance
+from .config import check_fields, number, one_of, whole
 from .cost.cluster import Cluster
 from .cost.model import CostModel
 from .ir import Graph, size_text
@@ -78,23 +79,10 @@ class PlannerConfig:
     def __post_init__(self):
         from .cost.model import OPTIMIZER_STATES
 
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"PlannerConfig.optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
-                             f"got {self.optimizer!r}")
-        for name in ("segments", "max_rounds"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"PlannerConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("pipeline_stages", "micro_batches"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"PlannerConfig.{name} must be a non-negative integer (0: the planner's choice), "
-                                 f"got {getattr(self, name)!r}")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"PlannerConfig.schedule must be gpipe or 1f1b, got {self.schedule!r}")
-        if self.width is not None and (not isinstance(self.width, int) or isinstance(self.width, bool) or self.width < 1):
-            raise ValueError(f"PlannerConfig.width must be a positive integer or None (no limit), got {self.width!r}")
-        after = self.width_after
-        if isinstance(after, bool) or not isinstance(after, (int, float)) or not math.isfinite(after) or after < 0:
-            raise ValueError(f"PlannerConfig.width_after must be a finite number of at least 0, got {after!r}")
+        check_fields(self, optimizer=one_of(*OPTIMIZER_STATES), segments=whole(1), max_rounds=whole(1),
+                     pipeline_stages=whole(0, note="0: the planner's choice"),
+                     micro_batches=whole(0, note="0: the planner's choice"), schedule=one_of("gpipe", "1f1b"),
+                     width=whole(1, none="no limit"), width_after=number(0))
 
     @property
     def pipeline_asked(self) -> list[str]:

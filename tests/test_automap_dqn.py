@@ -103,7 +103,7 @@ def test_agent_learns_a_chain_and_is_deterministic():
     (dict(target_every=0), "target_every must be a whole number of at least 1, got 0"),
     (dict(batch=0), "batch must be a whole number of at least 1, got 0"),
     (dict(gamma=1.5), "gamma must be a number in \\[0, 1\\], got 1.5"),
-    (dict(lr=0.0), "lr must be a positive number, got 0.0"),
+    (dict(lr=0.0), "lr must be a number above 0, got 0.0"),
     (dict(epsilon_steps=2.5), "epsilon_steps must be a whole number"),
 ])
 def test_dqn_settings_that_would_never_learn_or_crash_later_are_refused(settings, why):

@@ -412,17 +412,17 @@ def test_sparse_rows_pack_and_unpack_exactly(dtype, rows):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("per_round", 0, "AutoSyncConfig.per_round must be at least 1, got 0"),  # the loop would never end
-    ("candidates", 0, "AutoSyncConfig.candidates must be at least 1, got 0"),
-    ("local", 1.5, r"AutoSyncConfig.local must be in \[0, 1\], got 1.5"),
-    ("confirm", -1, "AutoSyncConfig.confirm must be at least 0, got -1"),
-    ("min_timed_seconds", -0.1, "AutoSyncConfig.min_timed_seconds must be at least 0, got -0.1"),
+    ("per_round", 0, "AutoSyncConfig.per_round must be a whole number of at least 1, got 0"),  # the loop would never end
+    ("candidates", 0, "AutoSyncConfig.candidates must be a whole number of at least 1, got 0"),
+    ("local", 1.5, r"AutoSyncConfig.local must be a number in \[0, 1\], got 1.5"),
+    ("confirm", -1, "AutoSyncConfig.confirm must be a whole number of at least 0, got -1"),
+    ("min_timed_seconds", -0.1, "AutoSyncConfig.min_timed_seconds must be a number of at least 0, got -0.1"),
     # these failed only after the baselines or 10 trials had run
-    ("horovod_samples", 0, "AutoSyncConfig.horovod_samples must be at least 1, got 0"),
-    ("simulator", "lstm", r"AutoSyncConfig.simulator must be one of \('rnn', 'gat', 'linear'\), got 'lstm'"),
-    ("similarity", "cosine", r"AutoSyncConfig.similarity must be one of \('choices', 'embedding'\), got 'cosine'"),
-    ("epochs", 0, "AutoSyncConfig.epochs must be at least 1, got 0"),
-    ("alpha", -5.0, "AutoSyncConfig.alpha must be at least 0, got -5.0"),
+    ("horovod_samples", 0, "AutoSyncConfig.horovod_samples must be a whole number of at least 1, got 0"),
+    ("simulator", "lstm", "AutoSyncConfig.simulator must be one of rnn, gat, linear, got 'lstm'"),
+    ("similarity", "cosine", "AutoSyncConfig.similarity must be one of choices, embedding, got 'cosine'"),
+    ("epochs", 0, "AutoSyncConfig.epochs must be a whole number of at least 1, got 0"),
+    ("alpha", -5.0, "AutoSyncConfig.alpha must be a number of at least 0, got -5.0"),
 ])
 def test_bad_autosync_config_gets_one_line(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -432,7 +432,7 @@ def test_bad_autosync_config_gets_one_line(field, value, message):
 @pytest.mark.parametrize("field, value", [("part_bytes", 0), ("max_groups", 0), ("max_parts", -3), ("low_rank", 0)])
 def test_bad_space_config_gets_one_line(field, value):
     """part_bytes 0 divided by zero and max_groups 0 drew from an empty range; max_parts -3 was taken."""
-    with pytest.raises(ValueError, match=rf"^SpaceConfig.{field} must be an integer at least 1, got {value}$"):
+    with pytest.raises(ValueError, match=rf"^SpaceConfig.{field} must be a whole number of at least 1, got {value}$"):
         SpaceConfig(**{field: value})
 
 

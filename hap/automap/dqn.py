@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import check_fields, number, whole
 from .replay import PrioritizedReplay
 
 
@@ -48,21 +49,12 @@ class DQNConfig:
     seed: int = 0
 
     def __post_init__(self):
-        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-        for name in ("depth", "hidden", "epsilon_steps", "batch", "buffer", "target_every"):
-            if not whole(getattr(self, name)) or getattr(self, name) < (0 if name == "depth" else 1):
-                raise ValueError(f"DQNConfig.{name} must be a whole number of at least {0 if name == 'depth' else 1}, "
-                                 f"got {getattr(self, name)!r}")
+        check_fields(self, depth=whole(0), hidden=whole(1), epsilon_steps=whole(1), batch=whole(1), buffer=whole(1),
+                     target_every=whole(1), gamma=number(0, 1), epsilon_start=number(0, 1), epsilon_end=number(0, 1),
+                     alpha=number(0, 1), beta=number(0, 1), lr=number(0, above=True))
         if self.batch > self.buffer:
             raise ValueError(f"DQNConfig.batch ({self.batch}) must be at most buffer ({self.buffer}): "
                              "a batch is drawn from the buffer, and the agent would never learn")
-        for name, lo, hi in (("gamma", 0, 1), ("epsilon_start", 0, 1), ("epsilon_end", 0, 1), ("alpha", 0, 1),
-                             ("beta", 0, 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-                raise ValueError(f"DQNConfig.{name} must be a number in [{lo}, {hi}], got {v!r}")
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise ValueError(f"DQNConfig.lr must be a positive number, got {self.lr!r}")
 
 
 class DuelingQNet(nn.Module):

@@ -42,6 +42,7 @@ from typing import Callable, Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import check_fields, number, one_of, whole
 from ..plan import Plan
 from ..runtime import wire
 from ..straggler.schedule import Schedule
@@ -65,10 +66,8 @@ class RebalanceConfig:
     """Where the move's checkpoint is written (None: a temporary directory)."""
 
     def __post_init__(self):
-        if self.policy not in ("none", "rebalance"):
-            raise ValueError(f"a pipeline's straggler policy is none or rebalance, got {self.policy!r}")
-        if self.window < 1 or not self.threshold > 0 or self.gain < 0:
-            raise ValueError("window must be at least 1, threshold positive and gain non-negative")
+        check_fields(self, policy=one_of("none", "rebalance"), window=whole(1), threshold=number(0, above=True),
+                     gain=number(0))
 
 
 def changed_speeds(speeds: Sequence[float], reference: Sequence[float], recent: Sequence[float],

@@ -37,6 +37,7 @@ from typing import Literal, Sequence, get_args
 import torch
 import torch.distributed as dist
 
+from ..config import check_fields, number, one_of, whole
 from ..placement import P, R
 from ..runtime.collectives import all_reduce, broadcast, global_rank
 from ..runtime import wire
@@ -92,14 +93,13 @@ class StragglerConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown straggler policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.method not in ("broadcast-reduce", "scatter-gather"):
-            raise ValueError(f"unknown migration method {self.method!r}; choose broadcast-reduce or scatter-gather")
-        if not 0 < self.cap < 1 or self.threshold <= 0 or self.tolerance < 0 or self.epoch < 1:
-            raise ValueError("straggler config: need 0 < cap < 1, threshold > 0, tolerance >= 0, epoch >= 1")
+        check_fields(self, policy=one_of(*POLICIES), method=one_of(*get_args(Method)), threshold=number(0, above=True),
+                     tolerance=number(0), epoch=whole(1), theta_iter=number(0), alpha=number(0, 1),
+                     gamma_e=number(0, 1, below=True), cap=number(0, 1, above=True, below=True), min_handover=number(0, 1),
+                     warmup=whole(0))
         if self.handover is not None and (self.policy != "migrate" or any(not 0 <= x <= 1 for x in self.handover)):
-            raise ValueError("straggler config: a fixed handover is for policy 'migrate', one share in [0, 1] per rank")
+            raise ValueError("StragglerConfig.handover is for policy 'migrate', one share in [0, 1] per rank, "
+                             f"got {self.handover!r} with policy {self.policy!r}")
 
 
 class Mitigator:

@@ -36,6 +36,7 @@ from typing import Callable, Literal, get_args
 import torch
 
 from ..capture import capture
+from ..config import check_fields, number, one_of, whole
 from ..cost.cluster import Cluster
 from ..models import build
 from ..plan import Plan
@@ -88,18 +89,10 @@ class AutoSyncConfig:
 
     def __post_init__(self):
         # per_round 0 or candidates 0 would never finish the loop; the others make no sense
-        for name, ok, want in (("trials", self.trials >= 0, "at least 0"), ("per_round", self.per_round >= 1, "at least 1"),
-                               ("candidates", self.candidates >= 1, "at least 1"), ("local", 0 <= self.local <= 1, "in [0, 1]"),
-                               ("parents", self.parents >= 1, "at least 1"), ("confirm", self.confirm >= 0, "at least 0"),
-                               ("steps", self.steps >= 1, "at least 1"),
-                               ("min_timed_seconds", self.min_timed_seconds >= 0, "at least 0"),
-                               ("alpha", self.alpha >= 0, "at least 0"), ("learn_after", self.learn_after >= 0, "at least 0"),
-                               ("epochs", self.epochs >= 1, "at least 1"),
-                               ("horovod_samples", self.horovod_samples >= 1, "at least 1"),
-                               ("simulator", self.simulator in get_args(SimulatorName), f"one of {get_args(SimulatorName)}"),
-                               ("similarity", self.similarity in get_args(SimilarityName), f"one of {get_args(SimilarityName)}")):
-            if not ok:
-                raise ValueError(f"AutoSyncConfig.{name} must be {want}, got {getattr(self, name)!r}")
+        check_fields(self, trials=whole(0), per_round=whole(1), candidates=whole(1), alpha=number(0),
+                     simulator=one_of(*get_args(SimulatorName)), similarity=one_of(*get_args(SimilarityName)),
+                     learn_after=whole(0), epochs=whole(1), steps=whole(1), min_timed_seconds=number(0),
+                     horovod_samples=whole(1), local=number(0, 1), parents=whole(1), confirm=whole(0))
 
 
 def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: AutoSyncConfig | None = None,

@@ -26,6 +26,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from ..config import check_fields, whole
 from .strategy import PartSync, SyncStrategy, Variables, VarSync
 
 
@@ -43,10 +44,7 @@ class SpaceConfig:
     """PowerSGD's rank, where it is tried."""
 
     def __post_init__(self):
-        for name, least in (("max_parts", 1), ("part_bytes", 1), ("max_groups", 1), ("low_rank", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"SpaceConfig.{name} must be an integer at least {least}, got {value!r}")
+        check_fields(self, max_parts=whole(1), part_bytes=whole(1), max_groups=whole(1), low_rank=whole(1))
 
 
 def bandwidths(variables: Variables, cost) -> list[float]:
