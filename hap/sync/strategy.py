@@ -137,7 +137,7 @@ class Variables:
         """The variables of `plan`; with `cost` (of `graph`), a sparse gradient's rows are
         padded as the plan's shares pad them (a plan of one stage; a pipeline's as if unpadded)."""
         synced = {e.param for e in plan.sync}
-        sparse = sparse_gradient_rows(graph)
+        sparse = cost.sparse_rows if cost is not None else sparse_gradient_rows(graph)  # (the cost model holds them)
         n = len(plan.devices)
         sent = dict(sparse)  # without a cost model: every rank's rows, unpadded
         if cost is not None and sparse and len(plan.stages) == 1:
