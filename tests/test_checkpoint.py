@@ -249,6 +249,57 @@ def test_powersgd_error_feedback_resumes_on_another_number_of_ranks(tmp_path):
     assert runs["uncompressed"][1]["warned"] == []
 
 
+class Lookup(nn.Module):
+    """An embedding with sparse gradients before a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.head = nn.Embedding(40, 6, sparse=True), nn.Linear(6, 1)
+
+    def forward(self, ids, y):
+        return (self.head(self.table(ids)).squeeze(-1) - y).pow(2).mean()
+
+
+def lookups(step):
+    gen = torch.Generator().manual_seed(2000 + step)
+    return torch.randint(0, 40, (10,), generator=gen), torch.randn(10, generator=gen)
+
+
+def sparse_momentum(rank, world, directory, steps, resume):
+    """SGD with momentum, whose buffer of the sparse gradient is a sparse tensor: saved at
+    step 2 on 2 ranks, resumed on 4."""
+    torch.manual_seed(0)
+    model, cluster = Lookup(), hap.load_cluster(CLUSTERS[world])
+    plan = baseline_plan(hap.capture(model, lookups(0)), cluster, "dp-cp", ratios=[0.6, 0.4] if world == 2 else None)
+    dmodel = hap.HAP(model, cluster, lookups(0), plan=plan)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    start = checkpoint.load(dmodel, opt, directory)[0] if resume else 0
+    for step in range(start, steps):
+        dmodel(*lookups(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    if not resume:
+        checkpoint.save(dmodel, opt, directory, steps)
+    return {k: v.tolist() for k, v in dmodel.full_state_dict().items()}
+
+
+def test_sparse_momentum_is_checkpointed(tmp_path):
+    """The save raised "unsupported memory format option Contiguous" on the sparse buffer
+    (hap train --model ncf-sparse --checkpoint: nothing was saved)."""
+    directory = str(tmp_path / "ckpt")
+    run_ranks(sparse_momentum, 2, tmp_path, directory, 2, False)
+    torch.manual_seed(0)
+    model = Lookup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        model(*lookups(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(sparse_momentum, 4, tmp_path, directory, 4, True):
+        for key, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got[key]), v, rtol=1e-5, atol=1e-6), key
+
+
 def wrong_checkpoints(rank, world, directory):
     dmodel = distributed(2, ("sharded", [0.7, 0.3]))
     opt = optimizer(dmodel.parameters(), "sgd")

@@ -157,7 +157,8 @@ def optimizer_state_dict(dmodel, opt: torch.optim.Optimizer) -> dict[str, Any]:
         for name, key, p in params:
             if p in opt.state:
                 sharded = dmodel.executor.stored[name][0].is_shard
-                state[key] = {k: _like(dmodel, name, v.detach().contiguous())
+                # (SGD's momentum of a sparse gradient is sparse: saved dense, it steps on as one device's)
+                state[key] = {k: _like(dmodel, name, (v.to_dense() if v.layout != torch.strided else v).detach().contiguous())
                               if isinstance(v, torch.Tensor) and per_element(k, v.shape, p.shape, key, sharded) else v
                               for k, v in opt.state[p].items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [key for _, key, _ in params]})
