@@ -467,12 +467,13 @@ def _resume_from(args) -> tuple[str, int] | None:
 
 
 def _check_checkpoint(path: str, graph) -> None:
-    """The checkpoint must be of this model (its every parameter and buffer, by key and shape),
-    said here once rather than by every rank."""
-    from .runtime.checkpoint import check, model_shapes
+    """The checkpoint must be of this model (its every parameter and buffer, by key and shape)
+    and its files as written (their checksums), said here once rather than by every rank."""
+    from .runtime.checkpoint import check, model_shapes, verify
 
     try:
         check(path, model_shapes(graph))
+        verify(path)
     except ValueError as e:
         raise UserError(f"--resume: {e}") from None
 

@@ -358,8 +358,15 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
     out, given = losses("--steps", "8", "--checkpoint", directory + "-b", "--resume", "--lr", "5")
     assert "learning rate 5.0 (replacing the checkpoint's)" in out
     assert given[7] == kept[7] and abs(float(given[8]) - float(kept[8])) > 1e-3
+    shutil.copytree(directory, directory + "-c")  # a byte changed: refused before any rank starts (it was a rank's traceback)
+    data = sorted((tmp_path / "ckpt-c" / "step-00000006").glob("*.distcp"))[0]
+    changed = bytearray(data.read_bytes())
+    changed[len(changed) // 2] ^= 0xFF
+    data.write_bytes(bytes(changed))
 
-    for args, error in [(["--resume"], "--resume needs --checkpoint DIR"),
+    for args, error in [(["--checkpoint", directory + "-c", "--resume", "--steps", "8"],
+                         f"--resume: checkpoint {directory}-c/step-00000006 is damaged: {data.name} does not match its checksum"),
+                        (["--resume"], "--resume needs --checkpoint DIR"),
                         (["--checkpoint", str(tmp_path / "none"), "--resume"], f"--resume: no checkpoint in {tmp_path}/none"),
                         (["--checkpoint", directory, "--resume", "--steps", "6"],
                          f"--resume: the latest checkpoint in {directory} is at step 6, so --steps 6 leaves nothing to train"),
