@@ -371,9 +371,9 @@ def cmd_sync(args) -> int:
     if plan is not None and len(plan.stages) > 1:
         raise UserError(f"--plan {args.plan} is a pipeline of {len(plan.stages)} stages: hap sync searches the gradient "
                         "synchronization of a one-stage plan (a pipeline's stages all-reduce once, after the flush)")
-    config = AutoSyncConfig(trials=args.trials, per_round=args.per_round, candidates=args.candidates,
-                            simulator=args.simulator, space=SpaceConfig(compress=args.compress), seed=args.seed)
     try:
+        config = AutoSyncConfig(trials=args.trials, per_round=args.per_round, candidates=args.candidates,
+                                simulator=args.simulator, space=SpaceConfig(compress=args.compress), seed=args.seed)
         result = run(args.model, knobs, cluster, args.out, config, plan=plan,
                      say=lambda msg: print(msg, file=sys.stderr, flush=True))
     except ValueError as e:

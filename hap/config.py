@@ -25,15 +25,18 @@ def check_fields(config, **rules: Rule) -> None:
             raise ValueError(f"{type(config).__name__}.{name} must be {want}, got {value!r}")
 
 
-def whole(least: int, none: str | None = None, note: str = "") -> Rule:
-    """An int (not a bool) of at least `least`; or None, where `none` says what None means.
-    note: what a special value means, said in the message ("0: the planner's choice")."""
-    want = f"a whole number of at least {least}" + (f" or None ({none})" if none else "") + (f" ({note})" if note else "")
+def whole(least: int, none: str | None = None, note: str = "", most: int | None = None) -> Rule:
+    """An int (not a bool) of at least `least` (and at most `most`); or None, where `none` says
+    what None means. note: what a special value means, said in the message ("0: the planner's
+    choice")."""
+    want = (f"a whole number of at least {least}" + (f" and at most {most}" if most is not None else "")
+            + (f" or None ({none})" if none else "") + (f" ({note})" if note else ""))
 
     def rule(value):
         if value is None and none is not None:
             return None
-        return None if isinstance(value, int) and not isinstance(value, bool) and value >= least else want
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= least and (most is None or value <= most)
+        return None if ok else want
     return rule
 
 

@@ -290,13 +290,20 @@ class Plan:
             raise ValueError("malformed plan: breakdown and memory_bytes must hold numbers")
         if "name" not in self.cluster:
             raise ValueError("malformed plan: its cluster has no name")
+        if not all(isinstance(x, str) for x in self.replicated_ops):
+            raise ValueError("malformed plan: replicated_ops must be a list of op names")
+        cluster_devices = self.cluster.get("devices", [])
+        if not isinstance(cluster_devices, list) or not all(isinstance(d, dict) for d in cluster_devices):
+            raise ValueError("malformed plan: its cluster's devices must be a list of objects")
         sched = self.schedule
         if sched is not None and (sched.name not in SCHEDULES or not isinstance(
                 sched.micro_batches, int) or isinstance(sched.micro_batches, bool) or sched.micro_batches < 1):
             raise ValueError(f"malformed plan: pipeline schedule {sched.name!r} of {sched.micro_batches!r} micro-batches "
                              "(gpipe or 1f1b, of 1 micro-batch at least)")
         n = len(self.devices)
-        groups = [list(st.devices) for st in self.stages]
+        groups = [list(st.devices) if isinstance(st.devices, (list, tuple)) else st.devices for st in self.stages]
+        if not all(isinstance(g, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in g) for g in groups):
+            raise ValueError(f"malformed plan: the stages' device groups {groups} must be lists of device numbers")
         if sorted(d for g in groups for d in g) != list(range(n)):
             raise ValueError(f"malformed plan: the stages' device groups {groups} do not split its {n} devices once each")
         if len(groups) == 1 and groups[0] != list(range(n)):  # its ratios go to the ranks in order
@@ -307,6 +314,8 @@ class Plan:
             raise ValueError(f"malformed plan: the stages' node ranges {spans} must cover the model's nodes in order, "
                              "from node 0, without gaps")
         for k, st in enumerate(self.stages):
+            if not isinstance(st.ratios, list) or not all(isinstance(row, list) for row in st.ratios):
+                raise ValueError(f"malformed plan: stage {k}'s ratios {st.ratios} must be a row of shares per segment")
             if not isinstance(st.segments, list) or not st.segments or len(st.ratios) != len(st.segments):
                 raise ValueError(f"malformed plan: stage {k} has ratios {st.ratios} for {st.segments!r} segments: a "
                                  "row of shares per segment")
@@ -356,7 +365,11 @@ class Plan:
         text = str(path_or_text)
         if not text.lstrip().startswith("{"):
             text = Path(path_or_text).read_text()
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except RecursionError:  # (a ValueError for any other bad JSON)
+            raise ValueError("malformed plan: its JSON nests too deeply") from None
+        return cls.from_dict(data)
 
     @property
     def digest(self) -> str:
@@ -432,24 +445,65 @@ class Plan:
             missing = sorted(set(range(len(graph.nodes))) - set(ran))
             what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
             raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
-        _check_held(graph, stage_steps)
+        one = len(self.stages) == 1  # (a pipeline stage has one segment)
+        _check_held(graph, stage_steps, self.segment_of if one else None, self.stages[0].ratios if one else None)
         _check_steps(graph, program, table)
-        unknown = sorted({e.param for e in self.sync} - set(graph.params))
-        if unknown:
-            raise ValueError(f"the plan synchronizes {unknown[:3]}, which are not parameters of this model")
-        if len(self.stages) == 1:
-            from .search.program import synced_params
-            mismatch = sync_mismatch({e.param for e in self.sync}, set(synced_params(program, graph, self.segment_of)))
-            if mismatch:
-                raise ValueError(mismatch)
+        self.check_sync_fits(graph, stage_steps)
         for k, stage in enumerate(self.stages):
             for sh in stage.shards:
                 ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]
+                if sh.tensor in graph.tensors and sh.dim >= len(graph.tensors[sh.tensor].shape):
+                    raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim}, a tensor of "
+                                     f"{len(graph.tensors[sh.tensor].shape)} dims (a hand-edited plan?)")
                 mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
                 if mine is None or list(mine) != list(sh.sizes):
                     raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "
                                      f"{'has no ' + sh.tensor if mine is None else 'into ' + str(list(mine))}: a plan "
                                      "made for another model or batch")
+
+    def check_sync_fits(self, graph: Graph, stage_steps: list[list[Step]] | None = None) -> None:
+        """A one-line ValueError unless the sync entries are those the runtime must run for this
+        program of `graph`: every trainable parameter it keeps whole, once (whole, or in parts
+        that cover its dim 0), over the devices that hold it -- all of a one-stage plan's; for
+        a pipeline, those of the stages that use it, which all-reduce it whole -- and sparse
+        where its gradient is (a one-stage plan's). stage_steps: self.steps(graph, k) per stage."""
+        from .pipeline.plan import synced_groups
+        from .rules.nn import sparse_gradient_rows
+        from .search.program import synced_params
+
+        unknown = sorted({e.param for e in self.sync} - set(graph.params))
+        if unknown:
+            raise ValueError(f"the plan synchronizes {unknown[:3]}, which are not parameters of this model")
+        stage_steps = stage_steps or [self.steps(graph, k) for k in range(len(self.stages))]
+        pipeline = len(self.stages) > 1
+        if pipeline:
+            groups = synced_groups(graph, stage_steps, [st.devices for st in self.stages])
+        else:
+            everyone = tuple(self.stages[0].devices)
+            groups = {name: everyone for name in synced_params(stage_steps[0], graph, self.segment_of)}
+        mismatch = sync_mismatch({e.param for e in self.sync}, set(groups))
+        if mismatch:
+            raise ValueError(mismatch)
+        sparse = {} if pipeline else sparse_gradient_rows(graph)
+        ends: dict[str, int] = {}  # (check_sync made a parameter's parts cover dim 0 from 0, without gaps)
+        for e in self.sync:
+            if tuple(e.devices) != groups[e.param]:
+                raise ValueError(f"the plan synchronizes {e.param} over devices {list(e.devices)}, not over those that "
+                                 f"hold it, {list(groups[e.param])}")
+            if pipeline and (e.strategy, e.compressor, e.rows, e.hierarchical, e.sparse) != ("all_reduce", "none", None, False, False):
+                raise ValueError(f"the plan synchronizes {e.param} by {e.method}{' in parts' if e.rows else ''}: a "
+                                 "pipeline all-reduces every gradient whole, uncompressed, flat")
+            if e.sparse != (e.param in sparse):
+                raise ValueError(f"the plan synchronizes {e.param}'s gradient as {'sparse' if e.sparse else 'dense'}, "
+                                 f"but this model's is {'sparse' if e.param in sparse else 'dense'}")
+            if e.rows is not None:
+                ends[e.param] = max(ends.get(e.param, 0), e.rows[0] + e.rows[1])
+        for name, end in ends.items():
+            shape = graph.tensors[name].shape
+            if not shape:
+                raise ValueError(f"the plan syncs rows of {name}, a number: it has none (sync it whole)")
+            if end != shape[0]:
+                raise ValueError(f"the plan syncs rows 0..{end} of {name}, which has {shape[0]}")
 
     # -- text ----------------------------------------------------------------------------------
 
@@ -633,21 +687,24 @@ def _check_steps(graph: Graph, program: list[Step], table) -> None:
                                  f"{mv.bwd}], which is no move hap has (a hand-edited plan?)")
 
 
-def _check_held(graph: Graph, programs: list[list[Step]]) -> None:
+def _check_held(graph: Graph, programs: list[list[Step]], segment_of: list[int] | None = None,
+                ratios: list[list[float]] | None = None) -> None:
     """A ValueError where a stage's program takes a tensor in a placement it does not hold there
     (its loads, moves and outputs make what it holds; a pipeline stage starts with what earlier
-    stages produced, as they produced it), or places one on a dim it lacks: a hand-edited plan
-    the ranks would fail in (a KeyError inside each)."""
+    stages produced, as they produced it), or places one on a dim it lacks, or (a one-stage
+    plan of several segments: `segment_of`, `ratios`) takes a tensor split at another
+    segment's ratios without re-splitting it: a hand-edited plan the ranks would fail in."""
     produced: dict[str, Placement] = {}
     for program in programs:
-        held = set(produced.items())
-        _walk_held(graph, program, held)
+        held = {(name, p): 0 for name, p in produced.items()}
+        _walk_held(graph, program, held, segment_of or [0] * len(graph.nodes), ratios)
         for step in program:
             produced.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
 
 
-def _walk_held(graph: Graph, program: list[Step], held: set) -> None:
-    """_check_held's walk of one stage's program, from what it holds at its start."""
+def _walk_held(graph: Graph, program: list[Step], held: dict, segment_of: list[int], ratios) -> None:
+    """_check_held's walk of one stage's program, from what it holds at its start: (tensor,
+    placement) -> the segment whose ratios split it."""
     def placed(tensor: str, p: Placement, node) -> tuple[str, Placement]:
         if p.is_shard and p.dim >= len(graph.tensors[tensor].shape):
             raise ValueError(f"the plan places {tensor} as {p} at {node.name}, a tensor of "
@@ -655,18 +712,22 @@ def _walk_held(graph: Graph, program: list[Step], held: set) -> None:
         return tensor, p
 
     for step in program:
-        node = graph.nodes[step.node]
-        held.update(placed(ld.tensor, ld.placement, node) for ld in step.loads)
+        node, seg = graph.nodes[step.node], segment_of[step.node]
+        held.update((placed(ld.tensor, ld.placement, node), seg) for ld in step.loads)
         for ms in step.moves:
             if (ms.tensor, ms.move.src) not in held:
                 raise ValueError(f"the plan moves {ms.tensor} from {ms.move.src} before {node.name}, where it does not "
                                  "hold it so (a hand-edited plan?)")
-            held.add(placed(ms.tensor, ms.move.dst, node))
+            held[placed(ms.tensor, ms.move.dst, node)] = seg
         for name, p in zip(node.inputs, step.strategy.inputs):
-            if placed(name, p, node) not in held:
+            key = placed(name, p, node)
+            if key not in held:
                 raise ValueError(f"the plan runs {node.name} on {name} as {p}, which it does not hold so there "
                                  "(a hand-edited plan?)")
-        held.update(placed(name, p, node) for name, p in zip(node.outputs, step.strategy.outputs))
+            if p.is_shard and ratios is not None and ratios[held[key]] != ratios[seg]:
+                raise ValueError(f"the plan runs {node.name} (segment {seg}) on {name} as {p}, split at segment "
+                                 f"{held[key]}'s ratios: it is re-split where a segment starts (a hand-edited plan?)")
+        held.update((placed(name, p, node), seg) for name, p in zip(node.outputs, step.strategy.outputs))
 
 
 def instructions(steps: list[Step], graph: Graph) -> list[Instruction]:

@@ -136,12 +136,15 @@ ONE_MACHINE = {"name": "m", "devices": [{"name": "g", "count": 1, "flops": 1e12,
     {"name": "e", "devices": [{"name": "g", "count": 2, "flops": 1e12, "memory": "1GiB"}],
      "network": {"bandwidth": "1Gbps", "latency": "30us", "emulate": True}},  # its fits follow from the network
     ONE_MACHINE,  # one device: no links to emulate
+    # one local device: its collectives (infinite betas) were written, and refused when read back
+    {"name": "solo", "local": True, "devices": [{"name": "cpu", "count": 1, "flops": 1e10, "memory": "1GiB"}]},
 ])
 def test_round_trip_through_dict(spec):
     c = BUILTIN[spec]() if isinstance(spec, str) else cluster_from_dict(spec)
     again = cluster_from_dict(c.to_dict())  # one device's read back at all (it was refused: emulate, no machines)
     if c.size == 1:
         assert (again.devices, again.collectives) == (c.devices, c.collectives)
+        assert "collectives" not in c.to_dict()
     else:
         assert again == c  # measured_fits too: fits written as collectives were read back as measured
 

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
 from hap.pipeline.schedule import in_flight, makespan, stage_order
 from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
@@ -593,6 +594,35 @@ def clipped(rank, world, max_norm, norm_type):
         opt.step()
         opt.zero_grad()
     return {"norms": norms, "state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
+
+
+class _Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return (self.fc(x).squeeze(-1) - y).pow(2).mean()
+
+
+def norm_of_a_stage_without_parameters(rank, world):
+    """A float64 model cut before its loss: the last stage holds no parameter."""
+    from hap.capture import capture
+    torch.manual_seed(0)
+    model = _Regression().double()
+    batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, dtype=torch.float64))
+    cut = next(n.index for n in capture(model, batch).nodes if n.op == "aten.sub.Tensor")
+    pipe = _pipeline(model, [batch], world, [cut], [[0], [1]], [[1.0], [1.0]], 1)
+    pipe.train_step(*batch)
+    norm = pipe.clip_grad_norm_(1.0)
+    return {"norm": norm.item(), "dtype": str(norm.dtype), "params": len(list(pipe.parameters()))}
+
+
+def test_a_stage_without_parameters_returns_the_norm_in_the_models_dtype(tmp_path):
+    """It returned the norm rounded to float32: ranks told different norms."""
+    first, last = run_ranks(norm_of_a_stage_without_parameters, 2, tmp_path)
+    assert (first["params"], last["params"]) == (2, 0)
+    assert first == {**last, "params": 2} and first["dtype"] == "torch.float64"
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -1251,3 +1281,45 @@ def test_a_draw_from_input_values_is_refused_a_pipeline():
     with pytest.raises(ValueError, match=r"^\w+ \(aten.bernoulli.default\) draws random numbers from its input's "
                                          r"values: a pipeline draws every node's numbers whole before the step"):
         PipelineSpace(graph, local_cluster((1.0, 1.0), "local"))
+
+
+def test_hand_edited_sync_entries_are_refused_before_training(vit_space):
+    """Sync entries that are not the program's were taken: a pipeline's stage whose entries were
+    dropped or narrowed trained without summing its ranks' gradients (silently wrong), entries
+    over another stage's devices hung, and a one-stage plan's edits failed inside the ranks."""
+    import dataclasses as dc
+    import re
+
+    from hap.planner import baseline_plan
+    from hap.pipeline.partition import exact_partition
+
+    part = exact_partition(vit_space.table(2, 4))
+    plan = vit_space.plan(part.cuts, 2, 4, 0.0, {})
+    graph = vit_space.graph
+    plan.check_fits(graph)  # as planned
+    groups = [tuple(st.devices) for st in plan.stages]
+    first = plan.sync[0]
+    on_0 = next(e for e in plan.sync if e.devices == groups[0] and len(groups[0]) > 1)  # a stage of several devices
+    for sync, message in [
+            ([], "the plan's sync does not match its program: "),
+            ([dc.replace(e, devices=(e.devices[0],)) for e in plan.sync],
+             f"the plan synchronizes {first.param} over devices [{first.devices[0]}], not over those that hold it"),
+            ([dc.replace(e, devices=groups[1], bucket=99) if e is on_0 else e for e in plan.sync],
+             f"the plan synchronizes {on_0.param} over devices {list(groups[1])}, not over those that hold it, "
+             f"{list(groups[0])}"),
+            ([dc.replace(e, hierarchical=True) for e in plan.sync],
+             f"the plan synchronizes {first.param} by all-reduce, hierarchical: a pipeline all-reduces every gradient "
+             "whole, uncompressed, flat")]:
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            dc.replace(plan, sync=sync).check_fits(graph)
+
+    one = baseline_plan(graph, vit_space.cluster, "dp-ev")
+    e = one.sync[-1]  # a matrix or a vector: rows along dim 0
+    rows = graph.tensors[e.param].shape[0]
+    for edit, message in [(dict(devices=(0, 1)), f"the plan synchronizes {e.param} over devices [0, 1], not over those"),
+                          (dict(rows=(0, rows - 1)), f"the plan syncs rows 0..{rows - 1} of {e.param}, which has {rows}"),
+                          (dict(sparse=True), f"the plan synchronizes {e.param}'s gradient as sparse, but this model's "
+                                              "is dense")]:
+        sync = [dc.replace(x, **edit, bucket=99) if x is e else x for x in one.sync]
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            dc.replace(one, sync=sync).check_fits(graph)

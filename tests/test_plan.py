@@ -134,6 +134,24 @@ def test_more_segments_are_never_worse_than_one_and_equal_splits_move_nothing(gr
     assert resplit(t, 0, [3, 3], [3, 3], Comm(rank=0, world=2)) is t  # no collective: no process group here
 
 
+def test_a_tensor_split_at_another_segments_ratios_is_refused(graph):
+    """A hand-edited plan whose tensors cross into a segment of other ratios without the
+    re-split was taken, then every rank failed in a view of the wrong size."""
+    from hap.planner import _dp, _plan_at
+
+    seg = segment_graph(graph, 2)  # data parallel in both segments, at other shares
+    planned = _plan_at(graph, load_cluster("local"), [[0.75, 0.25], [0.4, 0.6]], None,
+                       lambda search, rs: search(rs, _dp()), "dp", seg)
+    planned.check_fits(graph)  # as planned: re-split where segment 1 starts
+    stage = planned.stages[0]
+    program = [dataclasses.replace(ins, moves=tuple(m for m in ins.moves if m.name != "rebalance")) for ins in stage.program]
+    assert program != stage.program
+    edited = dataclasses.replace(planned, stages=[dataclasses.replace(stage, program=program)])
+    with pytest.raises(ValueError, match=r"^the plan runs \S+ \(segment 1\) on \S+ as S\(0\), split at segment 0's "
+                                         r"ratios: it is re-split where a segment starts \(a hand-edited plan\?\)$"):
+        edited.check_fits(graph)
+
+
 def test_more_segments_where_memory_is_tight_are_never_worse_than_one():
     # the README's cluster file: BERT fits only by a baseline's program rebalanced, which the
     # one-segment candidate of --segments 2 left out (planned without baselines): out of memory
@@ -369,9 +387,31 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
             ({"search": {**data["search"], "gap": "big"}}, "search gap 'big' is not a number"),
             ({"estimated_iteration_seconds": -1.0}, "its estimate and its devices' memory must be positive numbers"),
             ({"stages": [{**st, "program": [{**st["program"][0], "loads": [["x", "S(0)", "extra"]]}, *st["program"][1:]]}]},
-             r"instruction '\w+' loads must be a list of \[tensor, placement\] pairs")):
+             r"instruction '\w+' loads must be a list of \[tensor, placement\] pairs"),
+            # these raised a TypeError or an AttributeError in hap train --plan and hap explain
+            ({"replicated_ops": [1, None]}, "replicated_ops must be a list of op names"),
+            ({"cluster": {**data["cluster"], "devices": "x"}}, "its cluster's devices must be a list of objects"),
+            ({"stages": [{**st, "devices": [str(d) for d in st["devices"]]}]},
+             r"the stages' device groups \[\['0', '1', .*\]\] must be lists of device numbers"),
+            ({"stages": [{**st, "ratios": st["ratios"][0]}]}, r"stage 0's ratios \[.*\] must be a row of shares per segment")):
         with pytest.raises(ValueError, match="^malformed plan: " + message):
             Plan.from_dict({**data, **edit})
+    with pytest.raises(ValueError, match="^malformed plan: its JSON nests too deeply$"):  # a RecursionError
+        Plan.from_json('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+def test_a_shard_beyond_the_tensors_dims_or_a_share_near_the_float_limit_is_one_line(graph):
+    """An IndexError and an OverflowError (n * share overflowed in round_sizes) in check_fits."""
+    from hap.planner import baseline_plan
+    from hap.rules.units import round_sizes
+
+    result = baseline_plan(graph, load_cluster("local"), "dp-ev")  # the batch split: shards
+    st = result.stages[0]
+    sh = st.shards[0]
+    wrong_dim = dataclasses.replace(sh, dim=len(graph.tensors[sh.tensor].shape))
+    with pytest.raises(ValueError, match=rf"^the plan splits {sh.tensor} dim {wrong_dim.dim}, a tensor of "):
+        dataclasses.replace(result, stages=[dataclasses.replace(st, shards=[wrong_dim, *st.shards[1:]])]).check_fits(graph)
+    assert round_sizes(10, [1e308, 0.25]) == [10, 0] and round_sizes(10, [0.75, 0.25]) == [8, 2]
 
 
 def test_a_program_that_takes_what_it_does_not_hold_is_refused_before_it_runs(graph, result):

@@ -176,7 +176,9 @@ class Cluster:
                                for m in self.topology.machines]
             out["links"] = [{"between": [a, b], **link(x)} for a, b, x in self.topology.overrides]
             out["algorithm"] = self.topology.algorithm
-        if self.measured_fits or self.topology is None:  # (a topology's or a network's fits follow from it)
+        # (a topology's or a network's fits follow from it; one device has none: infinite betas,
+        # which JSON cannot hold and a cluster file may not give)
+        if (self.measured_fits or self.topology is None) and self.size > 1:
             out["collectives"] = {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()}
         if self.emulate_links and "machines" in out:  # (one device has no links to emulate)
             out["emulate"] = True

@@ -104,23 +104,30 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
         stages.append(PlanStage(devices=list(groups[k]), nodes=[a, b], segments=[[a, b]], ratios=[list(ratios[k])],
                                 program=instructions(steps, graph),
                                 shards=shard_sizes(steps, graph, classes, [0] * n, [pieces])))
-    users: dict[str, set[int]] = {}
-    for step in space.program:
-        for ld in step.loads:
-            t = graph.tensors[ld.tensor]
-            if t.kind == "param" and t.requires_grad:
-                users.setdefault(ld.tensor, set()).add(stage_of[step.node])
     buckets: dict[tuple[int, ...], int] = {}
     sync = []
-    for name in sorted(users, key=lambda x: graph.tensors[x].consumers[0]):
-        devices = tuple(sorted(d for k in users[name] for d in groups[k]))
-        sync.append(SyncEntry(param=name, bucket=buckets.setdefault(devices, len(buckets)), devices=devices))
+    held = synced_groups(graph, [[st for st in space.program if stage_of[st.node] == k] for k in range(len(groups))], groups)
+    for name in sorted(held, key=lambda x: graph.tensors[x].consumers[0]):
+        sync.append(SyncEntry(param=name, bucket=buckets.setdefault(held[name], len(buckets)), devices=held[name]))
     est = space.pricer.estimate(cuts, groups, ratios, M, config.schedule)
     return Plan(model=graph.model_name, cluster=space.cluster.to_dict(), devices=[d.name for d in space.cluster.devices],
                 stages=stages, sync=sync, schedule=Schedule(name=config.schedule, micro_batches=M),
                 baselines={}, synthesis_seconds=seconds,
                 replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search,
                 **_estimated(est, M, space.pricer.step_collectives))
+
+
+def synced_groups(graph: Graph, stage_steps: Sequence[Sequence[Step]], groups: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """Per trainable parameter a pipeline uses, the devices that all-reduce its gradient: those
+    of every stage that loads it (a tied embedding's first and last), in rank order."""
+    users: dict[str, set[int]] = {}
+    for k, steps in enumerate(stage_steps):
+        for step in steps:
+            for ld in step.loads:
+                t = graph.tensors[ld.tensor]
+                if t.kind == "param" and t.requires_grad:
+                    users.setdefault(ld.tensor, set()).add(k)
+    return {name: tuple(sorted(d for k in ks for d in groups[k])) for name, ks in users.items()}
 
 
 def stage_programs(graph: Graph, program: Sequence[Step], ranges: Sequence[tuple[int, int]]) -> list[list[Step]]:

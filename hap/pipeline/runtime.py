@@ -94,6 +94,7 @@ class Pipeline(nn.Module):
         programs = [plan.steps(graph, k) for k in range(K)]
         whole_program = [step for prog in programs for step in prog]
         check_pipelinable(graph, whole_program, M)
+        plan.check_sync_fits(graph, programs)  # (a hand-edited entry trained silently wrong, or hung)
         self.steps = programs[s]
         self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.crossings = crossings(graph, whole_program, stage_of)
@@ -488,7 +489,9 @@ class Pipeline(nn.Module):
         calls it, after train_step. Returns the total norm."""
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         counted = [g for g in (self.params[name].grad for name in self._norm_counted) if g is not None]
-        return clip_by_global_norm(counted, grads, max_norm, norm_type, self.comm)
+        # in the model's gradients' dtype on every rank, a stage without parameters too (it was float32)
+        dtype = next((p.dtype for p in self.model.parameters() if p.requires_grad and p.is_floating_point()), None)
+        return clip_by_global_norm(counted, grads, max_norm, norm_type, self.comm, dtype)
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ def round_sizes(n: int, ratios: Sequence[float]) -> list[int]:
     total = float(sum(ratios))
     if total <= 0 or any(r < 0 for r in ratios):
         raise ValueError(f"ratios must be non-negative with a positive sum, got {list(ratios)}")
-    ideal = [n * r / total for r in ratios]
+    scale = n / total  # (first: n * r overflows for a share near the float limit)
+    ideal = [r * scale for r in ratios]
     sizes = [int(round(x)) for x in ideal]
     while (diff := sum(sizes) - n) != 0:
         step = -1 if diff > 0 else 1

@@ -31,8 +31,7 @@ from torch.utils._pytree import tree_unflatten
 
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
-from ..placement import R
-from ..plan import Plan, shard_sizes, sync_mismatch
+from ..plan import Plan, shard_sizes
 from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout, priced
 from ..rules import strategies_for, strategy_table
 from ..rules.local import is_random
@@ -372,7 +371,7 @@ class HAP(nn.Module):
             raise ValueError(f"resync: ranks {bad} were given sync entries other than rank 0's")
         machines = self.cluster.machines
         self.groups = _device_groups(plan, self.comm, Groups(self.comm, machines, {}).needed(sync), self.groups)
-        _check_sync(plan, self.shards, self.executor)
+        plan.check_sync_fits(self.graph, [self.executor.program])
         # made before the old one goes: a refused one (a ValueError) leaves the old sync running
         grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
         if self.grad_sync is not None:
@@ -429,11 +428,12 @@ class HAP(nn.Module):
         return out
 
 def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], max_norm: float,
-                        norm_type: float, comm: Comm) -> torch.Tensor:
+                        norm_type: float, comm: Comm, dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over ranks: the norm of `counted` on every rank together
     (each gradient element counted by exactly one rank), then each of this rank's `grads`
-    scaled by min(1, max_norm / (norm + 1e-6)). A collective. Returns the total norm."""
-    dtype = next((g.dtype for g in grads if g.is_floating_point()), torch.float32)  # as torch's: the gradients'
+    scaled by min(1, max_norm / (norm + 1e-6)). A collective. Returns the total norm, in `dtype`
+    (default: the gradients', as torch's; a rank that may hold none must say it)."""
+    dtype = dtype or next((g.dtype for g in grads if g.is_floating_point()), torch.float32)
     if math.isinf(norm_type):
         # in float64 on every rank (one with no gradients to count has no dtype to go by), exact for the max
         total = torch.stack([g.abs().max().double() for g in counted if g.numel()]
@@ -770,21 +770,3 @@ def _device_groups(plan: Plan, comm: Comm, more=(), made=None) -> dict[tuple[tup
         if (devices, lane) not in groups:
             groups[(devices, lane)] = dist.new_group(list(devices), timeout=collective_timeout())
     return groups
-
-
-def _check_sync(plan: Plan, shards, ex: Executor) -> None:
-    """The plan must sync exactly the parameters the program keeps whole, each part within it."""
-    whole = {name for name, p in shards.items() if ex.stored[name][0] == R and p.requires_grad}
-    mismatch = sync_mismatch({e.param for e in plan.sync}, whole)
-    if mismatch:
-        raise ValueError(mismatch)
-    ends: dict[str, int] = {}
-    for e in plan.sync:
-        if e.rows is not None:
-            ends[e.param] = max(ends.get(e.param, 0), e.rows[0] + e.rows[1])
-    for name, end in ends.items():
-        if not shards[name].dim():
-            raise ValueError(f"the plan syncs rows of {name}, a number: it has none (sync it whole)")
-        rows = shards[name].shape[0]
-        if end != rows:
-            raise ValueError(f"the plan syncs rows 0..{end} of {name}, which has {rows}")

@@ -92,7 +92,8 @@ class AutoSyncConfig:
         check_fields(self, trials=whole(0), per_round=whole(1), candidates=whole(1), alpha=number(0),
                      simulator=one_of(*get_args(SimulatorName)), similarity=one_of(*get_args(SimilarityName)),
                      learn_after=whole(0), epochs=whole(1), steps=whole(1), min_timed_seconds=number(0),
-                     horovod_samples=whole(1), local=number(0, 1), parents=whole(1), confirm=whole(0))
+                     horovod_samples=whole(1), local=number(0, 1), parents=whole(1), confirm=whole(0),
+                     seed=whole(0, most=2**32 - 1))  # (what Horovod's Bayesian optimization takes as random_state)
 
 
 def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: AutoSyncConfig | None = None,
