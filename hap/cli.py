@@ -444,6 +444,8 @@ def _check_straggler(args, world: int) -> str | None:
 
 def _resume_from(args) -> tuple[str, int] | None:
     """The checkpoint --resume continues from and its step (None: train from the start)."""
+    import os
+
     from .runtime.checkpoint import latest
 
     if args.checkpoint is None:
@@ -458,6 +460,9 @@ def _resume_from(args) -> tuple[str, int] | None:
         found = latest(args.checkpoint)
     except ValueError as e:
         raise UserError(f"--resume: {e}") from None
+    if found is None and os.path.exists(os.path.join(args.checkpoint, ".metadata")):  # (saves would go inside it)
+        raise UserError(f"--resume: {args.checkpoint} is a checkpoint itself: give --checkpoint the directory that "
+                        f"holds it, {os.path.dirname(os.path.normpath(args.checkpoint)) or '.'}")
     if found is None:
         raise UserError(f"--resume: no checkpoint in {args.checkpoint}")
     if found[1] >= args.steps:

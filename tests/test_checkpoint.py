@@ -368,6 +368,9 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
                          f"--resume: checkpoint {directory}-c/step-00000006 is damaged: {data.name} does not match its checksum"),
                         (["--resume"], "--resume needs --checkpoint DIR"),
                         (["--checkpoint", str(tmp_path / "none"), "--resume"], f"--resume: no checkpoint in {tmp_path}/none"),
+                        (["--checkpoint", f"{directory}/step-00000006", "--resume"],  # (it said: no checkpoint in it)
+                         f"--resume: {directory}/step-00000006 is a checkpoint itself: give --checkpoint the directory "
+                         f"that holds it, {directory}"),
                         (["--checkpoint", directory, "--resume", "--steps", "6"],
                          f"--resume: the latest checkpoint in {directory} is at step 6, so --steps 6 leaves nothing to train"),
                         (["--checkpoint", directory, "--resume", "--steps", "8", "--layers", "1"], "which the model lacks")]:
