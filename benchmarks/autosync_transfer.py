@@ -7,11 +7,12 @@ Four searches share one log (DIR/trials.jsonl), `--trials` each (about 1-3 minut
 VGG19 (small) on the local cluster at its own batch (8) and at batch 16, BERT (2 layers, 128
 wide) on the local cluster, and VGG19 (small) on AutoSync's B9 cluster scaled to 3 local ranks
 (benchmarks/clusters/autosync-b9.yaml). For each search and each training set that exists for
-it -- every other search, the searches of other models, the searches of this model on other
-clusters -- every simulator is trained on that set alone (baselines included, the
+it -- every other search, the searches of other models, the searches of this model at the same
+knobs on other clusters -- every simulator is trained on that set alone (baselines included, the
 confirmations left out) and its pairwise ranking accuracy is taken on all of this search's
-strategies; hap's own price ranks the same strategies for comparison. Searches already in DIR
-are not run again. Writes DIR/transfer.json and prints a line per (search, training set).
+strategies; hap's own price ranks the same strategies for comparison. --report-only: no
+searches, the report of those already in DIR (a search whose description no longer builds is
+left out, and said so). Writes DIR/transfer.json and prints a line per (search, training set).
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ SEARCHES = [("vgg19", {"scale": "small"}, "local"), ("vgg19", {"scale": "small",
 
 def training_sets(spec: dict, others: dict[str, dict]) -> dict[str, list[str]]:
     """The searches (keys of `others`) each kind of transfer trains on, for the search `spec`."""
-    def same_cluster(a, b):
-        return a["cluster"] == b["cluster"]
-
     return {"all others": list(others),
             "other models": [k for k, o in others.items() if o["model"] != spec["model"]],
-            "other clusters": [k for k, o in others.items() if o["model"] == spec["model"] and not same_cluster(o, spec)]}
+            "other clusters": [k for k, o in others.items() if (o["model"], o["knobs"]) == (spec["model"], spec["knobs"])
+                               and o["cluster"] != spec["cluster"]]}
 
 
 def main() -> int:
@@ -46,16 +45,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/bench-autosync-transfer")
     ap.add_argument("--trials", type=int, default=12)
+    ap.add_argument("--report-only", action="store_true", help="report the searches already in --out, run none")
     args = ap.parse_args()
     out = Path(args.out)
-    for model, knobs, cluster in SEARCHES:
-        autosync.run(model, knobs, load_cluster(cluster), out, AutoSyncConfig(trials=args.trials, candidates=20),
-                     say=lambda m: print(m, flush=True))
+    if not args.report_only:
+        for model, knobs, cluster in SEARCHES:
+            autosync.run(model, knobs, load_cluster(cluster), out, AutoSyncConfig(trials=args.trials, candidates=20),
+                         say=lambda m: print(m, flush=True))
     history = autosync._load(out / "trials.jsonl")
-    keys = sorted({t["domain"] for t in history})
-    specs = {key: json.loads((out / "domains" / f"{key}.json").read_text()) for key in keys}
-    measured = {key: [t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")] for key in keys}
-    samples = {key: autosync.logged_samples(out, key, measured[key]) for key in keys}
+    specs, measured, samples = {}, {}, {}
+    for key in sorted({t["domain"] for t in history}):
+        rows = [t for t in history if t["domain"] == key and not t["kind"].startswith("confirm")]
+        try:
+            specs[key] = json.loads((out / "domains" / f"{key}.json").read_text())
+            samples[key] = autosync.logged_samples(out, key, rows)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # as autosync's own transfer leaves it out
+            print(f"search {key} left out: {type(e).__name__}: {e}"[:300], flush=True)
+            specs.pop(key, None)
+            continue
+        measured[key] = rows
+    keys = sorted(samples)
     rows = []
     for key in keys:
         spec, mine = specs[key], samples[key]

@@ -472,13 +472,14 @@ def _resume_from(args) -> tuple[str, int] | None:
 
 
 def _check_checkpoint(path: str, graph) -> None:
-    """The checkpoint must be of this model (its every parameter and buffer, by key and shape)
-    and its files as written (their checksums), said here once rather than by every rank."""
+    """The checkpoint's files must be as written (their checksums, .metadata's too) and it must be
+    of this model (its every parameter and buffer, by key and shape), said here once rather
+    than by every rank (which hash it again as they load: checkpoint.load always verifies)."""
     from .runtime.checkpoint import check, model_shapes, verify
 
     try:
-        check(path, model_shapes(graph))
         verify(path)
+        check(path, model_shapes(graph))
     except ValueError as e:
         raise UserError(f"--resume: {e}") from None
 

@@ -6,6 +6,7 @@ AutoSyncConfig, StragglerConfig, RebalanceConfig): one rule per field, one messa
     # PlannerConfig(segments=0) -> ValueError: PlannerConfig.segments must be a whole number of at least 1, got 0
 
 A rule is a small pure function: the value -> None where it holds, else what the field must be.
+(Free-form fields -- a seed, a path, a schedule -- go unchecked here.)
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def number(low: float | None = None, high: float | None = None, *, above: bool =
         want = f"a number in {'(' if above else '['}{low}, {high}{')' if below else ']'}"
     elif low is not None:
         want = f"a number {'above' if above else 'of at least'} {low}"
+    elif high is not None:
+        want = f"a number {'below' if below else 'of at most'} {high}"
     else:
         want = "a finite number"
 
@@ -59,6 +62,16 @@ def number(low: float | None = None, high: float | None = None, *, above: bool =
             return want
         return None
     return rule
+
+
+def flag() -> Rule:
+    """True or False (not a truthy string such as "no")."""
+    return lambda value: None if isinstance(value, bool) else "true or false"
+
+
+def instance(kind: type) -> Rule:
+    """An instance of `kind` (a nested config)."""
+    return lambda value: None if isinstance(value, kind) else f"a {kind.__name__}"
 
 
 def one_of(*choices: str) -> Rule:

@@ -24,7 +24,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 from .ir import Graph, size_text  # noqa: F401 (size_text: plan.size_text too)
 from .pipeline.schedule import SCHEDULES, ScheduleName
@@ -422,9 +422,11 @@ class Plan:
         return steps
 
     def check_fits(self, graph: Graph) -> None:
-        """A one-line ValueError unless this plan is of `graph`: it runs every node once, splits
-        tensors into the sizes this graph's batch gives (they change with the batch), and
-        synchronizes parameters of this graph."""
+        """A one-line ValueError unless this plan is of `graph` and runs on it: it runs every node
+        once, takes every tensor as it holds it there (_check_held: re-split where a segment of
+        other sizes starts, on dims the tensor has), with strategies and moves the rules and the
+        move catalogue give (_check_steps), splits tensors into the sizes this graph's batch gives
+        (they change with the batch), and synchronizes what the runtime must (check_sync_fits)."""
         from .pipeline.stages import stage_pieces
         from .rules import strategy_table
         from .rules.units import ShardClasses
@@ -446,7 +448,9 @@ class Plan:
             what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
             raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
         one = len(self.stages) == 1  # (a pipeline stage has one segment)
-        _check_held(graph, stage_steps, self.segment_of if one else None, self.stages[0].ratios if one else None)
+        ratios = self.stages[0].ratios
+        _check_held(graph, stage_steps, self.segment_of if one else None,
+                    (lambda name, dim, seg: classes.split_sizes(name, dim, ratios[seg])) if one else None)
         _check_steps(graph, program, table)
         self.check_sync_fits(graph, stage_steps)
         for k, stage in enumerate(self.stages):
@@ -688,21 +692,22 @@ def _check_steps(graph: Graph, program: list[Step], table) -> None:
 
 
 def _check_held(graph: Graph, programs: list[list[Step]], segment_of: list[int] | None = None,
-                ratios: list[list[float]] | None = None) -> None:
+                sizes: Callable[[str, int, int], list[int]] | None = None) -> None:
     """A ValueError where a stage's program takes a tensor in a placement it does not hold there
     (its loads, moves and outputs make what it holds; a pipeline stage starts with what earlier
     stages produced, as they produced it), or places one on a dim it lacks, or (a one-stage
-    plan of several segments: `segment_of`, `ratios`) takes a tensor split at another
-    segment's ratios without re-splitting it: a hand-edited plan the ranks would fail in."""
+    plan of several segments: `segment_of`; sizes(tensor, dim, segment) its shard sizes there)
+    takes a tensor split at another segment's sizes without re-splitting it: a hand-edited plan
+    the ranks would fail in."""
     produced: dict[str, Placement] = {}
     for program in programs:
         held = {(name, p): 0 for name, p in produced.items()}
-        _walk_held(graph, program, held, segment_of or [0] * len(graph.nodes), ratios)
+        _walk_held(graph, program, held, segment_of or [0] * len(graph.nodes), sizes)
         for step in program:
             produced.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
 
 
-def _walk_held(graph: Graph, program: list[Step], held: dict, segment_of: list[int], ratios) -> None:
+def _walk_held(graph: Graph, program: list[Step], held: dict, segment_of: list[int], sizes) -> None:
     """_check_held's walk of one stage's program, from what it holds at its start: (tensor,
     placement) -> the segment whose ratios split it."""
     def placed(tensor: str, p: Placement, node) -> tuple[str, Placement]:
@@ -724,7 +729,7 @@ def _walk_held(graph: Graph, program: list[Step], held: dict, segment_of: list[i
             if key not in held:
                 raise ValueError(f"the plan runs {node.name} on {name} as {p}, which it does not hold so there "
                                  "(a hand-edited plan?)")
-            if p.is_shard and ratios is not None and ratios[held[key]] != ratios[seg]:
+            if p.is_shard and sizes is not None and held[key] != seg and sizes(name, p.dim, held[key]) != sizes(name, p.dim, seg):
                 raise ValueError(f"the plan runs {node.name} (segment {seg}) on {name} as {p}, split at segment "
                                  f"{held[key]}'s ratios: it is re-split where a segment starts (a hand-edited plan?)")
         held.update((placed(name, p, node), seg) for name, p in zip(node.outputs, step.strategy.outputs))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from .balance.lp import BalanceError, balance
-from .config import check_fields, number, one_of, whole
+from .config import check_fields, flag, number, one_of, whole
 from .cost.cluster import Cluster
 from .cost.model import CostModel
 from .ir import Graph, size_text
@@ -82,7 +82,8 @@ class PlannerConfig:
         check_fields(self, optimizer=one_of(*OPTIMIZER_STATES), segments=whole(1), max_rounds=whole(1),
                      pipeline_stages=whole(0, note="0: the planner's choice"),
                      micro_batches=whole(0, note="0: the planner's choice"), schedule=one_of("gpipe", "1f1b"),
-                     width=whole(1, none="no limit"), width_after=number(0))
+                     width=whole(1, none="no limit"), width_after=number(0), heuristic=flag(), baselines=flag(),
+                     layer_cuts=flag())
 
     @property
     def pipeline_asked(self) -> list[str]:

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hap.automap.dqn import DQNConfig
-from hap.config import number, one_of, whole
+from hap.config import flag, number, one_of, whole
 from hap.pipeline.rebalance import RebalanceConfig
 from hap.planner import PlannerConfig
 from hap.straggler import StragglerConfig
@@ -26,7 +26,9 @@ def test_rules_hold_exactly_on_their_bounds():
     for bad in (math.nan, math.inf, -math.inf, False, "0.5"):
         assert closed(bad) == "a number in [0, 1]"
     assert number(0, above=True)(0.0) == "a number above 0" and number(0)(0.0) is None
+    assert number(high=1)(2) == "a number of at most 1" and number(high=1, below=True)(1) == "a number below 1"
     assert one_of("gpipe", "1f1b")("GPipe") == "one of gpipe, 1f1b"
+    assert flag()("no") == "true or false" and flag()(False) is None
 
 
 @pytest.mark.parametrize("make, message", [
@@ -41,6 +43,7 @@ def test_rules_hold_exactly_on_their_bounds():
     (lambda: AutoSyncConfig(seed=-5), "AutoSyncConfig.seed must be a whole number of at least 0 and at most 4294967295, "
                                       "got -5"),
     (lambda: SpaceConfig(low_rank=True), "SpaceConfig.low_rank must be a whole number of at least 1, got True"),
+    (lambda: AutoSyncConfig(baselines="no"), "AutoSyncConfig.baselines must be true or false, got 'no'"),  # it was true
     # the straggler configs named no field ("need 0 < cap < 1, threshold > 0, ...") and left
     # the PriDiff knobs unchecked
     (lambda: StragglerConfig(cap=1.0), "StragglerConfig.cap must be a number in (0, 1), got 1.0"),

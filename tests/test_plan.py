@@ -412,6 +412,8 @@ def test_a_shard_beyond_the_tensors_dims_or_a_share_near_the_float_limit_is_one_
     with pytest.raises(ValueError, match=rf"^the plan splits {sh.tensor} dim {wrong_dim.dim}, a tensor of "):
         dataclasses.replace(result, stages=[dataclasses.replace(st, shards=[wrong_dim, *st.shards[1:]])]).check_fits(graph)
     assert round_sizes(10, [1e308, 0.25]) == [10, 0] and round_sizes(10, [0.75, 0.25]) == [8, 2]
+    # and only there the other order: ties and tiny shares round as they did (plan files hold them)
+    assert round_sizes(3, [1 / 6] * 6) == [0, 0, 0, 1, 1, 1] and round_sizes(10, [1e-320, 3e-320]) == [2, 8]
 
 
 def test_a_program_that_takes_what_it_does_not_hold_is_refused_before_it_runs(graph, result):

@@ -99,14 +99,15 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
     micro = micro_batch_granules(space.granules, M)
     stages = []
     ranges = stage_ranges(cuts, n)
-    for k, ((a, b), steps) in enumerate(zip(ranges, stage_programs(graph, space.program, ranges))):
+    programs = stage_programs(graph, space.program, ranges)
+    for k, ((a, b), steps) in enumerate(zip(ranges, programs)):
         pieces = piece_ratios(micro, ratios[k])
         stages.append(PlanStage(devices=list(groups[k]), nodes=[a, b], segments=[[a, b]], ratios=[list(ratios[k])],
                                 program=instructions(steps, graph),
                                 shards=shard_sizes(steps, graph, classes, [0] * n, [pieces])))
     buckets: dict[tuple[int, ...], int] = {}
     sync = []
-    held = synced_groups(graph, [[st for st in space.program if stage_of[st.node] == k] for k in range(len(groups))], groups)
+    held = synced_groups(graph, programs, groups)
     for name in sorted(held, key=lambda x: graph.tensors[x].consumers[0]):
         sync.append(SyncEntry(param=name, bucket=buckets.setdefault(held[name], len(buckets)), devices=held[name]))
     est = space.pricer.estimate(cuts, groups, ratios, M, config.schedule)

@@ -27,10 +27,11 @@ def round_sizes(n: int, ratios: Sequence[float]) -> list[int]:
     if n < 0:
         raise ValueError(f"cannot split a negative length {n}")
     total = float(sum(ratios))
-    if total <= 0 or any(r < 0 for r in ratios):
-        raise ValueError(f"ratios must be non-negative with a positive sum, got {list(ratios)}")
-    scale = n / total  # (first: n * r overflows for a share near the float limit)
-    ideal = [r * scale for r in ratios]
+    if not 0 < total < math.inf or any(r < 0 for r in ratios):
+        raise ValueError(f"ratios must be non-negative with a positive, finite sum, got {list(ratios)}")
+    ideal = [n * r / total for r in ratios]
+    if not all(map(math.isfinite, ideal)):  # a share near the float limit: n * r overflows (and only then
+        ideal = [r / total * n for r in ratios]  # this order, which rounds ties otherwise)
     sizes = [int(round(x)) for x in ideal]
     while (diff := sum(sizes) - n) != 0:
         step = -1 if diff > 0 else 1

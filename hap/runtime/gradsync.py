@@ -170,7 +170,8 @@ class GradSync:
     def compressor_state(self) -> dict[tuple[str, tuple[int, int] | None], tuple[torch.Tensor, torch.Tensor | None]]:
         """What PowerSGD carries from step to step, per part it compresses (parameter, rows):
         this rank's error feedback and Q, in the plan's bucket order (a part it sends whole
-        carries no error). The tensors themselves, not copies."""
+        carries no error). The tensors themselves, not copies, valid until the next step (which
+        replaces them)."""
         out = {}
         for sync, parts, entries in zip(self.synchronizers, self.buckets, self.entries):
             if isinstance(sync, _PowerSGD):

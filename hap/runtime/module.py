@@ -375,8 +375,11 @@ class HAP(nn.Module):
         # made before the old one goes: a refused one (a ValueError) leaves the old sync running
         grad_sync = GradSync(sync, dict(self.shards), Groups(self.comm, machines, self.groups))
         if self.grad_sync is not None:
-            # PowerSGD's error feedback goes on where a part stays compressed alike (else it is dropped)
-            grad_sync.restore_compressor_state(self.grad_sync.compressor_state())
+            # PowerSGD's error feedback goes on where a part stays compressed alike, else it is dropped
+            dropped = grad_sync.restore_compressor_state(self.grad_sync.compressor_state())
+            if dropped and self.comm.rank == 0:
+                log.warning("hap: resync drops PowerSGD's error feedback of %d part(s) (%s%s): the new entries do not "
+                            "compress them alike", len(dropped), dropped[0][0], ", ..." if len(dropped) > 1 else "")
             self.grad_sync.close()
         self.grad_sync = grad_sync
         if sync != self.plan.sync:  # priced with these entries from now on

@@ -36,7 +36,7 @@ from typing import Callable, Literal, get_args
 import torch
 
 from ..capture import capture
-from ..config import check_fields, number, one_of, whole
+from ..config import check_fields, flag, instance, number, one_of, whole
 from ..cost.cluster import Cluster
 from ..models import build
 from ..plan import Plan
@@ -93,7 +93,8 @@ class AutoSyncConfig:
                      simulator=one_of(*get_args(SimulatorName)), similarity=one_of(*get_args(SimilarityName)),
                      learn_after=whole(0), epochs=whole(1), steps=whole(1), min_timed_seconds=number(0),
                      horovod_samples=whole(1), local=number(0, 1), parents=whole(1), confirm=whole(0),
-                     seed=whole(0, most=2**32 - 1))  # (what Horovod's Bayesian optimization takes as random_state)
+                     seed=whole(0, most=2**32 - 1),  # (Horovod's Bayesian optimization takes it as random_state)
+                     baselines=flag(), space=instance(SpaceConfig))
 
 
 def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: AutoSyncConfig | None = None,

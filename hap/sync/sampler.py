@@ -26,7 +26,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from ..config import check_fields, whole
+from ..config import check_fields, flag, whole
 from .strategy import PartSync, SyncStrategy, Variables, VarSync
 
 
@@ -44,7 +44,7 @@ class SpaceConfig:
     """PowerSGD's rank, where it is tried."""
 
     def __post_init__(self):
-        check_fields(self, max_parts=whole(1), part_bytes=whole(1), max_groups=whole(1), low_rank=whole(1))
+        check_fields(self, compress=flag(), max_parts=whole(1), part_bytes=whole(1), max_groups=whole(1), low_rank=whole(1))
 
 
 def bandwidths(variables: Variables, cost) -> list[float]:
