@@ -690,3 +690,6 @@ def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_
     data.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=f"^checkpoint {path} is damaged: {data.name} does not match its checksum$"):
         checkpoint.verify(path)
+    (tmp_path / "step-100000001" / checkpoint.CHECKSUMS).write_text("{}")  # emptied: it loaded unchecked
+    with pytest.raises(ValueError, match=rf"^checkpoint {path} is damaged: its checksums.json does not list \.metadata$"):
+        checkpoint.verify(path)

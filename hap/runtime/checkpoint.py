@@ -473,6 +473,10 @@ def _verify_share(path: str, share: int, shares: int) -> None:
         raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} does not load") from None
     if not isinstance(sums, dict):
         raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} holds no checksums")
+    # the save hashed every file DCP wrote: one it lists not (an emptied list) would load unchecked
+    unlisted = sorted(e for e in os.listdir(path) if (e == ".metadata" or e.endswith(".distcp")) and e not in sums)
+    if unlisted:
+        raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} does not list {unlisted[0]}")
     for entry, want in sorted(sums.items())[share::shares]:
         file = os.path.join(path, entry)
         if not os.path.isfile(file):
