@@ -829,9 +829,10 @@ def cmd_cluster(args) -> int:
     from .cost.cluster import load_cluster
 
     cluster = load_cluster(args.name)
-    print(cluster.describe())
+    # the description as YAML comments: the output is a cluster file (hap cluster X > x.yaml)
+    print(f"# {cluster.describe()}")
     if cluster.topology is not None:
-        print(f"topology: {cluster.topology.describe()}")
+        print(f"# topology: {cluster.topology.describe()}")
     print(yaml.safe_dump(cluster.to_dict(), sort_keys=False), end="")
     return 0
 

@@ -166,3 +166,15 @@ def test_an_empty_collectives_section_leaves_the_machines_pricing():
     assert not empty.measured_fits and empty == plain  # it read as measured fits: the topology's per-size choice off
     net = {"devices": spec["devices"], "network": {"bandwidth": "1GB/s", "emulate": True}}
     assert cluster_from_dict({**net, "collectives": None}) == cluster_from_dict(net)  # (it said: no cost for ...)
+
+
+def test_hap_cluster_prints_a_cluster_file(capsys):
+    """Its description came first, as plain text: the output did not load back."""
+    import yaml
+
+    from hap.cli import main
+
+    assert main(["cluster", "paper-hetero-16"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# paper-hetero-16")
+    assert cluster_from_dict(yaml.safe_load(text)) == BUILTIN["paper-hetero-16"]()
