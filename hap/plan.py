@@ -448,9 +448,9 @@ class Plan:
             what = f"does not run node {graph.nodes[missing[0]].name}" if missing else "runs a node twice"
             raise ValueError(f"the plan {what} of this model's {len(graph.nodes)}: a plan made for another model")
         one = len(self.stages) == 1  # (a pipeline stage has one segment)
-        ratios = self.stages[0].ratios
+        segment_ratios = self.stages[0].ratios  # (apart from the shard loop's `ratios` below, reassigned)
         _check_held(graph, stage_steps, self.segment_of if one else None,
-                    (lambda name, dim, seg: classes.split_sizes(name, dim, ratios[seg])) if one else None)
+                    (lambda name, dim, seg: classes.split_sizes(name, dim, segment_ratios[seg])) if one else None)
         _check_steps(graph, program, table)
         self.check_sync_fits(graph, stage_steps)
         for k, stage in enumerate(self.stages):

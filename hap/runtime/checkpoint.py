@@ -320,23 +320,20 @@ def _load_compressor(dmodel, path: str, meta: Metadata, comm) -> None:
     sync = getattr(dmodel, "grad_sync", None)
     mine = sync.compressor_state() if sync is not None else {}
     saved = {k[:k.rindex("/") + 1] for k in meta.state_dict_metadata if k.startswith(_POWERSGD)}
+    keys = {part: _compressor_key(dmodel, *part) for part in mine}  # (the same on every rank: the plan's)
     items = {}
-    for (name, rows), (err, q) in mine.items():  # (the same keys on every rank: the plan's)
-        key = _compressor_key(dmodel, name, rows)
+    for part, (err, q) in mine.items():
         for what, t in (("error", err), ("q", q)):
-            size = getattr(meta.state_dict_metadata.get(key + what), "size", None)
+            size = getattr(meta.state_dict_metadata.get(keys[part] + what), "size", None)
             if size is not None and tuple(size) == tuple(t.shape):
-                items[key + what] = torch.empty_like(t)
+                items[keys[part] + what] = torch.empty_like(t)
     if items:
         _load(items, path, comm)
-    state = {}
-    for (name, rows), (err, _) in mine.items():
-        key = _compressor_key(dmodel, name, rows)
-        if key + "error" in items:
-            state[(name, rows)] = (items[key + "error"] if comm.rank == 0 else torch.zeros_like(err), items.get(key + "q"))
+    state = {part: (items[keys[part] + "error"] if comm.rank == 0 else torch.zeros_like(err), items.get(keys[part] + "q"))
+             for part, (err, _) in mine.items() if keys[part] + "error" in items}
     if state:
         sync.restore_compressor_state(state)
-    dropped = sorted(saved - {_compressor_key(dmodel, name, rows) for name, rows in state})
+    dropped = sorted(saved - {keys[part] for part in state})
     if dropped and comm.rank == 0:
         warnings.warn(f"checkpoint {path}: PowerSGD's error feedback of {len(dropped)} part(s) "
                       f"({dropped[0][len(_POWERSGD):-1]}{', ...' if len(dropped) > 1 else ''}) is dropped: "

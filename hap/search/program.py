@@ -297,9 +297,9 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     sync_at: dict[int, float] = {}  # dense gradient bytes all-reduced, by node of first use
     sparse_at: dict[int, list[tuple]] = {}  # sparse gradients' (bytes, seconds), by node of first use
     looked_up = sparse_looked_up(program, cost, segment_of, alg)
+    exact = getattr(alg, "continuous", True) is False  # integer shares: numbers, not the LP's expressions
     for name, node in synced_params(program, graph, segment_of).items():
         if name in cost.sparse_rows:
-            exact = getattr(alg, "continuous", True) is False  # integer shares: numbers, not the LP's expressions
             sparse_at.setdefault(node, []).append(cost.sparse_sync(name, looked_up[name], exact))
         else:
             sync_at[node] = sync_at.get(node, 0.0) + cost.sync_bytes(name)
