@@ -350,9 +350,20 @@ def _priced_here(path: str, plan, graph, cluster, say):
         say(f"--plan {path} was made for cluster {made_for!r}; priced on {cluster.name!r}: "
             f"{new * 1e3:.2f} ms per iteration (it said {old * 1e3:.2f} ms)")
     elif not math.isclose(old, new, rel_tol=1e-6):
-        say(f"--plan {path} says {old * 1e3:.2f} ms per iteration, priced again {new * 1e3:.2f} ms "
+        said, again = _distinct_ms(old, new)
+        say(f"--plan {path} says {said} ms per iteration, priced again {again} ms "
             "(edited since it was planned?): training with the price of it as it is")
     return here
+
+
+def _distinct_ms(a: float, b: float) -> tuple[str, str]:
+    """Seconds a and b in milliseconds, with two decimals or as many more (up to six) as it
+    takes to tell them apart."""
+    for decimals in range(2, 7):
+        shown = f"{a * 1e3:.{decimals}f}", f"{b * 1e3:.{decimals}f}"
+        if shown[0] != shown[1]:
+            break
+    return shown
 
 
 def cmd_sync(args) -> int:

@@ -256,3 +256,14 @@ def test_calibrating_one_device_is_refused_before_any_timing(tmp_path, capsys):
     assert main(["train", "--model", "vit", "--scale", "small", "--cluster", str(one), "--steps", "1", "--calibrate"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "hap: error: --calibrate: calibration needs two devices at least; cluster 'one' has 1"
+
+
+def test_a_repriced_plan_shows_its_two_prices_apart():
+    """The "edited since it was planned" warning printed 12.34 ms twice where the prices
+    differed below the display's two decimals."""
+    from hap.cli import _distinct_ms
+
+    assert _distinct_ms(0.01234, 0.02) == ("12.34", "20.00")
+    assert _distinct_ms(0.012341, 0.012342) == ("12.341", "12.342")
+    said, again = _distinct_ms(0.0123410001, 0.0123410002)  # beyond six decimals: shown as far as they go
+    assert said == again == "12.341000"
