@@ -250,6 +250,7 @@ def cmd_train(args) -> int:
     graph = _build_graph(args, cluster.gpus, say, device=None if args.scale == "small" else "meta")
     if resume is not None:
         _check_checkpoint(resume[0], graph)
+        args.resume_path = resume[0]  # the ranks load the checkpoint checked here, not hashing it again
         say(f"resuming from {resume[0]} (step {resume[1]}), learning rate "
             + ("the checkpoint's" if args.lr is None else f"{args.lr} (replacing the checkpoint's)"))
     say(cluster.describe())
@@ -485,7 +486,7 @@ def _resume_from(args) -> tuple[str, int] | None:
 def _check_checkpoint(path: str, graph) -> None:
     """The checkpoint's files must be as written (their checksums, .metadata's too) and it must be
     of this model (its every parameter and buffer, by key and shape), said here once rather
-    than by every rank (which hash it again as they load: checkpoint.load always verifies)."""
+    than by every rank (which then load it without hashing it again)."""
     from .runtime.checkpoint import check, model_shapes, verify
 
     try:
@@ -588,7 +589,7 @@ def _resumed(dmodel, opt, args: dict) -> int:
 
     if not args["resume"]:
         return 0
-    step = checkpoint.load(dmodel, opt, args["checkpoint"])[0]
+    step = checkpoint.load(dmodel, opt, args["resume_path"], verified=True)[0]
     if opt is not None and args["lr"] is not None:
         for group in opt.param_groups:
             group["lr"] = args["lr"]

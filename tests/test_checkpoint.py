@@ -166,6 +166,32 @@ def test_checkpoint_loads_under_another_layout(saved, tmp_path, world, layout):
         assert_like_reference(got, 5, "adam")
 
 
+def load_told(rank, world, path, verified):
+    """Load checkpoint `path` under the sharded layout, told it was verified or not."""
+    dmodel = distributed(world, ("sharded", [0.6, 0.4]))
+    opt = optimizer(dmodel.parameters(), "adam")
+    try:
+        return checkpoint.load(dmodel, opt, path, verified=verified)[0]
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_checkpoint_verified_before_the_ranks_start_is_not_hashed_again(saved, tmp_path):
+    """hap train hashes the checkpoint it resumes before starting the ranks, which hashed it all
+    again as they loaded it. A wrong checksum on intact data tells whether a load hashed."""
+    import shutil
+
+    path = tmp_path / "step"
+    shutil.copytree(os.path.join(saved, open(os.path.join(saved, "latest")).read().strip()), path)
+    sums = json.loads((path / checkpoint.CHECKSUMS).read_text())
+    data = sorted(k for k in sums if k.endswith(".distcp"))[0]
+    sums[data] = "0" * 64
+    (path / checkpoint.CHECKSUMS).write_text(json.dumps(sums))
+    assert run_ranks(load_told, 2, tmp_path, str(path), True) == [3, 3]
+    damaged = f"checkpoint {path} is damaged: {data} does not match its checksum"
+    assert run_ranks(load_told, 2, tmp_path, str(path), False) == [damaged] * 2
+
+
 def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
     directory = str(tmp_path / "ckpt")
     with pytest.raises(RankFailed, match="rank 1 died from signal SIGKILL"):

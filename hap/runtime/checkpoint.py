@@ -216,13 +216,14 @@ def _pickled(extra: Any) -> bytes:
         raise ValueError(f"extra does not pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int, Any]:
+def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bool = False) -> tuple[int, Any]:
     """Load the latest checkpoint under `directory` (or the checkpoint `directory` itself) into
     the model's parameters and buffers, the optimizer (if given: its state and hyper-parameters)
     and the CPU random generator; returns (step, extra). A collective: every rank calls it.
     A checkpoint that lacks a tensor the model needs, holds one it lacks, holds one of another
     shape, or whose optimizer holds other parameters, is a ValueError naming it, and nothing is
-    loaded."""
+    loaded. verified=True: the caller has run `verify` on the checkpoint to load already (hap
+    train, before its ranks start), so its files are not hashed again."""
     comm, ex, graph = dmodel.comm, dmodel.executor, dmodel.graph
     box: list = [None]
     if comm.rank == 0:
@@ -236,7 +237,8 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str) -> tuple[int
     path = box[0]
     if path is None:
         raise ValueError(f"no checkpoint in {directory}")
-    verify(path, comm)
+    if not verified:
+        verify(path, comm)
     meta = metadata(path)
     check(path, model_shapes(graph), meta)
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
