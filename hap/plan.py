@@ -32,7 +32,7 @@ from .placement import Placement, parse
 from .rules import Strategy
 from .rules.units import ShardClasses
 from .search.moves import Move
-from .search.program import Load, MoveStep, Step
+from .search.program import Load, MoveStep, Step, split_walk
 
 FORMAT_VERSION = 2
 
@@ -710,29 +710,31 @@ def _check_held(graph: Graph, programs: list[list[Step]], segment_of: list[int] 
 def _walk_held(graph: Graph, program: list[Step], held: dict, segment_of: list[int], sizes) -> None:
     """_check_held's walk of one stage's program, from what it holds at its start: (tensor,
     placement) -> the segment whose ratios split it."""
-    def placed(tensor: str, p: Placement, node) -> tuple[str, Placement]:
+    def placed(tensor: str, p: Placement, node) -> None:
         if p.is_shard and p.dim >= len(graph.tensors[tensor].shape):
             raise ValueError(f"the plan places {tensor} as {p} at {node.name}, a tensor of "
                              f"{len(graph.tensors[tensor].shape)} dims (a hand-edited plan?)")
-        return tensor, p
 
-    for step in program:
-        node, seg = graph.nodes[step.node], segment_of[step.node]
-        held.update((placed(ld.tensor, ld.placement, node), seg) for ld in step.loads)
-        for ms in step.moves:
-            if (ms.tensor, ms.move.src) not in held:
+    for step, seg, moves in split_walk(program, graph, segment_of, held):
+        node = graph.nodes[step.node]
+        for ld in step.loads:
+            placed(ld.tensor, ld.placement, node)
+        for ms, src_seg in moves:
+            if src_seg is None:
                 raise ValueError(f"the plan moves {ms.tensor} from {ms.move.src} before {node.name}, where it does not "
                                  "hold it so (a hand-edited plan?)")
-            held[placed(ms.tensor, ms.move.dst, node)] = seg
+            placed(ms.tensor, ms.move.dst, node)
         for name, p in zip(node.inputs, step.strategy.inputs):
-            key = placed(name, p, node)
-            if key not in held:
+            placed(name, p, node)
+            if (name, p) not in held:
                 raise ValueError(f"the plan runs {node.name} on {name} as {p}, which it does not hold so there "
                                  "(a hand-edited plan?)")
-            if p.is_shard and sizes is not None and held[key] != seg and sizes(name, p.dim, held[key]) != sizes(name, p.dim, seg):
+            split = held[(name, p)]
+            if p.is_shard and sizes is not None and split != seg and sizes(name, p.dim, split) != sizes(name, p.dim, seg):
                 raise ValueError(f"the plan runs {node.name} (segment {seg}) on {name} as {p}, split at segment "
-                                 f"{held[key]}'s ratios: it is re-split where a segment starts (a hand-edited plan?)")
-        held.update((placed(name, p, node), seg) for name, p in zip(node.outputs, step.strategy.outputs))
+                                 f"{split}'s ratios: it is re-split where a segment starts (a hand-edited plan?)")
+        for name, p in zip(node.outputs, step.strategy.outputs):
+            placed(name, p, node)
 
 
 def instructions(steps: list[Step], graph: Graph) -> list[Instruction]:

@@ -30,7 +30,7 @@ from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, su
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
-from ..search.program import Step, kept_placements
+from ..search.program import Step, kept_placements, split_walk
 from .collectives import Comm, all_reduce, from_rank_0, gather_or_refuse, gather_padded, resplit, run_move
 from . import wire
 
@@ -250,21 +250,13 @@ class Executor:
             contexts = [LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
                                      split=lambda t, d, r=r: self.classes.split_sizes(t, d, r)) for r in self.ratios]
             self._steps = []
-            held_seg: dict[tuple[str, Placement], int] = {}
-            for step in self.program:
-                seg = self.segment_of[step.node]
-                moves = []
-                for ms in step.moves:
-                    src_seg = held_seg[(ms.tensor, ms.move.src)]
-                    moves.append((ms, self.sizes(ms.tensor, ms.move.src, src_seg), self.sizes(ms.tensor, ms.move.dst, seg)))
-                    held_seg[(ms.tensor, ms.move.dst)] = seg
-                for ld in step.loads:
-                    held_seg[(ld.tensor, ld.placement)] = seg
+            self._held_seg = {}
+            for step, seg, walked in split_walk(self.program, self.graph, self.segment_of, self._held_seg):
+                assert all(src_seg is not None for _, src_seg in walked), "a move from a placement not held (unchecked plan)"
+                moves = [(ms, self.sizes(ms.tensor, ms.move.src, src_seg), self.sizes(ms.tensor, ms.move.dst, seg))
+                         for ms, src_seg in walked]
                 node = self.graph.nodes[step.node]
-                for name, p in zip(node.outputs, step.strategy.outputs):
-                    held_seg[(name, p)] = seg
                 self._steps.append((node, step.strategy, seg, moves, contexts[seg]))
-                self._held_seg = held_seg
                 call = self._direct_call(node, step.strategy, seg)
                 if call is not None:
                     self._direct[node.index] = call

@@ -22,7 +22,7 @@ and buckets as the walk does, step by step (tests/test_pricing.py checks all thr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..cost.model import CostModel
 from ..ir import Graph
@@ -418,6 +418,26 @@ def sync_buckets(program: Sequence[Step], graph: Graph, segment_of: Sequence[int
     for name, node in sorted(synced_params(program, graph, segment_of).items(), key=lambda kv: (-kv[1], kv[0])):
         by_chunk.setdefault(bucket_of[node], []).append(name)
     return [by_chunk[c] for c in sorted(by_chunk, reverse=True)]
+
+
+def split_walk(program: Sequence[Step], graph: Graph, segment_of: Sequence[int], held: dict
+               ) -> Iterator[tuple[Step, int, list[tuple[MoveStep, int | None]]]]:
+    """Walk a program tracking, per (tensor, placement) it holds, the segment whose ratios split
+    that value: the segment of the step that loaded, moved or produced it (`held`: what it holds
+    at its start, updated in place). Yields per step the step, its segment, and its moves each
+    with the segment its source was split at (None: the program does not hold the source there,
+    a hand-edited plan). A step's outputs join `held` once the caller's turn is over, so the
+    caller sees what the step takes its inputs from. The plan's check and the executor walk
+    programs alike through it."""
+    for step in program:
+        seg = segment_of[step.node]
+        held.update(((ld.tensor, ld.placement), seg) for ld in step.loads)
+        moves = []
+        for ms in step.moves:
+            moves.append((ms, held.get((ms.tensor, ms.move.src))))
+            held[(ms.tensor, ms.move.dst)] = seg
+        yield step, seg, moves
+        held.update(((name, p), seg) for name, p in zip(graph.nodes[step.node].outputs, step.strategy.outputs))
 
 
 def kept_as(loaded: Placement) -> Placement:
