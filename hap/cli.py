@@ -567,7 +567,6 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
         with run.step(step):
             if mit is not None:
                 mit.begin_step(step)
-                shares = mit.shares()  # this step's, the same on every rank
             loss = dmodel(*mine, part=True)  # the loss must fall
             loss.backward()
             norm = dmodel.clip_grad_norm_(args["clip"]) if args["clip"] else None
@@ -577,7 +576,7 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
         seconds = time.perf_counter() - t0
         if record is not None and record["resharded"]:  # new shares: this rank's part of the batch moved
             mine = dmodel.local_batch(*batch)
-        note = straggling.step(record, shares) if straggling is not None else ""
+        note = straggling.step(record) if straggling is not None else ""
         run.done(step, seconds, loss, norm, note)
     run.finish(times_path, straggling.summary() if straggling is not None else None)
 
@@ -713,20 +712,18 @@ class _TrainLoop:
 
 
 class _Straggling:
-    """What the straggler mitigator did, step by step, as rank 0 sees it. Its own record says
-    what rank 0 pruned and handed over; the mitigator's decisions (each rank's kept and handed-
-    over share) are the same on every rank, so rank 0 also knows the others' without asking."""
+    """What the straggler mitigator did, step by step, as rank 0 sees it: its record of a step
+    holds every rank's pruned share (summed with the loss) and handed-over share (decisions
+    are the same on every rank)."""
 
     def __init__(self, policy: str):
         self.policy = policy
         self.steps = self.pruning = self.migrating = self.reshards = 0
         self.most = (0.0, 0)  # the largest share of a rank's columns pruned, and that rank
 
-    def step(self, record: dict, shares: list[tuple[float, float]]) -> str:
-        """Count the step; the note for its progress line ("" when nothing was pruned or moved).
-        shares: per rank (pruned, handed over), Mitigator.shares() at the step's start."""
-        pruned, moved = [p for p, _ in shares], [m for _, m in shares]
-        pruned[record["rank"]], moved[record["rank"]] = record["pruned"], record["migrated"]  # rank 0's own word
+    def step(self, record: dict) -> str:
+        """Count the step; the note for its progress line ("" when nothing was pruned or moved)."""
+        pruned, moved = record["pruned_by_rank"], record["migrated_by_rank"]
         self.steps += 1
         self.pruning += any(p > 0 for p in pruned)
         self.migrating += any(m > 0 for m in moved)

@@ -413,3 +413,96 @@ def test_a_computed_linear_weight_is_left_to_the_plan(tmp_path):
                                   "pass the optimizer, Mitigator(dmodel, config, opt)")
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-5, atol=1e-6), k
+
+
+def pridiff_reporting(rank, world):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.planner import baseline_plan
+    from hap.straggler import Mitigator, StragglerConfig
+
+    model, batches = _setup()
+    cluster = local_cluster((1.0,) * world, "local")
+    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=(0.6, 0.4))
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    mit = Mitigator(dmodel, StragglerConfig(policy="zero-pridiff-e", epoch=1), opt)
+    steps = []
+    for it, (images, labels) in enumerate(batches):
+        mit.keep = [1.0, 0.5]  # rank 1 prunes half, as a decision would set it; PriDiff then sets each layer's ratio
+        mit.begin_step(it)
+        kept = [(s.columns[rank], mit.work[s.node].keep) for s in mit.sites]
+        real = sum(n - len(k) for n, k in kept if k is not None) / sum(n for n, _ in kept)
+        dmodel(images, labels, part=False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        record = mit.end_step()
+        steps.append({"real": real, "pruned": record["pruned"], "by_rank": record["pruned_by_rank"]})
+    return steps
+
+
+def test_pridiff_reports_what_it_prunes_layer_by_layer(tmp_path):
+    """The records (the log, hap train's progress line and summary) said PriDiff pruned the
+    uniform gamma, 50%, where its per-layer ratios pruned 40% or 93% of the columns."""
+    reports = run_ranks(pridiff_reporting, 2, tmp_path)
+    for rank, steps in enumerate(reports):
+        for step, other in zip(steps, reports[1 - rank]):
+            assert step["pruned"] == pytest.approx(step["real"], abs=1e-12)
+            assert step["by_rank"] == other["by_rank"] and step["by_rank"][0] == 0.0
+    ranks1 = reports[1]
+    assert ranks1[0]["pruned"] == pytest.approx(0.5, abs=0.05)  # no statistics yet: the uniform ratio
+    assert any(abs(s["pruned"] - 0.5) > 0.05 for s in ranks1[1:])  # the layers' own ratios
+    assert [s["by_rank"][1] for s in ranks1] == pytest.approx([s["pruned"] for s in ranks1])
+
+
+def test_a_rank_without_columns_is_probed_for_its_speed():
+    # rank 1 holds no columns; its probe ran at 8e9 FLOP/s, rank 0's layers at 1e9 (8x slow):
+    # shares fitting the speeds would take 11 ms (2 ms of other work, 1e8 FLOPs at 9e9 FLOP/s),
+    # not rank 0's 102 ms. With no speed for rank 1 (0) rebalancing was off for good.
+    busy_all = Stats(busy=0.102, matmul=0.100, flops=1e8, own=1.0, full_flops=1e8)
+    idle = Stats(busy=0.001, matmul=0.0, flops=0.0, own=1.0, full_flops=0.0, probed=8e9)
+    assert matmul_speeds([busy_all, idle]) == [pytest.approx(1e9), 8e9]
+    assert rebalanced_time([busy_all, idle]) == pytest.approx(0.002 + 1e8 / 9e9)
+
+
+def idle_rank_rebalancing(rank, world, steps):
+    import hap
+    from hap.capture import capture
+    from hap.planner import baseline_plan
+    from hap.straggler import Mitigator, StragglerConfig, parse_schedule
+
+    model, batches = _setup()
+    cluster = hap.load_cluster("local-homo")
+    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=(1.0, 0.0))
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
+    mit = Mitigator(dmodel, StragglerConfig(policy="rebalance", schedule=parse_schedule("persistent:chi=8,rank=0", world)),
+                    opt)
+    for it in range(steps):
+        images, labels = batches[it % len(batches)]
+        mit.begin_step(it)
+        dmodel(images, labels, part=False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mit.end_step()
+    return {"ratios": dmodel.plan.ratios[0], "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}}
+
+
+def test_rebalance_gives_columns_back_to_a_rank_that_holds_none(tmp_path):
+    """A rank resharded to a share of 0 showed no speed, so rebalancing stopped for good: a
+    straggler moving onto the one rank still holding columns did all the work while the other
+    sat idle. Here rank 0 holds every column and runs 8x slow; rank 1, holding none, is
+    probed and given columns, and training stays exact."""
+    steps = 12
+    reports = run_ranks(idle_rank_rebalancing, 2, tmp_path, steps)
+    assert reports[0]["ratios"][1] > 0.3, reports[0]["ratios"]
+    model, batches = _setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for it in range(steps):
+        model(*batches[it % len(batches)]).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in reports:
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k

@@ -36,6 +36,7 @@ from typing import Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..config import check_fields, number, one_of, whole
 from ..placement import P, R
@@ -132,6 +133,7 @@ class Mitigator:
         self.reshard_seconds: float | None = None  # what the last reshard took (the slowest rank)
         self.beta: float | None = None  # SEMI's last Eq. 2 split (share of the excess migrated)
         self._last_refresh = 0
+        self._pruned_now = 0.0  # share of its columns this rank prunes this step, all layers together
         self._install()
 
     # -- the layers ---------------------------------------------------------------------------
@@ -182,23 +184,27 @@ class Mitigator:
         self.meter.reset()
         self._plan_work()
         if self.dmodel.global_loss:
-            self.dmodel.piggyback = torch.tensor([self.flag], dtype=torch.float64)
+            self.dmodel.piggyback = self._shared_now()
         self._t0 = time.perf_counter()
         self._waited0 = self.comm.clock.seconds
 
     def end_step(self) -> dict:
         wall = time.perf_counter() - self._t0
         busy = wall - (self.comm.clock.seconds - self._waited0)
-        if self.dmodel.global_loss:
-            wanted = self.dmodel.piggybacked is not None and float(self.dmodel.piggybacked[0]) > 0
-        else:
-            wanted = float(all_reduce(torch.tensor([self.flag], dtype=torch.float64, device=self.device), self.comm)[0]) > 0
+        summed = self.dmodel.piggybacked if self.dmodel.global_loss else \
+            all_reduce(self._shared_now().to(self.device), self.comm)
+        assert summed is not None, "the loss's all-reduce carried no straggler flag"
+        wanted = float(summed[0]) > 0
         own = self._own_share()
-        mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=self._site_flops(self.rank))
+        full = self._site_flops(self.rank)
+        refresh = wanted and self.iteration >= self.config.warmup
+        mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=full,
+                     probed=self._probe() if refresh and full == 0 else 0.0)
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
-                  "busy": busy, "matmul": mine.matmul, "pruned": 1.0 - self.keep[self.rank] if self._prunes() else 0.0,
-                  "migrated": self.moved[self.rank], "refreshed": False, "resharded": 0, "beta": self.beta}
-        if wanted and self.iteration >= self.config.warmup:
+                  "busy": busy, "matmul": mine.matmul, "pruned": self._pruned_now,
+                  "pruned_by_rank": [float(x) for x in summed[1:]], "migrated": self.moved[self.rank],
+                  "migrated_by_rank": list(self.moved), "refreshed": False, "resharded": 0, "beta": self.beta}
+        if refresh:
             stats = self._all_stats(mine)
             self.reference = busy
             record["refreshed"] = True
@@ -219,9 +225,17 @@ class Mitigator:
         return record
 
     def shares(self) -> list[tuple[float, float]]:
-        """Per rank, the share of its columns it prunes and the share it hands over this step
-        (the same list on every rank: decisions are shared)."""
+        """Per rank, the share of its columns it is to prune (the uniform ratio decided; PriDiff
+        then sets each layer's own, which end_step's record reports as pruned) and the share it
+        hands over this step (the same list on every rank: decisions are shared)."""
         return [(1.0 - k if self._prunes() else 0.0, m) for k, m in zip(self.keep, self.moved)]
+
+    def _shared_now(self) -> torch.Tensor:
+        """What the step's one sum tells every rank: [refresh flag, then per rank the share of
+        its columns it pruned this step (each rank fills in its own)]."""
+        out = torch.zeros(1 + self.world, dtype=torch.float64)
+        out[0], out[1 + self.rank] = self.flag, self._pruned_now
+        return out
 
     def _prunes(self) -> bool:
         return self.config.policy.startswith("zero") or self.config.policy == "semi"
@@ -229,9 +243,24 @@ class Mitigator:
     def _own_share(self) -> float:
         return max(1e-9, self.keep[self.rank] - self.moved[self.rank]) if self._prunes() else 1.0 - self.moved[self.rank]
 
+    def _probe(self) -> float:
+        """FLOPs per second of this rank's multiplications, for a rank that holds no columns (it
+        waits for the others anyway): the largest layer's forward at an even share of its
+        columns, timed once warm as Meter times the layers, its slowdown (emulated or real)
+        included."""
+        site = max(self.sites, key=lambda s: max(s.out_sizes) * max(s.columns))
+        n, k = max(site.out_sizes), max(1, max(site.columns) // self.world)
+        x = torch.randn(max(1, site.tokens), k, device=self.device)
+        w = torch.randn(n, k, device=self.device)
+        F.linear(x, w)  # warm
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        seconds = (time.perf_counter() - t0) * self.meter.slowdown
+        return 2.0 * x.shape[0] * w.numel() / max(seconds, 1e-9)
+
     def _all_stats(self, mine: Stats) -> list[Stats]:
-        local = torch.tensor([mine.busy, mine.matmul, mine.flops, mine.own, mine.full_flops], dtype=torch.float64,
-                             device=self.device)
+        local = torch.tensor([mine.busy, mine.matmul, mine.flops, mine.own, mine.full_flops, mine.probed],
+                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(local) for _ in range(self.world)]
         self.comm.before()
         wire.all_gather(every, local, group=self.comm.group)
@@ -432,6 +461,7 @@ class Mitigator:
         receivers = {k: receivers_of(k, self.world, refused) for k in handing}
         pruning = self._prunes() and self.keep[me] < 1
         theta = cfg.epoch * cfg.theta_iter
+        pruned = 0  # columns of its own it leaves out this step, over all layers
         for s in self.sites:
             hs = tuple(h for k in handing if (h := handover(k, s.columns[k], self.moved[k], receivers[k])) is not None)
             mine = next((h for h in hs if h.straggler == me), None)
@@ -448,10 +478,12 @@ class Mitigator:
                     # prune gamma of all columns, from the ones it still computes itself
                     share = min(1.0, gamma * s.columns[me] / max(own_end, 1))
                     keep = self.selector.kept(s.layer, w, share, limit=own_end)
+                    pruned += own_end - keep.numel()
                 else:
                     keep = torch.arange(own_end, device=w.device)
                 lineage = Lineage.of(s.layer, s.weight, keep, s.columns[me])
             self.work[s.node] = Work(keep=keep, lineage=lineage, handovers=hs, method=cfg.method)
+        self._pruned_now = pruned / max(1, sum(s.columns[me] for s in self.sites))
 
 
 def _through(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:

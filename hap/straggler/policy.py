@@ -25,6 +25,10 @@ class Stats:
     """Share of its contraction columns it computed itself (1 - pruned - handed over)."""
     full_flops: float = 0.0
     """FLOPs of its whole share of the layers (what it would multiply unmitigated)."""
+    probed: float = 0.0
+    """A rank holding no columns: FLOPs per second of a probe multiplication it timed (its
+    slowdown included), so that its speed is known and a reshard can give it columns again;
+    0 where it holds some."""
 
 
 def keep_after_resizing(keep: float, busy: float, target: float, matmul: float, cap: float = 0.95,
@@ -147,11 +151,12 @@ def migration_bound(stats: Sequence[Stats], phi1: Callable[[float], float]) -> i
 
 
 def matmul_speeds(stats: Sequence[Stats]) -> list[float]:
-    """Each rank's speed as measured: FLOPs per second in its layers' multiplications. Unlike
-    share per busy second, it does not count the fixed per-node costs that do not shrink with
-    a share, so a rank that was just given a small share does not look fast and pull its
-    share back (rebalancing would oscillate)."""
-    return [s.flops / s.matmul if s.matmul > 0 else 0.0 for s in stats]
+    """Each rank's speed as measured: FLOPs per second in its layers' multiplications (a rank
+    holding no columns: in its probe, Stats.probed). Unlike share per busy second, it does not
+    count the fixed per-node costs that do not shrink with a share, so a rank that was just
+    given a small share does not look fast and pull its share back (rebalancing would
+    oscillate)."""
+    return [s.flops / s.matmul if s.matmul > 0 else s.probed for s in stats]
 
 
 def rebalanced_time(stats: Sequence[Stats]) -> float:
