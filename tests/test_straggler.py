@@ -12,6 +12,7 @@ from hap.straggler.migrate import Handover, handover, receivers_of
 from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds,
                                   migration_bound, rebalanced_time, semi_beta, stragglers_and_receivers, time_lost,
                                   unmitigated)
+from hap.straggler import StragglerConfig
 from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
 from hap.straggler.schedule import Schedule, parse_schedule
 
@@ -204,6 +205,15 @@ def test_schedules():
     assert Schedule().slowdown(0, 3, 2) == 1
 
 
+def test_straggler_config_fields_are_checked():
+    # a schedule given as text failed at the first step (AttributeError), a text seed at the
+    # Mitigator's start (TypeError)
+    with pytest.raises(ValueError, match="StragglerConfig.schedule must be a Schedule"):
+        StragglerConfig(schedule="persistent:chi=8,rank=1")
+    with pytest.raises(ValueError, match="StragglerConfig.seed must be a whole number of at least 0"):
+        StragglerConfig(seed="x")
+
+
 @pytest.mark.parametrize("text, says", [("sometimes:chi=8", "unknown straggler schedule"),
                                         ("round-robin:chi=0.5", "a finite number at least 1"),
                                         ("round-robin:chi=nan", "a finite number at least 1"),  # ran unslowed
@@ -377,11 +387,20 @@ def tied_migrating(rank, world):
     dmodel = hap.HAP(model, cluster, example, plan=baseline_plan(capture(model, example), cluster, "megatron",
                                                                  ratios=[0.6, 0.4]))
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
-    try:
-        Mitigator(dmodel, StragglerConfig(policy="rebalance"))
-        refused = None
-    except ValueError as e:
-        refused = str(e)
+    from hap.straggler import parse_schedule
+
+    refused = []
+    for config, optimizers in [(StragglerConfig(policy="rebalance"), ()),
+                               (StragglerConfig(policy="migrate"), None),  # (it was a TypeError)
+                               (StragglerConfig(policy="migrate"), [opt, "adam"]),
+                               # parsed for 4 ranks: on 2 it slowed no one / dropped chis
+                               (StragglerConfig(schedule=parse_schedule("persistent:chi=8,rank=3", 4)), opt),
+                               (StragglerConfig(schedule=parse_schedule("multi:chi=8/4/2", 4)), opt)]:
+        try:
+            Mitigator(dmodel, config, optimizers)
+            refused.append(None)
+        except ValueError as e:
+            refused.append(str(e))
     mit = Mitigator(dmodel, StragglerConfig(policy="migrate"), opt)
     for it, x in enumerate(batches):
         mit.begin_step(it)
@@ -409,8 +428,13 @@ def test_a_computed_linear_weight_is_left_to_the_plan(tmp_path):
         opt.zero_grad()
     for got in reports:
         assert got["sites"] == ["p_enc_weight"]
-        assert got["refused"] == ("straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
-                                  "pass the optimizer, Mitigator(dmodel, config, opt)")
+        assert got["refused"] == [
+            "straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
+            "pass the optimizer, Mitigator(dmodel, config, opt)",
+            None,
+            "Mitigator's optimizers must be a torch.optim.Optimizer or a sequence of them, got ['SGD', 'str']",
+            "straggler schedule 'rank 3 persistently 8x slower from iteration 0': 0 <= rank < 2 is needed",
+            "straggler schedule 'stragglers with chi 8/4/2 on ranks 0..2': 3 stragglers on 2 ranks"]
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-5, atol=1e-6), k
 

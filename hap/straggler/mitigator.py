@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import check_fields, number, one_of, whole
+from ..config import check_fields, instance, number, one_of, whole
 from ..placement import P, R
 from ..runtime.collectives import all_reduce, broadcast, global_rank
 from ..runtime import wire
@@ -92,12 +92,13 @@ class StragglerConfig:
     warmup: int = 2
     """Steps measured before the first decision (the first ones pay one-time costs)."""
     seed: int = 0
+    """Seeds the column selectors (ZERO-Rd's random columns), per rank."""
 
     def __post_init__(self):
         check_fields(self, policy=one_of(*POLICIES), method=one_of(*get_args(Method)), threshold=number(0, above=True),
                      tolerance=number(0), epoch=whole(1), theta_iter=number(0), alpha=number(0, 1),
                      gamma_e=number(0, 1, below=True), cap=number(0, 1, above=True, below=True), min_handover=number(0, 1),
-                     warmup=whole(0))
+                     warmup=whole(0), schedule=instance(Schedule), seed=whole(0, most=2**32 - 1))
         if self.handover is not None and (self.policy != "migrate" or any(not 0 <= x <= 1 for x in self.handover)):
             raise ValueError("StragglerConfig.handover is for policy 'migrate', one share in [0, 1] per rank, "
                              f"got {self.handover!r} with policy {self.policy!r}")
@@ -110,13 +111,19 @@ class Mitigator:
         if isinstance(dmodel, Pipeline):  # (hap train says so for --straggler on a pipeline plan)
             raise ValueError("the straggler Mitigator prunes or migrates the columns of hap.HAP's tensor-parallel layers; "
                              "a pipeline's stages are data parallel: rebalance it with hap.pipeline.rebalance.Rebalancer")
+        if not isinstance(config, StragglerConfig):
+            raise ValueError(f"Mitigator takes a StragglerConfig, got {type(config).__name__}")
         self.dmodel, self.config = dmodel, config
-        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers or ())
+        if not all(isinstance(opt, torch.optim.Optimizer) for opt in self.optimizers):
+            raise ValueError("Mitigator's optimizers must be a torch.optim.Optimizer or a sequence of them, got "
+                             f"{[type(opt).__name__ for opt in self.optimizers]}")
         if config.policy == "rebalance" and not self.optimizers:
             raise ValueError("straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
                              "pass the optimizer, Mitigator(dmodel, config, opt)")
         self.comm = dmodel.comm
         self.rank, self.world = self.comm.rank, self.comm.world
+        config.schedule.check(self.world)  # (parsed for another number of ranks, it slowed no one or dropped chis)
         self.meter = Meter(self.comm)
         self.device = next(iter(dmodel.executor.params.values())).device  # where collectives' tensors live (NCCL: the GPU)
         self.selector = (RandomSelector(config.seed * 1009 + self.rank) if config.policy == "zero-rd"

@@ -45,6 +45,15 @@ class Schedule:
             return self.chi[0] if rank == slow else 1.0
         return self.chi[rank] if rank < len(self.chi) else 1.0  # multi
 
+    def check(self, world: int, label: str = "") -> None:
+        """A ValueError where the schedule does not fit `world` ranks (label: how the message
+        names it; default its description)."""
+        label = label or repr(self.describe())
+        if self.kind == "multi" and len(self.chi) > world:
+            raise ValueError(f"straggler schedule {label}: {len(self.chi)} stragglers on {world} ranks")
+        if self.kind in ("persistent", "round-robin") and not 0 <= self.rank < world:
+            raise ValueError(f"straggler schedule {label}: 0 <= rank < {world} is needed")
+
     def describe(self) -> str:
         chi = "/".join(f"{c:g}" for c in self.chi)
         if self.kind == "none":
@@ -89,8 +98,8 @@ def parse_schedule(text: str, world: int) -> Schedule:
         raise ValueError(f"straggler schedule {text!r}: chi must be a finite number at least 1 (it is a slowdown)")
     if kind != "multi" and len(chi) != 1:
         raise ValueError(f"straggler schedule {text!r}: {kind} takes one chi; several are for multi")
-    if kind == "multi" and len(chi) > world:
-        raise ValueError(f"straggler schedule {text!r}: {len(chi)} stragglers on {world} ranks")
-    if every < 1 or start < 0 or not 0 <= rank < world:
-        raise ValueError(f"straggler schedule {text!r}: every >= 1, start >= 0 and 0 <= rank < {world} are needed")
-    return Schedule(kind=kind, chi=chi, every=every, rank=rank, start=start)  # type: ignore[arg-type]
+    if every < 1 or start < 0:
+        raise ValueError(f"straggler schedule {text!r}: every >= 1 and start >= 0 are needed")
+    schedule = Schedule(kind=kind, chi=chi, every=every, rank=rank, start=start)  # type: ignore[arg-type]
+    schedule.check(world, repr(text))
+    return schedule
