@@ -152,6 +152,28 @@ def test_a_tensor_split_at_another_segments_ratios_is_refused(graph):
         edited.check_fits(graph)
 
 
+def test_a_steps_moves_come_before_its_loads_in_the_split_walk():
+    """The executor runs a step's moves, then its loads. The walk the plan check and the
+    executor share recorded loads first: a step of segment 1 that loads x as S(0) and re-splits
+    the x held from segment 0 was said to move a value split at segment 1's ratios."""
+    from hap.placement import Placement
+    from hap.search.moves import rebalance
+    from hap.search.program import Load, MoveStep, Step, split_walk
+
+    s0 = Placement("S", 0)
+    graph = SimpleNamespace(nodes=[SimpleNamespace(outputs=("a",)), SimpleNamespace(outputs=("b",))])
+    strategy = SimpleNamespace(outputs=(s0,))
+    program = [Step(0, strategy, (Load("x", s0),), ()),
+               Step(1, strategy, (Load("x", s0),), (MoveStep("x", rebalance(s0)),))]
+    held = {}
+    walked = [(seg, [src for _, src in moves]) for _, seg, moves in split_walk(program, graph, [0, 1], held)]
+    assert walked == [(0, []), (1, [0])]
+    assert held == {("x", s0): 1, ("a", s0): 0, ("b", s0): 1}
+    # a move of what the same step loads: nothing held to move yet
+    alone = [Step(1, strategy, (Load("x", s0),), (MoveStep("x", rebalance(s0)),))]
+    assert [[src for _, src in moves] for _, _, moves in split_walk(alone, graph, [0, 1], {})] == [[None]]
+
+
 def test_more_segments_where_memory_is_tight_are_never_worse_than_one():
     # the README's cluster file: BERT fits only by a baseline's program rebalanced, which the
     # one-segment candidate of --segments 2 left out (planned without baselines): out of memory

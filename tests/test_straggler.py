@@ -393,6 +393,7 @@ def tied_migrating(rank, world):
     for config, optimizers in [(StragglerConfig(policy="rebalance"), ()),
                                (StragglerConfig(policy="migrate"), None),  # (it was a TypeError)
                                (StragglerConfig(policy="migrate"), [opt, "adam"]),
+                               (StragglerConfig(policy="migrate"), "adam"),
                                # parsed for 4 ranks: on 2 it slowed no one / dropped chis
                                (StragglerConfig(schedule=parse_schedule("persistent:chi=8,rank=3", 4)), opt),
                                (StragglerConfig(schedule=parse_schedule("multi:chi=8/4/2", 4)), opt)]:
@@ -432,7 +433,8 @@ def test_a_computed_linear_weight_is_left_to_the_plan(tmp_path):
             "straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
             "pass the optimizer, Mitigator(dmodel, config, opt)",
             None,
-            "Mitigator's optimizers must be a torch.optim.Optimizer or a sequence of them, got ['SGD', 'str']",
+            "Mitigator's optimizers must be a torch.optim.Optimizer or a list of them, got ['SGD', 'str']",
+            "Mitigator's optimizers must be a torch.optim.Optimizer or a list of them, got str",
             "straggler schedule 'rank 3 persistently 8x slower from iteration 0': 0 <= rank < 2 is needed",
             "straggler schedule 'stragglers with chi 8/4/2 on ranks 0..2': 3 stragglers on 2 ranks"]
         for k, v in model.state_dict().items():
@@ -482,12 +484,16 @@ def test_pridiff_reports_what_it_prunes_layer_by_layer(tmp_path):
 
 def test_a_rank_without_columns_is_probed_for_its_speed():
     # rank 1 holds no columns; its probe ran at 8e9 FLOP/s, rank 0's layers at 1e9 (8x slow):
-    # shares fitting the speeds would take 11 ms (2 ms of other work, 1e8 FLOPs at 9e9 FLOP/s),
-    # not rank 0's 102 ms. With no speed for rank 1 (0) rebalancing was off for good.
+    # shares fitting the speeds would take 13.1 ms (2 ms of other work, 1e8 FLOPs at 9e9
+    # FLOP/s), not rank 0's 102 ms. With no speed for rank 1 (0) rebalancing was off for good.
     busy_all = Stats(busy=0.102, matmul=0.100, flops=1e8, own=1.0, full_flops=1e8)
     idle = Stats(busy=0.001, matmul=0.0, flops=0.0, own=1.0, full_flops=0.0, probed=8e9)
-    assert matmul_speeds([busy_all, idle]) == [pytest.approx(1e9), 8e9]
+    assert matmul_speeds([busy_all, idle], probed=True) == [pytest.approx(1e9), 8e9]
     assert rebalanced_time([busy_all, idle]) == pytest.approx(0.002 + 1e8 / 9e9)
+    # pruning does not see the probe: the one rank doing the work keeps all its columns (with
+    # the probe as the norm, ZERO pruned 94% of them because the other rank sat idle)
+    assert matmul_speeds([busy_all, idle]) == [pytest.approx(1e9), 0.0]
+    assert matmul_floor([busy_all, idle], 0) == 1.0
 
 
 def idle_rank_rebalancing(rank, world, steps):
@@ -510,7 +516,8 @@ def idle_rank_rebalancing(rank, world, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
         mit.end_step()
-    return {"ratios": dmodel.plan.ratios[0], "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}}
+    return {"ratios": dmodel.plan.ratios[0], "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()},
+            "drawn": torch.rand(2).tolist()}
 
 
 def test_rebalance_gives_columns_back_to_a_rank_that_holds_none(tmp_path):
@@ -521,6 +528,7 @@ def test_rebalance_gives_columns_back_to_a_rank_that_holds_none(tmp_path):
     steps = 12
     reports = run_ranks(idle_rank_rebalancing, 2, tmp_path, steps)
     assert reports[0]["ratios"][1] > 0.3, reports[0]["ratios"]
+    assert reports[0]["drawn"] == reports[1]["drawn"]  # the probe drew from the global generator on rank 1 alone
     model, batches = _setup()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for it in range(steps):

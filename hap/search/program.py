@@ -431,11 +431,11 @@ def split_walk(program: Sequence[Step], graph: Graph, segment_of: Sequence[int],
     programs alike through it."""
     for step in program:
         seg = segment_of[step.node]
-        held.update(((ld.tensor, ld.placement), seg) for ld in step.loads)
         moves = []
-        for ms in step.moves:
+        for ms in step.moves:  # (the executor runs a step's moves, then its loads)
             moves.append((ms, held.get((ms.tensor, ms.move.src))))
             held[(ms.tensor, ms.move.dst)] = seg
+        held.update(((ld.tensor, ld.placement), seg) for ld in step.loads)
         yield step, seg, moves
         held.update(((name, p), seg) for name, p in zip(graph.nodes[step.node].outputs, step.strategy.outputs))
 

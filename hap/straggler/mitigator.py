@@ -9,9 +9,11 @@
 Detection (seed 002, section III-A): every rank measures its busy time T_i (the step less its
 time inside collectives) and matmul time M_i. When its T_i differs by more than `threshold`
 from the value at the last refresh, it raises a flag that rides on the next forward's loss
-all-reduce (no collective of its own; with global_loss=False, a one-number all-reduce per
-step); at the end of that step every rank all-gathers (T, M, FLOPs, share computed) once and
-all take the same decision from the same numbers. (While rebalance bridges a slowdown by
+all-reduce with every rank's share of columns pruned (no collective of its own; with
+global_loss=False, an all-reduce of 1 + ranks numbers per step); at the end of that step
+every rank all-gathers (T, M, FLOPs, share computed, FLOPs of its whole share, and under
+rebalance a probed speed where it holds no columns) once and all take the same decision from
+the same numbers. (While rebalance bridges a slowdown by
 migration it refreshes every step.) Only the planned batch shape is mitigated: a step of
 another shape runs its layers as planned.
 
@@ -114,10 +116,13 @@ class Mitigator:
         if not isinstance(config, StragglerConfig):
             raise ValueError(f"Mitigator takes a StragglerConfig, got {type(config).__name__}")
         self.dmodel, self.config = dmodel, config
-        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers or ())
-        if not all(isinstance(opt, torch.optim.Optimizer) for opt in self.optimizers):
-            raise ValueError("Mitigator's optimizers must be a torch.optim.Optimizer or a sequence of them, got "
-                             f"{[type(opt).__name__ for opt in self.optimizers]}")
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        if not isinstance(optimizers, (list, tuple, type(None))) or \
+                not all(isinstance(opt, torch.optim.Optimizer) for opt in optimizers or ()):
+            got = [type(o).__name__ for o in optimizers] if isinstance(optimizers, (list, tuple)) else type(optimizers).__name__
+            raise ValueError(f"Mitigator's optimizers must be a torch.optim.Optimizer or a list of them, got {got}")
+        self.optimizers = list(optimizers or ())
         if config.policy == "rebalance" and not self.optimizers:
             raise ValueError("straggler policy 'rebalance' reshards the optimizer's state with the parameters: "
                              "pass the optimizer, Mitigator(dmodel, config, opt)")
@@ -191,7 +196,7 @@ class Mitigator:
         self.meter.reset()
         self._plan_work()
         if self.dmodel.global_loss:
-            self.dmodel.piggyback = self._shared_now()
+            self.dmodel.piggyback, self.dmodel.piggybacked = self._shared_now(), None
         self._t0 = time.perf_counter()
         self._waited0 = self.comm.clock.seconds
 
@@ -200,13 +205,16 @@ class Mitigator:
         busy = wall - (self.comm.clock.seconds - self._waited0)
         summed = self.dmodel.piggybacked if self.dmodel.global_loss else \
             all_reduce(self._shared_now().to(self.device), self.comm)
-        assert summed is not None, "the loss's all-reduce carried no straggler flag"
+        if summed is None:
+            raise ValueError("Mitigator.end_step: no forward since begin_step (the loss's all-reduce carries the "
+                             "ranks' flags); run the step's forward and backward between them")
         wanted = float(summed[0]) > 0
         own = self._own_share()
         full = self._site_flops(self.rank)
         refresh = wanted and self.iteration >= self.config.warmup
+        probe = refresh and full == 0 and self.config.policy == "rebalance"
         mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=full,
-                     probed=self._probe() if refresh and full == 0 else 0.0)
+                     probed=self._probe() if probe else 0.0)
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
                   "busy": busy, "matmul": mine.matmul, "pruned": self._pruned_now,
                   "pruned_by_rank": [float(x) for x in summed[1:]], "migrated": self.moved[self.rank],
@@ -231,12 +239,6 @@ class Mitigator:
         self.history.append(record)
         return record
 
-    def shares(self) -> list[tuple[float, float]]:
-        """Per rank, the share of its columns it is to prune (the uniform ratio decided; PriDiff
-        then sets each layer's own, which end_step's record reports as pruned) and the share it
-        hands over this step (the same list on every rank: decisions are shared)."""
-        return [(1.0 - k if self._prunes() else 0.0, m) for k, m in zip(self.keep, self.moved)]
-
     def _shared_now(self) -> torch.Tensor:
         """What the step's one sum tells every rank: [refresh flag, then per rank the share of
         its columns it pruned this step (each rank fills in its own)]."""
@@ -252,18 +254,32 @@ class Mitigator:
 
     def _probe(self) -> float:
         """FLOPs per second of this rank's multiplications, for a rank that holds no columns (it
-        waits for the others anyway): the largest layer's forward at an even share of its
-        columns, timed once warm as Meter times the layers, its slowdown (emulated or real)
-        included."""
+        waits for the others anyway): the largest layer's forward and backward products at an
+        even share of its columns, timed warm, the best of repeats over at least a millisecond,
+        its slowdown (emulated or real) included as in Meter. 0 where it fails (out of memory,
+        say): the rank must still join the refresh's all-gather."""
         site = max(self.sites, key=lambda s: max(s.out_sizes) * max(s.columns))
-        n, k = max(site.out_sizes), max(1, max(site.columns) // self.world)
-        x = torch.randn(max(1, site.tokens), k, device=self.device)
-        w = torch.randn(n, k, device=self.device)
-        F.linear(x, w)  # warm
-        t0 = time.perf_counter()
-        F.linear(x, w)
-        seconds = (time.perf_counter() - t0) * self.meter.slowdown
-        return 2.0 * x.shape[0] * w.numel() / max(seconds, 1e-9)
+        n, k, t = max(site.out_sizes), max(1, max(site.columns) // self.world), max(1, site.tokens)
+        try:
+            gen = torch.Generator(device=self.device).manual_seed(0)  # not the global generator: ranks draw alike
+            x = torch.randn(t, k, generator=gen, device=self.device)  # [T, K/e]
+            w = torch.randn(n, k, generator=gen, device=self.device)  # [N, K/e]
+            best, spent = math.inf, 0.0
+            for i in range(1000):
+                t0 = time.perf_counter()
+                y = x @ w.t()  # [T, N]
+                _ = (y @ w, y.t() @ x)  # the backward's products: [T, K/e], [N, K/e]
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                took = time.perf_counter() - t0
+                if i:  # the first is the warm-up
+                    best, spent = min(best, took), spent + took
+                    if spent >= 1e-3 and i >= 3:
+                        break
+        except (RuntimeError, MemoryError) as e:
+            log.warning("hap straggler: step %d rank %d could not probe its speed (%s)", self.iteration, self.rank, e)
+            return 0.0
+        return 6.0 * t * n * k / max(best * self.meter.slowdown, 1e-12)
 
     def _all_stats(self, mine: Stats) -> list[Stats]:
         local = torch.tensor([mine.busy, mine.matmul, mine.flops, mine.own, mine.full_flops, mine.probed],
@@ -398,7 +414,7 @@ class Mitigator:
         that (this step against the rebalanced estimate); reshard once it reaches what a
         reshard costs (estimated from the bytes to move, then as measured last time)."""
         shares = self.dmodel.plan.ratios[0]
-        speeds = matmul_speeds(stats)
+        speeds = matmul_speeds(stats, probed=True)
         if min(speeds) <= 0:
             return 0
         balanced = rebalanced_time(stats)  # every rank busy for this long at shares fitting the speeds

@@ -86,7 +86,7 @@ def balanced_migration(stats: Sequence[Stats], slow: Sequence[int], receivers: S
 
 def stragglers_and_receivers(stats: Sequence[Stats], tolerance: float) -> tuple[float, list[int], list[int]]:
     """(T_min, the stragglers against it slowest first, the ranks that may take their columns).
-    A rank holding no columns (a share of 0) showed no matmul speed: it sets no T_min and takes
+    A rank holding no columns (a share of 0) multiplied nothing: it sets no T_min and takes
     no columns (it looked infinitely fast, and the rank doing all the work a straggler)."""
     held = [r for r, s in enumerate(stats) if s.full_flops > 0] or list(range(len(stats)))
     t_min = min(unmitigated(stats[r]) for r in held)
@@ -150,19 +150,21 @@ def migration_bound(stats: Sequence[Stats], phi1: Callable[[float], float]) -> i
     return x
 
 
-def matmul_speeds(stats: Sequence[Stats]) -> list[float]:
-    """Each rank's speed as measured: FLOPs per second in its layers' multiplications (a rank
-    holding no columns: in its probe, Stats.probed). Unlike share per busy second, it does not
-    count the fixed per-node costs that do not shrink with a share, so a rank that was just
-    given a small share does not look fast and pull its share back (rebalancing would
-    oscillate)."""
-    return [s.flops / s.matmul if s.matmul > 0 else s.probed for s in stats]
+def matmul_speeds(stats: Sequence[Stats], probed: bool = False) -> list[float]:
+    """Each rank's speed as measured: FLOPs per second in its layers' multiplications (0 for a
+    rank holding no columns, or with probed=True its probe's, Stats.probed: rebalancing's
+    view, which may give it columns again; pruning and migration leave such a rank out).
+    Unlike share per busy second, it does not count the fixed per-node costs that do not
+    shrink with a share, so a rank that was just given a small share does not look fast and
+    pull its share back (rebalancing would oscillate)."""
+    return [s.flops / s.matmul if s.matmul > 0 else (s.probed if probed else 0.0) for s in stats]
 
 
 def rebalanced_time(stats: Sequence[Stats]) -> float:
-    """The busy time every rank would have at shares fitting `matmul_speeds`: the most other
-    work a rank does, plus all the layers' FLOPs at the ranks' summed speed."""
-    speeds = matmul_speeds(stats)
+    """The busy time every rank would have at shares fitting `matmul_speeds` (probed ones
+    included): the most other work a rank does, plus all the layers' FLOPs at the ranks'
+    summed speed."""
+    speeds = matmul_speeds(stats, probed=True)
     other = max(s.busy - s.matmul for s in stats)
     return other + sum(s.full_flops for s in stats) / max(sum(speeds), 1e-9)
 

@@ -34,6 +34,12 @@ class Schedule:
     start: int = 0
     """The first slowed iteration."""
 
+    def __post_init__(self):
+        problem = _problem(self.kind, self.chi, self.every, self.start)
+        if problem:
+            raise ValueError(f"Schedule(kind={self.kind!r}, chi={self.chi!r}, every={self.every!r}, "
+                             f"start={self.start!r}): {problem}")
+
     def slowdown(self, rank: int, iteration: int, world: int) -> float:
         """How many times slower `rank`'s matmuls are at `iteration` (1: normal speed)."""
         if self.kind == "none" or iteration < self.start:
@@ -51,7 +57,7 @@ class Schedule:
         label = label or repr(self.describe())
         if self.kind == "multi" and len(self.chi) > world:
             raise ValueError(f"straggler schedule {label}: {len(self.chi)} stragglers on {world} ranks")
-        if self.kind in ("persistent", "round-robin") and not 0 <= self.rank < world:
+        if self.kind in ("persistent", "round-robin") and not (isinstance(self.rank, int) and 0 <= self.rank < world):
             raise ValueError(f"straggler schedule {label}: 0 <= rank < {world} is needed")
 
     def describe(self) -> str:
@@ -94,12 +100,22 @@ def parse_schedule(text: str, world: int) -> Schedule:
         every, rank, start = int(fields.get("every", 5)), int(fields.get("rank", 0)), int(fields.get("start", 0))
     except ValueError:
         raise ValueError(f"straggler schedule {text!r}: chi must be numbers (8 or 8/6/4/2), every/rank/start integers") from None
-    if not all(1 <= c < math.inf for c in chi):  # (nan and inf fail too)
-        raise ValueError(f"straggler schedule {text!r}: chi must be a finite number at least 1 (it is a slowdown)")
-    if kind != "multi" and len(chi) != 1:
-        raise ValueError(f"straggler schedule {text!r}: {kind} takes one chi; several are for multi")
-    if every < 1 or start < 0:
-        raise ValueError(f"straggler schedule {text!r}: every >= 1 and start >= 0 are needed")
+    problem = _problem(kind, chi, every, start)
+    if problem:
+        raise ValueError(f"straggler schedule {text!r}: {problem}")
     schedule = Schedule(kind=kind, chi=chi, every=every, rank=rank, start=start)  # type: ignore[arg-type]
     schedule.check(world, repr(text))
     return schedule
+
+
+def _problem(kind, chi, every, start) -> str | None:
+    """What is wrong with a schedule's fields whatever the ranks (None: nothing)."""
+    if kind not in _FIELDS:
+        return f"kind must be one of {', '.join(_FIELDS)}"
+    if not isinstance(chi, tuple) or not chi or not all(isinstance(c, (int, float)) and 1 <= c < math.inf for c in chi):
+        return "chi must be a finite number at least 1 (it is a slowdown)"  # (nan and inf fail too)
+    if kind != "multi" and len(chi) != 1:
+        return f"{kind} takes one chi; several are for multi"
+    if not isinstance(every, int) or not isinstance(start, int) or every < 1 or start < 0:
+        return "every >= 1 and start >= 0 are needed (whole numbers)"
+    return None
