@@ -222,8 +222,10 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
     and the CPU random generator; returns (step, extra). A collective: every rank calls it.
     A checkpoint that lacks a tensor the model needs, holds one it lacks, holds one of another
     shape, or whose optimizer holds other parameters, is a ValueError naming it, and nothing is
-    loaded. verified=True: the caller has run `verify` on the checkpoint to load already (hap
-    train, before its ranks start), so its files are not hashed again."""
+    loaded. verified=True: the caller has run `verify` on this very checkpoint already (hap
+    train, before its ranks start; `directory` then names it, not its parent, whose latest
+    could be another), so its files are not hashed again; every rank passes the same value
+    (verify is a collective)."""
     comm, ex, graph = dmodel.comm, dmodel.executor, dmodel.graph
     box: list = [None]
     if comm.rank == 0:

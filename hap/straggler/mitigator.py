@@ -38,7 +38,6 @@ from typing import Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import check_fields, instance, number, one_of, whole
 from ..placement import P, R
