@@ -955,6 +955,28 @@ def test_a_loss_not_summed_over_rows_is_refused_a_pipeline_naming_the_node():
         PipelineSpace(graph, local_cluster((1.0, 1.0), "local"))
 
 
+class Lookup(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).pow(2).mean()
+
+
+def test_a_one_row_batch_refused_a_pipeline_says_so():
+    """At one row export specializes the graph, and data parallelism finds no program: the
+    message blamed the embedding alone, while 2 rows plan."""
+    import hap
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace
+    cluster = local_cluster((1.0, 1.0), "local")
+    PipelineSpace(hap.capture(Lookup(), (torch.randint(0, 10, (2,)),)), cluster)
+    with pytest.raises(ValueError, match=r"; this is a batch of 1 row, whose graph export specializes: plan with 2 "
+                                         r"rows at least$"):
+        PipelineSpace(hap.capture(Lookup(), (torch.randint(0, 10, (1,)),)), cluster)
+
+
 def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     from hap.capture import capture
     from hap.cost.cluster import load_cluster, local_cluster

@@ -86,6 +86,22 @@ def test_entries_split_parts_and_order_buckets_by_readiness(setting):
     assert len({e.bucket for e in parts}) == 3
 
 
+def test_a_pipeline_plan_takes_no_strategy(setting):
+    """with_strategy wrote a parameter-server strategy into a pipeline plan without a word;
+    hap.Pipeline refused it only once its ranks had started."""
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    from hap.sync import with_strategy
+
+    cl, graph, *_ = setting
+    piped = make_plan("pp-exact", graph, cl, PlannerConfig(pipeline_stages=2))
+    variables = Variables.of(piped, graph, [m.devices for m in cl.topology.machines])
+    strategy = uniform(variables, PartSync(kind=PS, server=1))
+    with pytest.raises(ValueError, match=r"^synchronization strategies are for plans of one stage; this plan is a "
+                                         r"pipeline of 2 stages, which all-reduce every gradient whole$"):
+        with_strategy(piped, variables, strategy)
+
+
 def test_strategy_round_trips_and_prints(setting):
     *_, variables = setting
     s = uniform(variables, PartSync(kind=PS, server=2, hierarchical=True), parts=2)

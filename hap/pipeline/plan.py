@@ -36,9 +36,13 @@ class PipelineSpace:
         if not split or any(ms.move.communicates for step in self.program for ms in step.moves):
             unknown = sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)})
             obstacle = data_parallel_obstacle(graph)
+            one_row = any(graph.tensors[name].shape[:1] == (1,) for name in graph.inputs)
             raise ValueError("data parallelism cannot run this model without moving activations between devices"
                              + (f" (ops without a rule: {', '.join(unknown)})" if unknown else "")
-                             + (f": {obstacle}" if obstacle else "") + "; a pipeline cuts a data-parallel program")
+                             + (f": {obstacle}" if obstacle else "") + "; a pipeline cuts a data-parallel program"
+                             # (export specializes dims of size 1: one row's graph is not the batch's general one)
+                             + ("; this is a batch of 1 row, whose graph export specializes: plan with 2 rows at least"
+                                if one_row else ""))
         check_pipelinable(graph, self.program, config.micro_batches or None)
         self.whole_batch = whole_batch_reason(graph, self.program)
         """Why every pipeline of this program runs 1 micro-batch (BatchNorm), or None."""

@@ -45,7 +45,7 @@ from . import baselines, price
 from .sampler import SpaceConfig, bandwidths, neighbour, sample, similarity
 from .select import select
 from .simulators import KINDS, Domain, Sample, Simulator, features, ranking_accuracy
-from .strategy import SyncStrategy, Variables, with_strategy
+from .strategy import SyncStrategy, Variables, check_one_stage, with_strategy
 from .trials import TrialCluster, Workload
 
 
@@ -291,6 +291,7 @@ def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
     graph = capture(meta_model, inputs, name=model)
     if plan is None:
         plan = baseline_plan(graph, cluster, "dp-cp")
+    check_one_stage(plan)
     plan.check_fits(graph)
     cost, est = replayed(graph, cluster, plan)
     variables = Variables.of(plan, graph, cluster.machines, cost)

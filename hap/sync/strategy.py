@@ -208,4 +208,14 @@ def with_strategy(plan: Plan, variables: Variables, strategy: SyncStrategy) -> P
     """The plan synchronizing its gradients by `strategy` (the estimate is the caller's)."""
     import dataclasses
 
+    check_one_stage(plan)
     return dataclasses.replace(plan, sync=variables.entries(strategy))
+
+
+def check_one_stage(plan: Plan) -> None:
+    """A one-line ValueError for a pipeline plan: AutoSync's strategies are for plans of one
+    stage (a pipeline's stages all-reduce every gradient whole, uncompressed, flat, over the
+    stages that hold it; hap.Pipeline refused a strategy only once it started)."""
+    if len(plan.stages) > 1:
+        raise ValueError(f"synchronization strategies are for plans of one stage; this plan is a pipeline of "
+                         f"{len(plan.stages)} stages, which all-reduce every gradient whole")
