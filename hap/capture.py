@@ -46,6 +46,21 @@ class CaptureError(ValueError):
     """The model cannot be captured; the message says why."""
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """torch's fake tensors log the whole traceback of an op that fails on the example's
+    shapes (30 lines on every rank) before export raises it; capture says it in one line."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | None = None,
             training: bool = True) -> Graph:
     """Capture `model` (forward returns the scalar training loss) on `example_inputs`, in
@@ -63,7 +78,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     model.train(training)
     lost: list[str] = []
     try:
-        with warnings.catch_warnings(), _unsupported_calls(lost):
+        with warnings.catch_warnings(), _unsupported_calls(lost), _quiet_fake_tensors():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, example_inputs)
         if lost:

@@ -90,6 +90,33 @@ def test_control_flow_is_a_one_line_error_naming_op_and_module():
     assert "\n" not in text and "higher-order op cond" in text, text
 
 
+def test_a_shape_the_model_cannot_run_is_one_line_with_no_log():
+    """A shape the model cannot run (rows of 4 times a 5 x 5 matrix) was a one-line error after
+    torch's fake tensors had logged its 30-line traceback to stderr (on every rank)."""
+    class Mixing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 5))
+
+        def forward(self, x):
+            return (x @ self.w).sum()
+
+    import logging
+
+    logged = []
+    listener = logging.Handler()
+    listener.emit = logged.append  # (torch's own handler writes to the stderr of its import: not capfd's)
+    fake = logging.getLogger("torch._subclasses.fake_tensor")
+    fake.addHandler(listener)
+    try:
+        with pytest.raises(CaptureError, match=r"^torch.export could not capture Mixing: a and b must have same "
+                                               r"reduction dim, but got \[2, 4\] X \[5, 5\]\.$"):
+            capture(Mixing(), (torch.randn(2, 4),))
+    finally:
+        fake.removeHandler(listener)
+    assert logged == []
+
+
 def test_a_data_dependent_shape_is_a_one_line_error():
     class PositiveSum(nn.Module):
         def __init__(self):
