@@ -465,13 +465,22 @@ def pridiff_reporting(rank, world):
         opt.zero_grad(set_to_none=True)
         record = mit.end_step()
         steps.append({"real": real, "pruned": record["pruned"], "by_rank": record["pruned_by_rank"]})
-    return steps
+    images, labels = batches[0]
+    mit.keep = [1.0, 0.5]
+    mit.begin_step(len(batches))
+    dmodel(images[:8], labels[:8], part=False).backward()  # another shape: its layers run as planned
+    opt.zero_grad(set_to_none=True)
+    record = mit.end_step()
+    return {"steps": steps, "other_shape": [record["pruned"], record["pruned_by_rank"]]}
 
 
 def test_pridiff_reports_what_it_prunes_layer_by_layer(tmp_path):
     """The records (the log, hap train's progress line and summary) said PriDiff pruned the
     uniform gamma, 50%, where its per-layer ratios pruned 40% or 93% of the columns."""
     reports = run_ranks(pridiff_reporting, 2, tmp_path)
+    for got in reports:  # a step of another shape prunes nothing, and says so
+        assert got["other_shape"] == [0.0, [0.0, 0.0]]
+    reports = [got["steps"] for got in reports]
     for rank, steps in enumerate(reports):
         for step, other in zip(steps, reports[1 - rank]):
             assert step["pruned"] == pytest.approx(step["real"], abs=1e-12)

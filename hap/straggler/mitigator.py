@@ -145,6 +145,7 @@ class Mitigator:
         self.beta: float | None = None  # SEMI's last Eq. 2 split (share of the excess migrated)
         self._last_refresh = 0
         self._pruned_now = 0.0  # share of its columns this rank prunes this step, all layers together
+        self._ran = False  # whether this step ran the layers (the planned shape)
         self._install()
 
     # -- the layers ---------------------------------------------------------------------------
@@ -183,6 +184,9 @@ class Mitigator:
         def run(inputs: list[torch.Tensor]) -> tuple:
             x, w = inputs[0], inputs[1]
             b = inputs[2] if len(inputs) > 2 else None
+            if not self._ran:  # the step runs the planned shape: its pruning happens (the loss's sum carries it)
+                self._ran = True
+                self._shared[1 + self.rank] = self._pruned_now
             return (TPLinear.apply(x, w, b, _Ctx(site, self.work[site.node], self.meter)),)
 
         return run
@@ -194,8 +198,13 @@ class Mitigator:
         self.meter.slowdown = static * self.config.schedule.slowdown(self.rank, iteration, self.world)
         self.meter.reset()
         self._plan_work()
+        # what the step's one sum tells every rank: [refresh flag, then per rank the share of its
+        # columns it pruned this step, each rank's own filled in once its layers run: a step of
+        # another shape runs them as planned, pruning nothing]
+        self._shared, self._ran = torch.zeros(1 + self.world, dtype=torch.float64), False
+        self._shared[0] = self.flag
         if self.dmodel.global_loss:
-            self.dmodel.piggyback, self.dmodel.piggybacked = self._shared_now(), None
+            self.dmodel.piggyback, self.dmodel.piggybacked = self._shared, None
         self._t0 = time.perf_counter()
         self._waited0 = self.comm.clock.seconds
 
@@ -203,7 +212,7 @@ class Mitigator:
         wall = time.perf_counter() - self._t0
         busy = wall - (self.comm.clock.seconds - self._waited0)
         summed = self.dmodel.piggybacked if self.dmodel.global_loss else \
-            all_reduce(self._shared_now().to(self.device), self.comm)
+            all_reduce(self._shared.to(self.device), self.comm)
         if summed is None:
             raise ValueError("Mitigator.end_step: no forward since begin_step (the loss's all-reduce carries the "
                              "ranks' flags); run the step's forward and backward between them")
@@ -215,7 +224,7 @@ class Mitigator:
         mine = Stats(busy=busy, matmul=self.meter.seconds, flops=self.meter.flops, own=own, full_flops=full,
                      probed=self._probe() if probe else 0.0)
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
-                  "busy": busy, "matmul": mine.matmul, "pruned": self._pruned_now,
+                  "busy": busy, "matmul": mine.matmul, "pruned": self._pruned_now if self._ran else 0.0,
                   "pruned_by_rank": [float(x) for x in summed[1:]], "migrated": self.moved[self.rank],
                   "migrated_by_rank": list(self.moved), "refreshed": False, "resharded": 0, "beta": self.beta}
         if refresh:
@@ -237,13 +246,6 @@ class Mitigator:
                      100 * record["pruned"])
         self.history.append(record)
         return record
-
-    def _shared_now(self) -> torch.Tensor:
-        """What the step's one sum tells every rank: [refresh flag, then per rank the share of
-        its columns it pruned this step (each rank fills in its own)]."""
-        out = torch.zeros(1 + self.world, dtype=torch.float64)
-        out[0], out[1 + self.rank] = self.flag, self._pruned_now
-        return out
 
     def _prunes(self) -> bool:
         return self.config.policy.startswith("zero") or self.config.policy == "semi"
