@@ -15,8 +15,8 @@ them ready, on their own lane; the loss's all-reduce ends the step.
 
 A pipeline plan's timeline is its schedule as the cost model runs it (pipeline/schedule.simulate
 on the stage times its estimate states): every micro-batch's forward and backward on each
-stage's devices, the transfers between stages, each stage's gradient all-reduce after its last
-backward, then the loss's all-reduce.
+stage's devices, the transfers between stages (one at a time on each link), each stage's
+gradient all-reduce once its last backward and sends are done, then the loss's all-reduce.
 """
 
 from __future__ import annotations
@@ -85,28 +85,28 @@ def estimated_events(plan: Plan) -> tuple[list[Event], float]:
 
 
 def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
-    """A pipeline's estimated iteration as events per device, and its length in seconds."""
+    """A pipeline's estimated iteration as events per device, and its length in seconds: the
+    schedule simulated as the estimate's `simulated` runs it (pipeline/schedule.simulate)."""
     tl, sched = plan.timeline["pipeline"], plan.schedule
-    K, send = len(plan.stages), tl["send"]
+    send = tl["send"]
     back = tl.get("send_back", send)  # (plans written before 2026-11-27 priced both ways alike)
-    runs = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send, back)
+    sim = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send, back, tl["sync"])
     events: list[Event] = []
-    for (kind, s, m), (start, end) in sorted(runs.items(), key=lambda item: item[1]):
+    for (kind, s, m), (start, end) in sorted(sim.runs.items(), key=lambda item: item[1]):
         devices = plan.stages[s].devices
         events += [Event(j, COMPUTE, f"{'forward' if kind == 'F' else 'backward'} micro-batch {m} (stage {s})",
                          start, end - start) for j in devices]
-        if kind == "F" and s < K - 1 and send[s] > 0:  # asynchronous: the stage goes on computing
-            events += [Event(j, COMM, f"micro-batch {m}'s activations to stage {s + 1}", end, send[s]) for j in devices]
-        if kind == "B" and s > 0 and back[s - 1] > 0:
-            events += [Event(j, COMM, f"micro-batch {m}'s gradients to stage {s - 1}", end, back[s - 1]) for j in devices]
-    flushed = max(end for _, end in runs.values())
-    t = flushed
-    for s, stage in enumerate(plan.stages):
-        last = max(end for (_, k, _), (_, end) in runs.items() if k == s)
-        if tl["sync"][s] > 0:
-            events += [Event(j, SYNC, f"all-reduce stage {s}'s gradients", last, tl["sync"][s]) for j in stage.devices]
-        t = max(t, last + tl["sync"][s])
-    tail = tl["simulated"] - flushed - max(tl["sync"])  # what the estimate adds after the flush and sync
+        moved = sim.transfers.get((kind, s, m))
+        if moved is not None and moved[1] > moved[0]:  # asynchronous: the stage goes on computing
+            what = f"micro-batch {m}'s activations to stage {s + 1}" if kind == "F" else \
+                f"micro-batch {m}'s gradients to stage {s - 1}"
+            events += [Event(j, COMM, what, moved[0], moved[1] - moved[0]) for j in devices]
+    for s, (start, end) in enumerate(sim.synced):
+        if end > start:
+            events += [Event(j, SYNC, f"all-reduce stage {s}'s gradients", start, end - start)
+                       for j in plan.stages[s].devices]
+    t = sim.end
+    tail = tl["simulated"] - t  # what the estimate adds after the syncs
     if tail > 1e-12:
         events += [Event(j, COMM, "loss all-reduce (and generator broadcasts)", t, tail) for j in range(len(plan.devices))]
         t += tail
@@ -199,9 +199,12 @@ def _check_traced(plan: Plan, trace_dir: Path) -> None:
         traced = Plan.from_json(saved)
     except (OSError, ValueError) as e:
         raise ValueError(f"{saved}: {e}") from None
-    if traced.digest != plan.digest:
+    if traced.digest != plan.digest or traced.schedule != plan.schedule:
         raise ValueError(f"{trace_dir} traced another plan ({saved}, {traced.model} on {traced.cluster['name']}): "
                          "explain that plan, or trace this one with hap train --plan ... --trace")
+    if traced.content_digest != plan.content_digest:  # the same program, run (and priced) on another cluster
+        raise ValueError(f"{trace_dir} traced this plan on cluster {traced.cluster['name']!r}, this file prices it "
+                         f"on {plan.cluster['name']!r}: explain {saved}, its estimate for the cluster it ran on")
 
 
 def measured_events(trace_dir: str | Path, devices: int) -> tuple[list[Event], list[float]]:
@@ -301,7 +304,8 @@ def draw(estimated: list[Event], total: float, measured: list[Event], plan: Plan
         ax.invert_yaxis()
         ax.set_xlabel("ms")
         span = max((e.start + e.seconds for e in evs), default=total)
-        ax.set_title(f"{title}: {span * 1e3:.2f} ms" + (f" (estimate {total * 1e3:.2f} ms)" if title == "measured" else ""))
+        ax.set_title(f"{title}: {span * 1e3:.2f} ms" + (f" (estimate {plan.estimated_iteration_seconds * 1e3:.2f} ms)"
+                                                          if title == "measured" else ""))
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="upper right", ncols=len(colors), fontsize="small")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
@@ -325,8 +329,9 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
     draw(estimated, total, measured, plan, Path(out_dir, "timeline.png"))
     if len(plan.stages) > 1:
         report.append(f"  drawn: {total * 1e3:.2f} ms, the schedule simulated as the runtime runs it (a micro-batch's "
-                      "transfers overlap the next computation; each stage's gradient sync starts when its own last "
-                      "backward ends); the estimate, the pipeline formula the planners minimise, puts every transfer "
+                      "transfers overlap the next computation, one at a time on each link; each stage's gradient "
+                      "sync starts when its own last backward and sends are done), the `simulated` the plan reports; "
+                      "the estimate, the pipeline formula the planners minimise, puts every transfer "
                       "on the critical path and syncs after the whole flush")
     if plan.edited_since_written:
         report.insert(0, "note: this plan was edited after hap wrote it: the estimate drawn is of the plan as written "

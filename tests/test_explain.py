@@ -81,10 +81,12 @@ def test_a_searched_sync_strategy_is_drawn_and_laid_out_as_priced(vit_plan):
 def test_a_pipelines_drawn_iteration_is_its_simulated_schedule():
     """A pp-exact plan of 3 stages on paper-hetero-8 (groups of unequal sizes): every device
     runs each micro-batch's forward and backward once, never two at a time; a stage's forward
-    of a micro-batch starts after the stage before it finished it and sent it on; and the drawn
-    iteration ends no later than the estimate's simulation, which waits for the slowest
-    gradient sync after the whole flush."""
-    from hap.explain import COMPUTE, pipeline_events
+    of a micro-batch starts after the stage before it finished it and sent it on; a link carries
+    one transfer at a time (they were drawn stacked on it, 30 us each against 2.5 us of
+    compute); a stage syncs once its gradients sent back have arrived (the sync was drawn
+    before); and the drawn iteration is the estimate's simulated one (they differed by the
+    slowest sync, which the estimate put after the whole flush)."""
+    from hap.explain import COMM, COMPUTE, SYNC, pipeline_events
     from hap.planner import PlannerConfig
     from hap.planners import make_plan
     cluster = load_cluster("paper-hetero-8")
@@ -92,8 +94,21 @@ def test_a_pipelines_drawn_iteration_is_its_simulated_schedule():
     p = make_plan("pp-exact", capture(model, inputs), cluster, PlannerConfig(pipeline_stages=3))
     tl, M = p.timeline["pipeline"], p.schedule.micro_batches
     events, total = pipeline_events(p)
-    assert max(tl["sync"]) > 0 and total <= tl["simulated"] + 1e-12
-    assert total >= tl["simulated"] - max(tl["sync"]) - 1e-12
+    assert max(tl["sync"]) > 0 and total == pytest.approx(tl["simulated"], rel=1e-12)
+    sent: dict[tuple, list] = {}
+    for e in events:
+        if e.lane == COMM and " to stage " in e.name and e.device in p.stages[0].devices + p.stages[1].devices:
+            sent.setdefault((e.device, e.name.split("'s ")[1]), []).append(e)
+    assert sent
+    for (device, what), moves in sent.items():  # one link, one transfer at a time
+        moves.sort(key=lambda e: e.start)
+        for a, b in zip(moves, moves[1:]):
+            assert b.start >= a.start + a.seconds - 1e-12, (device, what)
+    for s, stage in enumerate(p.stages[1:], start=1):
+        j = stage.devices[0]
+        back = max(e.start + e.seconds for e in events if e.device == j and e.name.endswith(f"gradients to stage {s - 1}"))
+        synced = [e for e in events if e.device == j and e.lane == SYNC]
+        assert all(e.start >= back - 1e-12 for e in synced)
     ends = {}
     for s, stage in enumerate(p.stages):
         for j in stage.devices:
@@ -132,10 +147,37 @@ def test_explain_a_trained_plan_beside_its_traces(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"hap: error: {traces} traced another plan ({traces}/plan.json, vit on "
                                                "local): explain that plan, or trace this one with hap train --plan ... "
                                                "--trace")
+    # the same program on another cluster: drawn beside this measurement without a word, its
+    # estimate priced for a cluster it did not run on
+    other = json.loads((traces / "plan.json").read_text())
+    other["cluster"]["name"] = "elsewhere"
+    (tmp_path / "elsewhere.json").write_text(json.dumps(other))
+    assert main(["explain", str(tmp_path / "elsewhere.json"), "-o", str(out), "--trace", str(traces)]) == 2
+    assert capsys.readouterr().err.strip() == (f"hap: error: {traces} traced this plan on cluster 'local', this file "
+                                               f"prices it on 'elsewhere': explain {traces}/plan.json, its estimate "
+                                               "for the cluster it ran on")
     (traces / "rank1.json").write_text('{"traceEvents": [')
     assert main(["explain", str(traces / "plan.json"), "-o", str(out), "--trace", str(traces)]) == 2
     assert capsys.readouterr().err.strip() == (f"hap: error: {traces}/rank1.json is not a Chrome trace "
                                                "(JSONDecodeError): a damaged trace")
+
+
+def test_traces_of_another_pipeline_schedule_are_refused(tmp_path):
+    """A pipeline traced under GPipe was drawn beside its 1F1B plan: the check compared stages
+    and sync, not the schedule."""
+    import dataclasses
+
+    from hap.explain import _check_traced
+    from hap.planner import PlannerConfig
+    from hap.planners import make_plan
+    cluster = load_cluster("local-4")
+    model, inputs = build("vit", layers=2, devices=cluster.gpus, device="meta")
+    piped = make_plan("pp-exact", capture(model, inputs), cluster, PlannerConfig(pipeline_stages=2, schedule="1f1b"))
+    piped.to_json(tmp_path / "plan.json")
+    _check_traced(piped, tmp_path)
+    gpipe = dataclasses.replace(piped, schedule=dataclasses.replace(piped.schedule, name="gpipe"))
+    with pytest.raises(ValueError, match=f"^{tmp_path} traced another plan"):
+        _check_traced(gpipe, tmp_path)
 
 
 def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):

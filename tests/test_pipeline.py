@@ -46,6 +46,21 @@ def test_makespan_of_alike_stages_is_the_bubble_formula():
     assert makespan("gpipe", 1, [1, 1], [2, 2], [0.5]) == pytest.approx(7.0)
 
 
+def test_a_link_carries_one_transfer_at_a_time_and_a_stage_syncs_after_its_sends():
+    # 2 stages, passes of 1, transfers of 3 each way, GPipe, M = 3. Stage 0's activations leave
+    # at 1, 2, 3 but share one link: they arrive at 4, 7, 10 (they were simulated arriving at
+    # 4, 5, 6), so stage 1 forwards at 4, 7, 10 and backwards at 11, 12, 13; its gradients leave
+    # at 12 and queue: arriving at 15, 18, 21, and stage 0 backwards at 15, 18, 21 (flush: 22).
+    # Stage 1 syncs (2) once its last gradients arrive (21), not at its last backward (14).
+    from hap.pipeline.schedule import simulate
+    sim = simulate("gpipe", 3, [1, 1], [1, 1], [3], [3], [0.5, 2])
+    assert [sim.transfers[("F", 0, m)] for m in range(3)] == [(1, 4), (4, 7), (7, 10)]
+    assert [sim.runs[("F", 1, m)][0] for m in range(3)] == [4, 7, 10]
+    assert [sim.transfers[("B", 1, m)] for m in range(3)] == [(12, 15), (15, 18), (18, 21)]
+    assert [sim.runs[("B", 0, m)][0] for m in range(3)] == [15, 18, 21]
+    assert sim.flushed == 22 and sim.synced == ((22, 22.5), (21, 23)) and sim.end == 23
+
+
 def test_a_slow_stage_sets_the_pace():
     # stage 1 takes 3 per pass pair, stage 0 takes 1: M micro-batches need about M * 3
     assert makespan("1f1b", 8, [0.5, 1.0], [0.5, 2.0]) == pytest.approx(0.5 + 8 * 3.0 + 0.5)

@@ -25,8 +25,10 @@ parameters (a tied embedding), as the plan's sync buckets run them; and step_col
 loss's all-reduce and, for a model with random ops, the two broadcasts of the generator's state
 (before the step's draws and after it). A stage holds every parameter its nodes load (a shared
 one on each of its stages: weights, gradient, optimizer state, and their accumulation). The
-schedule's event simulation (schedule.makespan) agrees with the first two terms exactly where
-the stages are alike, and is reported beside it.
+schedule's event simulation (schedule.simulate: a transfer overlaps the next computation but
+waits for its link, each stage syncs once its own passes and sends are done) agrees with the
+first two terms exactly where the stages are alike and transfers are free, and is reported
+beside it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import numpy as np
 from ..cost.model import CostModel
 from ..rules.local import variant_collectives
 from ..search.program import Step
-from .schedule import ScheduleName, in_flight, makespan
+from .schedule import ScheduleName, in_flight, simulate
 from .stages import stage_of_nodes
 
 
@@ -257,7 +259,7 @@ class PipelinePricer:
                 back.append(returned)
         t = [f + bw + (send[k] + back[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
         seconds = iteration_seconds(t, sync, M, self.step_collectives)
-        simulated = makespan(schedule, M, fwd, bwd, send, back) + max(sync) + self.step_collectives
+        simulated = simulate(schedule, M, fwd, bwd, send, back, sync).end + self.step_collectives
         return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(back), tuple(sync),
                                 tuple(mem), simulated)
 

@@ -2,7 +2,7 @@
 backward (B) passes, and the time that order takes.
 
 The orders are the one fact both the runtime (pipeline/runtime.py runs them) and the cost model
-(`makespan` simulates them) use.
+(`simulate` runs them with their transfers and gradient syncs) use.
 
 - GPipe: every forward, then every backward. A stage keeps all M micro-batches' activations.
 - 1F1B (PipeDream-flush): stage s of K first runs min(K - s - 1, M) forwards (warm-up), then
@@ -12,6 +12,7 @@ The orders are the one fact both the runtime (pipeline/runtime.py runs them) and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 ScheduleName = Literal["gpipe", "1f1b"]
@@ -45,21 +46,53 @@ def in_flight(name: ScheduleName, stages: int, micro_batches: int, stage: int) -
     return peak
 
 
+Run = tuple[str, int, int]
+"""(pass "F" or "B", stage, micro-batch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Simulated:
+    """One iteration of a pipeline schedule, as `simulate` runs it (seconds from its start)."""
+
+    runs: dict[Run, tuple[float, float]]
+    """Every pass's (start, end)."""
+    transfers: dict[Run, tuple[float, float]]
+    """Every pass's transfer on, (start, end): a forward's activations to the next stage, a
+    backward's gradients to the one before."""
+    synced: tuple[tuple[float, float], ...]
+    """Per stage, its gradient sync's (start, end): once its last pass and every transfer it
+    sent are done, as the runtime waits for its sends before syncing."""
+
+    @property
+    def flushed(self) -> float:
+        """When the last pass ends."""
+        return max(end for _, end in self.runs.values())
+
+    @property
+    def end(self) -> float:
+        """When the last stage's gradient sync ends (the flush where no stage syncs)."""
+        return max(self.flushed, *(end for _, end in self.synced))
+
+
 def simulate(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: Sequence[float],
-             send: Sequence[float] = (), send_back: Sequence[float] = ()) -> dict[tuple[str, int, int], tuple[float, float]]:
-    """When every pass runs, (pass, stage, micro-batch) -> (start, end) seconds, when stage s
-    takes fwd[s] per micro-batch forward and bwd[s] per backward, and handing a micro-batch's
-    activations from stage s to s + 1 takes send[s] (its gradients back, send_back[s]; default
-    send). A transfer overlaps the sender's next pass (asynchronous sends); the receiver waits
-    for it."""
+             send: Sequence[float] = (), send_back: Sequence[float] = (), sync: Sequence[float] = ()) -> Simulated:
+    """One iteration when stage s takes fwd[s] per micro-batch forward and bwd[s] per backward,
+    handing a micro-batch's activations from stage s to s + 1 takes send[s] (its gradients back,
+    send_back[s]; default send), and its gradient sync sync[s] (default none). A transfer
+    overlaps the sender's next pass (asynchronous sends) but waits for the link: one transfer
+    at a time each way between two stages, in the order they were sent, as a process group
+    sends them; the receiver waits for it."""
     K, M = len(fwd), micro_batches
     send = list(send) or [0.0] * (K - 1)
     send_back = list(send_back) or list(send)
-    if len(bwd) != K or len(send) != K - 1 or len(send_back) != K - 1:
-        raise ValueError(f"{K} stages need {K} backward times and {K - 1} transfer times")
+    sync = list(sync) or [0.0] * K
+    if len(bwd) != K or len(send) != K - 1 or len(send_back) != K - 1 or len(sync) != K:
+        raise ValueError(f"{K} stages need {K} backward times, {K - 1} transfer times and {K} sync times")
     orders = [stage_order(name, K, M, s) for s in range(K)]
-    runs: dict[tuple[str, int, int], tuple[float, float]] = {}
+    runs: dict[Run, tuple[float, float]] = {}
+    transfers: dict[Run, tuple[float, float]] = {}
     free = [0.0] * K
+    link_on, link_back = [0.0] * K, [0.0] * K  # when the link s -> s + 1 (s -> s - 1) is next free
     nxt = [0] * K
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -68,27 +101,38 @@ def simulate(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: 
             while nxt[s] < len(orders[s]):
                 kind, m = orders[s][nxt[s]]
                 if kind == "F":
-                    dep = 0.0 if s == 0 else runs.get(("F", s - 1, m), (0.0, None))[1]
-                    ready = None if dep is None else dep + (send[s - 1] if s else 0.0)
+                    ready = 0.0 if s == 0 else transfers.get(("F", s - 1, m), (None, None))[1]
                     took = fwd[s]
                 else:
                     own = runs.get(("F", s, m), (0.0, None))[1]
-                    dep = own if s == K - 1 else runs.get(("B", s + 1, m), (0.0, None))[1]
-                    ready = None if dep is None or own is None else max(own, dep + (send_back[s] if s < K - 1 else 0.0))
+                    dep = own if s == K - 1 else transfers.get(("B", s + 1, m), (None, None))[1]
+                    ready = None if dep is None or own is None else max(own, dep)
                     took = bwd[s]
                 if ready is None:
                     break
                 start = max(free[s], ready)
                 free[s] = start + took
                 runs[(kind, s, m)] = (start, free[s])
+                if kind == "F" and s < K - 1:
+                    begin = max(free[s], link_on[s])
+                    link_on[s] = begin + send[s]
+                    transfers[(kind, s, m)] = (begin, link_on[s])
+                if kind == "B" and s > 0:
+                    begin = max(free[s], link_back[s])
+                    link_back[s] = begin + send_back[s - 1]
+                    transfers[(kind, s, m)] = (begin, link_back[s])
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "pipeline schedule deadlocks"
-    return runs
+    synced = []
+    for s in range(K):
+        done = max([free[s], *(end for (_, k, _), (_, end) in transfers.items() if k == s)])
+        synced.append((done, done + sync[s]))
+    return Simulated(runs, transfers, tuple(synced))
 
 
 def makespan(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: Sequence[float],
              send: Sequence[float] = (), send_back: Sequence[float] = ()) -> float:
-    """Seconds from the first forward to the last backward (`simulate`'s last end)."""
-    return max(end for _, end in simulate(name, micro_batches, fwd, bwd, send, send_back).values())
+    """Seconds from the first forward to the last backward (`simulate`'s flush)."""
+    return simulate(name, micro_batches, fwd, bwd, send, send_back).flushed
