@@ -160,7 +160,7 @@ def test_a_tied_embedding_is_held_and_synchronized_by_both_its_stages():
     gradient and Adam's two moments (4 x 4000 x 64 x 4 B), and its gradient is summed over both
     stages' devices (the plan's sync entry), an all-reduce of 1,024,000 B over devices 0 and 1
     that each stage pays (their own buckets are of one device: free). Before, stage 1's memory
-    lacked the embedding and the sync was priced 0."""
+    lacked the embedding and the sync was priced 0; and the activations it receives."""
     from hap.pipeline.plan import assemble
     from hap.pipeline.schedule import in_flight
     space = _space(*_tokens(TiedLM(vocab=4000, hidden=64), 4000), (1.0, 1.0), pipeline_stages=2, micro_batches=2)
@@ -169,7 +169,8 @@ def test_a_tied_embedding_is_held_and_synchronized_by_both_its_stages():
     cut = next(nd.index for nd in graph.nodes if nd.op == "aten.layer_norm.default")
     plan = assemble(space, [cut], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
     emb, norm = 4000 * 64 * 4, 2 * 64 * 4  # fp32 embedding; LayerNorm's weight and bias
-    acts = (pricer.acts[n] - pricer.acts[cut]) * 1.0 / 2 * in_flight("1f1b", 2, 2, 1)  # share 1, M = 2
+    received = 8 * 4 * 64 * 4  # h, [8, 4, 64] fp32 split on its batch, crosses the cut (it was left out)
+    acts = (pricer.acts[n] - pricer.acts[cut] + received) * 1.0 / 2 * in_flight("1f1b", 2, 2, 1)  # share 1, M = 2
     assert plan.memory_bytes[1] - acts == pytest.approx(4 * (emb + norm), rel=1e-12)
     assert [(e.param, e.devices) for e in plan.sync if e.param == "p_emb_weight"] == [("p_emb_weight", (0, 1))]
     both = space.cost.group_collective("all_reduce", emb, [0, 1])

@@ -228,11 +228,16 @@ class PipelinePricer:
         return out
 
     def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
+        """Bytes per GPU of stage a..b's devices holding `live` micro-batches at once: the stage's
+        parameter state, and per micro-batch its share of the activations it makes and of those
+        it receives over the cut before it (kept for its backward, as a one-stage plan keeps
+        what a move brings); a replicated crossing whole."""
         params = float(self.held(a, b)[1])
         acts = float(self.acts[b + 1] - self.acts[a])
+        split, whole = (float(self.crossing_bytes[k, 0, a]) if a > 0 else 0.0 for k in (0, 1))
         # per GPU: a machine's GPUs split its share of the micro-batch's activations and each
         # keeps the stage's whole parameter state (data parallel), as search.program.memory_terms
-        return [params + acts * r / M * live / self.cost.gpus(i) for i, r in zip(group, ratios)]
+        return [params + ((acts + split) * r / M + whole) * live / self.cost.gpus(i) for i, r in zip(group, ratios)]
 
     # -- the whole -----------------------------------------------------------------------------
 
