@@ -179,7 +179,8 @@ def _pipeline_time(plan: Plan) -> list[str]:
     pace = max(range(K), key=lambda s: t[s])
     lines = [f"  a pipeline of {K} stages, {sched.micro_batches} micro-batches, {sched.name}; the schedule "
              f"simulated: {tl['simulated'] * 1e3:.2f} ms",
-             f"  stage {pace} sets the pace ({sched.micro_batches - 1} more micro-batches of its "
+             f"  stage {pace} sets the pace ({sched.micro_batches - 1} more "
+             f"micro-batch{'es' if sched.micro_batches != 2 else ''} of its "
              f"{t[pace] * 1e3:.2f} ms); per micro-batch:"]
     for s, stage in enumerate(plan.stages):
         names = ", ".join(sorted({plan.devices[j] for j in stage.devices}))

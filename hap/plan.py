@@ -543,8 +543,8 @@ class Plan:
                 lines.append(f"  ratios segment {s}: " + " ".join(f"{x:.3f}" for x in r))
                 idle = self.idle_devices(s)
                 if idle:
-                    lines.append(f"  note: devices {idle} get none of any split tensor in segment {s} (too few rows "
-                                 "to split by these ratios: a larger batch would use them)")
+                    lines.append(f"  note: devices {idle} get none of any split tensor in segment {s} (at these "
+                                 "ratios the dims the plan splits, batch rows, heads or features, have too few to reach them)")
         lines.append(f"  memory per GPU: {' '.join(size_text(b) for b in self.memory_bytes)}")
         caps = [d.get("memory") for d in self.cluster.get("devices", [])]
         over = [j for j, (b, cap) in enumerate(zip(self.memory_bytes, caps)) if cap and b > cap]
