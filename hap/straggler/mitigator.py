@@ -146,6 +146,7 @@ class Mitigator:
         self._last_refresh = 0
         self._pruned_now = 0.0  # share of its columns this rank prunes this step, all layers together
         self._ran = False  # whether this step ran the layers (the planned shape)
+        self._shared = torch.zeros(1 + self.world, dtype=torch.float64)  # the step's sum (begin_step)
         self._install()
 
     # -- the layers ---------------------------------------------------------------------------
