@@ -370,6 +370,7 @@ def _distinct_ms(a: float, b: float) -> tuple[str, str]:
 def cmd_sync(args) -> int:
     from .cost.cluster import load_cluster
     from .sync import AutoSyncConfig, SpaceConfig, run
+    from .sync.strategy import check_one_stage
 
     cluster = load_cluster(args.cluster)
     if not cluster.local:
@@ -380,9 +381,11 @@ def cmd_sync(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     knobs = _model_knobs(args)
     plan = _plan_file(args.plan, cluster) if args.plan else None
-    if plan is not None and len(plan.stages) > 1:
-        raise UserError(f"--plan {args.plan} is a pipeline of {len(plan.stages)} stages: hap sync searches the gradient "
-                        "synchronization of a one-stage plan (a pipeline's stages all-reduce once, after the flush)")
+    if plan is not None:
+        try:
+            check_one_stage(plan)  # (before run captures the model)
+        except ValueError as e:
+            raise UserError(f"--plan {args.plan}: {e}") from None
     try:
         config = AutoSyncConfig(trials=args.trials, per_round=args.per_round, candidates=args.candidates,
                                 simulator=args.simulator, space=SpaceConfig(compress=args.compress), seed=args.seed)

@@ -6,7 +6,7 @@ AutoSyncConfig, StragglerConfig, RebalanceConfig): one rule per field, one messa
     # PlannerConfig(segments=0) -> ValueError: PlannerConfig.segments must be a whole number of at least 1, got 0
 
 A rule is a small pure function: the value -> None where it holds, else what the field must be.
-(Free-form fields -- a seed, a path, a schedule -- go unchecked here.)
+(Free-form fields, a path say, go unchecked here.)
 """
 
 from __future__ import annotations

@@ -267,3 +267,15 @@ def test_a_repriced_plan_shows_its_two_prices_apart():
     assert _distinct_ms(0.012341, 0.012342) == ("12.341", "12.342")
     said, again = _distinct_ms(0.0123410001, 0.0123410002)  # beyond six decimals: shown as far as they go
     assert said == again == "12.341000"
+
+
+def test_sync_refuses_a_pipeline_plan_naming_the_file(tmp_path, capsys):
+    """hap sync's own check of a pipeline plan is AutoSync's (check_one_stage), before the model is captured."""
+    small = ["--model", "vit", "--scale", "small", "--cluster", "local"]
+    path = tmp_path / "piped.json"
+    assert main(["plan", *small, "--planner", "pp-exact", "--pipeline-stages", "2", "--quiet", "--json", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["sync", *small, "--plan", str(path), "--trials", "1", "--out", str(tmp_path / "sync")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hap: error: --plan {path}: synchronization strategies are for plans of one stage; this plan is a pipeline "
+        "of 2 stages, which all-reduce every gradient whole")
