@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hap.pipeline.schedule import in_flight, makespan, stage_order
+from hap.pipeline.schedule import in_flight, simulate, stage_order
 from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
 
 from gloo import rank_device, run_ranks, to_device
@@ -38,12 +38,12 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe():
     assert [in_flight("gpipe", 4, 8, s) for s in range(4)] == [8] * 4
 
 
-def test_makespan_of_alike_stages_is_the_bubble_formula():
+def test_the_flush_of_alike_stages_is_the_bubble_formula():
     # K=3 alike stages, f=1, b=2, no transfers: (M + K - 1) * (f + b) = (4 + 2) * 3 = 18
     for name in ("gpipe", "1f1b"):
-        assert makespan(name, 4, [1, 1, 1], [2, 2, 2]) == pytest.approx(18.0)
+        assert simulate(name, 4, [1, 1, 1], [2, 2, 2]).flushed == pytest.approx(18.0)
     # a transfer of 0.5 each way between 2 stages, M=1: f0 + s + f1 + b1 + s + b0 = 1+.5+1+2+.5+2
-    assert makespan("gpipe", 1, [1, 1], [2, 2], [0.5]) == pytest.approx(7.0)
+    assert simulate("gpipe", 1, [1, 1], [2, 2], [0.5]).flushed == pytest.approx(7.0)
 
 
 def test_a_link_carries_one_transfer_at_a_time_and_a_stage_syncs_after_its_sends():
@@ -52,7 +52,6 @@ def test_a_link_carries_one_transfer_at_a_time_and_a_stage_syncs_after_its_sends
     # 4, 5, 6), so stage 1 forwards at 4, 7, 10 and backwards at 11, 12, 13; its gradients leave
     # at 12 and queue: arriving at 15, 18, 21, and stage 0 backwards at 15, 18, 21 (flush: 22).
     # Stage 1 syncs (2) once its last gradients arrive (21), not at its last backward (14).
-    from hap.pipeline.schedule import simulate
     sim = simulate("gpipe", 3, [1, 1], [1, 1], [3], [3], [0.5, 2])
     assert [sim.transfers[("F", 0, m)] for m in range(3)] == [(1, 4), (4, 7), (7, 10)]
     assert [sim.runs[("F", 1, m)][0] for m in range(3)] == [4, 7, 10]
@@ -63,7 +62,7 @@ def test_a_link_carries_one_transfer_at_a_time_and_a_stage_syncs_after_its_sends
 
 def test_a_slow_stage_sets_the_pace():
     # stage 1 takes 3 per pass pair, stage 0 takes 1: M micro-batches need about M * 3
-    assert makespan("1f1b", 8, [0.5, 1.0], [0.5, 2.0]) == pytest.approx(0.5 + 8 * 3.0 + 0.5)
+    assert simulate("1f1b", 8, [0.5, 1.0], [0.5, 2.0]).flushed == pytest.approx(0.5 + 8 * 3.0 + 0.5)
 
 
 # -- cutting and micro-batches -----------------------------------------------------------------

@@ -131,8 +131,3 @@ def simulate(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: 
         synced.append((done, done + sync[s]))
     return Simulated(runs, transfers, tuple(synced))
 
-
-def makespan(name: ScheduleName, micro_batches: int, fwd: Sequence[float], bwd: Sequence[float],
-             send: Sequence[float] = (), send_back: Sequence[float] = ()) -> float:
-    """Seconds from the first forward to the last backward (`simulate`'s flush)."""
-    return simulate(name, micro_batches, fwd, bwd, send, send_back).flushed
