@@ -100,3 +100,24 @@ def test_hap_trains_over_nccl_on_every_gpu(tmp_path):
         assert got["parts"] == pytest.approx(got["whole"], rel=1e-5)
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert_state(got["params"], model, "nccl")
+
+
+def test_straggler_meter_times_gpu_multiplications():
+    # CUDA runs a product asynchronously: the host's clock around it reads the launch alone
+    # (microseconds); the meter's events read the product itself, as a synchronized clock does
+    import time
+    from hap.runtime.collectives import Comm
+    from hap.straggler.linear import Meter
+    dev = torch.device("cuda", 0)
+    a, b = torch.randn(4096, 4096, device=dev), torch.randn(4096, 4096, device=dev)
+    a @ b
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    a @ b
+    torch.cuda.synchronize(dev)
+    synced = time.perf_counter() - t0
+    meter = Meter(Comm(rank=0, world=1))
+    with meter.timing(dev, 2.0 * 4096 ** 3):
+        a @ b
+    assert len(meter.pending) == 1 and meter.flops == 2.0 * 4096 ** 3
+    assert meter.seconds >= 0.5 * synced and not meter.pending

@@ -2,6 +2,7 @@
 hand-worked numbers, and on real gloo ranks migration (both methods, column- and row-parallel
 layers, uneven shares) and rebalancing train exactly like one device."""
 
+import time
 
 import pytest
 import torch
@@ -150,6 +151,13 @@ def test_an_empty_shard_charges_no_matmul_time():
     assert (meter.seconds, meter.flops, comm.emulation.debt) == (0.0, 0.0, 0.0)
     meter.charge(0.001, 2e6)
     assert meter.seconds == pytest.approx(0.008) and comm.emulation.debt == pytest.approx(0.007)
+    with meter.timing(torch.device("cpu"), 0.0):  # timed, but nothing multiplied
+        time.sleep(0.002)
+    assert meter.seconds == pytest.approx(0.008)
+    with meter.timing(torch.device("cpu"), 1e6):  # the host's clock, times chi
+        time.sleep(0.002)
+    assert meter.seconds >= 0.008 + 8 * 0.002 and meter.flops == 3e6
+    assert comm.emulation.debt == pytest.approx(0.007 + 7 / 8 * (meter.seconds - 0.008))
 
 
 def test_balanced_migration_equalizes_straggler_and_receiver():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,26 +33,63 @@ Kind = Literal["column", "row"]
 class Meter:
     """This rank's matmul clock for one iteration, with the schedule's emulated slowdown: time
     in the layers' own multiplications is charged `slowdown` times (the excess is slept off
-    before the next collective, runtime/emulate.py), as on the paper's testbed."""
+    before the next collective, runtime/emulate.py), as on the paper's testbed. On a GPU the
+    multiplications run asynchronously: they are timed by CUDA events, read when `seconds` is."""
 
     comm: Comm
     slowdown: float = 1.0
-    seconds: float = 0.0
-    """Matmul seconds this iteration, emulated slowdown included (M_i of Eq. 1)."""
+    charged: float = 0.0
+    """Matmul seconds read so far this iteration, emulated slowdown included."""
     flops: float = 0.0
     """Multiply-add FLOPs this rank computed in them (its own columns and received ones)."""
+    pending: list = field(default_factory=list)
+    """CUDA (start, end) events of multiplications not yet read."""
+
+    @property
+    def seconds(self) -> float:
+        """Matmul seconds this iteration, emulated slowdown included (M_i of Eq. 1)."""
+        for start, end in self.pending:
+            end.synchronize()
+            self.charged += start.elapsed_time(end) / 1e3 * self.slowdown
+        self.pending.clear()
+        return self.charged
 
     def charge(self, seconds: float, flops: float) -> None:
         if flops == 0:  # an empty shard: no multiplication to slow (its call overhead is no matmul time)
             return
-        self.seconds += seconds * self.slowdown
+        self.charged += seconds * self.slowdown
         self.flops += flops
         emu = self.comm.emulation
         if emu is not None and self.slowdown > 1:
             emu.debt += (self.slowdown - 1) * seconds
 
+    @contextmanager
+    def timing(self, device: torch.device, flops: float):
+        """Charge the multiplications run inside the block, `flops` of them: by the host's
+        clock on a CPU; on a GPU by events on the current stream (an emulated slowdown there
+        needs the time now, to owe its sleep: it waits for the block's kernels)."""
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            yield
+            self.charge(time.perf_counter() - t0, flops)
+            return
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        if flops == 0:
+            return
+        if self.comm.emulation is not None and self.slowdown > 1:
+            end.synchronize()
+            self.charge(start.elapsed_time(end) / 1e3, flops)
+        else:
+            self.pending.append((start, end))
+            self.flops += flops
+
     def reset(self) -> None:
-        self.seconds, self.flops = 0.0, 0.0
+        self.charged, self.flops = 0.0, 0.0
+        self.pending.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +147,8 @@ class _Ctx:
 
 
 def _timed_linear(meter: Meter, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    t0 = time.perf_counter()
-    y = F.linear(x, w, b)
-    meter.charge(time.perf_counter() - t0, 2.0 * x.shape[:-1].numel() * w.numel())
+    with meter.timing(x.device, 2.0 * x.shape[:-1].numel() * w.numel()):
+        y = F.linear(x, w, b)
     return y
 
 
@@ -138,10 +175,9 @@ class TPLinear(torch.autograd.Function):
         rows = math.prod(gy.shape[:-1])  # T tokens (explicit: a shard may be empty)
         g2 = gy.reshape(rows, gy.shape[-1])  # [T, N_r]
         wk, xk = (w, x) if work.keep is None else (w.index_select(1, work.keep), x.index_select(-1, work.keep))
-        t0 = time.perf_counter()  # only the multiplications are the layer's matmul time
-        gxk = gy @ wk  # [..., |keep|]
-        gwk = g2.t() @ xk.reshape(rows, xk.shape[-1])  # [N_r, |keep|]
-        meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * wk.shape[0] * wk.shape[1])
+        with meter.timing(gy.device, 4.0 * g2.shape[0] * wk.shape[0] * wk.shape[1]):  # the multiplications alone
+            gxk = gy @ wk  # [..., |keep|]
+            gwk = g2.t() @ xk.reshape(rows, xk.shape[-1])  # [N_r, |keep|]
         gx, gw = (gxk, gwk) if work.keep is None else (work.lineage.restore(gxk, -1), work.lineage.restore(gwk, 1))
         gb = g2.sum(0) if ctx.has_bias else None
         received = {id(r.h): r for r in c.received}
@@ -223,11 +259,10 @@ def _backward_handover(c: _Ctx, h: Handover, got: _Received | None, x, gy, gx, g
             g_k = migrate.scatter(copies, gy.new_empty(*lead, n_k), k, comm)
     gw_part = gx_part = None
     if got is not None:
-        t0 = time.perf_counter()
         g2 = g_k.reshape(math.prod(lead), n_k)
-        gw_part = g2.t() @ got.x.reshape(math.prod(lead), got.hi - got.lo)  # [N_k, hi - lo]
-        gx_part = g_k @ got.w  # [..., hi - lo]
-        c.meter.charge(time.perf_counter() - t0, 4.0 * g2.shape[0] * n_k * (got.hi - got.lo))
+        with c.meter.timing(gy.device, 4.0 * g2.shape[0] * n_k * (got.hi - got.lo)):
+            gw_part = g2.t() @ got.x.reshape(math.prod(lead), got.hi - got.lo)  # [N_k, hi - lo]
+            gx_part = g_k @ got.w  # [..., hi - lo]
     if method == "broadcast-reduce" and column and got is not None:
         # x's gradient is a partial sum: add, the layer's all-reduce does the rest (reduce merging)
         gx[..., h.start + got.lo: h.start + got.hi] += gx_part

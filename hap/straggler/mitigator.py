@@ -206,10 +206,17 @@ class Mitigator:
         self._shared[0] = self.flag
         if self.dmodel.global_loss:
             self.dmodel.piggyback, self.dmodel.piggybacked = self._shared, None
+        self._settle()  # the last step's optimizer update is not this step's time
         self._t0 = time.perf_counter()
         self._waited0 = self.comm.clock.seconds
 
+    def _settle(self) -> None:
+        """Wait for this rank's queued GPU work, so the host's clock reads the time it took."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def end_step(self) -> dict:
+        self._settle()
         wall = time.perf_counter() - self._t0
         busy = wall - (self.comm.clock.seconds - self._waited0)
         summed = self.dmodel.piggybacked if self.dmodel.global_loss else \
@@ -271,8 +278,7 @@ class Mitigator:
                 t0 = time.perf_counter()
                 y = x @ w.t()  # [T, N]
                 _ = (y @ w, y.t() @ x)  # the backward's products: [T, K/e], [N, K/e]
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self._settle()
                 took = time.perf_counter() - t0
                 if i:  # the first is the warm-up
                     best, spent = min(best, took), spent + took
@@ -393,6 +399,7 @@ class Mitigator:
                 for _ in range(2):  # forward and backward
                     x.index_select(-1, kept), w.index_select(1, kept)
                 lin.restore(x.index_select(-1, kept), -1), lin.restore(w.index_select(1, kept), 1)
+            self._settle()
             omega2.append(time.perf_counter() - t0)
             dist.barrier(group=self.comm.group)
             t0 = time.perf_counter()
@@ -403,6 +410,7 @@ class Mitigator:
                     # migration's own collectives (its reduce is a gather and a sum at the straggler)
                     broadcast(torch.zeros(numel, device=self.device), 0, self.comm)
                     migrate.reduce(torch.zeros(numel, device=self.device), 0, self.comm)
+            self._settle()
             phi.append(time.perf_counter() - t0)
         agreed = all_reduce(torch.tensor([omega1, *omega2, *phi], dtype=torch.float64, device=self.device), self.comm) / self.world
         omega1, o25, o75, p25, p75 = map(float, agreed)
@@ -434,6 +442,7 @@ class Mitigator:
         ratios = [rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds) if self.rank == 0 else None]
         dist.broadcast_object_list(ratios, src=global_rank(self.comm, 0), group=self.comm.group)  # one solve: every rank must reshard to the very same numbers
         self.reshard_to(ratios[0])
+        self._settle()
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         self.comm.before()
         wire.all_reduce(took, op=dist.ReduceOp.MAX, group=self.comm.group)  # one cost, the same on every rank
