@@ -735,3 +735,22 @@ def test_balanced_ratios_fit_after_rounding_to_whole_rows():
         {"name": "d0", "flops": 4e12, "memory": f"{caps[0]}B"}, {"name": "d1", "flops": 1e12, "memory": f"{caps[1]}B"}]})
     found = plan(graph, cluster)
     assert all(m <= c for m, c in zip(found.memory_bytes, caps))
+
+
+def test_a_resplit_into_the_same_sizes_is_counted_in_memory_once(graph):
+    """A segment's re-split into the sizes a tensor already has returns that very tensor
+    (collectives.resplit): memory counted it a second time."""
+    from hap.planner import _dp, _plan_at
+    from hap.search.program import memory
+
+    cluster = load_cluster("local")
+    seg = segment_graph(graph, 2)
+    planned = _plan_at(graph, cluster, [[0.75, 0.25], [0.4, 0.6]], None,
+                       lambda search, rs: search(rs, _dp()), "dp", seg)
+    program = planned.steps(graph)
+    bare = [dataclasses.replace(step, moves=tuple(m for m in step.moves if m.move.name != "rebalance")) for step in program]
+    assert bare != program
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategies_for(n, graph) for n in graph.nodes)))
+    same, other = [[0.75, 0.25]] * 2, [[0.75, 0.25], [0.4, 0.6]]
+    assert memory(program, cost, seg, same) == memory(bare, cost, seg, same)
+    assert memory(program, cost, seg, other)[0] > memory(bare, cost, seg, other)[0]  # both splits live

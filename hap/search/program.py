@@ -497,8 +497,12 @@ def memory(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
     """Bytes per GPU on each device: weights, gradients, optimizer states and activations."""
     m = cost.m
     by_layout: dict[tuple, float] = {}  # (shares or None for whole, whole per GPU) -> bytes
+    held = set()
     for name, p, seg, nbytes, whole_per_gpu in memory_terms(program, cost, segment_of):
         local = cost.shares(name, p.dim, ratios[seg]) if p is not None and p.is_shard else None
+        if (name, p, local) in held:  # a re-split into the sizes it has is the same tensor (collectives.resplit)
+            continue
+        held.add((name, p, local))
         by_layout[(local, whole_per_gpu)] = by_layout.get((local, whole_per_gpu), 0.0) + nbytes
     total = [0.0] * m
     for (local, whole_per_gpu), nbytes in by_layout.items():
