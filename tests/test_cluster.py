@@ -76,6 +76,12 @@ def test_parse_units_and_counts(tmp_path):
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: '30'}}", r"network.latency of 30 with no unit"),
     (f"{TWO}\nnetwork: {{bandwidth: 5e1, latency: 30us}}", r"network.bandwidth of 50 with no unit"),
     (f"{TWO}\nnetwork: {{bandwidth: .nan, latency: 30us}}", r"network.bandwidth must be a finite number, got nan$"),
+    # a traceback (int too large to convert to float), then errors naming the wrong problem
+    (f"{TWO}\nnetwork: {{bandwidth: 1{'0' * 400}, latency: 30us}}", r"network.bandwidth: a number of 401 digits is out of range$"),
+    ("devices: [{flops: 1, memory: 1GiB, op_overhead: 1" + "0" * 400 + "}]", r"op_overhead: a number of 401 digits is out of range$"),
+    (f"{TWO}\nnetwork: {{bandwidth: -1.25e9, latency: 30us}}", r"network bandwidth must be positive, got -1.25e\+09$"),
+    (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: -1}}", r"network latency must be non-negative, got -1$"),
+    (f"{TWO}\nnetwork: {{bandwidth: 1e400Gbps, latency: 30us}}", r"network bandwidth of inf is out of range"),
     # each was read as bytes/s or seconds: estimates of hours per step
     ("devices: [{flops: 1, memory: 1GiB, gpus: 4, intra_bandwidth: 10}]",
      r"devices\[0\] \(device0\) intra_bandwidth of 10 with no unit; give one \(say 100GB/s\)$"),
@@ -138,6 +144,14 @@ ONE_MACHINE = {"name": "m", "devices": [{"name": "g", "count": 1, "flops": 1e12,
     ONE_MACHINE,  # one device: no links to emulate
     # one local device: its collectives (infinite betas) were written, and refused when read back
     {"name": "solo", "local": True, "devices": [{"name": "cpu", "count": 1, "flops": 1e10, "memory": "1GiB"}]},
+    # values a bare number may not give (a unit forgotten): written bare, they were refused when read back
+    {"name": "slow", "devices": [{"name": "g", "count": 2, "flops": 1e12, "memory": "1GiB", "op_overhead": "1.5s"}],
+     "network": {"bandwidth": "4kbps", "latency": "2s", "emulate": True}},
+    {"name": "slow-m", "devices": [{"name": "g", "count": 2, "flops": 1e12, "memory": "1GiB", "mem_bandwidth": "500B/s"}],
+     "machines": [{"name": "a", "devices": 2, "intra": {"bandwidth": "800B/s", "latency": "1s"}, "nic": {"bandwidth": "1GB/s"}}]},
+    {"name": "slow-fits", "devices": [{"name": "g", "count": 2, "flops": 1e12, "memory": "1GiB"}],
+     "collectives": {k: {"alpha": "3s", "beta": "900B/s"} for k in
+                     ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}},
 ])
 def test_round_trip_through_dict(spec):
     c = BUILTIN[spec]() if isinstance(spec, str) else cluster_from_dict(spec)

@@ -168,10 +168,11 @@ class Cluster:
         """The spec as a cluster file would give it (cluster_from_dict reads it back)."""
         out = {
             "name": self.name,
-            "devices": [{k: getattr(d, k) for k in Device.__slots__} for d in self.devices],
+            "devices": [{k: _unit_where_needed(k, getattr(d, k)) for k in Device.__slots__} for d in self.devices],
         }
         if self.topology is not None and self.size > 1:
-            link = lambda x: {"bandwidth": x.bandwidth, "latency": x.latency}  # noqa: E731
+            link = lambda x: {"bandwidth": _unit_where_needed("bandwidth", x.bandwidth),  # noqa: E731
+                              "latency": _unit_where_needed("latency", x.latency)}
             out["machines"] = [{"name": m.name, "devices": len(m.devices), "intra": link(m.intra), "nic": link(m.nic)}
                                for m in self.topology.machines]
             out["links"] = [{"between": [a, b], **link(x)} for a, b, x in self.topology.overrides]
@@ -179,16 +180,28 @@ class Cluster:
         # (a topology's or a network's fits follow from it; one device has none: infinite betas,
         # which JSON cannot hold and a cluster file may not give)
         if (self.measured_fits or self.topology is None) and self.size > 1:
-            out["collectives"] = {k: {"alpha": f.alpha, "beta": f.beta} for k, f in self.collectives.items()}
+            out["collectives"] = {k: {"alpha": _unit_where_needed("alpha", f.alpha), "beta": _unit_where_needed("beta", f.beta)}
+                                  for k, f in self.collectives.items()}
         if self.emulate_links and "machines" in out:  # (one device has no links to emulate)
             out["emulate"] = True
         if self.emulated_network is not None:
             bandwidth, latency = self.emulated_network
-            out["network"] = {"bandwidth": bandwidth, "latency": latency, "emulate": True}
+            out["network"] = {"bandwidth": _unit_where_needed("bandwidth", bandwidth),
+                              "latency": _unit_where_needed("latency", latency), "emulate": True}
             out.pop("machines", None), out.pop("links", None), out.pop("algorithm", None)
         if self.local:
             out["local"] = True
         return out
+
+
+def _unit_where_needed(key: str, value):
+    """A cluster file's value as to_dict writes it: a bare number in the base unit, as ever,
+    but with its unit where the loader would take the bare number for a forgotten unit
+    (_given_unit: a latency of a second or more, a bandwidth under 1 kB/s)."""
+    plausible, unit = _BARE_RANGE.get(key, (None, None))
+    if plausible is None or not isinstance(value, float) or value <= 0 or plausible[0] <= value < plausible[1]:
+        return value
+    return f"{value!r}{unit}"
 
 
 def fits_from_network(m: int, bandwidth: float, latency: float) -> dict[str, Fit]:
@@ -286,7 +299,7 @@ total)."""
 
 
 def _positive(x: float, what: str, allow_zero: bool = False) -> float:
-    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+    if math.isnan(x) or x < 0 or (x == 0 and not allow_zero):
         raise ClusterError(f"{what} must be {'non-negative' if allow_zero else 'positive'}, got {x:g}")
     if x != 0 and not SANE[0] <= x <= SANE[1]:
         raise ClusterError(f"{what} of {x:g} is out of range ({SANE[0]:g} to {SANE[1]:g} in its unit's base)")
@@ -297,6 +310,11 @@ BARE_BANDWIDTH = (1e3, math.inf)
 """Bytes/s a bandwidth given as a bare number may be (below: a unit forgotten)."""
 BARE_LATENCY = (0.0, 1.0)
 """Seconds a latency given as a bare number may be (a second or more: a unit forgotten)."""
+
+
+_BARE_RANGE = {key: (BARE_BANDWIDTH, "B/s") for key in ("bandwidth", "beta", "intra_bandwidth", "mem_bandwidth")} | \
+    {key: (BARE_LATENCY, "s") for key in ("latency", "alpha", "op_overhead")}
+"""Per key of a cluster file, the range of a bare number (_given_unit) and its base unit."""
 
 
 def _given_unit(value, what: str, plausible: tuple[float, float], example: str) -> None:
@@ -310,9 +328,15 @@ def _given_unit(value, what: str, plausible: tuple[float, float], example: str) 
             return  # a number with its unit (or unreadable: _quantity says so)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
-    if not math.isfinite(value):
+    try:
+        value = float(value)
+    except OverflowError:
+        return  # a whole number of hundreds of digits: _quantity says it is out of range
+    if math.isnan(value):
         raise ClusterError(f"{what} must be a finite number, got {value!r}")
-    if value != 0 and not plausible[0] <= value < plausible[1]:
+    if value <= 0:
+        return  # _positive says what is wrong with it (a negative number lacks more than a unit)
+    if not plausible[0] <= value < plausible[1]:
         raise ClusterError(f"{what} of {value:g} with no unit; give one (say {example})")
 
 
