@@ -539,3 +539,31 @@ def test_sparse_rows_are_padded_to_the_busiest_ranks_at_the_plans_shares():
     assert table.sparse_rows == 36 and table.wire_bytes == 36 * 72
     # without the cost model, the 24 pairs unpadded (what was priced before)
     assert next(v for v in Variables.of(plan, graph).vars if v.sparse).wire_bytes == 24 * 72
+
+
+def test_analytic_hierarchical_waits_for_the_slowest_machine_not_the_largest():
+    """Machine a: 2 devices joined at 1 GB/s; machine b: 3 devices at 10 GB/s. Inside, each
+    machine's ring runs at once: a's 2 * 1/2 * n / 1 GB/s ends after b's 2 * 2/3 * n / 10 GB/s.
+    Between the leaders: 2 * 1/2 * n over the 1 GB/s cards. It priced b's ring alone, the largest,
+    whatever a's link."""
+    def cluster(intra_a):
+        nic = {"bandwidth": "1GB/s", "latency": "20us"}
+        return cluster_from_dict({
+            "name": "t", "algorithm": "ring", "devices": [{"name": "gpu", "count": 5, "flops": 1e12, "memory": "16GiB"}],
+            "machines": [{"name": "a", "devices": 2, "intra": {"bandwidth": intra_a, "latency": "5us"}, "nic": nic},
+                         {"name": "b", "devices": 3, "intra": {"bandwidth": "10GB/s", "latency": "5us"}, "nic": nic}]})
+    graph = capture(MLP(), (torch.randn(64, 32),))
+    times = {}
+    for intra_a in ("1GB/s", "100GB/s"):
+        cl = cluster(intra_a)
+        plan = baseline_plan(graph, cl, "dp-ev")
+        cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+        variables = Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
+        entries = variables.entries(uniform(variables, PartSync(kind=AR, hierarchical=True)))
+        (bucket,) = price.buckets(entries, variables)
+        n = price.message_bytes(bucket, variables)[0]
+        times[intra_a] = price.analytic(entries, variables, cost, 0.0), n
+    (slow, n), (fast, _) = times["1GB/s"], times["100GB/s"]
+    between = 2 * 1 / 2 * n / 1e9 + 2 * 20e-6 + price.LAUNCH_OVERHEAD
+    assert slow == pytest.approx(n / 1e9 + between, rel=1e-6)
+    assert fast == pytest.approx(4 / 3 * n / 1e10 + between, rel=1e-6)

@@ -126,9 +126,10 @@ def analytic(entries: list[SyncEntry], variables: Variables, cost: CostModel, co
         else:
             w = variables.devices
             if e.hierarchical:
-                inside = max(len(m) for m in machines)
                 leaders = [m[0] for m in machines]
-                t = 2 * (inside - 1) / inside * first / _ring_bandwidth(topo, max(machines, key=len), cost) if inside > 1 else 0.0
+                # each machine's ring at once: the slowest one (not the largest) ends it
+                t = max((2 * (len(m) - 1) / len(m) * first / _ring_bandwidth(topo, m, cost) for m in machines if len(m) > 1),
+                        default=0.0)
                 if len(leaders) > 1:
                     t += 2 * (len(leaders) - 1) / len(leaders) * first / _ring_bandwidth(topo, leaders, cost)
                 t += len(leaders) * phi + LAUNCH_OVERHEAD
