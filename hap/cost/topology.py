@@ -133,7 +133,8 @@ class Topology:
         leaders = [devs[0] for devs in per_machine.values()]
         alpha, per_byte = LAUNCH_OVERHEAD, 0.0
         inside = [devs for devs in per_machine.values() if len(devs) > 1]
-        if inside:  # reduce to one device per machine, and broadcast back at the end
+        if inside:  # inside each machine a reduce-scatter, and an all-gather at the end (NCCL's hierarchy):
+            # 2 (k - 1) / k of the bytes over its ring; the leaders all-reduce between machines
             k = max(len(devs) for devs in inside)
             link = _slowest([self.ring_link(devs) for devs in inside])
             alpha += 2 * (k - 1) * link.latency
