@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hap.capture import capture
-from hap.cost.cluster import Cluster, Device, fits_from_network
+from hap.cost.cluster import Cluster, Device, cluster_from_dict, fits_from_network
 from hap.cost.model import CostModel
 from hap.rules import strategy_table
 from hap.rules.units import ShardClasses
@@ -292,3 +292,29 @@ def test_a_groups_collectives_are_priced_as_the_whole_clusters_are():
     for kind in ("all_gather", "broadcast"):
         assert cost.group_collective(kind, 1e6, [0, 1]) == pytest.approx(local.fit(kind).time(1e6), rel=1e-12)
     assert local.fit("all_gather").time(1e6) != local.fit("broadcast").time(1e6)
+
+
+def test_buckets_are_large_enough_for_the_algorithm_that_runs_them():
+    """Gradient buckets end where the all-reduce's latency is at most a quarter of its time.
+    Hand-worked: a tree at 1 us + b / 1e8 and a ring at 100 us + b / 1e9, the faster taken per
+    size, cross at b = 11,000 bytes. The tree's own bound, 3 * 1e-6 * 1e8 = 300 bytes, holds only
+    up to there; from then on the ring runs, whose bound is 3 * 1e-4 * 1e9 = 300,000 bytes. The
+    chord at 1-2 bytes (the tree's) gave 300."""
+    from hap.cost.model import enough_bucket_bytes
+    both = lambda b: min(1e-6 + b / 1e8, 1e-4 + b / 1e9)  # noqa: E731
+    assert enough_bucket_bytes(both) == pytest.approx(300_000, rel=1e-6)
+    assert enough_bucket_bytes(lambda b: 2e-4 + b / 7.4e8) == pytest.approx(444_000, rel=1e-6)  # one line: 3 alpha / slope
+    assert enough_bucket_bytes(lambda b: 0.0) == 0.0  # one device: nothing to wait for
+
+
+def test_auto_topology_buckets_fit_the_ring_that_runs_them(graph):
+    # 8 machines of one device at 10 Gbps, 30 us: "auto" runs the ring at bucket sizes, so
+    # buckets are what "ring" makes them (they were 7.5x smaller, latency 72% of their time)
+    from hap.cost.model import enough_bucket_bytes
+    def cluster(algorithm):
+        return cluster_from_dict({"devices": [{"name": "g", "count": 8, "flops": "1TFLOPS", "memory": "16GiB"}],
+                                  "machines": [{"name": f"m{i}", "devices": 1, "nic": {"bandwidth": "10Gbps", "latency": "30us"}}
+                                               for i in range(8)], "algorithm": algorithm})
+    classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+    auto, ring = (enough_bucket_bytes(CostModel(graph, cluster(a), classes).grad_sync) for a in ("auto", "ring"))
+    assert auto == pytest.approx(ring, rel=1e-6) and ring > 9e5

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
@@ -434,6 +434,34 @@ def finite(x: float) -> float:
 BUCKET_LATENCY_SHARE = 0.25  # a bucket is large enough that its latency is at most this part of its time
 
 
+def enough_bucket_bytes(seconds: Callable[[float], float]) -> float:
+    """The fewest bytes from which on an all-reduce's latency is at most BUCKET_LATENCY_SHARE
+    of its `seconds`. Where the cluster picks the algorithm per size (topology "auto", the
+    best of ring, tree and hierarchical), the latency is that of the algorithm it runs at the
+    size: the line of `seconds` there. (The chord at 1-2 bytes, the tree's, made buckets 7.5x
+    too small for the ring that then ran them, latency 72% of its time.)"""
+    def line(b: float) -> tuple[float, float]:  # (latency, seconds per byte) of the algorithm run at b bytes
+        t = seconds(b)
+        slope = (seconds(b * 1.001) - t) / (b * 0.001)
+        return t - slope * b, slope
+
+    def short(b: float) -> bool:
+        return line(b)[0] <= BUCKET_LATENCY_SHARE * seconds(b) * (1 + 1e-9)
+
+    if not short(2.0 ** 50):  # latency even at a petabyte: one bucket
+        return math.inf
+    enough = 2.0 ** 50
+    for k in range(49, -1, -1):  # down, while large enough: the fewest bytes of 2^k
+        if not short(2.0 ** k):
+            break
+        enough = 2.0 ** k
+    latency, slope = line(enough)
+    if latency <= 0 or slope <= 0:  # no latency (one device): any size
+        return 0.0
+    exact = latency * (1 - BUCKET_LATENCY_SHARE) / BUCKET_LATENCY_SHARE / slope  # on that algorithm's line
+    return exact if enough / 2 < exact <= enough and short(exact) else enough
+
+
 def sync_groups(graph: Graph, cost: CostModel) -> list[int]:
     """The gradient bucket of every node: consecutive layer chunks, from the last (whose
     gradients arrive first), joined until the parameters first used in them are large enough
@@ -447,8 +475,7 @@ def sync_groups(graph: Graph, cost: CostModel) -> list[int]:
     chunk_bytes = [0.0] * (chunks[-1] + 1)
     for k, nbytes in enumerate(cost.first_use_bytes):
         chunk_bytes[chunks[k]] += nbytes
-    alpha, slope = cost.sync_alpha, cost.sync_slope
-    enough = alpha * (1 - BUCKET_LATENCY_SHARE) / BUCKET_LATENCY_SHARE / slope if slope > 0 else 0.0
+    enough = enough_bucket_bytes(cost.grad_sync)
     group_of_chunk = [0] * len(chunk_bytes)
     group, size = 0, 0.0
     for c in range(len(chunk_bytes) - 1, -1, -1):
