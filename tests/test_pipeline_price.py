@@ -66,7 +66,9 @@ def test_crossings_are_priced_as_the_runtime_routes_them(paper):
     """Per micro-batch (M = 2) from group [0, 1] to [2, 3], each pair of devices moves its rows,
     768 / 2 / 2 = 192 bytes, and the first device sends each replicated tensor whole to both
     devices of the next group: forward 192 bytes of rows then 2 x 128 whole, back 192 then
-    2 x 64 (the mask has no gradient). They were priced as (768 + 128) / 2 / 2 bytes each way."""
+    2 x 64 (the mask has no gradient). They were priced as (768 + 128) / 2 / 2 bytes each way.
+    Each tensor is a message of its own, with its own latency: the two whole tensors are two
+    (they were priced as one message of 128 bytes, a pipeline's latency undercounted)."""
     import hap
     from hap.cost.cluster import local_cluster, paper_cluster
     from hap.pipeline.plan import PipelineSpace
@@ -77,12 +79,13 @@ def test_crossings_are_priced_as_the_runtime_routes_them(paper):
     assert [n.op for n in graph.nodes[6:8]] == ["aten._to_copy.default", "aten.mul.Tensor"]
     fwd, back = space.pricer.transfer(7, [0, 1], [2, 3], 2)
     if paper:  # per link
-        send = cluster.topology.send
+        send, link = cluster.topology.send, cluster.topology.link
         rows = max(send(i, j, 192) for i in (0, 1) for j in (2, 3))
-        assert (fwd, back) == pytest.approx((rows + send(0, 2, 128) + send(0, 3, 128), rows + send(0, 2, 64) + send(0, 3, 64)))
+        wholes = sum(send(0, j, 128) + link(0, j).latency for j in (2, 3))  # two messages to each
+        assert (fwd, back) == pytest.approx((rows + wholes, rows + send(0, 2, 64) + send(0, 3, 64)))
     else:  # the measured fit
-        time = cluster.fit("broadcast").time
-        assert (fwd, back) == pytest.approx((time(192) + 2 * time(128), time(192) + 2 * time(64)))
+        fit = cluster.fit("broadcast")
+        assert (fwd, back) == pytest.approx((fit.time(192) + 2 * (fit.time(128) + fit.alpha), fit.time(192) + 2 * fit.time(64)))
     est = space.pricer.estimate([7], [[0, 1], [2, 3]], [[0.5, 0.5], [0.5, 0.5]], 2)
     assert est.send + est.send_back == pytest.approx((fwd, back))
     assert est.stage_seconds[0] == pytest.approx(est.fwd[0] + est.bwd[0] + fwd + back)

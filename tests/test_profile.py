@@ -289,3 +289,51 @@ def test_calibration_cache_keys_precision_and_frozen_layers_and_survives_damage(
         assert not cached and timing.fwd == (1.0,) * n
         assert calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path)) == (timing, True)  # replaced
     assert speeds == [pytest.approx(9e10)] * 6
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(x), y)  # the mean over y's count
+
+
+def early_count_worker(rank, world):
+    """The order in which a data-parallel step puts its collectives on the emulated link and
+    its loss waits for the count of its targets."""
+    import hap
+    from hap.planner import baseline_plan
+    from hap.runtime.executor import Executor
+
+    events = []
+    on_wire, wait = Emulation.on_wire, Executor._sum
+
+    def recorded_on_wire(self, kind, volume, devices=None):
+        events.append(f"{kind} {volume:g}")
+        return on_wire(self, kind, volume, devices)
+
+    def recorded_wait(self, t):
+        events.append("loss waits")
+        return wait(self, t)
+
+    Emulation.on_wire, Executor._sum = recorded_on_wire, recorded_wait
+    cluster = cluster_from_dict({"name": "emu", "local": True, "devices": [{"name": "cpu", "count": 2, "flops": 1e10,
+                                                                           "memory": "1GiB"}],
+                                 "network": {"bandwidth": "1GB/s", "latency": "1ms", "emulate": True}})
+    torch.manual_seed(0)
+    net = Classifier()
+    x, y = torch.randn(10, 8), torch.randint(0, 4, (10,))
+    dmodel = hap.HAP(net, cluster, (x, y), plan=baseline_plan(hap.capture(net, (x, y)), cluster, "dp-ev"))
+    events.clear()
+    dmodel(x, y).backward()
+    return {"events": events}
+
+
+def test_an_early_count_of_targets_takes_its_link_time_beside_the_forward(tmp_path):
+    """A mean over class-index targets divides by their count over every rank, all-reduced
+    (8 bytes) as the step starts. Its emulated link time began only once the loss waited for it,
+    so a slow link was paid in full after the forward instead of beside it."""
+    events = run_ranks(early_count_worker, 2, tmp_path)[0]["events"]
+    assert events.index("all_reduce 8") < events.index("loss waits"), events

@@ -35,6 +35,7 @@ from typing import Callable, Literal, Sequence
 from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
+from ..rules.nn import starts_early
 from ..rules.nn import sparse_gradient_rows
 from ..rules.units import ShardClasses
 from .cluster import Cluster
@@ -62,6 +63,7 @@ class CostModel:
         devs = cluster.devices
         self._comm: dict[tuple[str, float], CommCost] = {}  # the collectives' prices, asked for often
         self._base: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # base_times per node
+        self._forward_floor: list[float] | None = None  # per node: the least forward time before it (early_count_seconds)
         self._param_seconds: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # per (node, parameter(s))
         self.inv_speed = tuple(1.0 / (d.flops * d.gpus) for d in devs)
         self.inv_mem_bw = tuple(1.0 / (d.mem_bandwidth * d.gpus) if d.mem_bandwidth > 0 else 0.0 for d in devs)
@@ -292,7 +294,24 @@ class CostModel:
         and backward (on whole tensors: no share dependence)."""
         if st.local is None:
             return 0.0
-        return sum(self.comm(kind, nbytes).const for kind, nbytes in variant_collectives(node, st, self.graph))
+        seconds = sum(self.comm(kind, nbytes).const for kind, nbytes in variant_collectives(node, st, self.graph))
+        if st.local == "loss_mean" and starts_early(node, self.graph):
+            seconds += self.early_count_seconds(node)
+        return seconds
+
+    def early_count_seconds(self, node: Node) -> float:
+        """What the forward leaves to wait of a loss's count of its targets, all-reduced from
+        the step's start beside the forward (rules.nn.starts_early): its time less the least
+        the forward up to the loss can take, every node split in proportion to the devices'
+        speeds (a constant of the node: every program waits alike). Tens of microseconds
+        against milliseconds of forward on GPUs: nothing; on a slow emulated link, most of it."""
+        if self._forward_floor is None:
+            floor, self._forward_floor = 0.0, []
+            for nd in self.graph.nodes:
+                self._forward_floor.append(floor)
+                fwd = self.base_times(nd)[0]
+                floor += 0.0 if min(fwd) <= 0 else 1.0 / sum(1.0 / f for f in fwd)
+        return max(0.0, self.comm("all_reduce", 8.0).const - self._forward_floor[node.index])
 
     def sync_bytes(self, param: str) -> float:
         """The bytes a bucket's all-reduce carries for a parameter kept whole: its size; for a

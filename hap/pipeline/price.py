@@ -41,6 +41,7 @@ import numpy as np
 
 from ..cost.model import CostModel
 from ..rules.local import variant_collectives
+from ..rules.nn import counts_early
 from ..search.program import Step
 from .schedule import ScheduleName, in_flight, simulate
 from .stages import stage_of_nodes
@@ -104,10 +105,14 @@ class PipelinePricer:
         self.acts = np.concatenate([[0], np.cumsum(acts)])
         self._held_params(cost)
         # collectives inside nodes (a synchronized batch norm's sums), over a stage's group
-        self._inner = [(step.node, variant_collectives(graph.nodes[step.node], step.strategy, graph)) for step in program]
+        # (a loss's count of its targets is none: a stage counts them from the whole batch's labels)
+        self._inner = [(step.node, variant_collectives(graph.nodes[step.node], step.strategy, graph)) for step in program
+                       if not counts_early(graph.nodes[step.node], step.strategy, graph)]
         self._inner = [(k, found) for k, found in self._inner if found]
         self._inner_cum: dict[tuple[int, ...], np.ndarray] = {}
         self.crossing_bytes = _crossing_bytes(graph, program)
+        self.crossing_counts = _crossing_bytes(graph, program, count=True)
+        """The same, counting the tensors (each a message of its own: a latency each)."""
         """[split or whole, forward or backward, c]: the bytes that cross the cut before node c
         split on a dim (whole batch) or replicated, and those of them whose gradient comes back."""
         self.cut_bytes = self.crossing_bytes[:, 0].sum(0)  # [c]: all bytes crossing the cut before node c
@@ -189,17 +194,29 @@ class PipelinePricer:
         each), after its rows. A tensor read several stages on is priced at every cut it
         crosses, each on its own link (the runtime sends it once, straight to each reader)."""
         split, whole = self.crossing_bytes[0, :, cut] / M, self.crossing_bytes[1, :, cut]
-        there, back = (self._send_seconds(float(split[way]), float(whole[way]), src, dst) for way in (0, 1))
+        n_split, n_whole = self.crossing_counts[0, :, cut], self.crossing_counts[1, :, cut]
+        there, back = (self._send_seconds(float(split[way]), float(whole[way]), int(n_split[way]), int(n_whole[way]), src, dst)
+                       for way in (0, 1))
         return there, back
 
-    def _send_seconds(self, split: float, whole: float, src: Sequence[int], dst: Sequence[int]) -> float:
+    def _send_seconds(self, split: float, whole: float, n_split: int, n_whole: int, src: Sequence[int],
+                      dst: Sequence[int]) -> float:
+        """Seconds of sending a micro-batch's rows of n_split tensors (split bytes of them) between
+        pairs of devices, then n_whole whole tensors (whole bytes) to each destination device:
+        each tensor its own message, with its own latency, as the runtime sends them."""
         topo = self.cost.cluster.topology
         pairs = max(len(src), len(dst))
         if topo is None or self.cost.cluster.measured_fits:
             fit = self.cost.cluster.fit("broadcast")
-            return (fit.time(split / pairs) if split > 0 else 0.0) + (len(dst) * fit.time(whole) if whole > 0 else 0.0)
-        rows = max(topo.send(i, j, split / pairs) for i, j in itertools.product(src, dst)) if split > 0 else 0.0
-        return rows + (sum(topo.send(src[0], j, whole) for j in dst) if whole > 0 else 0.0)
+            return ((n_split * fit.alpha + split / pairs / fit.beta if split > 0 else 0.0)
+                    + (len(dst) * (n_whole * fit.alpha + whole / fit.beta) if whole > 0 else 0.0))
+
+        def message(a: int, b: int, count: int, nbytes: float) -> float:
+            link = topo.link(a, b)
+            return count * link.latency + nbytes / link.bandwidth
+
+        rows = max(message(i, j, n_split, split / pairs) for i, j in itertools.product(src, dst)) if split > 0 else 0.0
+        return rows + (sum(message(src[0], j, n_whole, whole) for j in dst) if whole > 0 else 0.0)
 
     def sync(self, a: int, b: int, group: Sequence[int]) -> float:
         """The part of stage a..b's gradient sync that depends on it alone: the all-reduce over
@@ -269,10 +286,11 @@ class PipelinePricer:
                                 tuple(mem), simulated)
 
 
-def _crossing_bytes(graph, program: Sequence[Step]) -> np.ndarray:
+def _crossing_bytes(graph, program: Sequence[Step], count: bool = False) -> np.ndarray:
     """[split or whole, forward or backward, c]: bytes crossing the cut before node c, by the
     placement the program gives them (split on a dim: the whole batch's; replicated: one
-    copy), forward, and backward for those whose gradient comes back (stages.crossings)."""
+    copy), forward, and backward for those whose gradient comes back (stages.crossings).
+    count: the number of tensors instead."""
     placed = {}
     for step in program:
         placed.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
@@ -281,6 +299,7 @@ def _crossing_bytes(graph, program: Sequence[Step]) -> np.ndarray:
         if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer:
             kind = 0 if placed[t.name].is_shard else 1
             for way in (0, 1) if t.requires_grad else (0,):
-                delta[kind, way, t.producer + 1] += t.nbytes
-                delta[kind, way, max(t.consumers) + 1] -= t.nbytes
+                amount = 1 if count else t.nbytes
+                delta[kind, way, t.producer + 1] += amount
+                delta[kind, way, max(t.consumers) + 1] -= amount
     return np.cumsum(delta, axis=-1)[..., : len(graph.nodes) + 1]

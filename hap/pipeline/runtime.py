@@ -53,7 +53,7 @@ class _Transfer:
     [start, start + length) of its dim (local to this rank's piece), or the whole tensor."""
     crossing: int
     peer: int
-    """The other rank (global)."""
+    """The other device (its rank in the pipeline's comm)."""
     tag: int
     start: int = 0
     length: int = -1
@@ -65,11 +65,13 @@ class Pipeline(nn.Module):
                  comm: Comm | None = None):
         super().__init__()
         comm = rank_comm(cluster, comm, "hap.Pipeline")
+        if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster), as hap.HAP
+            comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
         if not model.training:  # (every rank's model alike: refused on all of them)
             raise ValueError("hap.Pipeline trains in training mode and the model is in eval mode: call model.train() "
                              "first (a model trained in eval mode, say with frozen BatchNorm statistics, trains with hap.HAP)")
         self.comm, self.cluster = comm, cluster
-        self.emulation = Emulation.for_rank(cluster, comm.rank)
+        self.emulation = comm.emulation
         object.__setattr__(self, "model", model)  # not a submodule: parameters() are this stage's only
         # where this rank computes: the model's device (received activations, draws and sums go there)
         self.device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
@@ -179,20 +181,18 @@ class Pipeline(nn.Module):
                     tag = self._tag(m, ci, dst, False)
                     if not c.placement.is_shard:  # replicated: the micro-batch's first device sends it whole
                         if rank == src_devs[0]:
-                            sends[m] += [_Transfer(ci, global_rank(self.comm, d), tag) for d in dst_devs]
+                            sends[m] += [_Transfer(ci, d, tag) for d in dst_devs]
                         elif self.s == dst:
-                            recvs[m].append(_Transfer(ci, global_rank(self.comm, src_devs[0]), tag))
+                            recvs[m].append(_Transfer(ci, src_devs[0], tag))
                         continue
                     dim = c.placement.dim
                     src_rows = row_ranges(self.classes.split_sizes(c.tensor, dim, self.pieces[c.src]), self.M, m)
                     dst_rows = row_ranges(self.classes.split_sizes(c.tensor, dim, self.pieces[dst]), self.M, m)
                     for i, j, start, length in overlaps(src_rows, dst_rows):
                         if rank == src_devs[i]:
-                            sends[m].append(_Transfer(ci, global_rank(self.comm, dst_devs[j]), tag,
-                                                      start - src_rows[i][0], length))
+                            sends[m].append(_Transfer(ci, dst_devs[j], tag, start - src_rows[i][0], length))
                         if rank == dst_devs[j]:
-                            recvs[m].append(_Transfer(ci, global_rank(self.comm, src_devs[i]), tag,
-                                                      start - dst_rows[j][0], length))
+                            recvs[m].append(_Transfer(ci, src_devs[i], tag, start - dst_rows[j][0], length))
         return sends, recvs
 
     # -- one iteration -------------------------------------------------------------------------
@@ -313,7 +313,7 @@ class Pipeline(nn.Module):
             x = held[(c.tensor, c.placement)]
             if tr.length >= 0:
                 x = x.narrow(c.placement.dim, tr.start, tr.length)
-            pending.append(wire.isend(x.detach().contiguous(), tr.peer, tag=tr.tag))
+            pending.append(wire.isend(x.detach().contiguous(), self._rank_of(tr), tag=tr.tag))
             if c.requires_grad:  # its gradient comes back (zeros where this piece has no path)
                 outputs.append((tr, x))
         sent = {tr.crossing for tr in self._sends[m]}
@@ -332,10 +332,11 @@ class Pipeline(nn.Module):
         for tr, x in outputs:
             g = torch.empty_like(x, memory_format=torch.contiguous_format)
             if tr is not None:
-                works.append(wire.irecv(g, tr.peer, tag=tr.tag + 1))
+                works.append(wire.irecv(g, self._rank_of(tr), tag=tr.tag + 1))
             grads.append(g)
         for w in works:
             w.wait()
+        self._arrived([(tr, g) for (tr, _), g in zip(outputs, grads) if tr is not None])
         t0 = time.perf_counter()
         if part is not None and part.requires_grad:
             torch.autograd.backward([part])
@@ -346,7 +347,7 @@ class Pipeline(nn.Module):
         self._settle()
         for tr, leaf in leaves:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            pending.append(wire.isend(g.contiguous(), tr.peer, tag=tr.tag + 1))
+            pending.append(wire.isend(g.contiguous(), self._rank_of(tr), tag=tr.tag + 1))
 
     def _receive(self, m: int) -> dict[int, tuple[torch.Tensor, list]]:
         """Micro-batch m's crossings into this rank: crossing -> (its local value, [(transfer,
@@ -359,11 +360,12 @@ class Pipeline(nn.Module):
             if tr.length >= 0:
                 shape[c.placement.dim] = tr.length
             buf = torch.empty(shape, dtype=getattr(torch, t.dtype), device=self.device)
-            works.append(wire.irecv(buf, tr.peer, tag=tr.tag))
+            works.append(wire.irecv(buf, self._rank_of(tr), tag=tr.tag))
             parts.setdefault(tr.crossing, []).append((tr, buf))
         with self._span(f"hap move receive micro-batch {m} (gloo)"):
             for w in works:
                 w.wait()
+        self._arrived([tr_buf for got in parts.values() for tr_buf in got])
         out = {}
         for ci, got in parts.items():
             c = self.crossings[ci]
@@ -380,6 +382,26 @@ class Pipeline(nn.Module):
             empty = torch.empty(shape, dtype=getattr(torch, t.dtype), device=self.device)
             out[ci] = (empty.requires_grad_(c.requires_grad), [])
         return out
+
+    def _rank_of(self, tr: _Transfer) -> int:
+        return global_rank(self.comm, tr.peer)
+
+    def _arrived(self, received: list[tuple[_Transfer, torch.Tensor]]) -> None:
+        """Messages just received: an emulated link (emulate: true) carries each in its modelled
+        time, one after another, as the pipeline's price has them (topology.send); wait it out."""
+        links = self.emulation.links
+        if links is None or not received:
+            return
+        ready = 0.0
+        for tr, buf in received:
+            ready = self.emulation.on_link(tr.peer, self.comm.rank, buf.numel() * buf.element_size())
+        self.emulation.off_wire(ready)
+
+    def _group_all_reduce(self, x: torch.Tensor, devices: tuple[int, ...]) -> None:
+        """Sum x over a group of devices in place, taking an emulated link's time as well."""
+        ready = self.comm.on_wire("all_reduce", x.numel() * x.element_size(), list(devices))
+        wire.all_reduce(x, group=self._groups[devices])
+        self.comm.off_wire(ready)
 
     def _empty_crossings(self, m: int, got: dict) -> list[int]:
         if not hasattr(self, "_incoming"):
@@ -415,7 +437,7 @@ class Pipeline(nn.Module):
         assert self.M == 1, "check_pipelinable lets a sum over the batch run with 1 micro-batch only"
         out = x.detach().clone()
         if len(self.devices) > 1:
-            wire.all_reduce(out, group=self._groups[tuple(self.devices)])
+            self._group_all_reduce(out, tuple(self.devices))
         return out
 
     def _label_count(self, node, x: torch.Tensor) -> torch.Tensor:
@@ -469,7 +491,7 @@ class Pipeline(nn.Module):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor(had, dtype=params[0].grad.dtype, device=params[0].grad.device)])
-            wire.all_reduce(flat, group=self._groups[devices])
+            self._group_all_reduce(flat, devices)
             parts = flat.split([p.numel() for p in params] + [len(params)])
             for p, part, reached in zip(params, parts, parts[-1].tolist()):
                 if reached:

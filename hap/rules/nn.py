@@ -469,7 +469,25 @@ def _broadcast_place(shape: tuple[int, ...], d: int, rank: int):
     return S(k) if k >= 0 and shape[k] > 1 else R
 
 
-@variant("loss_mean")
+def _loss_mean_collectives(node: Node, graph: Graph) -> list[tuple[str, float]]:
+    """The mean's all-reduce of a class-index loss's count (float64) where the runtime waits for
+    it inside the forward: nll_loss_forward's total weight, or a count of targets the step
+    computes (labels shifted in the model). One the runtime starts as the forward starts
+    (`starts_early`) runs beside it: CostModel.variant_comm prices what the forward leaves of it."""
+    if node.op not in _CLASS_LOSSES or _is_float(graph, node.inputs[1]) or starts_early(node, graph):
+        return []
+    return [("all_reduce", 8.0)]
+
+
+def starts_early(node: Node, graph: Graph) -> bool:
+    """Whether hap.HAP's runtime starts a split class-index loss's count as the forward starts
+    (executor._start_early_counts): its one all-reduce is the count (counts_early), and the
+    targets and weights it counts are the step's own inputs, not values the forward computes."""
+    return (node.op in _CLASS_LOSSES and len(node.outputs) == 1 and not _is_float(graph, node.inputs[1])
+            and all(graph.tensors[t].kind != "activation" for t in node.inputs[1:]))
+
+
+@variant("loss_mean", collectives=_loss_mean_collectives)
 def _loss_mean(node, st, args, kwargs, ctx, graph):
     pos = 3 if node.op in _CLASS_LOSSES else _POINTWISE_LOSSES[node.op]
     if pos < len(args):

@@ -68,6 +68,14 @@ class Emulation:
         self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
         return self.wire_free
 
+    def on_link(self, a: int, b: int, nbytes: float) -> float:
+        """A point-to-point message of nbytes from device a to device b (a pipeline's
+        activations or their gradients) starts on this rank's link: when its link time is over."""
+        if self.links is None:
+            return 0.0
+        self.wire_free = max(time.perf_counter(), self.wire_free) + self.links.send(a, b, nbytes)
+        return self.wire_free
+
     def off_wire(self, ready_at: float) -> None:
         """The collective is done here: wait out what is left of its link time."""
         left = ready_at - time.perf_counter()

@@ -99,7 +99,7 @@ class Executor:
         self._presliced: frozenset[str] = frozenset()
         self._waited = 0.0  # seconds the current node spent in collectives
         self._node = -1  # the node running now
-        self._early: dict[int, tuple[torch.Tensor, dist.Work]] = {}  # node -> its all-reduce, started early
+        self._early: dict[int, tuple[torch.Tensor, dist.Work, float]] = {}  # node -> its all-reduce (and link's end), started early
         self._steps: list[tuple] | None = None  # built on the first forward (see _compiled)
         self._direct: dict[int, Callable] = {}  # node -> its direct call (_direct_call)
         self._early_counts: list[tuple] = []  # (node, strategy, segment) of losses that count early
@@ -410,10 +410,10 @@ class Executor:
         t0 = time.perf_counter()
         early = self._early.pop(self._node, None)
         if early is not None:  # started when the forward began (_start_early_counts)
-            out, work = early
+            out, work, ready_at = early
             self.comm.before()
             work.wait()
-            self.comm.after("all_reduce", out.numel() * out.element_size())
+            self.comm.off_wire(ready_at)  # an emulated link ran since the start, beside the forward
         else:
             out = all_reduce(t.detach(), self.comm)
         self._waited += time.perf_counter() - t0
@@ -431,7 +431,8 @@ class Executor:
                                     for name, p in zip(node.inputs[1:], st.inputs[1:]))
             count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
             self.comm.launching()
-            self._early[node.index] = (count, wire.all_reduce(count, group=self.comm.group, async_op=True))
+            ready_at = self.comm.on_wire("all_reduce", count.numel() * count.element_size())
+            self._early[node.index] = (count, wire.all_reduce(count, group=self.comm.group, async_op=True), ready_at)
 
     def _early_count_ok(self, node, st) -> bool:
         """The loss counts early when it is such a mean and its labels (and weights) are leaves
