@@ -490,11 +490,11 @@ def _check_checkpoint(path: str, graph) -> None:
     """The checkpoint's files must be as written (their checksums, .metadata's too) and it must be
     of this model (its every parameter and buffer, by key and shape), said here once rather
     than by every rank (which then load it without hashing it again)."""
-    from .runtime.checkpoint import check, model_shapes, verify
+    from .runtime.checkpoint import check, idle_shapes, model_shapes, verify
 
     try:
         verify(path)
-        check(path, model_shapes(graph))
+        check(path, model_shapes(graph), optional=idle_shapes(graph))
     except ValueError as e:
         raise UserError(f"--resume: {e}") from None
 

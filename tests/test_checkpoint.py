@@ -510,6 +510,39 @@ def test_a_state_dict_loads_what_the_forward_never_reads(tmp_path):
         assert got["untouched"]
 
 
+def idle_head_checkpointed(rank, world, directory, phase):
+    """Save: pretrained values loaded, one step, a checkpoint. Load: a model built under a
+    seed of each rank's own, the checkpoint loaded into it."""
+    torch.manual_seed(0 if phase == "save" else 10 + rank)
+    inputs = (torch.randn(10, 8, generator=torch.Generator().manual_seed(2)),
+              torch.randn(10, 8, generator=torch.Generator().manual_seed(3)))
+    dmodel = hap.HAP(WithIdleHead(), hap.load_cluster(CLUSTERS[world]), inputs)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    out = {"started": dmodel.full_state_dict()["head.weight"].tolist()}  # rank 0's on every rank, as DDP starts
+    if phase == "save":
+        dmodel.load_state_dict({k: torch.full_like(v, 7.0) for k, v in WithIdleHead().state_dict().items()})
+        dmodel(*inputs).backward()
+        opt.step()
+        checkpoint.save(dmodel, opt, directory, 1)
+    else:
+        checkpoint.load(dmodel, opt, directory)
+    out["state"] = {k: v.tolist() for k, v in dmodel.full_state_dict().items()}
+    return out
+
+
+def test_a_checkpoint_keeps_what_the_forward_never_reads(tmp_path):
+    """A head the loss never reads, loaded with pretrained values, was left out of checkpoints:
+    a resume had the head of the model as built (nothing said so); and ranks built under other
+    seeds each kept their own head."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    saved = run_ranks(idle_head_checkpointed, 2, tmp_path / "a", str(tmp_path / "ck"), "save")
+    loaded = run_ranks(idle_head_checkpointed, 4, tmp_path / "b", str(tmp_path / "ck"), "load")
+    assert saved[0]["state"]["head.weight"] == [[7.0] * 8] * 3
+    assert loaded[1]["started"] == loaded[0]["started"] != loaded[0]["state"]["head.weight"]
+    for got in loaded:
+        assert got["state"] == saved[0]["state"]
+
+
 class WithScratchBuffer(torch.nn.Module):
     """A buffer registered with persistent=False: state dicts leave it out, as torch's do."""
 

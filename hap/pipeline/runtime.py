@@ -39,6 +39,7 @@ from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
+from ..runtime.checkpoint import sync_idle
 from ..runtime.executor import leaf_values
 from ..runtime import wire
 from ..runtime.module import (agree_plan, check_trainable, clip_by_global_norm, model_named, rank_comm, state_keys,
@@ -141,6 +142,7 @@ class Pipeline(nn.Module):
             if comm.rank in e.devices and e.param in self.params and len(e.devices) > 1:
                 self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
         self._sends, self._recvs = self._routes()
+        sync_idle(self)  # the parameters no node uses: rank 0's, as the others
         # Random numbers, as one device draws them: every step, from rank 0's generator, each
         # random node's whole draw in graph order, up to this stage's last node (the earlier
         # stages' draws only advance the generator); every micro-batch takes its rows. After the

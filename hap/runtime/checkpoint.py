@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from .collectives import _with_length, gather_or_refuse, global_rank
+from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
 
 POINTER = "latest"
@@ -60,7 +60,31 @@ def state_dict(dmodel) -> dict[str, torch.Tensor]:
     ex, out = dmodel.executor, {}
     for name in _persistent(dmodel):
         out[dmodel.graph.tensors[name].target] = _like(dmodel, name, ex.value_of(name).detach().contiguous())
+    out.update(idle_state(dmodel))
     return out
+
+
+def idle_state(dmodel) -> dict[str, torch.Tensor]:
+    """The parameters the forward never reads (a head the loss does not use), by key: trained by
+    nothing, kept whole in the model hap wrapped (rank 0's values on every rank: sync_idle), and
+    saved and loaded with the rest, so a resume keeps what load_state_dict put there. Not on
+    the meta device (a model too large for one device: never materialized)."""
+    original = dmodel.model.state_dict()
+    return {key: original[key] for key in idle_shapes(dmodel.graph) if key in original and not original[key].is_meta}
+
+
+def idle_shapes(graph) -> dict[str, tuple[int, ...]]:
+    """State-dict key -> whole shape of every parameter no node uses (idle_state)."""
+    used = {name for node in graph.nodes for name in node.inputs}
+    return {t.target: t.shape for name, t in graph.tensors.items() if t.kind == "param" and name not in used}
+
+
+def sync_idle(dmodel) -> None:
+    """Rank 0's values of the idle parameters on every rank, as DDP starts (a collective)."""
+    if dmodel.comm.world > 1:
+        with torch.no_grad():
+            for value in idle_state(dmodel).values():
+                value.copy_(from_rank_0(value, dmodel.comm))
 
 
 def _persistent(dmodel) -> list[str]:
@@ -242,8 +266,11 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
     if not verified:
         verify(path, comm)
     meta = metadata(path)
-    check(path, model_shapes(graph), meta)
+    check(path, model_shapes(graph), meta, optional=idle_shapes(graph))
     held = {f"model/{graph.tensors[name].target}": (name, _empty_local(ex, name)) for name in _persistent(dmodel)}
+    # in place, into the model's own (a checkpoint from before they were saved keeps the model's)
+    held.update({f"model/{key}": (None, value) for key, value in idle_state(dmodel).items()
+                 if f"model/{key}" in meta.state_dict_metadata})
     extra = "extra_pickle" if "extra_pickle" in meta.state_dict_metadata else "extra"  # (older checkpoints: the object)
     objects = {"step": None, extra: None}
     kind, groups = _model_groups(dmodel, opt)  # kind: None where no rank has an optimizer
@@ -379,9 +406,12 @@ def metadata(path: str) -> Metadata:
     return meta
 
 
-def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None = None) -> None:
+def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None = None,
+          optional: dict[str, tuple[int, ...]] | None = None) -> None:
     """A ValueError unless the checkpoint at `path` holds exactly the model tensors `shapes`
-    names (state-dict key -> whole shape), each whole."""
+    names (state-dict key -> whole shape), each whole, and any of the `optional` ones (the idle
+    parameters: checkpoints of older hap versions lack them) in their shapes."""
+    optional = optional or {}
     meta = meta or metadata(path)
     if "step" not in meta.state_dict_metadata:
         raise ValueError(f"{path} is not a hap checkpoint")
@@ -394,7 +424,10 @@ def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None =
             raise ValueError(f"{key!r} is {tuple(held[key].size)} in checkpoint {path} but {tuple(shape)} in the model")
         if sum(_volume(c.sizes) for c in held[key].chunks) != _volume(shape):
             raise ValueError(f"checkpoint {path} holds only part of {key!r}")
-    extra = sorted(set(held) - set(shapes))
+    for key in set(held) & set(optional):
+        if tuple(held[key].size) != tuple(optional[key]):
+            raise ValueError(f"{key!r} is {tuple(held[key].size)} in checkpoint {path} but {tuple(optional[key])} in the model")
+    extra = sorted(set(held) - set(shapes) - set(optional))
     if extra:
         raise ValueError(f"checkpoint {path} holds {extra[0]!r}, which the model lacks "
                          "(a checkpoint of another model?)")

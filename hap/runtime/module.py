@@ -99,6 +99,8 @@ class HAP(nn.Module):
             self.shards = nn.ParameterDict(ex.params)
         else:
             self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
+        from .checkpoint import sync_idle
+        sync_idle(self)  # the parameters no node uses: rank 0's, as the others
         self.groups: dict = {}  # process groups by (devices, lane), made at start-up and by resync
         self.grad_sync: GradSync | None = None
         self.resync(self.plan.sync)
