@@ -135,6 +135,13 @@ def _inject(where):
     """A failure where the test wants it (the worker's doing, not the product's)."""
     if where == "step":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif where == "full":  # its part of the checkpoint does not fit on the disk
+        import torch.distributed.checkpoint as dcp
+
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+        dcp.FileSystemWriter.write_data = write_data
     elif where == "save":  # killed while writing its part of the checkpoint
         import torch.distributed.checkpoint as dcp
 
@@ -212,6 +219,11 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
         run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, True, 2, (0, 4, "commit"))
     assert os.path.exists(os.path.join(directory, ".tmp-step-00000004", ".metadata"))
     assert checkpoint.latest(directory)[1] == 2
+    # a full disk: one line on every rank (it was DCP's 47-line CheckpointException, a BaseException), staging gone
+    with pytest.raises(RankFailed, match=r"failed: ValueError: checkpoint save: writing \S+step-00000004 failed "
+                                         r"\(OSError: \[Errno 28\] No space left on device\)\n"):
+        run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, True, 2, (1, 4, "full"))
+    assert sorted(os.listdir(directory)) == ["latest", "step-00000002"]
     for got in run_ranks(train, 2, tmp_path, ("sharded", [0.7, 0.3]), "sgd", directory, 2, True):
         assert got["start"] == 2
         assert_like_reference(got, 2, "sgd")
@@ -600,6 +612,14 @@ def test_a_damaged_checkpoint_directory_is_named_in_one_line(tmp_path):
         (tmp_path / "latest").write_text(pointer + "\n")
         with pytest.raises(ValueError, match=f"latest {says}: the directory is damaged$"):
             checkpoint.latest(str(tmp_path))
+    # these raised on the rank that read them (rank 0, in load) while the others waited for it
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()
+    with pytest.raises(ValueError, match=r"latest does not read \(Is a directory\): the directory is damaged$"):
+        checkpoint.latest(str(tmp_path))
+    (tmp_path / "latest").rmdir()
+    with pytest.raises(ValueError, match=r"metadata is a file, not a directory of checkpoints$"):
+        checkpoint.latest(str(step / ".metadata"))
     (tmp_path / "latest").write_text("step-00000002\n")
     assert checkpoint.latest(str(tmp_path)) == (str(step), 2)
     data = next(p for p in step.iterdir() if p.suffix == ".distcp")

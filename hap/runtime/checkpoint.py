@@ -216,9 +216,14 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
         refused = f"checkpoint save: {e}"
     gather_or_refuse(None, refused, comm)  # (and the staging directory is there)
     items.update(_compressor_items(dmodel))
-    with _quiet():
-        dcp.save(items, storage_writer=dcp.FileSystemWriter(staging), process_group=comm.group,
-                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    try:
+        with _quiet():
+            dcp.save(items, storage_writer=dcp.FileSystemWriter(staging), process_group=comm.group,
+                     planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    except CheckpointException as e:  # every rank gets every rank's failure (a full disk): one line instead
+        if comm.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # the latest checkpoint is the one before
+        raise ValueError(f"checkpoint save: writing {staging} failed ({_first_failure(e)})") from None
     dist.barrier(group=comm.group)  # every rank's part is written
     sums = _checksums(staging, comm)
     box: list = [None]
@@ -257,6 +262,8 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
             box = [_resolve(directory)]
         except ValueError as e:  # told to every rank, not left waiting
             box = [e]
+        except OSError as e:
+            box = [ValueError(f"checkpoint load: {directory}: {e.strerror or type(e).__name__}")]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
     if isinstance(box[0], ValueError):
         raise box[0]
@@ -374,11 +381,15 @@ def _load_compressor(dmodel, path: str, meta: Metadata, comm) -> None:
 def latest(directory: str) -> tuple[str, int] | None:
     """The latest complete checkpoint under `directory` and its step, or None; a ValueError
     where `latest` names no checkpoint there (a damaged directory)."""
+    if os.path.isfile(directory):
+        raise ValueError(f"{directory} is a file, not a directory of checkpoints")
     try:
         with open(os.path.join(directory, POINTER), errors="replace") as f:
             name = f.read().strip()
     except FileNotFoundError:
         return None
+    except OSError as e:  # a directory named latest, no permission: said on every rank (load), not raised on one
+        raise ValueError(f"{directory}/{POINTER} does not read ({e.strerror or type(e).__name__}): the directory is damaged") from None
     found = _NAME.fullmatch(name)
     if not found:
         raise ValueError(f"{directory}/{POINTER} names {name[:40]!r}, not a checkpoint: the directory is damaged")
@@ -548,9 +559,14 @@ def _load(items: dict[str, Any], path: str, comm) -> None:
             dcp.load(items, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
                      planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except CheckpointException as e:  # a BaseException of every rank's tracebacks: one line instead
-        exc = next((exc for exc, _ in e.failures.values()), None)
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc is not None else "unknown"
-        raise ValueError(f"checkpoint {path} does not load ({why[:200]})") from None
+        raise ValueError(f"checkpoint {path} does not load ({_first_failure(e)})") from None
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first failing rank's exception of DCP's collective one, in one line."""
+    exc = next((exc for exc, _ in e.failures.values()), None)
+    why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc is not None else "unknown"
+    return why[:200]
 
 
 def _fsync_dir(path: str) -> None:
