@@ -567,6 +567,18 @@ def test_where_replicas_do_not_fit_the_planners_shard_or_say_why():
     assert said[-1] == ("auto: kept astar's plan, faster than the pipeline --pipeline-stages/--micro-batches asked "
                         "for (plan with --planner pp-exact for that pipeline)")
     assert f"  note: {said[-1]}" in kept.summary().splitlines()  # said under --quiet too
+    said.clear()  # a schedule alone asks for a pipeline too (it was dropped without a word)
+    kept = make_plan("auto", graph, big, PlannerConfig(schedule="gpipe"), said.append)
+    assert len(kept.stages) == 1 and kept.search["note"] == said[-1] == (
+        "auto: kept astar's plan, faster than the pipeline --schedule asked for (plan with --planner pp-exact for "
+        "that pipeline)")
+    # one device: no pipeline ("pp-exact" made one of a stage, and auto kept it on a rounding tie with astar's)
+    one = _small_memory((1.0,), 1e9)
+    with pytest.raises(ValueError, match=r"^a pipeline needs 2 devices and a point to cut the model at least: 1 device, "):
+        make_plan("pp-exact", graph, one, config)
+    assert make_plan("auto", graph, one, config).search.get("planner", "astar") == "astar"
+    with pytest.raises(ValueError, match=r"^auto: pp-exact cannot plan as asked: a pipeline needs 2 devices"):
+        make_plan("auto", graph, one, PlannerConfig(pipeline_stages=1))
 
 
 def test_a_knob_a_planner_does_not_read_is_refused():

@@ -53,16 +53,19 @@ class PipelineSpace:
         self.granules = batch_granules(graph, self.classes, self.program)
 
     def stage_counts(self) -> list[int]:
-        K = self.config.pipeline_stages
+        K, n = self.config.pipeline_stages, self.cluster.size
+        most = min(n, len(self.pivots) + 1)
+        if most < 2:  # (a one-stage "pipeline" is a one-stage plan: astar's)
+            raise ValueError(f"a pipeline needs 2 devices and a point to cut the model at least: {n} device"
+                             f"{'s' if n != 1 else ''}, {len(self.pivots)} cut points in the model")
         if K:
-            if K < 2 or K > self.cluster.size or K - 1 > len(self.pivots):
-                raise ValueError(f"{K} pipeline stages: need 2 to {min(self.cluster.size, len(self.pivots) + 1)} "
-                                 f"({self.cluster.size} devices, {len(self.pivots)} cut points in the model)")
+            if K < 2 or K > most:
+                raise ValueError(f"{K} pipeline stages: need 2 to {most} ({n} devices, {len(self.pivots)} cut points "
+                                 "in the model)")
             return [K]
         # (groups need not be equal: group_layouts balances their speeds; and on up to 8 devices a
         # stage per device too)
-        n = self.cluster.size
-        return [k for k in sorted({2, 4, 8, min(n, 8)}) if k <= n and k - 1 <= len(self.pivots)]
+        return [k for k in sorted({2, 4, 8, min(n, 8)}) if 2 <= k <= most]
 
     def layouts(self, K: int) -> list[list[list[int]]]:
         """The device groups the pipeline planners try for K stages (partition.group_layouts):

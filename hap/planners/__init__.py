@@ -128,7 +128,7 @@ def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progr
     a planner that cannot honour a knob the config sets for it, segments or pipeline stages and
     micro-batches, is a ValueError)."""
     candidates, reasons = [], []
-    asked = {"astar": config.segments > 1, "pp-exact": bool(config.pipeline_stages or config.micro_batches)}
+    asked = {"astar": config.segments > 1, "pp-exact": bool(config.pipeline_asked)}
     for name in ("astar", "pp-exact"):
         try:
             candidates.append(PLANNERS[name](graph, cluster, config, progress))
@@ -145,7 +145,8 @@ def _auto(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progr
     kept = best.search.get("planner") or "astar"
     note = None  # the knobs were for a plan that lost: said, and kept in the plan (its summary says it too)
     if asked["pp-exact"] and kept != "pp-exact":
-        note = (f"auto: kept {kept}'s plan, faster than the pipeline --pipeline-stages/--micro-batches asked for "
+        knobs = "/".join("--" + f.replace("_", "-") for f in config.pipeline_asked)
+        note = (f"auto: kept {kept}'s plan, faster than the pipeline {knobs} asked for "
                 "(plan with --planner pp-exact for that pipeline)")
     elif asked["astar"] and kept != "astar":
         note = (f"auto: kept {kept}'s plan, faster than astar's of the --segments asked for (plan with --planner "
