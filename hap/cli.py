@@ -197,7 +197,7 @@ def cmd_plan(args) -> int:
     try:
         result = make_plan(args.planner, graph, cluster, config, progress=say)
     except ValueError as e:  # a baseline this graph has not (ep without experts)
-        raise UserError(f"--planner {args.planner}: {e}") from None
+        raise UserError(f"--planner {args.planner}: {str(e).removeprefix(args.planner + ': ')}") from None
     print(result.summary())
     if args.listing:
         print(result.listing())
@@ -265,7 +265,7 @@ def cmd_train(args) -> int:
         try:
             result = make_plan(planner, graph, cluster, config, progress=say)
         except ValueError as e:  # a baseline this graph has not (ep without experts)
-            raise UserError(f"--planner {planner}: {e}") from None
+            raise UserError(f"--planner {planner}: {str(e).removeprefix(planner + ': ')}") from None
     print(result.summary())
     if len(result.stages) > 1:
         _check_pipeline(args, graph, result)

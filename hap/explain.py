@@ -184,7 +184,9 @@ def _pipeline_time(plan: Plan) -> list[str]:
              f"{t[pace] * 1e3:.2f} ms); per micro-batch:"]
     for s, stage in enumerate(plan.stages):
         names = ", ".join(sorted({plan.devices[j] for j in stage.devices}))
-        after = f", {tl['send'][s] * 1e3:.2f} ms to send on" if s < K - 1 else ""
+        back = tl.get("send_back", tl["send"])  # (plans written before 2026-11-27 priced both ways alike)
+        after = (f", {tl['send'][s] * 1e3:.2f} ms to send on and {back[s] * 1e3:.2f} ms to get its gradients back"
+                 if s < K - 1 else "")
         lines.append(f"    stage {s}: nodes {stage.nodes[0]}-{stage.nodes[1]} on devices {stage.devices} ({names}): "
                      f"forward {tl['fwd'][s] * 1e3:.2f} ms, backward {tl['bwd'][s] * 1e3:.2f} ms{after}; "
                      f"gradient sync {tl['sync'][s] * 1e3:.2f} ms")
