@@ -88,8 +88,7 @@ def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
     """A pipeline's estimated iteration as events per device, and its length in seconds: the
     schedule simulated as the estimate's `simulated` runs it (pipeline/schedule.simulate)."""
     tl, sched = plan.timeline["pipeline"], plan.schedule
-    send = tl["send"]
-    back = tl.get("send_back", send)  # (plans written before 2026-11-27 priced both ways alike)
+    send, back = tl["send"], _send_back(tl)
     sim = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send, back, tl["sync"])
     events: list[Event] = []
     for (kind, s, m), (start, end) in sorted(sim.runs.items(), key=lambda item: item[1]):
@@ -172,6 +171,12 @@ def where_time_goes(plan: Plan, top: int = 5) -> list[str]:
     return lines
 
 
+def _send_back(timeline: dict) -> list[float]:
+    """A pipeline's seconds per stage of gradients sent back (plans written before 2026-11-27
+    priced both ways alike: only `send`)."""
+    return timeline.get("send_back", timeline["send"])
+
+
 def _pipeline_time(plan: Plan) -> list[str]:
     tl, sched = plan.timeline["pipeline"], plan.schedule
     K = len(plan.stages)
@@ -184,8 +189,8 @@ def _pipeline_time(plan: Plan) -> list[str]:
              f"{t[pace] * 1e3:.2f} ms); per micro-batch:"]
     for s, stage in enumerate(plan.stages):
         names = ", ".join(sorted({plan.devices[j] for j in stage.devices}))
-        back = tl.get("send_back", tl["send"])  # (plans written before 2026-11-27 priced both ways alike)
-        after = (f", {tl['send'][s] * 1e3:.2f} ms to send on and {back[s] * 1e3:.2f} ms to get its gradients back"
+        after = (f", {tl['send'][s] * 1e3:.2f} ms to send on and {_send_back(tl)[s] * 1e3:.2f} ms to get its "
+                 "gradients back"
                  if s < K - 1 else "")
         lines.append(f"    stage {s}: nodes {stage.nodes[0]}-{stage.nodes[1]} on devices {stage.devices} ({names}): "
                      f"forward {tl['fwd'][s] * 1e3:.2f} ms, backward {tl['bwd'][s] * 1e3:.2f} ms{after}; "

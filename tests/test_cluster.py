@@ -76,6 +76,8 @@ def test_parse_units_and_counts(tmp_path):
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: '30'}}", r"network.latency of 30 with no unit"),
     (f"{TWO}\nnetwork: {{bandwidth: 5e1, latency: 30us}}", r"network.bandwidth of 50 with no unit"),
     (f"{TWO}\nnetwork: {{bandwidth: .nan, latency: 30us}}", r"network.bandwidth must be a finite number, got nan$"),
+    (f"{TWO}\nnetwork: {{bandwidth: .inf, latency: 30us}}", r"network.bandwidth must be a finite number, got inf$"),
+    (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: '1e400'}}", r"network.latency must be a finite number, got inf$"),
     # a traceback (int too large to convert to float), then errors naming the wrong problem
     (f"{TWO}\nnetwork: {{bandwidth: 1{'0' * 400}, latency: 30us}}", r"network.bandwidth: a number of 401 digits is out of range$"),
     ("devices: [{flops: 1, memory: 1GiB, op_overhead: 1" + "0" * 400 + "}]", r"op_overhead: a number of 401 digits is out of range$"),

@@ -41,6 +41,21 @@ def test_all_reduce_by_algorithm_worked_example():
     assert topo.send(2, 3, 1e6) == pytest.approx(5e-6 + 1e6 / (16 * GB))
 
 
+def test_hierarchical_inside_is_the_slowest_machines_ring():
+    """Machine A: 3 devices at 100 GB/s, 2 us; B: 2 devices at 1 GB/s, 5 us; cards 10 Gbps, 30 us.
+    Inside, the machines reduce at once: A 2 * 2 * 2us + 2 * 2/3 * n / 100e9, B 2 * 1 * 5us +
+    2 * 1/2 * n / 1e9; each term B's. The leaders' ring: 2 * 30us + 2 * 1/2 * n / 1.25e9. It
+    took A's size with B's link (2 * 2 * 5us + 2 * 2/3 * n / 1e9), slower than either machine."""
+    fast, slow, card = ({"bandwidth": "100GB/s", "latency": "2us"}, {"bandwidth": "1GB/s", "latency": "5us"},
+                        {"bandwidth": "10Gbps", "latency": "30us"})
+    topo = cluster_from_dict({"devices": [{"flops": 1e13, "memory": "16GiB", "count": 5}],
+                              "machines": [{"name": "A", "devices": 3, "intra": fast, "nic": card},
+                                           {"name": "B", "devices": 2, "intra": slow, "nic": card}]}).topology
+    n = 1e8
+    assert topo.seconds("all_reduce", n, range(5), "hierarchical") == pytest.approx(
+        20e-6 + 10e-6 + n / 1e9 + 60e-6 + n / 1.25e9)
+
+
 def test_the_cost_model_prices_all_reduce_by_the_fastest_algorithm():
     from hap.cost.cluster import topology_fit
 

@@ -332,7 +332,7 @@ def _given_unit(value, what: str, plausible: tuple[float, float], example: str) 
         value = float(value)
     except OverflowError:
         return  # a whole number of hundreds of digits: _quantity says it is out of range
-    if math.isnan(value):
+    if not math.isfinite(value):
         raise ClusterError(f"{what} must be a finite number, got {value!r}")
     if value <= 0:
         return  # _positive says what is wrong with it (a negative number lacks more than a unit)

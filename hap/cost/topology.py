@@ -141,10 +141,10 @@ class Topology:
         inside = [devs for devs in per_machine.values() if len(devs) > 1]
         if inside:  # inside each machine a reduce-scatter, and an all-gather at the end (NCCL's hierarchy):
             # 2 (k - 1) / k of the bytes over its ring; the leaders all-reduce between machines
-            k = max(len(devs) for devs in inside)
-            link = _slowest([self.ring_link(devs) for devs in inside])
-            alpha += 2 * (k - 1) * link.latency
-            per_byte += 2 * (k - 1) / k / link.bandwidth
+            # the machines at once: each term the slowest machine's (its size and its ring's link)
+            rings = [(len(devs), self.ring_link(devs)) for devs in inside]
+            alpha += max(2 * (k - 1) * link.latency for k, link in rings)
+            per_byte += max(2 * (k - 1) / k / link.bandwidth for k, link in rings)
         if len(leaders) > 1:
             a, b = self.coefficients("all_reduce", leaders, "ring")
             alpha += a - LAUNCH_OVERHEAD

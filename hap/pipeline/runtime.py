@@ -114,8 +114,9 @@ class Pipeline(nn.Module):
         # rank takes part in each broadcast, in one order, and keeps the parameters its stage
         # loads and every buffer (a checkpoint holds them all, as hap.HAP keeps them)
         mine = {}
+        used = {x for node in graph.nodes for x in node.inputs}  # (parameters no node uses: sync_idle, below)
         for name, t in graph.tensors.items():
-            if t.kind in ("param", "buffer") and name in values:
+            if t.kind in ("param", "buffer") and name in values and (t.kind == "buffer" or name in used):
                 x = from_rank_0(values[name], comm)
                 if t.kind == "buffer" or name in loaded:
                     mine[name] = x
@@ -338,7 +339,7 @@ class Pipeline(nn.Module):
             grads.append(g)
         for w in works:
             w.wait()
-        self._arrived([(tr, g) for (tr, _), g in zip(outputs, grads) if tr is not None])
+        self._arrived([(tr, g) for (tr, _), g in zip(outputs, grads) if tr is not None], backward=True)
         t0 = time.perf_counter()
         if part is not None and part.requires_grad:
             torch.autograd.backward([part])
@@ -388,16 +389,28 @@ class Pipeline(nn.Module):
     def _rank_of(self, tr: _Transfer) -> int:
         return global_rank(self.comm, tr.peer)
 
-    def _arrived(self, received: list[tuple[_Transfer, torch.Tensor]]) -> None:
-        """Messages just received: an emulated link (emulate: true) carries each in its modelled
-        time, one after another, as the pipeline's price has them (topology.send); wait it out."""
+    def _arrived(self, received: list[tuple[_Transfer, torch.Tensor]], backward: bool = False) -> None:
+        """Messages just received: an emulated link (emulate: true) takes their time as the
+        pipeline's price has it (price.PipelinePricer._send_seconds): rows from each sender at
+        once, one message per tensor after another; then whole tensors, which their sender sends
+        to the stage's devices in turn, so a device waits for those to the devices before it
+        (backward: their gradients, all into the one device that sent them)."""
         links = self.emulation.links
         if links is None or not received:
             return
-        ready = 0.0
+        me = self.comm.rank
+        rows: dict[int, float] = {}
+        whole = 0.0
         for tr, buf in received:
-            ready = self.emulation.on_link(tr.peer, self.comm.rank, buf.numel() * buf.element_size())
-        self.emulation.off_wire(ready)
+            nbytes = buf.numel() * buf.element_size()
+            if tr.length >= 0:
+                rows[tr.peer] = rows.get(tr.peer, 0.0) + links.send(tr.peer, me, nbytes)
+            elif backward:
+                whole += links.send(tr.peer, me, nbytes)
+            else:
+                ahead = self.devices[: self.devices.index(me) + 1]
+                whole += sum(links.send(tr.peer, d, nbytes) for d in ahead)
+        self.emulation.off_wire(self.emulation.occupy(max(rows.values(), default=0.0) + whole))
 
     def _group_all_reduce(self, x: torch.Tensor, devices: tuple[int, ...]) -> None:
         """Sum x over a group of devices in place, taking an emulated link's time as well."""

@@ -83,10 +83,10 @@ class Comm:
         if self.emulation is not None:
             self.emulation.settle()
 
-    def on_wire(self, kind: str, volume: float, devices=None) -> float:
+    def on_wire(self, kind: str, volume: float, devices=None, occupies: bool = True) -> float:
         """An asynchronous collective over `devices` (None: all) starts: when its emulated link
-        time will be over (0: links not emulated)."""
-        return self.emulation.on_wire(kind, volume, devices) if self.emulation is not None else 0.0
+        time will be over (0: links not emulated). occupies: see Emulation.on_wire."""
+        return self.emulation.on_wire(kind, volume, devices, occupies) if self.emulation is not None else 0.0
 
     def off_wire(self, ready_at: float) -> None:
         """That collective is done here; wait out its emulated link time, and count the wait."""

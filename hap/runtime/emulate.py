@@ -59,21 +59,22 @@ class Emulation:
                 time.sleep(self.debt)
             self.debt -= time.perf_counter() - t0
 
-    def on_wire(self, kind: str, volume: float, devices=None) -> float:
+    def on_wire(self, kind: str, volume: float, devices=None, occupies: bool = True) -> float:
         """A collective of `volume` bytes (as the cost model defines it) over `devices` (None:
-        all) starts on this rank's link: when its link time is over."""
+        all) starts on this rank's link: when its link time is over. occupies=False: a few bytes
+        whose time is latency (a count), which the collectives after it do not queue behind."""
         if self.links is None:
             return 0.0
         seconds = self.links.run_seconds(kind, volume, range(self.devices) if devices is None else devices)
+        if not occupies:
+            return time.perf_counter() + seconds
         self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
         return self.wire_free
 
-    def on_link(self, a: int, b: int, nbytes: float) -> float:
-        """A point-to-point message of nbytes from device a to device b (a pipeline's
-        activations or their gradients) starts on this rank's link: when its link time is over."""
-        if self.links is None:
-            return 0.0
-        self.wire_free = max(time.perf_counter(), self.wire_free) + self.links.send(a, b, nbytes)
+    def occupy(self, seconds: float) -> float:
+        """This rank's link carries `seconds` of transfers (a pipeline's messages, priced by the
+        pipeline's price) after what it carries already: when they are over."""
+        self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
         return self.wire_free
 
     def off_wire(self, ready_at: float) -> None:

@@ -431,7 +431,8 @@ class Executor:
                                     for name, p in zip(node.inputs[1:], st.inputs[1:]))
             count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
             self.comm.launching()
-            ready_at = self.comm.on_wire("all_reduce", count.numel() * count.element_size())
+            # its link time is latency, beside the forward's own collectives (as priced: early_count_seconds)
+            ready_at = self.comm.on_wire("all_reduce", count.numel() * count.element_size(), occupies=False)
             self._early[node.index] = (count, wire.all_reduce(count, group=self.comm.group, async_op=True), ready_at)
 
     def _early_count_ok(self, node, st) -> bool:

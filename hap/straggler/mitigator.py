@@ -384,9 +384,11 @@ class Mitigator:
         ex = self.dmodel.executor
         layers = [(ex.params[s.weight].detach(), torch.zeros(max(1, s.tokens), s.columns[self.rank], device=self.device), s)
                   for s in self.sites]
+        self._settle()  # (the inputs just made are not the pre-test's time)
         t0 = time.perf_counter()
         for w, x, _ in layers:
-            torch.empty(w.shape[0], w.shape[1] // 2), torch.empty(x.shape[0], x.shape[1] // 2)
+            torch.empty(w.shape[0], w.shape[1] // 2, device=self.device), torch.empty(x.shape[0], x.shape[1] // 2, device=self.device)
+        self._settle()
         omega1 = time.perf_counter() - t0
         omega2, phi = [], []
         for f in (0.25, 0.75):
