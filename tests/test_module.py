@@ -678,16 +678,32 @@ class Rotary(torch.nn.Module):
         return (self.fc(x) * self.inv_freq).pow(2).mean()
 
 
+class Masked(torch.nn.Module):
+    """A bool buffer computed in __init__ (a causal mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("keep", torch.arange(8) % 3 != 0)
+
+    def reset_parameters(self):
+        self.fc.reset_parameters()
+
+    def forward(self, x):
+        return (self.fc(x) * self.keep).pow(2).mean()
+
+
 def meta_buffer(rank, world):
-    with torch.device("meta"):
-        model = Rotary()
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
     out = {}
-    try:
-        hap.HAP(model, hap.load_cluster("local"), (x,))
-        out["default"] = None
-    except ValueError as e:
-        out["default"] = str(e)
+    for key, build in (("default", Rotary), ("bool", Masked)):
+        with torch.device("meta"):
+            model = build()
+        try:
+            hap.HAP(model, hap.load_cluster("local"), (x,))
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
 
     def init(sub):
         if isinstance(sub, Rotary):
@@ -710,6 +726,8 @@ def test_a_meta_buffer_left_unset_by_init_is_refused(tmp_path):
         assert got["default"] == ("inv_freq was on the meta device and reset_parameters() left it unset: a value "
                                   "computed in __init__ (a buffer such as rotary inv_freq) is lost on the meta "
                                   "device; set it in init, or build it on a real device")
+        # a bool one trained on whatever the memory held (NaN losses, in a hunt's run): bools "could not tell"
+        assert got["bool"].startswith("keep was on the meta device and reset_parameters() left it unset")
         assert torch.allclose(torch.tensor(got["inv_freq"]), 1.0 / 100 ** (torch.arange(8) / 8))
 
 

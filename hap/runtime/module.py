@@ -687,8 +687,8 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
         own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))  # now real
         with torch.no_grad():
             for n, t in own:
-                if n in was_meta and t.dtype != torch.bool:
-                    t.fill_(_unset(t.dtype))
+                if n in was_meta:
+                    _mark_unset(t)
         if init is not None:
             init(sub)
         elif hasattr(sub, "reset_parameters"):
@@ -711,15 +711,26 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
             setattr(sub, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
 
 
+def _mark_unset(t: torch.Tensor) -> None:
+    """Fill a materialized tensor with what no init writes: _unset, or for a bool tensor the
+    byte 2 (neither False nor True: bools are bytes 0 and 1)."""
+    if t.dtype == torch.bool:
+        t.view(torch.uint8).fill_(2)
+    else:
+        t.fill_(_unset(t.dtype))
+
+
 def _unset(dtype: torch.dtype):
     """What a materialized tensor (not bool) holds until its module's init writes it."""
     return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
 
 
 def _still_unset(t: torch.Tensor) -> bool:
-    """Whether init left every element as _unset filled it (a bool tensor cannot tell)."""
-    if t.dtype == torch.bool or t.numel() == 0:
+    """Whether init left every element as _mark_unset filled it."""
+    if t.numel() == 0:
         return False
+    if t.dtype == torch.bool:
+        return bool((t.view(torch.uint8) == 2).all())
     if t.dtype.is_floating_point or t.dtype.is_complex:
         return bool(t.isnan().all())
     return bool((t == _unset(t.dtype)).all())
