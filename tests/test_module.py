@@ -610,7 +610,7 @@ def test_a_parameter_without_a_gradient_leaves_the_others_synchronized(tmp_path)
 class Wide(torch.nn.Module):
     def __init__(self, d=16, h=48):
         super().__init__()
-        self.fc1, self.norm, self.fc2 = torch.nn.Linear(d, h), torch.nn.LayerNorm(h), torch.nn.Linear(h, d)
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(d, h), torch.nn.BatchNorm1d(h), torch.nn.Linear(h, d)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.norm(self.fc1(x)))).pow(2).mean()
@@ -642,9 +642,12 @@ def train_meta(rank, world):
     except ValueError as e:
         bad_input = str(e)
     other = dmodel(torch.randn(7, 16, generator=torch.Generator().manual_seed(2))).item()  # a smaller global batch
+    dmodel.eval()  # (its buffers, materialized, and its parameters, meta, were captured on two devices: refused)
+    with torch.no_grad():
+        evaluated = dmodel(x).item()
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
             "meta": all(p.is_meta for p in model.parameters()), "held": held, "bad_input": bad_input,
-            "part": dmodel.input_slices()[0], "other": other}
+            "part": dmodel.input_slices()[0], "other": other, "eval": evaluated}
 
 
 def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
@@ -652,11 +655,15 @@ def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
     model = materialized_reference()
     x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
     losses = train(model, [(x,), (x,)])
+    other = model(torch.randn(7, 16, generator=torch.Generator().manual_seed(2))).item()
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(x).item()
     for got in reports:
         rows = got["part"][2] if got["part"] is not None else 10
         assert got["bad_input"] == f"inputs of shape ((7, 16),) are not this rank's part (({rows}, 16),) of the planned batch"
-        assert got["other"] == pytest.approx(model(torch.randn(7, 16, generator=torch.Generator().manual_seed(2))).item(),
-                                             rel=1e-5)
+        assert got["other"] == pytest.approx(other, rel=1e-5)
+        assert got["eval"] == pytest.approx(evaluated, rel=1e-5)
         assert got["meta"]  # the user's model keeps no whole parameter
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for name, p in model.named_parameters():

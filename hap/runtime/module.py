@@ -17,6 +17,7 @@ program at the plan's ratios, or one planned for it on the same layout (`shapes`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -270,7 +271,8 @@ class HAP(nn.Module):
         inputs = tuple(x.to("meta") for x in batch) if self._meta else tuple(batch)
         base = self.executor
         try:
-            graph = capture(self.model, inputs, training=training)
+            with _buffers_on_meta(self.model) if self._meta else contextlib.nullcontext():
+                graph = capture(self.model, inputs, training=training)
             plan, how = self.plan, "the plan's program at its ratios"
             if not _runs(plan, graph):  # the graph changed with the shape: plan it, keeping the layout
                 kept = {name: p for name, (p, _) in base.stored.items()}  # every rank plans; they must agree
@@ -709,6 +711,24 @@ def _materialized(model: nn.Module, graph, init: Callable[[nn.Module], None] | N
         yield values
         for n, p in sub.named_parameters(recurse=False):  # free the whole values; the shards were copied
             setattr(sub, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: nn.Module):
+    """A meta model as it was captured first, for capturing it again (another shape, eval):
+    its buffers, which stay materialized (_materialized), on the meta device as its parameters
+    and inputs are; given back after."""
+    swapped = []
+    for sub in model.modules():
+        for name, b in list(sub._buffers.items()):
+            if b is not None and not b.is_meta:
+                swapped.append((sub, name, b))
+                sub._buffers[name] = torch.empty_like(b, device="meta")
+    try:
+        yield
+    finally:
+        for sub, name, b in swapped:
+            sub._buffers[name] = b
 
 
 def _mark_unset(t: torch.Tensor) -> None:
