@@ -766,3 +766,32 @@ def test_a_resplit_into_the_same_sizes_is_counted_in_memory_once(graph):
     same, other = [[0.75, 0.25]] * 2, [[0.75, 0.25], [0.4, 0.6]]
     assert memory(program, cost, seg, same) == memory(bare, cost, seg, same)
     assert memory(program, cost, seg, other)[0] > memory(bare, cost, seg, other)[0]  # both splits live
+
+
+class WithTable(nn.Module):
+    """A 1 MiB buffer (a lookup table, a causal mask, a rotary cache) beside small layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(64, 64), nn.Linear(64, 10)
+        self.register_buffer("table", torch.randn(4096, 64))
+
+    def forward(self, x, idx, y):
+        return nn.functional.cross_entropy(self.head(self.lin(x) + self.table[idx]), y)
+
+
+def test_memory_counts_the_buffers_every_device_keeps():
+    """Every device keeps the table whole: 1 MiB on each. Plans left buffers out (93 KB said,
+    1.1 MB held after a step in a hunt's run), so a plan that could not fit was taken."""
+    from hap.pipeline.plan import PipelineSpace
+    from hap.planner import baseline_plan
+    example = (torch.randn(20, 64), torch.randint(0, 4096, (20,)), torch.randint(0, 10, (20,)))
+    graph = capture(WithTable(), example)
+    cluster = load_cluster("local")
+    assert all(m > 2 ** 20 for m in baseline_plan(graph, cluster, "dp-cp", ratios=[0.6, 0.4]).memory_bytes)
+    assert all(m > 2 ** 20 for m in plan(graph, cluster).memory_bytes)
+    space = PipelineSpace(graph, cluster)
+    assert all(m > 2 ** 20 for m in space.pricer.memory(0, 2, [0], [1.0], 2, 1))
+    tight = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=3e5) for d in cluster.devices))
+    with pytest.raises(ValueError, match="out of memory"):
+        plan(graph, tight)

@@ -140,6 +140,8 @@ class PipelinePricer:
             else:
                 self.spread.append((nodes, amount))
         self.params = np.concatenate([[0.0], np.cumsum(first)])
+        self.buffer_bytes = float(sum(t.nbytes for t in graph.tensors.values() if t.kind == "buffer"))
+        """Every stage's device keeps every buffer whole (runtime.Pipeline: a checkpoint takes any from it)."""
         self._single = np.vstack([np.zeros((1, 3)), np.cumsum(single, axis=0)])
 
     # -- pieces of the formula -----------------------------------------------------------------
@@ -246,10 +248,10 @@ class PipelinePricer:
 
     def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
         """Bytes per GPU of stage a..b's devices holding `live` micro-batches at once: the stage's
-        parameter state, and per micro-batch its share of the activations it makes and of those
+        parameter state, the model's buffers, and per micro-batch its share of the activations it makes and of those
         it receives over the cut before it (kept for its backward, as a one-stage plan keeps
         what a move brings); a replicated crossing whole."""
-        params = float(self.held(a, b)[1])
+        params = float(self.held(a, b)[1]) + self.buffer_bytes
         acts = float(self.acts[b + 1] - self.acts[a])
         split, whole = (float(self.crossing_bytes[k, 0, a]) if a > 0 else 0.0 for k in (0, 1))
         # per GPU: a machine's GPUs split its share of the micro-batch's activations and each

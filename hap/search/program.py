@@ -89,7 +89,7 @@ class Estimate:
     grad_sync: float
     """Seconds of gradient sync the backward does not hide (on the iteration's critical path)."""
     memory: list[float]
-    """Peak bytes per GPU on each device (weights, gradients, optimizer states, activations)."""
+    """Peak bytes per GPU on each device (weights, gradients, optimizer states, buffers, activations)."""
     buckets: list[Bucket] = field(default_factory=list)
     """The gradient all-reduces, in forward order of their layer chunks (the runtime launches
     them in the reverse order, as their gradients arrive)."""
@@ -485,8 +485,9 @@ def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[
             act_place.setdefault(ms.tensor, set()).add((ms.move.dst, seg))
     terms = []
     for name, (p, seg) in kept_placements(program, graph, segment_of).items():
-        if graph.tensors[name].kind == "param":  # kept once, however many nodes use it
-            terms.append((name, p, seg, cost.state_bytes(name), True))
+        # kept once, however many nodes use it: a parameter with its gradient and optimizer state, a buffer alone
+        t = graph.tensors[name]
+        terms.append((name, p, seg, cost.state_bytes(name) if t.kind == "param" else t.nbytes, True))
     for name, places in act_place.items():
         for p, seg in places:
             terms.append((name, p, seg, graph.tensors[name].nbytes, False))
@@ -494,7 +495,7 @@ def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[
 
 
 def memory(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios) -> list[float]:
-    """Bytes per GPU on each device: weights, gradients, optimizer states and activations."""
+    """Bytes per GPU on each device: weights, gradients, optimizer states, buffers and activations."""
     m = cost.m
     by_layout: dict[tuple, float] = {}  # (shares or None for whole, whole per GPU) -> bytes
     held = set()
