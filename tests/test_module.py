@@ -338,6 +338,9 @@ def validated(rank, world, segments):
     dmodel.train()
     return {"losses": losses, "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()},
             "runs": [s["run"] for s in dmodel.shapes if not s["training"]], "refused": refused,
+            "eval_estimate": next(s["estimated_seconds"] for s in dmodel.shapes
+                                  if not s["training"] and s["shapes"] == ((10, 12), (10, 12))),
+            "estimate": dmodel.plan.estimated_iteration_seconds,
             "ratios": dmodel.plan.ratios,
             "split": [list(dmodel.shards[n].shape) for n in ("p_fc1_weight", "p_fc2_weight")]}
 
@@ -364,6 +367,8 @@ def test_eval_mode_validates_like_one_device(tmp_path, segments):
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-6), k
         assert len(got["runs"]) == 3  # the eval graph captured once per shape: the planned one, 7 and 6 rows
+        # a forward alone: it was priced (and logged) as a training step, backward and gradient sync too
+        assert 0 < got["eval_estimate"] < 0.7 * got["estimate"]
         if segments == 1:  # (the two segments' plan keeps the batch whole: nothing to refuse)
             assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 

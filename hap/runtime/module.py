@@ -289,10 +289,11 @@ class HAP(nn.Module):
             mode = "" if training else " in eval mode"
             raise ValueError(f"inputs of shape {key}{mode}: the plan for {planned} cannot run them: {e}") from None
         ex.params, ex.buffers, ex.stored, ex.tracing = base.params, base.buffers, base.stored, base.tracing
-        seconds = estimate(graph, self.cluster, plan).seconds
+        priced = estimate(graph, self.cluster, plan)
+        seconds = priced.seconds if training else priced.forward_seconds  # (eval: a forward, no backward or sync)
         self.shapes.append({"shapes": key, "run": how, "estimated_seconds": seconds, "training": training})
-        log.info("hap: inputs of shape %s%s run %s (estimated %.1f ms per step)", key, "" if training else " in eval mode",
-                 how, seconds * 1e3)
+        log.info("hap: inputs of shape %s%s run %s (estimated %.1f ms per %s)", key, "" if training else " in eval mode",
+                 how, seconds * 1e3, "step" if training else "forward")
         return ex
 
     def _sync_rng(self) -> None:

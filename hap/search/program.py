@@ -102,6 +102,12 @@ class Estimate:
         """Whether every device's memory holds its part: capacity[j] bytes per GPU of device j."""
         return all(m <= c for m, c in zip(self.memory, capacity))
 
+    @property
+    def forward_seconds(self) -> float:
+        """A forward alone (evaluation): every stage's forward computation and collectives, and
+        the loss's all-reduce; no backward, no gradient sync."""
+        return sum(s.comm - s.comm_bwd + max(s.fwd, default=0.0) for s in self.stages) + self.step_collectives
+
     def breakdown(self) -> dict[str, float]:
         """Where the estimate goes: its terms add up to `seconds`, but for the overlapped gradient
         sync (shown beside them: hidden behind the backward)."""
