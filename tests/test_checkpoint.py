@@ -555,6 +555,25 @@ def test_a_checkpoint_keeps_what_the_forward_never_reads(tmp_path):
         assert got["state"] == saved[0]["state"]
 
 
+def tied_loaded(rank, world):
+    from test_shared_params import TiedLM, inputs
+    torch.manual_seed(0)
+    dmodel = hap.HAP(TiedLM(tie=True), hap.load_cluster("local"), inputs())
+    state = {k: v.clone() for k, v in TiedLM(tie=True).state_dict().items()}
+    state["emb.weight"].fill_(1.0), state["head.weight"].fill_(2.0)  # an untied file's two values
+    dmodel.load_state_dict(state)
+    reference = TiedLM(tie=True)
+    reference.load_state_dict(state)
+    full = dmodel.full_state_dict()
+    return {"hap": [full["emb.weight"][0, 0].item(), full["head.weight"][0, 0].item()],
+            "torch": reference.emb.weight[0, 0].item()}
+
+
+def test_a_tied_parameter_given_two_values_keeps_the_last_as_torch_does(tmp_path):
+    for got in run_ranks(tied_loaded, 2, tmp_path):
+        assert got["hap"] == [got["torch"]] * 2 == [2.0, 2.0]  # hap kept the first name's (1.0)
+
+
 class WithScratchBuffer(torch.nn.Module):
     """A buffer registered with persistent=False: state dicts leave it out, as torch's do."""
 

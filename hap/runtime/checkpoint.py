@@ -123,9 +123,8 @@ def load_state_dict(dmodel, state: dict[str, Any], strict: bool = True) -> Loade
     parts = {}
     for key, value in state.items():
         name = leaf_of.get(key)
-        if name is None or name in parts:
-            continue
-        parts[name] = _local_part(dmodel, name, key, value)
+        if name is not None:  # a tied parameter under two keys of two values: the last, as torch copies them in turn
+            parts[name] = _local_part(dmodel, name, key, value)
     missing = sorted(graph.tensors[name].target for name in set(_persistent(dmodel)) - set(parts))
     if missing and strict:
         raise ValueError(f"the state dict has no {missing[0]!r}, which the model needs")
