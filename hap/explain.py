@@ -189,9 +189,8 @@ def _pipeline_time(plan: Plan) -> list[str]:
              f"{t[pace] * 1e3:.2f} ms); per micro-batch:"]
     for s, stage in enumerate(plan.stages):
         names = ", ".join(sorted({plan.devices[j] for j in stage.devices}))
-        after = (f", {tl['send'][s] * 1e3:.2f} ms to send on and {_send_back(tl)[s] * 1e3:.2f} ms to get its "
-                 "gradients back"
-                 if s < K - 1 else "")
+        after = "" if s == K - 1 else (f", {tl['send'][s] * 1e3:.2f} ms to send on and "
+                                       f"{_send_back(tl)[s] * 1e3:.2f} ms to get its gradients back")
         lines.append(f"    stage {s}: nodes {stage.nodes[0]}-{stage.nodes[1]} on devices {stage.devices} ({names}): "
                      f"forward {tl['fwd'][s] * 1e3:.2f} ms, backward {tl['bwd'][s] * 1e3:.2f} ms{after}; "
                      f"gradient sync {tl['sync'][s] * 1e3:.2f} ms")

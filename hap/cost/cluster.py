@@ -317,10 +317,11 @@ _BARE_RANGE = {key: (BARE_BANDWIDTH, "B/s") for key in ("bandwidth", "beta", "in
 """Per key of a cluster file, the range of a bare number (_given_unit) and its base unit."""
 
 
-def _given_unit(value, what: str, plausible: tuple[float, float], example: str) -> None:
+def _given_unit(value, what: str, key: str, example: str) -> None:
     """A ClusterError for a bare number outside `plausible` in the base unit (bytes/s, seconds):
     its unit was forgotten ("bandwidth: 10" read as 10 bytes/s, "latency: 30" as 30 s, as
-    "memory: 16" read as 16 bytes)."""
+    "memory: 16" read as 16 bytes). key: the file's key, whose range _BARE_RANGE holds."""
+    plausible = _BARE_RANGE[key][0]
     if isinstance(value, str):  # YAML reads 3e1 and '30' as text: bare numbers too
         try:
             value = float(value)
@@ -363,9 +364,8 @@ def _parse_device(spec, i: int) -> list[Device]:
     for key, v in (("count", count), ("gpus", gpus)):
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_DEVICES:
             raise ClusterError(f"{where} ({name}): {key} must be an integer from 1 to {MAX_DEVICES}, got {v!r}")
-    for key, plausible, example in (("intra_bandwidth", BARE_BANDWIDTH, "100GB/s"), ("mem_bandwidth", BARE_BANDWIDTH, "900GB/s"),
-                                    ("op_overhead", BARE_LATENCY, "10us")):
-        _given_unit(spec.get(key, 0), f"{where} ({name}) {key}", plausible, example)
+    for key, example in (("intra_bandwidth", "100GB/s"), ("mem_bandwidth", "900GB/s"), ("op_overhead", "10us")):
+        _given_unit(spec.get(key, 0), f"{where} ({name}) {key}", key, example)
     dev = Device(
         name=name,
         flops=_positive(_quantity(spec["flops"], _FLOP_UNITS, f"{where}.flops"), f"{where} ({name}) flops"),
@@ -424,8 +424,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         unknown = set(net) - {"bandwidth", "latency", "emulate"}
         if unknown:
             raise ClusterError(f"network: unknown key(s) {sorted(unknown)}; allowed: bandwidth, latency, emulate")
-        _given_unit(net["bandwidth"], "network.bandwidth", BARE_BANDWIDTH, "10Gbps")
-        _given_unit(net.get("latency", 0), "network.latency", BARE_LATENCY, "30us")
+        _given_unit(net["bandwidth"], "network.bandwidth", "bandwidth", "10Gbps")
+        _given_unit(net.get("latency", 0), "network.latency", "latency", "30us")
         bw = _positive(_quantity(net["bandwidth"], _RATE_UNITS, "network.bandwidth"), "network bandwidth")
         lat = _positive(_quantity(net.get("latency", 0), _TIME_UNITS, "network.latency"), "network latency", allow_zero=True)
         if not isinstance(net.get("emulate", False), bool):
@@ -442,8 +442,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
             raise ClusterError(f"collectives: unknown collective '{key}'; known: {', '.join(COLLECTIVES)}")
         if not isinstance(f, dict) or set(f) != {"alpha", "beta"}:
             raise ClusterError(f"collectives.{key}: expected {{alpha: seconds, beta: bytes/s}}, got {f!r}")
-        _given_unit(f["alpha"], f"collectives.{key}.alpha", BARE_LATENCY, "30us")
-        _given_unit(f["beta"], f"collectives.{key}.beta", BARE_BANDWIDTH, "10Gbps")
+        _given_unit(f["alpha"], f"collectives.{key}.alpha", "alpha", "30us")
+        _given_unit(f["beta"], f"collectives.{key}.beta", "beta", "10Gbps")
         fits[key] = Fit(alpha=_positive(_quantity(f["alpha"], _TIME_UNITS, f"collectives.{key}.alpha"), f"{key} alpha", allow_zero=True),
                         beta=_positive(_quantity(f["beta"], _RATE_UNITS, f"collectives.{key}.beta"), f"{key} beta"))
     if given and topology is not None and set(given) != set(COLLECTIVES) and len(devices) > 1:
@@ -475,8 +475,8 @@ def _parse_link(spec, where: str, default: Link | None = None) -> Link:
         return default
     if not isinstance(spec, dict) or "bandwidth" not in spec or set(spec) - {"bandwidth", "latency"}:
         raise ClusterError(f"{where}: expected {{bandwidth: ..., latency: ...}}, got {spec!r}")
-    _given_unit(spec["bandwidth"], f"{where}.bandwidth", BARE_BANDWIDTH, "10Gbps")
-    _given_unit(spec.get("latency", 0), f"{where}.latency", BARE_LATENCY, "30us")
+    _given_unit(spec["bandwidth"], f"{where}.bandwidth", "bandwidth", "10Gbps")
+    _given_unit(spec.get("latency", 0), f"{where}.latency", "latency", "30us")
     return Link(bandwidth=_positive(_quantity(spec["bandwidth"], _RATE_UNITS, f"{where}.bandwidth"), f"{where} bandwidth"),
                 latency=_positive(_quantity(spec.get("latency", 0), _TIME_UNITS, f"{where}.latency"), f"{where} latency",
                                   allow_zero=True))

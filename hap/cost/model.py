@@ -35,8 +35,7 @@ from typing import Callable, Literal, Sequence
 from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
-from ..rules.nn import starts_early
-from ..rules.nn import sparse_gradient_rows
+from ..rules.nn import sparse_gradient_rows, starts_early
 from ..rules.units import ShardClasses
 from .cluster import Cluster
 

@@ -56,8 +56,9 @@ class PipelineSpace:
         K, n = self.config.pipeline_stages, self.cluster.size
         most = min(n, len(self.pivots) + 1)
         if most < 2:  # (a one-stage "pipeline" is a one-stage plan: astar's)
+            cuts = len(self.pivots)
             raise ValueError(f"a pipeline needs 2 devices and a point to cut the model at least: {n} device"
-                             f"{'s' if n != 1 else ''}, {len(self.pivots)} cut point{'s' if len(self.pivots) != 1 else ''} in the model")
+                             f"{'s' if n != 1 else ''}, {cuts} cut point{'s' if cuts != 1 else ''} in the model")
         if K:
             if K < 2 or K > most:
                 raise ValueError(f"{K} pipeline stages: need 2 to {most} ({n} devices, {len(self.pivots)} cut points "

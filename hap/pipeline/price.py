@@ -111,10 +111,10 @@ class PipelinePricer:
         self._inner = [(k, found) for k, found in self._inner if found]
         self._inner_cum: dict[tuple[int, ...], np.ndarray] = {}
         self.crossing_bytes = _crossing_bytes(graph, program)
-        self.crossing_counts = _crossing_bytes(graph, program, count=True)
-        """The same, counting the tensors (each a message of its own: a latency each)."""
         """[split or whole, forward or backward, c]: the bytes that cross the cut before node c
         split on a dim (whole batch) or replicated, and those of them whose gradient comes back."""
+        self.crossing_counts = _crossing_bytes(graph, program, count=True)
+        """The same, counting the tensors (each a message of its own: a latency each)."""
         self.cut_bytes = self.crossing_bytes[:, 0].sum(0)  # [c]: all bytes crossing the cut before node c
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
 
@@ -248,9 +248,9 @@ class PipelinePricer:
 
     def memory(self, a: int, b: int, group: Sequence[int], ratios: Sequence[float], M: int, live: int) -> list[float]:
         """Bytes per GPU of stage a..b's devices holding `live` micro-batches at once: the stage's
-        parameter state, the model's buffers, and per micro-batch its share of the activations it makes and of those
-        it receives over the cut before it (kept for its backward, as a one-stage plan keeps
-        what a move brings); a replicated crossing whole."""
+        parameter state, the model's buffers, and per micro-batch its share of the activations
+        it makes and of those it receives over the cut before it (kept for its backward, as a
+        one-stage plan keeps what a move brings); a replicated crossing whole."""
         params = float(self.held(a, b)[1]) + self.buffer_bytes
         acts = float(self.acts[b + 1] - self.acts[a])
         split, whole = (float(self.crossing_bytes[k, 0, a]) if a > 0 else 0.0 for k in (0, 1))

@@ -37,9 +37,9 @@ from ..rules import strategy_table
 from ..rules.local import LocalContext, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
+from ..runtime.checkpoint import sync_idle
 from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
-from ..runtime.checkpoint import sync_idle
 from ..runtime.executor import leaf_values
 from ..runtime import wire
 from ..runtime.module import (agree_plan, check_trainable, clip_by_global_norm, model_named, rank_comm, state_keys,

@@ -507,9 +507,9 @@ def memory(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], 
     held = set()
     for name, p, seg, nbytes, whole_per_gpu in memory_terms(program, cost, segment_of):
         local = cost.shares(name, p.dim, ratios[seg]) if p is not None and p.is_shard else None
-        if (name, p, local) in held:  # a re-split into the sizes it has is the same tensor (collectives.resplit)
+        if (name, p, local, whole_per_gpu) in held:  # a re-split into the sizes it has is the same tensor (resplit)
             continue
-        held.add((name, p, local))
+        held.add((name, p, local, whole_per_gpu))
         by_layout[(local, whole_per_gpu)] = by_layout.get((local, whole_per_gpu), 0.0) + nbytes
     total = [0.0] * m
     for (local, whole_per_gpu), nbytes in by_layout.items():
