@@ -199,6 +199,21 @@ def test_a_checkpoint_verified_before_the_ranks_start_is_not_hashed_again(saved,
     assert run_ranks(load_told, 2, tmp_path, str(path), False) == [damaged] * 2
 
 
+def test_a_checkpoint_whose_checksums_are_gone_is_refused(saved, tmp_path):
+    """Deleting checksums.json made a flipped byte load unchecked, as from a checkpoint older than
+    checksums; a save now marks that it wrote them. A checkpoint without the mark still passes."""
+    import shutil
+
+    path = tmp_path / "step"
+    shutil.copytree(os.path.join(saved, open(os.path.join(saved, "latest")).read().strip()), path)
+    (path / checkpoint.CHECKSUMS).unlink()
+    with pytest.raises(ValueError, match=rf"^checkpoint {path} is damaged: its checksums.json is missing$"):
+        checkpoint.verify(str(path))
+    older = tmp_path / "older"
+    dcp.save({"step": 2, "model/w": torch.ones(4)}, storage_writer=dcp.FileSystemWriter(str(older)), no_dist=True)
+    checkpoint.verify(str(older))
+
+
 def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
     directory = str(tmp_path / "ckpt")
     with pytest.raises(RankFailed, match="rank 1 died from signal SIGKILL"):

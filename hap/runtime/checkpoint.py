@@ -48,6 +48,8 @@ from .executor import per_element
 POINTER = "latest"
 CHECKSUMS = "checksums.json"
 """In a checkpoint: the SHA-256 of every file DCP wrote, checked before a load reads them."""
+_CHECKSUMMED = "checksummed"
+"""In a checkpoint's .metadata: the save wrote checksums.json (older checkpoints have none)."""
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
 _POWERSGD = "sync/powersgd/"  # + <parameter's key>/<rows>/error, .../q
 _NAME = re.compile(r"step-(\d+)(\.\d+)?$")
@@ -207,7 +209,8 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
             items.update(_flat_optimizer({**optimizer_state_dict(dmodel, opt), "param_groups": groups}))
             items["optim/kind"] = kind
         if comm.rank == 0:  # written once; every rank loads rank 0's (extra as bytes: DCP would take a tensor for its own)
-            items.update({"step": step, "extra_pickle": _pickled(extra), "rng": torch.get_rng_state()})
+            items.update({"step": step, "extra_pickle": _pickled(extra), "rng": torch.get_rng_state(),
+                          _CHECKSUMMED: True})  # (a load then requires the checksums: verify)
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
             os.makedirs(staging)
@@ -511,7 +514,9 @@ def _verify_share(path: str, share: int, shares: int) -> None:
     try:
         with open(os.path.join(path, CHECKSUMS)) as f:
             sums = json.load(f)
-    except FileNotFoundError:
+    except FileNotFoundError:  # a checkpoint from before checksums passes; one whose save wrote them, not
+        if _CHECKSUMMED in metadata(path).state_dict_metadata:
+            raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} is missing") from None
         return
     except (ValueError, OSError):
         raise ValueError(f"checkpoint {path} is damaged: its {CHECKSUMS} does not load") from None
