@@ -159,6 +159,36 @@ def test_calibrated_scales_idle_devices_and_the_loss_all_reduce():
                   ShardClasses(g, enumerate(strategies)))
 
 
+def test_a_device_with_no_share_of_a_random_node_still_draws_its_numbers():
+    """Every device draws a random node's whole tensor of numbers and keeps its part
+    (rules/local.py): one holding no rows of a dropout still draws them all. It was priced at
+    its bookkeeping alone: a hunt's idle 3x-slow rank drew 9 ms per step against 0.8 ms without
+    dropout, none of it in the estimate."""
+    from hap.search.program import NumericShares, node_times
+
+    class Dropped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return F.dropout(self.fc(x), 0.5).sum()
+
+    g = capture(Dropped(), (torch.randn(64, 16),))
+    devices = (Device(name="a", flops=1e11, memory=2**30, op_overhead=1e-5, mem_bandwidth=1e10),
+               Device(name="b", flops=5e10, memory=2**30, op_overhead=1e-5, mem_bandwidth=5e9))
+    cluster = Cluster(name="t", devices=devices, collectives=fits_from_network(2, 1e9, 5e-4))
+    strategies = strategy_table(g)
+    cost = CostModel(g, cluster, ShardClasses(g, enumerate(strategies)))
+    for op, random in (("aten.native_dropout.default", True), ("aten.linear.default", False)):
+        node = next(nd for nd in g.nodes if nd.op == op)
+        batch = next(st for st in strategies[node.index] if st.inputs[0].kind == "S" and st.inputs[0].dim == 0)
+        fwd, bwd = node_times(cost, NumericShares(cost, [[1.0, 0.0]]), node.index, batch, [], 0)
+        whole = cost.base_times(node)[0][1]  # device b's forward of the whole node
+        assert fwd[1] == pytest.approx(cost.idle + (whole if random else 0.0)) and bwd[1] == pytest.approx(cost.idle)
+        assert whole > 0
+
+
 def test_random_ops_price_the_generator_broadcast():
     """hap.HAP broadcasts rank 0's generator state (5056 bytes) every step of a model with
     dropout: one broadcast, alpha + bytes / beta = 1e-3 + 5056 / 1e8 s here; without dropout, or

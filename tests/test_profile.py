@@ -340,3 +340,18 @@ def test_an_early_count_of_targets_takes_its_link_time_beside_the_forward(tmp_pa
     # started with the step, before the loss waits; beside the link's other traffic (a latency, which
     # the forward's own collectives need not queue behind)
     assert events.index("all_reduce 8 beside") < events.index("loss waits"), events
+
+
+def test_a_slow_devices_backward_owes_nothing_for_the_numbers_its_forward_drew():
+    """A dropout's forward draws the whole tensor's numbers, on an idle rank too; its backward
+    only multiplies by the mask. The emulation owed twice the forward's time for the backward,
+    draws included: an idle 3x-slow rank slept 9 ms per step of dropout it never ran."""
+    from types import SimpleNamespace
+
+    from hap.runtime.executor import Executor
+    emu = Emulation(slowdown=3.0)
+    x = torch.ones(4, requires_grad=True)
+    (out,) = Executor._stretch(SimpleNamespace(emulation=emu), (x * 2,), 0.010, drawn=0.008)
+    assert emu.debt == pytest.approx(2 * 0.010)  # the forward, draws and all, at 3x
+    out.sum().backward()
+    assert emu.debt == pytest.approx(2 * 0.010 + 2 * 2 * 0.002)  # the backward: twice the rest, at 3x

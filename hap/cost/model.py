@@ -252,6 +252,13 @@ class CostModel:
             bwd = tuple(c if s else self.idle * (c > 0) for c, s in zip(bwd, shares))  # no backward: none
         return fwd, bwd
 
+    def idle_draw(self, node: Node, shares: Sequence[float]) -> tuple[float, ...]:
+        """Forward seconds per device of a random node's numbers drawn by a device with no share
+        of it: every device draws the whole tensor's (rules/local.py), at its whole forward's price."""
+        if not is_random(node) or all(shares):
+            return (0.0,) * self.m
+        return tuple(0.0 if s else f for f, s in zip(self.base_times(node)[0], shares))
+
     @property
     def has_fixed(self) -> bool:
         return any(self.overhead) or self.timing is not None

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..ir import Graph, TensorRef
 from ..placement import D, P, R, Placement
-from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute
+from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..search.moves import Move, moves_between
@@ -98,6 +98,7 @@ class Executor:
         after each forward (graph.buffer_updates)."""
         self._presliced: frozenset[str] = frozenset()
         self._waited = 0.0  # seconds the current node spent in collectives
+        self._drawn = 0.0  # seconds the current node spent drawing random numbers (under emulation)
         self._node = -1  # the node running now
         self._early: dict[int, tuple[torch.Tensor, dist.Work, float]] = {}  # node -> its all-reduce (and link's end), started early
         self._steps: list[tuple] | None = None  # built on the first forward (see _compiled)
@@ -226,13 +227,13 @@ class Executor:
                                 self.graph, ctx)
             else:
                 local = {name: held[(name, p)] for name, p in zip(node.inputs, st.inputs)}
-                t0, self._waited = time.perf_counter(), 0.0
+                t0, self._waited, self._drawn = time.perf_counter(), 0.0, 0.0
                 with self._span(f"hap node {node.name} {node.op.removeprefix('aten.')} [{st.name}]"):
                     outs = run_node(node, st, local, self.graph, ctx)
                 if self.emulation is not None and not isinstance(outs, Made):
                     # only computing is stretched: time in the node's own collectives (a global
                     # count, say) is waiting for the other ranks
-                    outs = self._stretch(outs, time.perf_counter() - t0 - self._waited)
+                    outs = self._stretch(outs, time.perf_counter() - t0 - self._waited, self._drawn)
             for name, p, out in zip(node.outputs, st.outputs, outs):
                 held[(name, p)] = out
         self._update_buffers(held)
@@ -248,7 +249,8 @@ class Executor:
         with their shard sizes, the node's local context)."""
         if self._steps is None:
             contexts = [LocalContext(device=self.comm.rank, world=self.comm.world, all_reduce=self._sum,
-                                     split=lambda t, d, r=r: self.classes.split_sizes(t, d, r)) for r in self.ratios]
+                                     split=lambda t, d, r=r: self.classes.split_sizes(t, d, r),
+                                     noise=self._timed_noise if self.emulation is not None else None) for r in self.ratios]
             self._steps = []
             self._held_seg = {}
             for step, seg, walked in split_walk(self.program, self.graph, self.segment_of, self._held_seg):
@@ -393,18 +395,31 @@ class Executor:
         """A named span in the Chrome trace while one is recorded (torch.profiler), else nothing."""
         return torch.profiler.record_function(label) if self.tracing else contextlib.nullcontext()
 
-    def _stretch(self, outs: tuple, seconds: float) -> tuple:
+    def _stretch(self, outs: tuple, seconds: float, drawn: float = 0.0) -> tuple:
         """Emulate a slower device (emulate.py): a node's forward adds (slowdown - 1) times its
-        measured time to the debt slept before the next collective, its backward twice that."""
+        measured time to the debt slept before the next collective, its backward twice that,
+        but for the `drawn` seconds of random numbers the forward drew (the whole tensor's, even
+        for an empty shard: a dropout's backward only multiplies by the mask it drew)."""
         self.emulation.computed(seconds)
         grads = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not grads:
             return outs
-        stretched = _OweInBackward.apply((self.emulation, 2 * seconds), *(outs[i] for i in grads))
+        stretched = _OweInBackward.apply((self.emulation, 2 * max(0.0, seconds - drawn)), *(outs[i] for i in grads))
         out = list(outs)
         for i, t in zip(grads, stretched if isinstance(stretched, tuple) else (stretched,)):
             out[i] = t
         return tuple(out)
+
+    def _timed_noise(self, node):
+        """A random node's whole draw (rules.local.whole_noise) on the parameters' device, its
+        seconds kept for _stretch."""
+        t0 = time.perf_counter()
+        device = node.kwargs.get("device") if not node.inputs else None  # (a factory's own, as rules.local._random)
+        if device is None:
+            device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        drawn = whole_noise(node, self.graph, device)
+        self._drawn += time.perf_counter() - t0
+        return drawn
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -243,6 +243,8 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
         fixed_fwd, fixed_bwd = cost.fixed_times(node, active)
         fwd = [a + c for a, c in zip(fwd, fixed_fwd)]
         bwd = [a + c for a, c in zip(bwd, fixed_bwd)]
+    if active is not None:
+        fwd = [a + c for a, c in zip(fwd, cost.idle_draw(node, active))]
     if cost.timing is None and any(cost.inv_mem_bw):
         whole = []
         for ld in loads:
