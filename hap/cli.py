@@ -507,8 +507,7 @@ def _calibrated(args, graph, cluster, say):
     from .cost.calibrate import calibrated_timing
 
     torch.manual_seed(0)
-    model, inputs = build(args.model, layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
-                          experts=args.experts, devices=cluster.gpus, scale=args.scale)
+    model, inputs = build(args.model, devices=cluster.gpus, **_model_knobs(args))  # (the graph's model: --dropout too)
     t0 = time.perf_counter()
     try:
         timing, cached = calibrated_timing(graph, model, inputs, cluster, cache_dir=".hap-cache")

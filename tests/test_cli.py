@@ -235,10 +235,12 @@ def test_a_reader_that_goes_away_stops_hap_quietly():
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
 
 
-def test_every_model_option_reaches_the_model_in_every_command():
+def test_every_model_option_reaches_the_model_in_every_command(monkeypatch):
     """hap sync built its model knobs from its own list, without --dropout: a search at dropout
-    0.3 measured the model without it."""
-    from hap.cli import MODEL_KNOBS, _model_knobs, _parser
+    0.3 measured the model without it. So did --calibrate (it timed another model than the one
+    planned, or refused: "runs other ops at the smaller batch")."""
+    import hap.models
+    from hap.cli import MODEL_KNOBS, _calibrated, _model_knobs, _parser
 
     given = ["--layers", "2", "--hidden", "16", "--batch", "8", "--seq", "4", "--experts", "2", "--scale", "small",
              "--dropout", "0.3"]
@@ -248,6 +250,17 @@ def test_every_model_option_reaches_the_model_in_every_command():
         knobs = {"layers": 2, "hidden": 16, "batch": 8, "seq": 4, "experts": 2, "scale": "small", "dropout": 0.3}
         assert _model_knobs(args) == knobs == _model_knobs(vars(args)), command
     assert set(MODEL_KNOBS) == set(knobs)
+    built = {}
+
+    def build(name, **kwargs):
+        built.update(kwargs)
+        raise ValueError("stop here")
+    monkeypatch.setattr(hap.models, "build", build)
+    try:
+        _calibrated(args, None, hap.load_cluster("local"), print)
+    except ValueError:
+        pass
+    assert {k: built.get(k) for k in knobs} == knobs
 
 
 def test_calibrating_one_device_is_refused_before_any_timing(tmp_path, capsys):

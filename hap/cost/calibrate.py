@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..ir import Graph, NodeTiming
+from ..ir import Graph, NodeTiming, TensorRef
 from .cluster import Cluster
 
 log = logging.getLogger("hap")
@@ -294,10 +294,25 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
     return timing, False
 
 
+def _constant_args(node) -> str:
+    """A node's arguments but its tensors (those the key gives by shape), as text."""
+    def plain(x):
+        if isinstance(x, TensorRef):
+            return "T"
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in sorted(x.items())}
+        return repr(x)
+
+    return json.dumps([plain(node.args), plain(node.kwargs)])
+
+
 def _timing_key(graph: Graph, cluster: Cluster) -> str:
     import hashlib
 
+    # each node's op, its tensors and its other arguments (an embedding's sparse=True, a dropout's p)
     shape = [(n.op, [(graph.tensors[t].shape, graph.tensors[t].dtype, graph.tensors[t].requires_grad)
-                     for t in (*n.inputs, *n.outputs)]) for n in graph.nodes]
+                     for t in (*n.inputs, *n.outputs)], _constant_args(n)) for n in graph.nodes]
     text = json.dumps([shape, cluster.to_dict(), torch.__version__], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
