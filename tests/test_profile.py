@@ -282,18 +282,21 @@ def test_calibration_cache_keys_precision_and_frozen_layers_and_survives_damage(
     monkeypatch.setattr(calibrate, "measure_nodes", lambda graph, model, inputs, speed, small: speeds.append(speed))
     n = len(graph.nodes)
     monkeypatch.setattr(calibrate, "calibrate_nodes", lambda measured, model, inputs, cluster: NodeTiming(
-        fwd=(1.0,) * n, bwd=(2.0,) * n, fwd_fixed=(0.0,) * n, bwd_fixed=(0.0,) * n, device_flops=9e10))
+        fwd=(1.0,) * n, bwd=(2.0,) * n, fwd_fixed=(0.0,) * n, bwd_fixed=(0.0,) * n, device_flops=9e10,
+        device_scale=((1.0, 1.0, 1.0, 1.0),) * 2))
     path = tmp_path / f"timing-{calibrate._timing_key(graph, cluster)}.json"
     whole = {"fwd": [1.0] * n, "bwd": [2.0] * n, "fwd_fixed": [0.0] * n, "bwd_fixed": [0.0] * n, "device_flops": 9e10,
-             "device_scale": None}
-    # valid JSON, damaged all the same: one node's times; a negative time; 3 devices' scales for 2
-    wrong = [{**whole, "fwd": [1.0]}, {**whole, "bwd": [-2.0] * n}, {**whole, "device_scale": [[1, 0, 1, 0]] * 3}]
-    for damage in ("{", "", '{"fwd": [1.0]}', *map(json.dumps, wrong)):
+             "device_scale": [[1.0] * 4] * 2}
+    # valid JSON, damaged all the same: one node's times; a negative time; 3 devices' scales for 2;
+    # no scales, or a device's all zero (every node free: they were taken); nesting that overflowed json
+    wrong = [{**whole, "fwd": [1.0]}, {**whole, "bwd": [-2.0] * n}, {**whole, "device_scale": [[1, 0, 1, 0]] * 3},
+             {**whole, "device_scale": None}, {**whole, "device_scale": [[1.0] * 4, [0.0] * 4]}]
+    for damage in ("{", "", '{"fwd": [1.0]}', *map(json.dumps, wrong), "[" * 100_000):
         path.write_text(damage)
         timing, cached = calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path))
         assert not cached and timing.fwd == (1.0,) * n
         assert calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path)) == (timing, True)  # replaced
-    assert speeds == [pytest.approx(9e10)] * 6
+    assert speeds == [pytest.approx(9e10)] * 9
 
 
 class Classifier(torch.nn.Module):

@@ -245,7 +245,7 @@ def _calibrate_rank(rank: int, model: nn.Module, inputs, plans: list[str], clust
 
 def _check_cached(timing: NodeTiming, nodes: int, devices: int) -> None:
     """A ValueError unless a cached timing holds, for each of `nodes` nodes, finite
-    non-negative seconds, and a finite non-negative scale per device of `devices`."""
+    non-negative seconds, and a finite non-negative scale per device of `devices`, not all zero."""
     def numbers(values, n, what):
         if len(values) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                        and math.isfinite(v) and v >= 0 for v in values):
@@ -254,11 +254,14 @@ def _check_cached(timing: NodeTiming, nodes: int, devices: int) -> None:
     for what in ("fwd", "bwd", "fwd_fixed", "bwd_fixed"):
         numbers(getattr(timing, what), nodes, what)
     numbers([timing.device_flops], 1, "device_flops")
-    if timing.device_scale is not None:
-        if len(timing.device_scale) != devices:
-            raise ValueError(f"device_scale: {devices} devices expected, got {len(timing.device_scale)}")
-        for row in timing.device_scale:
-            numbers(row, 4, "device_scale")
+    if timing.device_scale is None:  # (calibration always scales: a cached file without is damaged)
+        raise ValueError("device_scale: missing")
+    if len(timing.device_scale) != devices:
+        raise ValueError(f"device_scale: {devices} devices expected, got {len(timing.device_scale)}")
+    for row in timing.device_scale:
+        numbers(row, 4, "device_scale")
+        if not any(row):  # every node of the device free
+            raise ValueError("device_scale: a device's factors are all zero")
 
 
 def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor], cluster: Cluster,
@@ -280,7 +283,7 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
                                 device_scale=tuple(map(tuple, scale)) if scale else None)
             _check_cached(timing, len(graph.nodes), cluster.size)
             return timing, True
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # damaged: measure anew, replace it
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # damaged: measure anew
             log.warning("hap: the calibration cache %s is damaged (%s: %s); measuring again", path, type(e).__name__, e)
     speed = max(d.flops * d.slowdown for d in cluster.devices)  # the machine's, unslowed (every device may be emulated)
     small = tuple(t[: max(1, t.shape[0] // 4)] for t in inputs)
