@@ -4,6 +4,7 @@ constraints, candidate selection, the two prices, the learned simulators and the
 import json
 import random
 import re
+import zlib
 
 import pytest
 import torch
@@ -456,7 +457,7 @@ def test_bad_space_config_gets_one_line(field, value):
 
 def logged(key, strategy: SyncStrategy, seconds: float, kind="trial") -> str:
     return json.dumps({"domain": key, "model": "mlp", "knobs": {}, "cluster": "t", "kind": kind,
-                       "strategy": strategy.to_json(), "seconds": seconds}) + "\n"
+                       "strategy": strategy.to_json(), "seconds": seconds, "hap_estimate": seconds}) + "\n"
 
 
 def test_a_search_without_compression_never_meets_a_compressed_strategy(setting, tmp_path):
@@ -486,7 +487,8 @@ def test_an_unfinished_last_row_is_dropped_and_a_damaged_row_named(setting, tmp_
     assert len(autosync._load(log, said.append)) == 1
     assert said == [f"[autosync] {log}:2: dropped an unfinished last line (a search stopped while writing it)"]
     assert log.read_text() == row  # the next row starts on a line of its own
-    for bad, missing in (("{}", "domain, kind, strategy, seconds"), ("[]", "domain, kind, strategy, seconds"),
+    every = "domain, kind, strategy, seconds, hap_estimate"  # (one without its estimate failed in the plots, at the end)
+    for bad, missing in (("{}", every), ("[]", every),
                          (row.replace('"seconds": 0.002', '"seconds": "fast"').strip(), "seconds")):
         log.write_text(row + bad + "\n")
         with pytest.raises(ValueError, match=rf"^{re.escape(str(log))}:2: not a trial row \(no {missing}\): a trial "
@@ -495,6 +497,38 @@ def test_an_unfinished_last_row_is_dropped_and_a_damaged_row_named(setting, tmp_
     log.write_text(row + row[:40] + "\n" + row)  # a broken line inside the log is not an unfinished write
     with pytest.raises(ValueError, match=r":2: not a JSON line"):
         autosync._load(log)
+    log.write_text(row.strip())  # a whole last row without its newline: the next row was glued to it
+    assert len(autosync._history(log, "k", compress=True)) == 1 and log.read_text() == row
+
+
+def test_baselines_stopped_midway_resume_where_they_stopped(setting):
+    """A search stopped among its baselines took Horovod's tuning cut short for finished (4 of
+    its 20 runs), or measured and logged hap's, DDP's and the tuned servers' again. Each run
+    logged is now taken from the log: resumed, the baselines are the uninterrupted ones'."""
+    from hap.sync.sampler import bandwidths
+
+    cl, graph, plan, cost, est, variables = setting
+    config = AutoSyncConfig(horovod_samples=6, seed=3)
+    bw = bandwidths(variables, cost)
+
+    def measuring(history, calls):
+        def measure(named, tried):
+            calls.extend(kind for kind, _ in named)
+            times = [0.01 + 1e-6 * (zlib.crc32(json.dumps([kind, how]).encode()) % 1000) for (kind, _), how in zip(named, tried)]
+            history.extend({"domain": "k", "kind": kind, "strategy": s.to_json(), "seconds": t, "knobs_tried": how}
+                           for (kind, s), t, how in zip(named, times, tried))
+            return times
+        return measure
+
+    whole, calls = [], []
+    straight = autosync._baselines(variables, plan, est, bw, measuring(whole, calls), whole, "k", config, lambda m: None)
+    assert len(calls) == len(whole) and calls.count("baseline:horovod") == 6
+    for stop in (3, len(whole) - 4):  # among the first baselines; midway through Horovod's tuning
+        history, again = whole[:stop], []
+        resumed = autosync._baselines(variables, plan, est, bw, measuring(history, again), history, "k", config,
+                                      lambda m: None)
+        assert again == calls[stop:]  # each run once, in the same order
+        assert {n: b["strategy"] for n, b in resumed.items()} == {n: b["strategy"] for n, b in straight.items()}
 
 
 def test_other_searches_trials_train_the_simulators(tmp_path):
@@ -567,3 +601,20 @@ def test_analytic_hierarchical_waits_for_the_slowest_machine_not_the_largest():
     between = 2 * 1 / 2 * n / 1e9 + 2 * 20e-6 + price.LAUNCH_OVERHEAD
     assert slow == pytest.approx(n / 1e9 + between, rel=1e-6)
     assert fast == pytest.approx(4 / 3 * n / 1e10 + between, rel=1e-6)
+
+
+def test_a_search_that_cannot_write_or_would_measure_nothing_is_refused_before_any_work(tmp_path):
+    """trials.jsonl a directory was an IsADirectoryError traceback, plan.json one after the whole
+    search; trials=0 without baselines started the trial ranks and ended in min() of nothing."""
+    from hap.cost.cluster import load_cluster
+
+    cluster = load_cluster("local-homo")
+    (tmp_path / "a" / "trials.jsonl").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"trials.jsonl is a directory; the search writes a file there$"):
+        autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "domains").write_text("")
+    with pytest.raises(ValueError, match=r"domains is a file; the search writes a directory there$"):
+        autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"^trials=0 with baselines=False measures nothing"):
+        autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "c", AutoSyncConfig(trials=0, baselines=False))

@@ -104,6 +104,12 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     config = config or AutoSyncConfig()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for name, want_dir in (("trials.jsonl", False), ("domains", True), ("plan.json", False), ("result.json", False),
+                           ("autosync.png", False)):  # what the search writes there: said before any work
+        path = out / name
+        if path.exists() and path.is_dir() != want_dir:
+            raise ValueError(f"{path} is a {'directory' if path.is_dir() else 'file'}; the search writes a "
+                             f"{'directory' if want_dir else 'file'} there")
     rng = random.Random(config.seed)
     graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
@@ -114,7 +120,16 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     history = _history(log, key, config.space.compress, say)
     _save_domain(out, key, model, knobs, cluster, plan)
     others = _other_samples(history, key, out, say)
-    mine = [t for t in history if t["domain"] == key]
+    for t in history:  # this search's rows must be of its parameters (a row of another search's, hand-edited)
+        if t["domain"] == key:
+            try:
+                variables.entries(SyncStrategy.from_json(t["strategy"]))
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{log}: a {t['kind']} row of this search holds a strategy of other parameters "
+                                 f"({str(e).splitlines()[0]})") from None
+    if config.trials == 0 and not config.baselines and not any(t["domain"] == key for t in history):
+        raise ValueError("trials=0 with baselines=False measures nothing, and the log holds nothing of this search")
+    mine = [t for t in history if t["domain"] == key and t["kind"] == "trial"]
     say(f"[autosync] {domain.name}: {len(variables.vars)} synchronized parameters, "
         f"{sum(v.nbytes for v in variables.vars) / 2**20:.1f} MiB; {len(mine)} trials already in {log}")
 
@@ -221,7 +236,7 @@ def _domain_key(model: str, knobs: dict, cluster: Cluster, plan: Plan, compress:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_ROW_FIELDS = {"domain": str, "kind": str, "strategy": list, "seconds": (int, float)}
+_ROW_FIELDS = {"domain": str, "kind": str, "strategy": list, "seconds": (int, float), "hap_estimate": (int, float)}
 """The fields every logged row has, and their types."""
 
 
@@ -257,6 +272,9 @@ def _history(log: Path, key: str, compress: bool, say: Callable[[str], None] = p
     compressed strategy (logged by a search with compression before _domain_key told them apart):
     such a search neither starts from nor returns an approximate strategy."""
     rows = _load(log, say)
+    if log.exists() and log.stat().st_size and not log.read_bytes().endswith(b"\n"):  # (a row appended would join it)
+        with log.open("a") as f:
+            f.write("\n")
     return rows if compress else [t for t in rows if t["domain"] != key or SyncStrategy.from_json(t["strategy"]).exact]
 
 
@@ -351,22 +369,30 @@ def _similarity(pool, samples, simulator, config: AutoSyncConfig):
 
 
 def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSyncConfig, say) -> dict[str, dict]:
-    """Each baseline's best measured run: from the log where this search measured them before."""
-    done: dict[str, dict] = {}
+    """Each baseline's best measured run. A run this search logged before (the same baseline and
+    knobs) is taken from the log, not measured again: a search stopped among its baselines
+    resumes where it stopped, Horovod's tuning too (it proposes the same points, given the same
+    seed and times)."""
+    logged = {}
     for t in history:
         if t["domain"] == key and t["kind"].startswith("baseline:"):
-            name = t["kind"].split(":", 1)[1]
-            if name not in done or t["seconds"] < done[name]["measured_seconds"]:
-                done[name] = {"measured_seconds": t["seconds"], "strategy": t["strategy"], **t.get("knobs_tried", {})}
-    if {"hap", "ddp", "tuned-ps", "horovod"} <= set(done):
-        say("[autosync] baselines from the log: " + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in done.items()))
-        return done
+            logged.setdefault((t["kind"], json.dumps(t.get("knobs_tried", {}), sort_keys=True)), t["seconds"])
+    reused = [0]
+
+    def logged_or_measured(named, tried):
+        seconds = [logged.get((kind, json.dumps(how, sort_keys=True))) for (kind, _), how in zip(named, tried)]
+        todo = [i for i, t in enumerate(seconds) if t is None]
+        reused[0] += len(named) - len(todo)
+        for i, t in zip(todo, measure([named[i] for i in todo], [tried[i] for i in todo]) if todo else []):
+            seconds[i] = t
+        return seconds
+
     out = {}
     largest = max(v.nbytes for v in variables.vars)
     sizes = sorted({max(2**16, largest // d) for d in (1, 2, 4, 8)}, reverse=True)  # partition sizes tried
     named = [("hap", baselines.hap_default(variables, plan.sync)), ("ddp", baselines.ddp(variables))]
     named += [("tuned-ps", baselines.tuned_ps(variables, bw, s)) for s in sizes]
-    seconds = measure([(f"baseline:{n}", s) for n, s in named], [{"partition_bytes": None}] * 2 +
+    seconds = logged_or_measured([(f"baseline:{n}", s) for n, s in named], [{"partition_bytes": None}] * 2 +
                       [{"partition_bytes": s} for s in sizes])
     for (n, s), t, size in zip(named, seconds, [None, None] + sizes):
         if n not in out or t < out[n]["measured_seconds"]:
@@ -375,7 +401,7 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
 
     def horovod(x):  # log2 threshold bytes, cycle ms
         s = baselines.horovod_fusion(variables, est, 2 ** x[0], x[1] * 1e-3)
-        return measure([("baseline:horovod", s)], [{"fusion_threshold_bytes": int(2 ** x[0]), "cycle_ms": x[1]}])[0]
+        return logged_or_measured([("baseline:horovod", s)], [{"fusion_threshold_bytes": int(2 ** x[0]), "cycle_ms": x[1]}])[0]
 
     lo = max(10.0, float(int(max(1, min(v.nbytes for v in variables.vars))).bit_length()))
     hi = max(lo + 1, float(int(total).bit_length()) + 1)
@@ -383,7 +409,8 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
                                               seed=config.seed)
     out["horovod"] = {"measured_seconds": t, "fusion_threshold_bytes": int(2 ** x[0]), "cycle_ms": x[1],
                       "strategy": baselines.horovod_fusion(variables, est, 2 ** x[0], x[1] * 1e-3).to_json()}
-    say("[autosync] baselines: " + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in out.items()))
+    say("[autosync] baselines" + (f" ({reused[0]} runs from the log)" if reused[0] else "") + ": "
+        + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in out.items()))
     return out
 
 
