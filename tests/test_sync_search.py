@@ -618,3 +618,17 @@ def test_a_search_that_cannot_write_or_would_measure_nothing_is_refused_before_a
         autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "b")
     with pytest.raises(ValueError, match=r"^trials=0 with baselines=False measures nothing"):
         autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "c", AutoSyncConfig(trials=0, baselines=False))
+
+
+def test_a_trial_rank_stops_waiting_once_its_parent_is_gone():
+    """hap sync's trial rank 0 waits on a queue for the next strategies; a search killed where
+    its children ignore the interrupt torch sends them left it waiting for ever (11 minutes and
+    on, in a hunt's run). It now ends once its parent is gone."""
+    import os
+    import queue
+    from hap.sync.trials import _next_command
+
+    commands = queue.Queue()
+    commands.put("strategies")
+    assert _next_command(commands, os.getppid(), poll_s=0.01) == "strategies"
+    assert _next_command(commands, parent=-1, poll_s=0.01) is None  # not its parent's pid: gone
