@@ -677,9 +677,14 @@ def odd_states(rank, world, directory):
     adam.zero_grad(set_to_none=True)
     checkpoint.save(dmodel, adam, directory, 1, extra=torch.arange(3))  # a bare tensor as extra
     out["extra"] = checkpoint.load(dmodel, adam, directory)[1].tolist()
-    for damage in ("a byte", "no checksums"):  # a copy with one byte changed; one saved before checksums
+    # a copy with one byte changed; one saved before checksums (unmarked, without them); one whose are gone
+    for damage in ("a byte", "no checksums", "checksums gone"):
         copy = f"{directory}-{damage.replace(' ', '-')}"
+        marker = checkpoint._CHECKSUMMED
+        if damage == "no checksums":  # what a save wrote before it marked its checksums
+            checkpoint._CHECKSUMMED = "unmarked"
         checkpoint.save(dmodel, adam, copy, 1)
+        checkpoint._CHECKSUMMED = marker
         path = checkpoint.latest(copy)[0]
         if rank == 0:
             if damage == "a byte":
@@ -732,6 +737,7 @@ def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
         assert re.fullmatch(rf"checkpoint {directory}-a-byte/step-00000001 is damaged: __\d_0.distcp does not match "
                             "its checksum", got["a byte"]), got["a byte"]
         assert got["no checksums"] == 1  # (a checkpoint saved before checksums loads)
+        assert got["checksums gone"] == f"checkpoint {directory}-checksums-gone/step-00000001 is damaged: its checksums.json is missing"
         assert got["unpicklable"].startswith("checkpoint save: extra does not pickle (")
         assert got["kind"] == (f"checkpoint {directory}/step-00000001 holds the state of optimizer class Adam, not SGD "
                                "(to start SGD afresh, load the model alone: load(dmodel, None, ...))")
