@@ -114,9 +114,8 @@ class Pipeline(nn.Module):
         # rank takes part in each broadcast, in one order, and keeps the parameters its stage
         # loads and every buffer (a checkpoint holds them all, as hap.HAP keeps them)
         mine = {}
-        used = {x for node in graph.nodes for x in node.inputs}  # (parameters no node uses: sync_idle, below)
-        for name, t in graph.tensors.items():
-            if t.kind in ("param", "buffer") and name in values and (t.kind == "buffer" or name in used):
+        for name, t in graph.tensors.items():  # (parameters no node uses: sync_idle, below)
+            if t.kind in ("param", "buffer") and name in values and (t.kind == "buffer" or t.consumers):
                 x = from_rank_0(values[name], comm)
                 if t.kind == "buffer" or name in loaded:
                     mine[name] = x
@@ -279,7 +278,7 @@ class Pipeline(nn.Module):
         j, J = m * len(self.devices) + self.d, self.M * len(self.devices)
         split = self.pieces[self.s]
         ctx = LocalContext(device=j, world=J, split=lambda t, dim: self.classes.split_sizes(t, dim, split),
-                           all_reduce=self._stage_sum, noise=lambda node: self._noise[node.index])
+                           all_reduce=self._stage_sum, noise=lambda node, device: self._noise[node.index])
         piece = Comm(rank=j, world=J)
         held: dict[tuple[str, Placement], torch.Tensor] = {}
         for ci, value in received.items():
@@ -408,8 +407,7 @@ class Pipeline(nn.Module):
             elif backward:
                 whole += links.send(tr.peer, me, nbytes)
             else:
-                ahead = self.devices[: self.devices.index(me) + 1]
-                whole += sum(links.send(tr.peer, d, nbytes) for d in ahead)
+                whole += sum(links.send(tr.peer, d, nbytes) for d in self.devices[: self.d + 1])
         self.emulation.off_wire(self.emulation.occupy(max(rows.values(), default=0.0) + whole))
 
     def _group_all_reduce(self, x: torch.Tensor, devices: tuple[int, ...]) -> None:

@@ -36,9 +36,9 @@ class LocalContext:
     """Per-device sizes of a sharded (tensor, dim)."""
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
     """Sum of a tensor over all devices (a collective: every device must call it)."""
-    noise: Callable[[Node], object] | None = None
-    """A random node's whole draw (`whole_noise`), drawn earlier; None: draw it now from
-    torch's generator. A pipeline draws each once per step, in one device's order, for all
+    noise: Callable[[Node, torch.device | str], object] | None = None
+    """A random node's whole draw (`whole_noise`) on a device, drawn earlier (or timed); None:
+    draw it now from torch's generator. A pipeline draws each once per step, in one device's order, for all
     its micro-batches."""
 
     def offset(self, tensor: str, dim: int) -> int:
@@ -290,7 +290,7 @@ def _random(node: Node, st: Strategy, args: tuple, kwargs: dict, ctx: LocalConte
     out_name, out_p = node.outputs[0], st.outputs[0]
     x = args[0]  # a factory's: its size
     device = x.device if node.inputs else kwargs.get("device") or "cpu"
-    drawn = ctx.noise(node) if ctx.noise else whole_noise(node, graph, device)
+    drawn = ctx.noise(node, device) if ctx.noise else whole_noise(node, graph, device)
     if node.op not in DROPOUTS:  # rand_like, randn_like, bernoulli, rand, randn: the values depend on the shape only
         return _part(drawn, out_name, out_p, ctx)
     if node.op == "aten.native_dropout.default":
@@ -320,5 +320,5 @@ def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict,
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = torch.softmax(scores, dim=-1)
-    noise = ctx.noise(node) if ctx.noise else whole_noise(node, graph, q.device)  # every score's noise
+    noise = ctx.noise(node, q.device) if ctx.noise else whole_noise(node, graph, q.device)  # every score's noise
     return _part(noise, node.inputs[0], st.inputs[0], ctx).mul(weights) @ v

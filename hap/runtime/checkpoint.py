@@ -77,8 +77,7 @@ def idle_state(dmodel) -> dict[str, torch.Tensor]:
 
 def idle_shapes(graph) -> dict[str, tuple[int, ...]]:
     """State-dict key -> whole shape of every parameter no node uses (idle_state)."""
-    used = {name for node in graph.nodes for name in node.inputs}
-    return {t.target: t.shape for name, t in graph.tensors.items() if t.kind == "param" and name not in used}
+    return {t.target: t.shape for t in graph.tensors.values() if t.kind == "param" and not t.consumers}
 
 
 def sync_idle(dmodel) -> None:

@@ -66,14 +66,11 @@ class Emulation:
         if self.links is None:
             return 0.0
         seconds = self.links.run_seconds(kind, volume, range(self.devices) if devices is None else devices)
-        if not occupies:
-            return time.perf_counter() + seconds
-        self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
-        return self.wire_free
+        return self.occupy(seconds) if occupies else time.perf_counter() + seconds
 
     def occupy(self, seconds: float) -> float:
-        """This rank's link carries `seconds` of transfers (a pipeline's messages, priced by the
-        pipeline's price) after what it carries already: when they are over."""
+        """This rank's link carries `seconds` of transfers (a collective, a pipeline's messages)
+        after what it carries already: when they are over."""
         self.wire_free = max(time.perf_counter(), self.wire_free) + seconds
         return self.wire_free
 

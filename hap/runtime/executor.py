@@ -410,13 +410,9 @@ class Executor:
             out[i] = t
         return tuple(out)
 
-    def _timed_noise(self, node):
-        """A random node's whole draw (rules.local.whole_noise) on the parameters' device, its
-        seconds kept for _stretch."""
+    def _timed_noise(self, node, device):
+        """A random node's whole draw (rules.local.whole_noise), its seconds kept for _stretch."""
         t0 = time.perf_counter()
-        device = node.kwargs.get("device") if not node.inputs else None  # (a factory's own, as rules.local._random)
-        if device is None:
-            device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         drawn = whole_noise(node, self.graph, device)
         self._drawn += time.perf_counter() - t0
         return drawn

@@ -68,6 +68,9 @@ class Meter:
         """Charge the multiplications run inside the block, `flops` of them: by the host's
         clock on a CPU; on a GPU by events on the current stream (an emulated slowdown there
         needs the time now, to owe its sleep: it waits for the block's kernels)."""
+        if flops == 0:  # an empty shard: no multiplication to time (charge's rule)
+            yield
+            return
         if device.type != "cuda":
             t0 = time.perf_counter()
             yield
@@ -78,8 +81,6 @@ class Meter:
         start.record(stream)
         yield
         end.record(stream)
-        if flops == 0:
-            return
         if self.comm.emulation is not None and self.slowdown > 1:
             end.synchronize()
             self.charge(start.elapsed_time(end) / 1e3, flops)
