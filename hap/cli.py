@@ -74,7 +74,7 @@ def _planner_config(args, planner: str):
     if getattr(args, "segments", 1) > 1 and planner not in reading("segments"):
         raise UserError(f"--segments is for the planners {', '.join(reading('segments'))}, not {planner}")
     return PlannerConfig(segments=getattr(args, "segments", 1), pipeline_stages=args.pipeline_stages or 0,
-                         micro_batches=args.micro_batches or 0, schedule=args.schedule or "1f1b")
+                         micro_batches=args.micro_batches or 0, schedule=args.schedule)
 
 
 def _parser() -> argparse.ArgumentParser:

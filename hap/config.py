@@ -74,7 +74,7 @@ def instance(kind: type) -> Rule:
     return lambda value: None if isinstance(value, kind) else f"a {kind.__name__}"
 
 
-def one_of(*choices: str) -> Rule:
-    """One of `choices`."""
-    want = f"one of {', '.join(choices)}"
-    return lambda value: None if isinstance(value, str) and value in choices else want
+def one_of(*choices: str, none: str | None = None) -> Rule:
+    """One of `choices`; or None, where `none` says what None means."""
+    want = f"one of {', '.join(choices)}" + (f" or None ({none})" if none else "")
+    return lambda value: None if (isinstance(value, str) and value in choices) or (value is None and none) else want

@@ -66,8 +66,8 @@ class PlannerConfig:
     micro_batches: int = 0
     """Pipeline planners: micro-batches per iteration (0: the best of K, 2 K and 4 K, at most the
     batch's rows)."""
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Pipeline planners: the schedule."""
+    schedule: Literal["gpipe", "1f1b"] | None = None
+    """Pipeline planners: the schedule (None: the planner's choice, 1f1b; `pipeline_schedule`)."""
     layer_cuts: bool = False
     """Bound the cost of every layer ahead by a search of that layer alone (the A* heuristic,
     see search.astar.synthesize) in the unrestricted searches; False bounds it by its
@@ -81,7 +81,7 @@ class PlannerConfig:
 
         check_fields(self, optimizer=one_of(*OPTIMIZER_STATES), segments=whole(1), max_rounds=whole(1),
                      pipeline_stages=whole(0, note="0: the planner's choice"),
-                     micro_batches=whole(0, note="0: the planner's choice"), schedule=one_of("gpipe", "1f1b"),
+                     micro_batches=whole(0, note="0: the planner's choice"), schedule=one_of("gpipe", "1f1b", none="1f1b"),
                      width=whole(1, none="no limit"), width_after=number(0), heuristic=flag(), baselines=flag(),
                      layer_cuts=flag())
 
@@ -89,7 +89,12 @@ class PlannerConfig:
     def pipeline_asked(self) -> list[str]:
         """The pipeline knobs given (those only the pipeline planners read)."""
         return ([f for f in ("pipeline_stages", "micro_batches") if getattr(self, f)]
-                + (["schedule"] if self.schedule != "1f1b" else []))
+                + (["schedule"] if self.schedule is not None else []))
+
+    @property
+    def pipeline_schedule(self) -> Literal["gpipe", "1f1b"]:
+        """The schedule a pipeline planner uses."""
+        return self.schedule or "1f1b"
 
 
 def _dp() -> Restriction:

@@ -572,6 +572,11 @@ def test_where_replicas_do_not_fit_the_planners_shard_or_say_why():
     assert len(kept.stages) == 1 and kept.search["note"] == said[-1] == (
         "auto: kept astar's plan, faster than the pipeline --schedule asked for (plan with --planner pp-exact for "
         "that pipeline)")
+    said.clear()  # the default schedule, asked for by name, asks for a pipeline too (it was dropped silently)
+    kept = make_plan("auto", graph, big, PlannerConfig(schedule="1f1b"), said.append)
+    assert len(kept.stages) == 1 and kept.search["note"] == said[-1]
+    with pytest.raises(ValueError, match=r"^PlannerConfig.schedule is for the planners pp-exact, dqn, auto, not astar"):
+        make_plan("astar", graph, big, PlannerConfig(schedule="1f1b"))
     # one device: no pipeline ("pp-exact" made one of a stage, and auto kept it on a rounding tie with astar's)
     one = _small_memory((1.0,), 1e9)
     with pytest.raises(ValueError, match=r"^a pipeline needs 2 devices and a point to cut the model at least: 1 device, "):

@@ -89,7 +89,7 @@ class PipelineSpace:
 
     def table(self, K: int, M: int, groups: Sequence[Sequence[int]] | None = None) -> StageTable:
         groups, ratios = self.groups_and_ratios(K, groups)
-        return StageTable(self.pricer, self.pivots, groups, ratios, M, self.config.schedule)
+        return StageTable(self.pricer, self.pivots, groups, ratios, M, self.config.pipeline_schedule)
 
     def plan(self, cuts: Sequence[int], K: int, M: int, seconds: float, search: dict,
              groups: Sequence[Sequence[int]] | None = None) -> Plan:
@@ -118,9 +118,9 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
     held = synced_groups(graph, programs, groups)
     for name in sorted(held, key=lambda x: graph.tensors[x].consumers[0]):
         sync.append(SyncEntry(param=name, bucket=buckets.setdefault(held[name], len(buckets)), devices=held[name]))
-    est = space.pricer.estimate(cuts, groups, ratios, M, config.schedule)
+    est = space.pricer.estimate(cuts, groups, ratios, M, config.pipeline_schedule)
     return Plan(model=graph.model_name, cluster=space.cluster.to_dict(), devices=[d.name for d in space.cluster.devices],
-                stages=stages, sync=sync, schedule=Schedule(name=config.schedule, micro_batches=M),
+                stages=stages, sync=sync, schedule=Schedule(name=config.pipeline_schedule, micro_batches=M),
                 baselines={}, synthesis_seconds=seconds,
                 replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search,
                 **_estimated(est, M, space.pricer.step_collectives))

@@ -84,7 +84,7 @@ def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig |
 
 @register("astar", reads=("segments",))
 def _astar(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Progress) -> Plan:
-    one_stage = dataclasses.replace(config, pipeline_stages=0, micro_batches=0, schedule="1f1b")  # (auto's)
+    one_stage = dataclasses.replace(config, pipeline_stages=0, micro_batches=0, schedule=None)  # (auto's)
     return synthesize_plan(graph, cluster, one_stage, progress=progress)
 
 
