@@ -119,8 +119,8 @@ def _report(out: Path, cases: list[dict], seconds: float, trials: int) -> None:
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def _accuracy(x: float) -> str:
-    return "-" if x != x else f"{x:.2f}"  # NaN: no pair to rank
+def _accuracy(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:.2f}"  # None (NaN in older results): no pair to rank
 
 
 if __name__ == "__main__":

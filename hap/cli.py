@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 
@@ -389,21 +390,41 @@ def cmd_sync(args) -> int:
     try:
         config = AutoSyncConfig(trials=args.trials, per_round=args.per_round, candidates=args.candidates,
                                 simulator=args.simulator, space=SpaceConfig(compress=args.compress), seed=args.seed)
+    except ValueError as e:  # named by its flag: "AutoSyncConfig.seed must be ..." -> "--seed must be ..."
+        raise UserError(re.sub(r"AutoSyncConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
+    try:
         result = run(args.model, knobs, cluster, args.out, config, plan=plan,
                      say=lambda msg: print(msg, file=sys.stderr, flush=True))
     except ValueError as e:
         raise UserError(str(e)) from None
-    best = result["best"]
-    print(f"best: {best['measured_seconds'] * 1e3:.1f} ms per step ({best['kind']}, {result['trials']} trials)")
-    for name, b in result["baselines"].items():
-        print(f"  {name:9s} {b['measured_seconds'] * 1e3:8.1f} ms   best is {b['measured_seconds'] / best['measured_seconds']:.2f}x faster")
-    acc = result["ranking_accuracy"]
-    print("ranking accuracy on a random held-out 30%: " + ", ".join(f"{k} {acc[k]:.2f}" for k in
-                                                                   ("hap", "analytic", "linear", "rnn", "gat"))
-          + f" ({acc['held_out']} strategies); on the last 30% measured: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in acc["forecast"].items()))
+    _print_sync_result(result)
     print(f"wrote {args.out}/result.json, {args.out}/plan.json (hap train --plan {args.out}/plan.json)")
     return 0
+
+
+def _print_sync_result(result: dict) -> None:
+    """hap sync's summary: the best strategy, then each baseline's fastest step against the best
+    trial's fastest (like with like: the confirmation's medians are said on a line of their own)."""
+    best, fastest = result["best"], result["best_trial"]
+    print(f"best: {best['measured_seconds'] * 1e3:.1f} ms per step ({best['kind']}, {result['trials']} trials"
+          + (", median of the confirmation)" if result["confirmed"] else ")"))
+    if fastest is not None:
+        print(f"fastest step of each, against the best trial's ({fastest['measured_seconds'] * 1e3:.1f} ms):")
+        for name, b in result["baselines"].items():
+            print(f"  {name:9s} {b['measured_seconds'] * 1e3:8.1f} ms   "
+                  f"{b['measured_seconds'] / fastest['measured_seconds']:.2f}x the best trial's")
+    if result["confirmed"]:
+        c = result["confirmed"]
+        print(f"confirmed, alternately, median of {len(c['trial']['seconds'])}: best trial {c['trial']['median'] * 1e3:.1f} ms, "
+              f"{c['baseline']['name']} {c['baseline']['median'] * 1e3:.1f} ms ({c['trial_over_baseline']:.2f}x)")
+    acc = result["ranking_accuracy"]
+
+    def text(x):
+        return "-" if x is None else f"{x:.2f}"  # (None: no pair to rank)
+    print("ranking accuracy on a random held-out 30%: " + ", ".join(f"{k} {text(acc[k])}" for k in
+                                                                   ("hap", "analytic", "linear", "rnn", "gat"))
+          + f" ({acc['held_out']} strategies); on the last 30% measured: "
+          + ", ".join(f"{k} {text(v)}" for k, v in acc["forecast"].items()))
 
 
 def cmd_explain(args) -> int:

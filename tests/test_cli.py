@@ -98,7 +98,11 @@ def test_sync_searches_resumes_and_its_plan_trains(tmp_path, capfd):
     assert len({json.dumps(r["strategy"]) for r in rows2 if r["kind"] == "trial"}) == 7  # no trial repeated
     plan = Plan.from_json(out / "plan.json")
     assert sum(e.sparse for e in plan.sync) == 4  # the four embedding tables
-    assert "best:" in capfd.readouterr().out
+    said = capfd.readouterr().out  # each baseline's fastest step against the best trial's (it was the confirmed median)
+    fastest = result["best_trial"]["measured_seconds"]  # (the first search's, printed first)
+    for name, b in result["baselines"].items():
+        assert f"{b['measured_seconds'] / fastest:.2f}x the best trial's" in said.split(f"  {name} ")[1].splitlines()[0]
+    assert "best:" in said and "confirmed, alternately, median of 3: best trial" in said
     assert main(["train", "--model", "ncf-sparse", "--scale", "small", "--batch", "48", "--cluster", str(cluster),
                  "--plan", str(out / "plan.json"), "--steps", "2"]) == 0
     cap = capfd.readouterr()
@@ -142,6 +146,7 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
                                                                     "not dp-ev"),
         (["train", *small, "--migration", "scatter-gather"], "--migration is for --straggler migrate, semi, "
                                                               "rebalance, not none"),
+        (["sync", *small, "--out", str(tmp_path / "s"), "--seed", "-1"], "--seed must be a whole number of at least 0"),
         (["profile", "--cluster", "paper-hetero-8", "-o", str(tmp_path / "p.yaml")],
          "cluster 'paper-hetero-8' is not local (local: true): hap profile measures processes on this machine"),
     ]

@@ -618,6 +618,36 @@ def test_a_search_that_cannot_write_or_would_measure_nothing_is_refused_before_a
         autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "b")
     with pytest.raises(ValueError, match=r"^trials=0 with baselines=False measures nothing"):
         autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "c", AutoSyncConfig(trials=0, baselines=False))
+    # one device: it searched (and measured) strategies that synchronize nothing
+    spec = cluster.to_dict()
+    one = cluster_from_dict({**spec, "name": "one", "devices": spec["devices"][:1]})
+    with pytest.raises(ValueError, match=r"^cluster 'one' has one device: there are no gradients to synchronize"):
+        autosync.run("vit", {"scale": "small"}, one, tmp_path / "d")
+
+
+def test_knobs_that_change_nothing_key_the_same_search():
+    """`hap sync --layers 2`, 2 being the small ViT's default, keyed a search of its own, so it
+    neither resumed nor learned from the same model's trials logged without the flag."""
+    from hap.models import changing_knobs, resolve
+
+    small = resolve("vit", scale="small")[1]
+    assert changing_knobs("vit", 2, scale="small", layers=small.layers, dropout=small.dropout) == {"scale": "small"}
+    assert changing_knobs("vit", 2, scale="paper", layers=8, batch=128) == {}  # paper: 8 blocks, 64 a device
+    assert changing_knobs("vit", 2, scale="small", layers=small.layers + 1, dropout=small.dropout / 2) == {
+        "scale": "small", "layers": small.layers + 1, "dropout": small.dropout / 2}
+    assert changing_knobs("bert-moe", 4, experts=8) == {}  # 2 experts a device by default
+    assert changing_knobs("bert-moe", 4, experts=6) == {"experts": 6}
+
+
+def test_an_accuracy_with_no_pair_to_rank_is_null_in_result_json(setting):
+    """result.json held NaN (not JSON) for an accuracy with no pair to rank: here two rows, one
+    held out."""
+    cl, graph, plan, cost, est, variables = setting
+    domain = Domain("t", variables, cost, est)
+    rows = [json.loads(logged("k", uniform(variables, PartSync(kind=AR)), s)) for s in (0.001, 0.002)]
+    acc = autosync._held_out(rows, domain, AutoSyncConfig(epochs=1))
+    assert acc["held_out"] == 1 and acc["hap"] is None and acc["rnn"] is None and acc["forecast"]["gat"] is None
+    json.dumps(acc, allow_nan=False)  # (a ValueError on NaN)
 
 
 def test_a_trial_rank_stops_waiting_once_its_parent_is_gone():

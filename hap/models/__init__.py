@@ -153,6 +153,17 @@ def build(name: str, *, layers: int | None = None, hidden: int | None = None, ba
     return model.train(), inputs
 
 
+def changing_knobs(name: str, devices: int = 8, **knobs) -> dict:
+    """`knobs` less those that change nothing (a value the model takes by default, the paper
+    scale): the same model keys the same AutoSync search whichever way it was asked for."""
+    kept, built = dict(knobs), resolve(name, devices=devices, **knobs)[1:]
+    for knob in sorted(knobs):
+        fewer = {k: v for k, v in kept.items() if k != knob}
+        if resolve(name, devices=devices, **fewer)[1:] == built:
+            kept = fewer
+    return kept
+
+
 def param_count(name: str, **knobs) -> int:
     """Parameters of the model, counted on the meta device (nothing allocated)."""
     model, _ = build(name, device="meta", **knobs)

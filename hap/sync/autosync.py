@@ -38,7 +38,7 @@ import torch
 from ..capture import capture
 from ..config import check_fields, flag, instance, number, one_of, whole
 from ..cost.cluster import Cluster
-from ..models import build
+from ..models import build, changing_knobs
 from ..plan import Plan
 from ..planner import baseline_plan, replayed
 from . import baselines, price
@@ -110,6 +110,9 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
         if path.exists() and path.is_dir() != want_dir:
             raise ValueError(f"{path} is a {'directory' if path.is_dir() else 'file'}; the search writes a "
                              f"{'directory' if want_dir else 'file'} there")
+    if cluster.size < 2:
+        raise ValueError(f"cluster {cluster.name!r} has one device: there are no gradients to synchronize between devices")
+    knobs = changing_knobs(model, cluster.size, **knobs)  # (--layers 2 where 2 is the default: the same search)
     rng = random.Random(config.seed)
     graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
@@ -444,7 +447,8 @@ def _held_out(rows: list[dict], domain: Domain, config: AutoSyncConfig) -> dict:
     domain's, each simulator trained on the other 70% (hap's price and the analytic model need
     no training); and, as `forecast`, the learned simulators trained on the first 70% in the
     order measured and tested on the last 30%, which the search itself picked as promising
-    (harder: they are alike, and chosen where the simulator was most optimistic)."""
+    (harder: they are alike, and chosen where the simulator was most optimistic). An accuracy
+    is None (JSON null) where there is no pair to rank: NaN is not JSON."""
     samples = [_sample(domain, SyncStrategy.from_json(t["strategy"]), t["seconds"]) for t in rows]
     order = list(range(len(samples)))
     random.Random(config.seed).shuffle(order)
@@ -452,9 +456,10 @@ def _held_out(rows: list[dict], domain: Domain, config: AutoSyncConfig) -> dict:
     vs, cost = domain.variables, domain.cost
     test = [samples[i] for i in order[cut:]]
     out: dict = {}
-    out["hap"] = ranking_accuracy([rows[i]["hap_estimate"] for i in order[cut:]], test)
-    out["analytic"] = ranking_accuracy([price.analytic(vs.entries(SyncStrategy.from_json(rows[i]["strategy"])), vs, cost,
-                                                       domain.compute) for i in order[cut:]], test)
+    analytic = [price.analytic(vs.entries(SyncStrategy.from_json(rows[i]["strategy"])), vs, cost, domain.compute)
+                for i in order[cut:]]
+    out["hap"] = _accuracy_or_none(ranking_accuracy([rows[i]["hap_estimate"] for i in order[cut:]], test))
+    out["analytic"] = _accuracy_or_none(ranking_accuracy(analytic, test))
     for kind in KINDS:
         out[kind] = _trained_accuracy(kind, [samples[i] for i in order[:cut]], test, config)
     out["held_out"] = len(test)
@@ -462,10 +467,14 @@ def _held_out(rows: list[dict], domain: Domain, config: AutoSyncConfig) -> dict:
     return out
 
 
-def _trained_accuracy(kind: str, train: list[Sample], test: list[Sample], config: AutoSyncConfig) -> float:
+def _accuracy_or_none(x: float) -> float | None:
+    return None if x != x else x  # NaN: no pair ranked
+
+
+def _trained_accuracy(kind: str, train: list[Sample], test: list[Sample], config: AutoSyncConfig) -> float | None:
     sim = Simulator(kind, seed=config.seed)
     sim.train(train, epochs=config.epochs)
-    return ranking_accuracy(sim.scores(test), test)
+    return _accuracy_or_none(ranking_accuracy(sim.scores(test), test))
 
 
 def _best_so_far(trials: list[dict]) -> list[float]:
