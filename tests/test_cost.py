@@ -83,6 +83,38 @@ def test_machine_devices_divide_compute_and_add_intra_sync(graph):
     assert cost.grad_intra(1e6) == pytest.approx((0.0, 2 * 3 / 4 * 1e6 / 1e10))
 
 
+class TiedHead(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(100, 16), nn.Linear(16, 100, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).logsumexp(-1).mean()
+
+
+def test_a_machine_reduces_a_tied_parameters_gradient_once():
+    """A machine's GPUs all-reduce a tied table's gradient once, after its two uses add up; it
+    was priced at every use (twice the table's intra-machine reduce)."""
+    from hap.planner import baseline_plan
+    from hap.search.program import NumericShares, node_times
+
+    machine = Device(name="m", flops=1e12, memory=2**34, gpus=4, intra_bandwidth=1e10)
+    cl = Cluster(name="t", devices=(machine, machine), collectives=fits_from_network(2, 1e9, 0.0))
+    backward = {}
+    for tie in (True, False):
+        graph = capture(TiedHead(tie), (torch.randint(0, 100, (8, 4)),))
+        cost = CostModel(graph, cl, ShardClasses(graph, enumerate(strategy_table(graph))))
+        alg = NumericShares(cost, [[0.5, 0.5]])
+        for step in baseline_plan(graph, cl, "dp-ev").steps(graph):
+            backward[tie, graph.nodes[step.node].op] = node_times(cost, alg, step.node, step.strategy, step.loads, 0)[1]
+    reduce = cost.grad_intra(100 * 16 * 4)[0]  # the table's gradient, once
+    embedding, head = "aten.embedding.default", "aten.linear.default"
+    assert backward[True, embedding][0] == pytest.approx(backward[False, embedding][0])  # reduced at its first use
+    assert backward[True, head][0] == pytest.approx(backward[False, head][0] - reduce)  # not again at the head
+
+
 def test_measured_node_times_replace_flops_and_split_fixed_from_work():
     from hap.ir import NodeTiming
     from hap.cost.calibrate import measure_nodes

@@ -109,6 +109,12 @@ class CostModel:
         self._signatures: dict[tuple, tuple] = {}
         self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
 
+    def first_used_by(self, name: str, k: int) -> bool:
+        """Whether node k is the first to use parameter `name` (where a machine's GPUs all-reduce
+        its gradient: a tied parameter's uses add up first, then it is reduced once)."""
+        t = self.graph.tensors[name]
+        return t.kind == "param" and t.consumers[0] == k
+
     def state_bytes(self, name: str) -> float:
         """Bytes a device keeps for parameter `name` whole: its weights and, if it trains, its
         gradient and optimizer states (a frozen parameter has neither)."""
@@ -123,7 +129,7 @@ class CostModel:
         for k, node in enumerate(graph.nodes):
             key = (node.op, node.flops, node.bwd_flops, node.bytes_moved,
                    tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
-                          self.granules(x)) for x in node.inputs),
+                          self.granules(x), self.first_used_by(x, k)) for x in node.inputs),
                    tuple(self.granules(x) for x in node.outputs),
                    None if timing is None else (timing.fwd[k], timing.bwd[k], timing.fwd_fixed[k], timing.bwd_fixed[k]))
             out.append(ids.setdefault(key, len(ids)))

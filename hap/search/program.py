@@ -219,7 +219,7 @@ def _collective_seconds(cost: CostModel, alg, tensor: str, nbytes: int, kind: st
 def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
     """Forward and backward seconds per device of node k under strategy st: its work at each
     device's share, its fixed cost (a device with no share only keeps books), and a machine's
-    internal all-reduce of the parameter gradients it computes."""
+    internal all-reduce of the gradients of the parameters it uses first (cost.first_used_by)."""
     key = (cost.node_class[k], st, tuple(ld.placement for ld in loads), seg)
     found = alg.priced.get(key)
     if found is None:
@@ -263,10 +263,11 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
                 pf, pb = [c if a else 0.0 for c, a in zip(pf, active)], [c if a else 0.0 for c, a in zip(pb, active)]
             fwd = [a + c for a, c in zip(fwd, pf)]
             bwd = [a + c for a, c in zip(bwd, pb)]
-    if any(cost.intra_grad):
-        for ld in loads:
+    if any(cost.intra_grad):  # once per parameter, at its first use (a tied one's uses add up, then one reduce)
+        for i, ld in enumerate(loads):
             t = graph.tensors[ld.tensor]
-            if t.kind == "param" and t.requires_grad:
+            if (t.requires_grad and cost.first_used_by(ld.tensor, k)
+                    and all(other.tensor != ld.tensor for other in loads[:i])):
                 local = alg.of(ld.tensor, ld.placement.dim, seg) if ld.placement.is_shard else (1.0,) * cost.m
                 bwd = [b + g * s for b, g, s in zip(bwd, cost.grad_intra(t.nbytes), local)]
     return list(fwd), list(bwd)
