@@ -24,6 +24,7 @@ def train_and_reshard(rank, world, layout, new_ratios, kind, validate=False):
                 with torch.no_grad():
                     dmodel(*batch(step))
                 dmodel.train()
+            out["predicted"] = dmodel.executor.reshard_bytes(new_ratios, [opt])  # (what a straggler policy prices)
             out["bytes"] = dmodel.reshard(new_ratios, opt)
             out["ratios"] = dmodel.plan.ratios
             out["fc1 rows"] = dmodel.plan.shard_sizes("p_fc1_weight", 0)
@@ -43,7 +44,7 @@ def test_megatron_layout_reshards_with_adam_state(tmp_path):
     # moments each, and of the two running statistics (1): 17 * 4 B * (3*12 + 3*12 + 3 + 3 + 1 + 1).
     reports = run_ranks(train_and_reshard, 2, tmp_path, ("sharded", [0.7, 0.3]), [0.0, 1.0], "adam", True)
     for got in reports:
-        assert got["bytes"] == 17 * 4 * 80
+        assert got["bytes"] == got["predicted"] == 17 * 4 * 80  # (17 rows change hands, sent by 0 to 1)
         assert got["ratios"] == [[0.0, 1.0]] and got["fc1 rows"] == [0, 24]
         assert got["estimate"][1] == pytest.approx(got["estimate"][0], rel=1e-9)  # the timeline is the new ratios'
         assert_state_like_reference(got, STEPS, "adam")
@@ -58,8 +59,10 @@ def test_data_parallel_on_four_ranks_reshards_the_batch(tmp_path):
 
 
 def test_megatron_layout_on_four_ranks_with_an_idle_rank(tmp_path):
-    for got in run_ranks(train_and_reshard, 4, tmp_path, ("sharded", [0.5, 0.3, 0.2, 0.0]), [0.0, 0.25, 0.25, 0.5], "sgd"):
+    reports = run_ranks(train_and_reshard, 4, tmp_path, ("sharded", [0.5, 0.3, 0.2, 0.0]), [0.0, 0.25, 0.25, 0.5], "sgd")
+    for got in reports:
         assert_state_like_reference(got, STEPS, "sgd")  # momentum included
+        assert got["predicted"] == sum(r["bytes"] for r in reports) / 2 > 0  # each byte: sent once, received once
 
 
 def bad_reshards(rank, world):

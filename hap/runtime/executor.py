@@ -333,8 +333,7 @@ class Executor:
             for name, dim, before, after in moved:
                 x = self.value_of(name)
                 entries = states.get(name, [])
-                row_bytes = x.element_size() * math.prod(self.graph.tensors[name].shape) // max(1, sum(before))
-                nbytes += _rows_exchanged(before, after, self.comm.rank) * row_bytes * (1 + len(entries))
+                nbytes += _rows_exchanged(before, after, self.comm.rank) * self._row_bytes(name, before) * (1 + len(entries))
                 for state, key in entries:
                     state[key] = resplit(state[key].contiguous(), dim, before, after, self.comm)
                 new = resplit(x.detach().contiguous(), dim, before, after, self.comm)
@@ -345,18 +344,41 @@ class Executor:
         self._steps, self._direct, self._early_counts = None, {}, []  # sizes are compiled in: rebuild
         return nbytes
 
+    def reshard_bytes(self, ratios: Sequence[Sequence[float]], optimizers: Sequence[torch.optim.Optimizer] = ()) -> int:
+        """The bytes that would change hands, all ranks together, were reshard(ratios, optimizers)
+        called now: the rows of every sharded parameter and buffer that move, and the optimizer
+        state that moves with them. Moves nothing; not a collective."""
+        ratios = _checked_ratios(ratios, len(self.ratios), self.comm.world)
+        total = 0
+        for name, (p, seg) in self.stored.items():
+            if p.is_shard:
+                before, after = self.sizes(name, p, seg), self.classes.split_sizes(name, p.dim, ratios[seg])
+                sent = sum(_rows_exchanged(before, after, r) for r in range(self.comm.world)) // 2  # (each row counted twice)
+                total += sent * self._row_bytes(name, before) * (1 + len(self._state_entries(name, optimizers)))
+        return total
+
+    def _row_bytes(self, name: str, sizes: Sequence[int]) -> int:
+        """Bytes of one row (along its shard dim) of the parameter or buffer `name` split in `sizes`."""
+        return self.value_of(name).element_size() * math.prod(self.graph.tensors[name].shape) // max(1, sum(sizes))
+
+    def _state_entries(self, name: str, optimizers) -> list[tuple[dict, str]]:
+        """The optimizer state entries of parameter `name` that are shaped like it (per_element):
+        they move and are saved with it."""
+        param, out = self.params.get(name), []
+        for opt in optimizers:
+            state = opt.state.get(param, {}) if param is not None else {}
+            out += [(state, k) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)
+                    and per_element(k, v.shape, param.shape, self.graph.tensors[name].target, True)]
+        return out
+
     def _states_to_move(self, names: list[str], optimizers) -> dict[str, list[tuple[dict, str]]]:
         """Per moved parameter, the optimizer state entries shaped like it; every rank must hold
         the same entries (the resplits are collectives), or a ValueError before any moves."""
         out: dict[str, list[tuple[dict, str]]] = {name: [] for name in names}
         refused = None
         try:
-            for opt in optimizers:
-                for name in names:
-                    param = self.params.get(name)
-                    state = opt.state.get(param, {}) if param is not None else {}
-                    out[name] += [(state, k) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)
-                                  and per_element(k, v.shape, param.shape, self.graph.tensors[name].target, True)]
+            for name in names:
+                out[name] = self._state_entries(name, optimizers)
         except ValueError as e:  # told to every rank, not left waiting in the gather
             refused = f"reshard: {e}"
         mine = [(name, key) for name, entries in out.items() for _, key in entries]

@@ -425,7 +425,6 @@ class Mitigator:
         """Ski rental: while the shares do not fit the measured speeds, count the time lost to
         that (this step against the rebalanced estimate); reshard once it reaches what a
         reshard costs (estimated from the bytes to move, then as measured last time)."""
-        shares = self.dmodel.plan.ratios[0]
         speeds = matmul_speeds(stats, probed=True)
         if min(speeds) <= 0:
             return 0
@@ -435,7 +434,7 @@ class Mitigator:
             return 0
         slowest = max(s.busy for s in stats)
         self.lost = time_lost(self.lost, slowest, balanced, self.iteration - self._last_refresh)
-        cost = self.reshard_seconds if self.reshard_seconds is not None else self._reshard_seconds(speeds, shares)
+        cost = self.reshard_seconds if self.reshard_seconds is not None else self._reshard_seconds(speeds)
         if not rebalance_pays(self.lost, cost):
             return 0
         from ..planner import rebalanced_ratios
@@ -470,14 +469,12 @@ class Mitigator:
         """FLOPs of rank r's whole share of the layers, forward and backward."""
         return sum(6.0 * max(1, s.tokens) * s.out_sizes[r] * s.columns[r] for s in self.sites)
 
-    def _reshard_seconds(self, speeds: Sequence[float], shares: Sequence[float]) -> float:
-        """What moving the layers to ratios proportional to `speeds` would cost: the sharded
-        parameters' rows that change hands (twice: momentum too), at the cluster's broadcast fit."""
+    def _reshard_seconds(self, speeds: Sequence[float]) -> float:
+        """What moving the layers to ratios proportional to `speeds` would cost: the bytes that
+        change hands (Executor.reshard_bytes: rows and their optimizer state), at the cluster's
+        broadcast fit."""
         target = [s / sum(speeds) for s in speeds]
-        change = sum(abs(a - b) for a, b in zip(target, shares)) / 2
-        ex = self.dmodel.executor
-        nbytes = sum(math.prod(ex.graph.tensors[name].shape) * 4 for name, (p, _) in ex.stored.items() if p.is_shard)
-        nbytes *= change * (1 + len(self.optimizers))
+        nbytes = self.dmodel.executor.reshard_bytes([target] * len(self.dmodel.plan.ratios), self.optimizers)
         fit = self.dmodel.cluster.collectives.get("broadcast")
         return fit.time(nbytes) if fit is not None else nbytes / 1e9
 
