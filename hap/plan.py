@@ -453,6 +453,12 @@ class Plan:
                     (lambda name, dim, seg: classes.split_sizes(name, dim, segment_ratios[seg])) if one else None)
         _check_steps(graph, program, table)
         self.check_sync_fits(graph, stage_steps)
+        self.check_shards(graph, classes, pieces)
+
+    def check_shards(self, graph: Graph, classes, pieces: list[list[float]] | None = None) -> None:
+        """A one-line ValueError unless every shard size the plan states is the one this graph's
+        rounding gives (classes: its ShardClasses; pieces: a pipeline's shares per stage,
+        pipeline.stages.stage_pieces): the same model and batch, the same rounding on every rank."""
         for k, stage in enumerate(self.stages):
             for sh in stage.shards:
                 ratios = stage.ratios[sh.segment] if pieces is None else pieces[k]

@@ -800,3 +800,26 @@ def test_memory_counts_the_buffers_every_device_keeps():
     tight = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=3e5) for d in cluster.devices))
     with pytest.raises(ValueError, match="out of memory"):
         plan(graph, tight)
+
+
+def test_shard_sizes_of_another_model_are_one_line_errors_for_every_runtime():
+    """hap.HAP, the pipeline runtime and check_fits each checked a plan's shard sizes, and the
+    two runtimes' copies raised IndexError (a dim the tensor lacks) or did not check the tensor;
+    all three call Plan.check_shards now."""
+    from hap.planners import make_plan
+
+    graph = capture(BigMLP(), (torch.randn(12, 256), torch.randint(0, 8, (12,))))
+    classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+    tp = make_plan("megatron", graph, load_cluster("local"))
+    tp.check_shards(graph, classes)
+
+    def edited(**change):
+        d = tp.to_dict()
+        d["stages"][0]["shards"][0].update(change)
+        return Plan.from_dict(d)
+    name = tp.stages[0].shards[0].tensor
+    for bad, says in ((edited(dim=7), rf"^the plan splits {name} dim 7, a tensor of 2 dims \(a hand-edited plan\?\)$"),
+                      (edited(tensor="p_nope"), r"^the plan splits p_nope dim 0 into .*, this model has no p_nope: a plan"),
+                      (edited(sizes=[1, 2]), rf"^the plan splits {name} dim 0 into \[1, 2\], this model into \[")):
+        with pytest.raises(ValueError, match=says):
+            bad.check_shards(graph, classes)

@@ -103,11 +103,7 @@ class Pipeline(nn.Module):
         self.crossings = crossings(graph, whole_program, stage_of)
         self.pieces = stage_pieces(graph, classes, whole_program, [st.ratios[0] for st in plan.stages], M)
         check_aligned(graph, classes, self.crossings, self.pieces, M)
-        for sh in plan.stages[s].shards:
-            mine = classes.split_sizes(sh.tensor, sh.dim, self.pieces[s])
-            if list(mine) != list(sh.sizes):
-                raise ValueError(f"plan does not match the model: {sh.tensor} dim {sh.dim} splits {list(sh.sizes)} "
-                                 f"in the plan, {mine} here")
+        plan.check_shards(graph, classes, self.pieces)
         values = leaf_values(graph, model, example_inputs)
         loaded = {ld.tensor for step in self.steps for ld in step.loads}
         # rank 0's values, as DDP starts (ranks may have built the model under other seeds): every
