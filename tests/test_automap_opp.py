@@ -155,3 +155,17 @@ def test_a_layout_that_fits_memory_beats_a_faster_one_that_does_not(wide):
     found = search_layout(env, episodes=60, seed=0)
     seconds, fits, _, _ = env.pricer.price(env.layout(found.best))
     assert fits and seconds == pytest.approx(found.seconds)
+
+
+def test_the_optimizer_named_is_the_one_whose_state_counts(wide):
+    """opp_plan took the optimizer and dropped it: the DQN's layouts were priced with Adam's two
+    states whatever the plan was for (sgd needs none: a layout can fit that Adam's would not)."""
+    from hap.search.program import memory
+    cluster = load_cluster("paper-hetero-8")
+    need = {}
+    for optimizer in ("adam", "sgd"):
+        pricer = OperatorEnvironment(wide, cluster, reward="cost", optimizer=optimizer).pricer
+        program = pricer.price({p: WHOLE for p in wide.params})[2]
+        need[optimizer] = max(memory(program, pricer.cost, pricer.segment_of, [pricer.ratios]))
+    weights = sum(wide.tensors[p].nbytes for p in wide.params if wide.tensors[p].requires_grad)
+    assert need["adam"] - need["sgd"] == pytest.approx(2 * weights, rel=1e-6)  # Adam's two moments, replicated

@@ -193,12 +193,12 @@ class OperatorEnvironment(DecisionEnvironment):
     """OPP: decisions over the trainable parameters' dims, data whole."""
 
     def __init__(self, graph: Graph, cluster: Cluster, reward: Literal["paper", "cost"] = "cost", linkage: bool = True,
-                 width: int | None = None):
+                 width: int | None = None, optimizer: str = "adam"):
         params = [p for p in graph.params if graph.tensors[p].requires_grad]
         super().__init__(Propagation(graph, cluster.size, params, data=graph.inputs), params, linkage)
         self.params = params
         self.reward_kind = reward
-        self.pricer = LayoutPricer(graph, cluster, width=width)
+        self.pricer = LayoutPricer(graph, cluster, optimizer, width=width)  # (its state counts in memory)
         self.replicated = self.pricer.price({p: WHOLE for p in params})[0]
 
     def layout(self, ep: Episode) -> dict[str, int]:
@@ -315,7 +315,7 @@ def opp_plan(graph: Graph, cluster: Cluster, optimizer: str = "adam", episodes: 
     t0 = time.perf_counter()
     # each layout's A* width-capped as the planner's searches are: an exhaustive search of a hard
     # layout could outlast the whole budget (the benchmark, comparing with A*'s optimum, keeps it)
-    env = OperatorEnvironment(graph, cluster, reward="cost", width=PlannerConfig().width)
+    env = OperatorEnvironment(graph, cluster, reward="cost", width=PlannerConfig().width, optimizer=optimizer)
     if progress:
         progress(f"dqn-opp: training the DQN on {graph.model_name}'s parameter dims for up to {episodes} episodes or "
                  f"{budget_s:.0f} s (each layout it meets priced by A*)")
