@@ -140,10 +140,6 @@ class Graph:
     def tensor(self, name: str) -> Tensor:
         return self.tensors[name]
 
-    def node_of(self, tensor_name: str) -> Node | None:
-        p = self.tensors[tensor_name].producer
-        return self.nodes[p] if p >= 0 else None
-
     @property
     def param_bytes(self) -> int:
         return sum(self.tensors[p].nbytes for p in self.params)

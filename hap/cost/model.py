@@ -453,15 +453,6 @@ def sparse_sent_rows(table_rows: int, ids: int, most_looked_up, m: int, exact: b
     return min(most_looked_up, table_rows) if exact else most_looked_up
 
 
-def max_share(shares: Sequence[float]) -> float:
-    return max(shares) if shares else 1.0
-
-
-def finite(x: float) -> float:
-    assert math.isfinite(x), "cost model produced a non-finite time"
-    return x
-
-
 BUCKET_LATENCY_SHARE = 0.25  # a bucket is large enough that its latency is at most this part of its time
 
 

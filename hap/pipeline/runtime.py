@@ -102,7 +102,7 @@ class Pipeline(nn.Module):
         self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.crossings = crossings(graph, whole_program, stage_of)
         self.pieces = stage_pieces(graph, classes, whole_program, [st.ratios[0] for st in plan.stages], M)
-        check_aligned(graph, classes, self.crossings, self.pieces, M)
+        check_aligned(classes, self.crossings, self.pieces, M)
         plan.check_shards(graph, classes, self.pieces)
         values = leaf_values(graph, model, example_inputs)
         loaded = {ld.tensor for step in self.steps for ld in step.loads}
@@ -235,7 +235,7 @@ class Pipeline(nn.Module):
                 if saved[m][0] is not None:
                     loss = loss + saved[m][0].detach()
             else:
-                self._backward(m, saved.pop(m), pending)
+                self._backward(saved.pop(m), pending)
         for work in pending:
             work.wait()
         with self._span("hap move gradient sync (all_reduce)"):
@@ -323,7 +323,7 @@ class Pipeline(nn.Module):
         leaves = [(tr, leaf) for ci, (_, parts) in received.items() for tr, leaf in parts if self.crossings[ci].requires_grad]
         return part, outputs, leaves
 
-    def _backward(self, m: int, saved: tuple, pending: list) -> None:
+    def _backward(self, saved: tuple, pending: list) -> None:
         part, outputs, leaves = saved
         grads = []
         works = []
@@ -370,7 +370,7 @@ class Pipeline(nn.Module):
             got = [(tr, buf.requires_grad_(c.requires_grad)) for tr, buf in sorted(got, key=lambda x: x[0].start)]
             value = got[0][1] if len(got) == 1 else torch.cat([b for _, b in got], c.placement.dim)
             out[ci] = (value, got)
-        for ci in self._empty_crossings(m, out):  # this rank's rows of the micro-batch are none
+        for ci in self._empty_crossings(out):  # this rank's rows of the micro-batch are none
             c = self.crossings[ci]
             t = self.graph.tensors[c.tensor]
             shape = list(t.shape)
@@ -412,7 +412,7 @@ class Pipeline(nn.Module):
         wire.all_reduce(x, group=self._groups[devices])
         self.comm.off_wire(ready)
 
-    def _empty_crossings(self, m: int, got: dict) -> list[int]:
+    def _empty_crossings(self, got: dict) -> list[int]:
         if not hasattr(self, "_incoming"):
             self._incoming = [ci for ci, c in enumerate(self.crossings) if self.s in c.dsts]
         return [ci for ci in self._incoming if ci not in got]

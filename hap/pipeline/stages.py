@@ -178,7 +178,7 @@ def piece_ratios(micro: Sequence[int], ratios: Sequence[float]) -> list[float]:
     return [k / total for mb in micro for k in round_sizes(mb, ratios)]
 
 
-def check_aligned(graph: Graph, classes: ShardClasses, crossings_: Sequence[Crossing],
+def check_aligned(classes: ShardClasses, crossings_: Sequence[Crossing],
                   pieces: Sequence[Sequence[float]], micro_batches: int) -> None:
     """Each micro-batch's rows of every split crossing must be the same on both sides of the cut
     (a tensor whose dim splits in coarser granules than the batch could round differently)."""

@@ -180,13 +180,3 @@ def ndim(graph: Graph, ref) -> int:
 def norm_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
-
-def tensor_positions(node: Node) -> list[int]:
-    """For each node.inputs entry, the index in node.args (or -1 where it sits deeper or in kwargs)."""
-    pos = []
-    for i, a in enumerate(node.args):
-        if isinstance(a, TensorRef):
-            pos.append(i)
-        elif isinstance(a, (list, tuple)):
-            pos.extend(-1 for x in a if isinstance(x, TensorRef))
-    return pos + [-1] * (len(node.inputs) - len(pos))

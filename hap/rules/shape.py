@@ -334,11 +334,11 @@ def index(node: Node, graph: Graph) -> list[Strategy]:
     sts = [Strategy((S(d),) + (R,) * n_idx, (S(o),), f"dim{o}") for d, o in out_of.items()]
     if all(s == shapes[0] for s in shapes):
         sts += [Strategy((R,) + (S(k),) * n_idx, (S(first + k),), f"index{k}") for k in range(b)]
-    sts += _positional_rows(node, graph, x, indices, pos, shapes, b, first)
+    sts += _positional_rows(graph, x, indices, pos, shapes, b, first)
     return sts + [Strategy((P,) + (R,) * n_idx, (P,), "partial")]
 
 
-def _positional_rows(node: Node, graph: Graph, x, indices, pos, shapes, b: int, first: int) -> list[Strategy]:
+def _positional_rows(graph: Graph, x, indices, pos, shapes, b: int, first: int) -> list[Strategy]:
     # x[..., arange(n) along output dim o, ...] (transformers' padding mask: mask[batch_idx,
     # kv_idx]; CLIP's pooler: h[batch_idx, ids.argmax(-1)]) reads row i of dim d for output row
     # i: d and o split alike, and each device indexes its own rows by their local positions

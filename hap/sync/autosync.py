@@ -173,7 +173,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
             say(f"[autosync] trials {done + k}/{config.trials}: {', '.join(f'{s * 1e3:.1f}' for s in seconds)} ms; "
                 f"best so far {best * 1e3:.1f} ms")
         confirmed = _confirm(history, key, measure, config, say)
-    result = _result(history, key, domain, variables, plan, base, config, time.perf_counter() - t_start, confirmed)
+    result = _result(history, key, domain, base, config, time.perf_counter() - t_start, confirmed)
     best = SyncStrategy.from_json(result["best"]["strategy"])
     best_plan = with_strategy(plan, variables, best)
     best_plan = price.with_estimate(best_plan, graph, cost, est, searched="autosync")
@@ -417,7 +417,7 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
     return out
 
 
-def _result(history, key, domain: Domain, variables, plan, base, config: AutoSyncConfig, seconds: float,
+def _result(history, key, domain: Domain, base, config: AutoSyncConfig, seconds: float,
             confirmed: dict | None) -> dict:
     mine = _searched(history, key)
     trials = [t for t in mine if t["kind"] == "trial"]

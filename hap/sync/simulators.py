@@ -70,7 +70,7 @@ def features(domain: Domain, strategy: SyncStrategy) -> tuple[torch.Tensor, list
     for e in entries:
         var = vs.vars[index[e.param]]
         part_rows = e.rows[1] if e.rows is not None else var.rows
-        nbytes = var.wire_bytes * part_rows / var.rows
+        nbytes = price._part_bytes(var, e)
         first, then = bucket_phases[e.bucket]
         parts_of_var = sum(1 for x in entries if x.param == e.param)
         server_bw = (topo.machines[topo.machine_of(e.server)].nic.bandwidth / fastest) if topo and e.server is not None else 0.0
@@ -97,10 +97,8 @@ def features(domain: Domain, strategy: SyncStrategy) -> tuple[torch.Tensor, list
 
 
 def _slowest_bandwidth(cost: CostModel) -> float:
-    topo = cost.cluster.topology
-    if topo is None:
-        return cost.cluster.fit("all_reduce").beta
-    return min(m.nic.bandwidth for m in topo.machines)
+    """The slowest link of a ring over every device, as the prices take it."""
+    return price._ring_bandwidth(cost.cluster.topology, range(cost.cluster.size), cost)
 
 
 # -- the three simulators ----------------------------------------------------------------------
