@@ -30,6 +30,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._torch import backward_hooks, is_higher_order_op, quiet_fake_tensors
 from .ir import Graph, Node, Tensor, TensorRef, node_signature
 
 # Nodes that produce nothing the program needs.
@@ -44,21 +45,6 @@ _KIND_OF_INPUT = {
 
 class CaptureError(ValueError):
     """The model cannot be captured; the message says why."""
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensors():
-    """torch's fake tensors log the whole traceback of an op that fails on the example's
-    shapes (30 lines on every rank) before export raises it; capture says it in one line."""
-    import logging
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | None = None,
@@ -78,7 +64,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     model.train(training)
     lost: list[str] = []
     try:
-        with warnings.catch_warnings(), _unsupported_calls(lost), _quiet_fake_tensors():
+        with warnings.catch_warnings(), _unsupported_calls(lost), quiet_fake_tensors():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, example_inputs)
         if lost:
@@ -118,16 +104,14 @@ def example_tuple(example_inputs: Sequence[Any]) -> tuple:
 
 def _refuse_backward_hooks(model: torch.nn.Module) -> None:
     """A module's backward hooks change its gradients; the captured graph does not keep them."""
-    from torch.nn.modules import module as torch_module
-
-    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
+    registered, hooked = backward_hooks(model)
+    if registered:
         raise CaptureError("a global module backward hook is registered (register_module_full_backward_hook): "
                            "hap computes gradients from the captured graph, which does not keep hooks")
-    for path, sub in model.named_modules():
-        if sub._backward_hooks or sub._backward_pre_hooks:
-            raise CaptureError(f"module {path or '(root)'} ({type(sub).__name__}) has a backward hook "
-                               "(register_full_backward_hook): hap computes gradients from the captured graph, "
-                               "which does not keep hooks; change the gradients after backward instead")
+    for path, sub in hooked:
+        raise CaptureError(f"module {path or '(root)'} ({type(sub).__name__}) has a backward hook "
+                           "(register_full_backward_hook): hap computes gradients from the captured graph, "
+                           "which does not keep hooks; change the gradients after backward instead")
 
 
 @contextlib.contextmanager
@@ -137,8 +121,8 @@ def _unsupported_calls(lost: list[str]):
     alone: a gradient reversal's backward would be the identity; torch's own, a torch.library
     custom op's or a higher-order op's, stay in the graph as that op) and a gradient hook
     registered on a tensor (Tensor.register_hook); and pack_padded_sequence, whose failure
-    inside export names neither it nor packing. Private torch API in this one place: the three
-    are patched for the trace only, and call through."""
+    inside export names neither it nor packing. The three (public attributes) are patched for
+    the trace only, and call through."""
     from torch.autograd import function
 
     apply, register_hook = function.Function.apply.__func__, torch.Tensor.register_hook
@@ -267,7 +251,7 @@ def _functional(ep: ExportedProgram) -> ExportedProgram:
         _copy_as_clone(ep.graph, fx)
     if copies:
         ep.graph_module.recompile()
-    left = [fx for fx in ep.graph.nodes if fx.op == "call_function" and isinstance(fx.target, torch._ops.HigherOrderOperator)]
+    left = [fx for fx in ep.graph.nodes if fx.op == "call_function" and is_higher_order_op(fx.target)]
     left += [fx for fx in ep.graph.nodes if fx.op == "get_attr"]  # a submodule no op of ours calls
     if left:
         fx = left[0]

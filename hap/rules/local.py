@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .._torch import schema_arg, schema_names
 from ..ir import Graph, Node, TensorRef
 from ..placement import Placement
 from . import RANDOM_OPS, Strategy
@@ -232,11 +233,9 @@ def _seeded(node: Node) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
     dropout_like = "dropout" in node.op  # (alpha_dropout's p is a rate; bernoulli's a probability)
-    for i, a in enumerate(target._schema.arguments):
-        if a.name in ("dropout_p", "dropout", "train", "training") or (dropout_like and a.name == "p"):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-            if not value:
-                return False
+    for name in ("dropout_p", "dropout", "train", "training") + (("p",) if dropout_like else ()):
+        if name in schema_names(target) and not schema_arg(target, node.args, node.kwargs, name):
+            return False
     return True
 
 

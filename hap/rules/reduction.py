@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .._torch import schema_arg
 from ..ir import Graph, Node
 from . import P, S, Strategy, ndim, norm_dim, register, shape_of
 from .local import variant
@@ -24,12 +25,7 @@ from .local import variant
 
 def _get(node: Node, name: str):
     """An argument by its schema name: positional, keyword, or the schema's default."""
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            if i < len(node.args) and not a.kwarg_only:
-                return node.args[i]
-            return node.kwargs.get(name, a.default_value if a.has_default_value() else None)
-    return None
+    return schema_arg(node.target, node.args, node.kwargs, name)
 
 
 def reduced_dims(node: Node, graph: Graph) -> tuple[list[int], dict[int, int]] | None:

@@ -26,7 +26,6 @@ the parameter (momentum, Adam's moments); an optimizer whose state spans a shard
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from .._torch import ShardedTensor, quiet_sharded_tensors, sharded_tensor
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
 
@@ -218,7 +218,7 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     gather_or_refuse(None, refused, comm)  # (and the staging directory is there)
     items.update(_compressor_items(dmodel))
     try:
-        with _quiet():
+        with quiet_sharded_tensors():
             dcp.save(items, storage_writer=dcp.FileSystemWriter(staging), process_group=comm.group,
                      planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except CheckpointException as e:  # every rank gets every rank's failure (a full disk): one line instead
@@ -558,7 +558,7 @@ def _load(items: dict[str, Any], path: str, comm) -> None:
     keys as given, not flattened (as saved): `extra` and the optimizer's groups are one object
     each."""
     try:
-        with _quiet():
+        with quiet_sharded_tensors():
             dcp.load(items, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
                      planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except CheckpointException as e:  # a BaseException of every rank's tracebacks: one line instead
@@ -734,7 +734,9 @@ def _like(dmodel, name: str, local: torch.Tensor):
         return local
     sizes = ex.sizes(name, p, seg)
     assert local.shape[p.dim] == sizes[dmodel.comm.rank], f"{name}: {tuple(local.shape)}, not this rank's of {sizes}"
-    return _sharded(local, shape, p.dim, sizes, dmodel.comm)
+    comm = dmodel.comm
+    return sharded_tensor(local, shape, p.dim, sizes, comm.rank,
+                          [f"rank:{global_rank(comm, r)}/{local.device}" for r in range(comm.world)], comm.group)
 
 
 def _volume(shape) -> int:
@@ -742,41 +744,4 @@ def _volume(shape) -> int:
     for s in shape:
         n *= s
     return n
-
-
-# ---- private torch API, in this one place ----------------------------------------------------
-# DCP reshards a tensor only when it knows the tensor's global layout. A DTensor's Shard placement
-# assumes torch.chunk's even sizes, which hap's shards (sizes like [7, 3] or [10, 0]) are not; a
-# ShardedTensor built from explicit ShardMetadata (each rank's row offset and size) is the layout
-# DCP takes for uneven shards, on any backend, with ranks holding no rows simply holding no shard.
-# torch marks ShardedTensor deprecated in favour of DTensor (FutureWarning on every call), so the
-# warning is silenced around the calls that touch it; the checkpoint files are DCP's and do not
-# record which class wrote them.
-
-from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
-
-
-def _sharded(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes: list[int], comm) -> ShardedTensor:
-    """A ShardedTensor of whole shape `shape` whose rank r holds rows [sum(sizes[:r]), +sizes[r])
-    of dim `dim`; this rank's rows are `local` (shared, not copied)."""
-    def shard(r):
-        offsets, part = [0] * len(shape), list(shape)
-        offsets[dim], part[dim] = sum(sizes[:r]), sizes[r]
-        return ShardMetadata(offsets, part, f"rank:{global_rank(comm, r)}/{local.device}")
-
-    props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata([shard(r) for r in range(comm.world) if sizes[r]], torch.Size(shape), props)
-    mine = [Shard(local, shard(comm.rank))] if sizes[comm.rank] else []
-    with _quiet():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=comm.group)
-
-
-@contextlib.contextmanager
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
-        yield
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch import at_backward_end
 from ..plan import SyncEntry
 from .collectives import Comm
 from . import wire
@@ -207,7 +208,7 @@ class GradSync:
         accumulation), that one is summed over the ranks already: summing it again would count
         it once per rank. It waits aside and is added back after this backward's own sum."""
         if not self.queued:
-            _at_backward_end(self._backward_ended)
+            at_backward_end(self._backward_ended)
             self.queued = True
         if p.grad is not None:
             self.earlier[id(p)] = (p, p.grad)
@@ -597,11 +598,3 @@ def _unpack(rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     keep = idx >= 0
     values = rows[keep, h:].reshape(-1, *shape[1:])
     return torch.sparse_coo_tensor(idx[keep].unsqueeze(0), values, shape, check_invariants=False)  # valid by construction
-
-
-# ---- private torch API, in this one place ----------------------------------------------------
-# No public hook runs when a backward ends; DDP and FSDP queue their end-of-backward work with
-# the autograd engine's queue_callback, which runs it once the current graph task is done.
-
-def _at_backward_end(fn: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_unflatten
 
+from .._torch import is_view, tree_unflatten
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..plan import Plan, shard_sizes
@@ -335,7 +335,7 @@ class HAP(nn.Module):
         # (the loss keeps its value; a graph already backpropagated is of no further use).
         for ref in self._losses:
             last = ref()
-            if last is not None and last.grad_fn is not None and not last._is_view():  # a view cannot detach in place
+            if last is not None and last.grad_fn is not None and not is_view(last):  # a view cannot detach in place
                 last.detach_()
         self._losses = []
         ex = self.executor
@@ -721,15 +721,15 @@ def _buffers_on_meta(model: nn.Module):
     and inputs are; given back after."""
     swapped = []
     for sub in model.modules():
-        for name, b in list(sub._buffers.items()):
-            if b is not None and not b.is_meta:
+        for name, b in list(sub.named_buffers(recurse=False)):
+            if not b.is_meta:
                 swapped.append((sub, name, b))
-                sub._buffers[name] = torch.empty_like(b, device="meta")
+                setattr(sub, name, torch.empty_like(b, device="meta"))  # (a buffer stays a buffer)
     try:
         yield
     finally:
         for sub, name, b in swapped:
-            sub._buffers[name] = b
+            setattr(sub, name, b)
 
 
 def _mark_unset(t: torch.Tensor) -> None:

@@ -1,0 +1,115 @@
+"""Private torch API, in this one place: each use is a small function here, with why no public
+API does it, so that a torch upgrade that moves one breaks one file. (Checked with torch 2.13.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_unflatten  # noqa: F401 (the model's return structure: no public pytree module)
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""The logger torch's fake tensors write a failing op's whole traceback to, before export raises."""
+
+
+# -- autograd ------------------------------------------------------------------------------------
+
+def at_backward_end(fn: Callable[[], None]) -> None:
+    """Run `fn` once the current backward's graph task is done. No public hook runs when a
+    backward ends; DDP and FSDP queue their end-of-backward work with the autograd engine's
+    queue_callback too."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor (a view cannot be detached in place)."""
+    return t._is_view()
+
+
+# -- ops and modules -----------------------------------------------------------------------------
+
+def schema_arg(target, args: Sequence[Any], kwargs: dict, name: str) -> Any:
+    """An ATen op's argument by its schema name: positional, keyword, or the schema's default
+    (None where the op has no such argument). OpOverload has no public schema accessor."""
+    for i, a in enumerate(target._schema.arguments):
+        if a.name == name:
+            if i < len(args) and not a.kwarg_only:
+                return args[i]
+            return kwargs.get(name, a.default_value if a.has_default_value() else None)
+    return None
+
+
+def schema_names(target) -> list[str]:
+    """An ATen op's argument names, in schema order."""
+    return [a.name for a in target._schema.arguments]
+
+
+def is_higher_order_op(target) -> bool:
+    """Whether an FX node's target is a higher-order op (cond, while_loop, wrap_with_...)."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def backward_hooks(model: torch.nn.Module) -> tuple[bool, list[tuple[str, torch.nn.Module]]]:
+    """Whether a global module backward hook is registered, and the submodules (path, module)
+    with backward hooks of their own. nn.Module keeps both in private fields only."""
+    from torch.nn.modules import module as torch_module
+
+    registered = bool(torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+    return registered, [(path, sub) for path, sub in model.named_modules()
+                        if sub._backward_hooks or sub._backward_pre_hooks]
+
+
+# -- distributed checkpoints ---------------------------------------------------------------------
+# DCP reshards a tensor only when it knows the tensor's global layout. A DTensor's Shard placement
+# assumes torch.chunk's even sizes, which hap's shards (sizes like [7, 3] or [10, 0]) are not; a
+# ShardedTensor built from explicit ShardMetadata (each rank's row offset and size) is the layout
+# DCP takes for uneven shards, on any backend, with ranks holding no rows simply holding no shard.
+# torch marks ShardedTensor deprecated in favour of DTensor (FutureWarning on every call), so the
+# warning is silenced around the calls that touch it; the checkpoint files are DCP's and do not
+# record which class wrote them.
+
+from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
+
+
+def sharded_tensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes: Sequence[int], rank: int,
+                   placements: Sequence[str], group) -> ShardedTensor:
+    """A ShardedTensor of whole shape `shape` whose rank r holds rows [sum(sizes[:r]), +sizes[r])
+    of dim `dim`, placed at placements[r] ("rank:<global rank>/<device>"); this rank's rows are
+    `local` (shared, not copied)."""
+    def shard(r):
+        offsets, part = [0] * len(shape), list(shape)
+        offsets[dim], part[dim] = sum(sizes[:r]), sizes[r]
+        return ShardMetadata(offsets, part, placements[r])
+
+    props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    meta = ShardedTensorMetadata([shard(r) for r in range(len(sizes)) if sizes[r]], torch.Size(shape), props)
+    mine = [Shard(local, shard(rank))] if sizes[rank] else []
+    with quiet_sharded_tensors():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=group)
+
+
+@contextlib.contextmanager
+def quiet_sharded_tensors():
+    """ShardedTensor's deprecation warnings silenced (see above)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors():
+    """torch's fake tensors' log of a failing op's traceback silenced."""
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
