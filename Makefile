@@ -39,10 +39,10 @@ bench-fidelity: install   # estimated vs measured iteration time over 22 variant
 bench-automap: install   # the pipeline DQN against the exact cut on the paper models: out/bench-automap/report.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/automap.py --out out/bench-automap
 
-bench-stragglers: install   # straggler mitigation on the digits ViT, Table I, figures: out/bench-stragglers/report.md (~50 min; --quick under 10)
+bench-stragglers: install   # straggler mitigation on the digits ViT, Table I, figures: out/bench-stragglers/report.md (74 min measured; --quick 7.5)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/stragglers.py --out out/bench-stragglers
 
-bench-all: install     # every benchmark, one Markdown report with plots: out/bench/report.md (~20 min)
+bench-all: install     # every benchmark, one Markdown report with plots: out/bench/report.md (14.7 min measured)
 	$(PY) -m pip install -q matplotlib
 	OMP_NUM_THREADS=1 $(PY) benchmarks/all.py --out out/bench
 

@@ -291,8 +291,9 @@ def cmd_train(args) -> int:
     print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(steady)}), "
           f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
     if args.trace:
-        print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {args.trace}/rank<r>.json; the plan: "
-              f"{args.trace}/plan.json (hap explain {args.trace}/plan.json --trace {args.trace})")
+        where = os.path.normpath(args.trace)  # (traces/ gave traces//rank<r>.json)
+        print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {os.path.join(where, 'rank<r>.json')}; the plan: "
+              f"{os.path.join(where, 'plan.json')} (hap explain {os.path.join(where, 'plan.json')} --trace {where})")
     return 0
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from hap._torch import FAKE_TENSOR_LOGGER
 from hap.capture import CaptureError, capture
 
 torch.set_num_threads(1)
@@ -106,7 +107,7 @@ def test_a_shape_the_model_cannot_run_is_one_line_with_no_log():
     logged = []
     listener = logging.Handler()
     listener.emit = logged.append  # (torch's own handler writes to the stderr of its import: not capfd's)
-    fake = logging.getLogger("torch._subclasses.fake_tensor")
+    fake = logging.getLogger(FAKE_TENSOR_LOGGER)
     fake.addHandler(listener)
     try:
         with pytest.raises(CaptureError, match=r"^torch.export could not capture Mixing: a and b must have same "
