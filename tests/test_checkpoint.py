@@ -780,8 +780,9 @@ def test_state_spanning_a_one_row_shard_is_refused_on_every_rank(tmp_path):
                                   "(SGD, Adam, ...) or a plan that keeps fc1.weight whole")
 
 
-def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_path):
-    """keep= removed the newer checkpoint past step 99,999,999 (names sorted as text); a byte
+def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_path):
+    """keep= removed the newer checkpoint past step 99,999,999 (names sorted as text), and a
+    resumed run's own checkpoints where a later step was saved before the resume; a byte
     changed in a data file loaded silently (DCP checks sizes only)."""
     for step in (99_999_999, 100_000_000, 100_000_001):
         staging = tmp_path / f".tmp-step-{step}"
@@ -801,6 +802,12 @@ def test_keep_orders_checkpoints_by_step_and_checksums_catch_a_changed_byte(tmp_
     # the third save of step 5 replaced the first (names alternated 5, 5.1, 5), and keep then
     # dropped it as the oldest
     assert sorted(e.name for e in again.iterdir()) == ["latest", "step-00000003", "step-00000005.2"]
+    for step in (4, 5):  # the run resumed from step 3 goes on: keep=2 keeps its own newest two, not the
+        staging = again / ".tmp-step"  # abandoned run's step 5.2 (it was kept, and step 4 dropped, by step)
+        staging.mkdir()
+        (staging / "x").write_text(str(step))
+        checkpoint._commit(str(staging), str(again), step, 2, {})
+    assert sorted(e.name for e in again.iterdir()) == ["latest", "step-00000004", "step-00000005"]
     path = str(tmp_path / "step-100000001")
     checkpoint.verify(path)
     data = next(p for p in (tmp_path / "step-100000001").iterdir() if p.suffix == ".distcp")

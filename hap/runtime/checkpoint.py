@@ -469,11 +469,22 @@ def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dic
     for entry in os.listdir(directory):  # staging directories of saves that died
         if entry.startswith(".tmp-step-"):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
-    if keep is not None:
-        done = sorted((e for e in os.listdir(directory) if _NAME.fullmatch(e) and e != name), key=_order)
+    if keep is not None:  # the newest saved: a run resumed from an older step keeps its own, not a later step's
+        done = sorted((e for e in os.listdir(directory) if _NAME.fullmatch(e) and e != name),
+                      key=lambda e: (_saved_at(os.path.join(directory, e)), _order(e)))
         for entry in done[: max(0, len(done) - (keep - 1))]:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     return final
+
+
+def _saved_at(path: str) -> int:
+    """When the checkpoint at `path` was committed (ns): its checksums' write, else its directory's."""
+    for where in (os.path.join(path, CHECKSUMS), path):
+        try:
+            return os.stat(where).st_mtime_ns
+        except OSError:
+            continue
+    return 0
 
 
 def _order(name: str) -> tuple[int, int]:
