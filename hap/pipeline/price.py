@@ -110,11 +110,10 @@ class PipelinePricer:
                        if not counts_early(graph.nodes[step.node], step.strategy, graph)]
         self._inner = [(k, found) for k, found in self._inner if found]
         self._inner_cum: dict[tuple[int, ...], np.ndarray] = {}
-        self.crossing_bytes = _crossing_bytes(graph, program)
+        self.crossing_bytes, self.crossing_counts = _crossing_bytes(graph, program)
         """[split or whole, forward or backward, c]: the bytes that cross the cut before node c
-        split on a dim (whole batch) or replicated, and those of them whose gradient comes back."""
-        self.crossing_counts = _crossing_bytes(graph, program, count=True)
-        """The same, counting the tensors (each a message of its own: a latency each)."""
+        split on a dim (whole batch) or replicated, and those of them whose gradient comes back;
+        and the same counting the tensors (each a message of its own: a latency each)."""
         self.cut_bytes = self.crossing_bytes[:, 0].sum(0)  # [c]: all bytes crossing the cut before node c
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
 
@@ -288,20 +287,20 @@ class PipelinePricer:
                                 tuple(mem), simulated)
 
 
-def _crossing_bytes(graph, program: Sequence[Step], count: bool = False) -> np.ndarray:
+def _crossing_bytes(graph, program: Sequence[Step]) -> tuple[np.ndarray, np.ndarray]:
     """[split or whole, forward or backward, c]: bytes crossing the cut before node c, by the
     placement the program gives them (split on a dim: the whole batch's; replicated: one
-    copy), forward, and backward for those whose gradient comes back (stages.crossings).
-    count: the number of tensors instead."""
+    copy), forward, and backward for those whose gradient comes back (stages.crossings); and
+    the number of those tensors."""
     placed = {}
     for step in program:
         placed.update(zip(graph.nodes[step.node].outputs, step.strategy.outputs))
-    delta = np.zeros((2, 2, len(graph.nodes) + 2))
+    delta = np.zeros((2, 2, 2, len(graph.nodes) + 2))  # [bytes or count, kind, way, c]
     for t in graph.tensors.values():
         if t.producer >= 0 and t.consumers and max(t.consumers) > t.producer:
             kind = 0 if placed[t.name].is_shard else 1
             for way in (0, 1) if t.requires_grad else (0,):
-                amount = 1 if count else t.nbytes
-                delta[kind, way, t.producer + 1] += amount
-                delta[kind, way, max(t.consumers) + 1] -= amount
-    return np.cumsum(delta, axis=-1)[..., : len(graph.nodes) + 1]
+                delta[:, kind, way, t.producer + 1] += (t.nbytes, 1)
+                delta[:, kind, way, max(t.consumers) + 1] -= (t.nbytes, 1)
+    nbytes, counts = np.cumsum(delta, axis=-1)[..., : len(graph.nodes) + 1]
+    return nbytes, counts
