@@ -169,12 +169,14 @@ def _straggler_policies() -> tuple[str, ...]:
     return POLICIES
 
 
-def _build_graph(args, devices: int, say, device: str | None = "meta"):
+def _build_graph(args, devices: int, say):
+    """The graph of the model the command line names, captured as the ranks will capture it
+    (models.capture_device)."""
     from .capture import capture
-    from .models import build
+    from .models import build, capture_device
 
     try:
-        model, inputs = build(args.model, devices=devices, device=device, **_model_knobs(args))
+        model, inputs = build(args.model, devices=devices, device=capture_device(args.scale), **_model_knobs(args))
     except ValueError as e:
         raise UserError(str(e)) from None
     say(f"capturing {args.model} ...")
@@ -246,9 +248,7 @@ def cmd_train(args) -> int:
     elif args.emulate:
         say(f"--emulate does nothing here: cluster {cluster.name!r} is local (its slowdowns and emulated links run as "
             "the file says)")
-    # the ranks capture the real model, whose graph can differ from the meta one's (a contiguous
-    # attention output on the CPU): a small model is captured for planning as they will
-    graph = _build_graph(args, cluster.gpus, say, device=None if args.scale == "small" else "meta")
+    graph = _build_graph(args, cluster.gpus, say)
     if resume is not None:
         _check_checkpoint(resume[0], graph)
         args.resume_path = resume[0]  # the ranks load the checkpoint checked here, not hashing it again

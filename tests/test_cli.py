@@ -297,3 +297,20 @@ def test_sync_refuses_a_pipeline_plan_naming_the_file(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"hap: error: --plan {path}: synchronization strategies are for plans of one stage; this plan is a pipeline "
         "of 2 stages, which all-reduce every gradient whole")
+
+
+def test_a_small_models_plan_is_of_the_graph_its_ranks_capture(tmp_path, capsys):
+    """hap plan and hap sync captured on the meta device, whose graph of ViT without dropout has
+    two views more than the CPU's that the ranks capture: `hap train --plan` refused the plan
+    ("node _unsafe_view not in the graph") and every hap sync trial failed."""
+    from hap import Plan, capture, load_cluster
+    from hap.models import build
+    from hap.sync import autosync
+
+    knobs = {"scale": "small", "dropout": 0.0}
+    ranks_graph = capture(*build("vit", devices=2, **knobs), name="vit")  # as a rank builds it: on the CPU
+    assert main(["plan", "--model", "vit", "--scale", "small", "--dropout", "0", "--cluster", "local", "--quiet",
+                 "--json", str(tmp_path / "p.json")]) == 0
+    Plan.from_json(tmp_path / "p.json").check_fits(ranks_graph)  # what hap train checks before its ranks start
+    graph = autosync._setting("vit", knobs, load_cluster("local"), None)[0]
+    assert [n.op for n in graph.nodes] == [n.op for n in ranks_graph.nodes]

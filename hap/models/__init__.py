@@ -153,6 +153,14 @@ def build(name: str, *, layers: int | None = None, hidden: int | None = None, ba
     return model.train(), inputs
 
 
+def capture_device(scale: str | None) -> str | None:
+    """Where to build a model for capturing the graph a plan is made for: a small one as the
+    local ranks build it, on the CPU (None), for the meta device's graph can differ from theirs
+    (ViT without dropout: attention's output strides give two more views); a paper-size one on
+    the meta device, allocating nothing."""
+    return None if scale == "small" else "meta"
+
+
 def changing_knobs(name: str, devices: int = 8, **knobs) -> dict:
     """`knobs` less those that change nothing (a value the model takes by default, the paper
     scale): the same model keys the same AutoSync search whichever way it was asked for."""

@@ -38,7 +38,7 @@ import torch
 from ..capture import capture
 from ..config import check_fields, flag, instance, number, one_of, whole
 from ..cost.cluster import Cluster
-from ..models import build, changing_knobs
+from ..models import build, capture_device, changing_knobs
 from ..plan import Plan
 from ..planner import baseline_plan, replayed
 from . import baselines, price
@@ -305,11 +305,11 @@ def _trained(history, key, domain, others: list[Sample], config: AutoSyncConfig,
 
 
 def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
-    """(graph, plan, variables, cost, estimate) of a search: the model captured on the meta
-    device, its plan (default: data parallel at compute-proportional batch shares, AutoSync's
+    """(graph, plan, variables, cost, estimate) of a search: the model captured as the trial
+    ranks capture it (models.capture_device), its plan (default: data parallel at compute-proportional batch shares, AutoSync's
     setting), the gradients it synchronizes, the cost model and the plan's estimate."""
-    meta_model, inputs = build(model, devices=cluster.size, device="meta", **knobs)
-    graph = capture(meta_model, inputs, name=model)
+    built, inputs = build(model, devices=cluster.size, device=capture_device(knobs.get("scale")), **knobs)
+    graph = capture(built, inputs, name=model)
     if plan is None:
         plan = baseline_plan(graph, cluster, "dp-cp")
     check_one_stage(plan)
