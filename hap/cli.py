@@ -337,9 +337,11 @@ def _plan_file(path: str, cluster):
 def _priced_here(path: str, plan, graph, cluster, say):
     """The plan priced on the cluster it is about to run on (it may have been made for another
     of the same size, or its shares or groups edited since): the summary and the measured
-    over estimated ratio then speak of this run."""
+    over estimated ratio then speak of this run. A plan that does not fit a device's memory
+    there is refused, as the planners refuse one."""
     import dataclasses
 
+    from .ir import size_text
     from .planner import priced
 
     try:
@@ -347,6 +349,10 @@ def _priced_here(path: str, plan, graph, cluster, say):
                                                           devices=[d.name for d in cluster.devices]))
     except ValueError as e:
         raise UserError(f"--plan {path}: {e}") from None
+    for j, (need, device) in enumerate(zip(here.memory_bytes, cluster.devices)):  # as a planner would refuse it
+        if need > device.memory:
+            raise UserError(f"--plan {path}: out of memory: the plan needs {size_text(need)} on device {j} "
+                            f"({device.name}), which has {size_text(device.memory)}")
     made_for = plan.cluster.get("name") if isinstance(plan.cluster, dict) else None
     old, new = plan.estimated_iteration_seconds, here.estimated_iteration_seconds
     if made_for != cluster.name:

@@ -314,3 +314,18 @@ def test_a_small_models_plan_is_of_the_graph_its_ranks_capture(tmp_path, capsys)
     Plan.from_json(tmp_path / "p.json").check_fits(ranks_graph)  # what hap train checks before its ranks start
     graph = autosync._setting("vit", knobs, load_cluster("local"), None)[0]
     assert [n.op for n in graph.nodes] == [n.op for n in ranks_graph.nodes]
+
+
+def test_a_plan_that_does_not_fit_the_clusters_memory_is_refused_before_the_ranks_start(tmp_path, capsys):
+    """hap plan refused the small ViT on 600 KiB devices, but hap train --plan trained a plan
+    made for bigger ones there, its summary saying 1.5 MiB a device."""
+    small = ["--model", "vit", "--scale", "small"]
+    assert main(["plan", *small, "--quiet", "--cluster", "local-homo", "--json", str(tmp_path / "p.json")]) == 0
+    spec = hap.load_cluster("local-homo").to_dict()
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(json.dumps({**spec, "name": "tight", "devices": [{**d, "memory": "600KiB"} for d in spec["devices"]]}))
+    capsys.readouterr()
+    assert main(["train", *small, "--cluster", str(tight), "--steps", "1", "--plan", str(tmp_path / "p.json")]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]  # (after progress lines; no rank started)
+    assert re.match(rf"^hap: error: --plan {tmp_path / 'p.json'}: out of memory: the plan needs .*B on device \d \(cpu\d\), "
+                    r"which has 600.0 KiB$", said), said
