@@ -223,9 +223,10 @@ def test_straggler_config_fields_are_checked():
 
 
 @pytest.mark.parametrize("text, says", [("sometimes:chi=8", "unknown straggler schedule"),
-                                        ("round-robin:chi=0.5", "a finite number at least 1"),
-                                        ("round-robin:chi=nan", "a finite number at least 1"),  # ran unslowed
-                                        ("multi:chi=8/inf", "a finite number at least 1"),  # killed a rank
+                                        ("round-robin:chi=0.5", "a number from 1 to 1000"),
+                                        ("round-robin:chi=nan", "a number from 1 to 1000"),  # ran unslowed
+                                        ("persistent:chi=1e9,rank=1", "a number from 1 to 1000"),  # timed out
+                                        ("multi:chi=8/inf", "a number from 1 to 1000"),  # killed a rank
                                         ("round-robin:chi=8/4", "one chi"),
                                         ("persistent:chi=2,rank=7", "rank < 4"),
                                         ("round-robin:speed=3", "chi=, every="),
