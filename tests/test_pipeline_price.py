@@ -299,4 +299,10 @@ def test_a_pipeline_plan_priced_again_is_its_estimate_until_edited():
     swapped = dataclasses.replace(plan, stages=[dataclasses.replace(st, devices=other.devices)
                                                 for st, other in zip(plan.stages, plan.stages[::-1])])
     assert priced(graph, cluster, swapped).estimated_iteration_seconds > 1.2 * plan.estimated_iteration_seconds
+    # shares are relative (the runtime splits [2.0] as [1.0]); they were priced as they were written
+    doubled = dataclasses.replace(plan, stages=[dataclasses.replace(st, ratios=[[2 * x for x in r] for r in st.ratios])
+                                                for st in plan.stages])
+    assert priced(graph, cluster, doubled).estimated_iteration_seconds == pytest.approx(
+        plan.estimated_iteration_seconds, rel=1e-12)
+    assert priced(graph, cluster, doubled).memory_bytes == pytest.approx(plan.memory_bytes, rel=1e-12)
 

@@ -195,8 +195,9 @@ def priced_pipeline(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerC
     M, schedule = plan.schedule.micro_batches, plan.schedule.name
     config = PlannerConfig(optimizer=(config or PlannerConfig()).optimizer, micro_batches=M, schedule=schedule)
     space = PipelineSpace(graph, cluster, config)
+    shares = [[x / sum(st.ratios[0]) for x in st.ratios[0]] for st in plan.stages]  # (relative, as the runtime splits)
     est = space.pricer.estimate([st.nodes[0] for st in plan.stages[1:]], [st.devices for st in plan.stages],
-                                [st.ratios[0] for st in plan.stages], M, schedule)
+                                shares, M, schedule)
     return dataclasses.replace(plan, **_estimated(est, M, space.pricer.step_collectives))
 
 
