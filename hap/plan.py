@@ -167,6 +167,12 @@ def _is_share(x) -> bool:
 
 # the fields the runtime and summary() read, of the types they read them as (the timeline is
 # explain's, which says when it cannot draw it)
+def _number(x, positive: bool = True) -> bool:
+    """Whether a plan file's x is a finite number (not a bool), positive or at least not negative."""
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and (x > 0 if positive else x >= 0))
+
+
 _FIELD_TYPES = {"model": str, "cluster": dict, "devices": list, "estimated_iteration_seconds": (int, float),
                 "breakdown": dict, "memory_bytes": list, "baselines": dict, "synthesis_seconds": (int, float),
                 "replicated_ops": list, "search": dict, "written": str}
@@ -286,8 +292,8 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"malformed plan: {name} is a {type(value).__name__}")
-        if not all(isinstance(v, (int, float)) for v in [*self.breakdown.values(), *self.memory_bytes]):
-            raise ValueError("malformed plan: breakdown and memory_bytes must hold numbers")
+        if not all(_number(v, positive=False) for v in [*self.breakdown.values(), *self.memory_bytes]):
+            raise ValueError("malformed plan: breakdown and memory_bytes must hold finite numbers, none negative")
         if "name" not in self.cluster:
             raise ValueError("malformed plan: its cluster has no name")
         if not all(isinstance(x, str) for x in self.replicated_ops):
@@ -347,11 +353,11 @@ class Plan:
             if bad_shard is not None:
                 raise ValueError(f"malformed plan: stage {k} splits {bad_shard.tensor} dim {bad_shard.dim!r} into "
                                  f"{list(bad_shard.sizes)!r}: a dim and a whole number of rows per device of the stage")
-        if not all(isinstance(b, dict) and isinstance(b.get("seconds"), (int, float)) for b in self.baselines.values()):
-            raise ValueError("malformed plan: every baseline needs its seconds")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                   for x in (self.estimated_iteration_seconds, *[d.get("memory", 1) for d in self.cluster.get("devices", [])])):
-            raise ValueError("malformed plan: its estimate and its devices' memory must be positive numbers")
+        if not all(isinstance(b, dict) and _number(b.get("seconds")) for b in self.baselines.values()):
+            raise ValueError("malformed plan: every baseline needs its seconds, a finite positive number")
+        if not all(_number(x) for x in (self.estimated_iteration_seconds,
+                                        *[d.get("memory", 1) for d in self.cluster.get("devices", [])])):
+            raise ValueError("malformed plan: its estimate and its devices' memory must be finite positive numbers")
         if self.search.get("gap") is not None and not isinstance(self.search["gap"], (int, float)):
             raise ValueError(f"malformed plan: search gap {self.search['gap']!r} is not a number")
         bad = next((e for e in self.sync if not set(e.devices) <= set(range(n))), None)

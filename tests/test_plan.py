@@ -407,7 +407,13 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
             ({"baselines": {"x": {}}}, "every baseline needs its seconds"),
             ({"stages": [{**st, "devices": st["devices"][::-1]}]}, r"a one-stage plan runs on its devices in rank order"),
             ({"search": {**data["search"], "gap": "big"}}, "search gap 'big' is not a number"),
-            ({"estimated_iteration_seconds": -1.0}, "its estimate and its devices' memory must be positive numbers"),
+            ({"estimated_iteration_seconds": -1.0}, "its estimate and its devices' memory must be finite positive"),
+            # these were taken and shown as the plan's: inf ms, nan%, a baseline "0.00x"
+            ({"estimated_iteration_seconds": float("inf")}, "its estimate and its devices' memory must be finite"),
+            ({"breakdown": {**data["breakdown"], "forward_compute": float("nan")}}, "breakdown and memory_bytes must "
+                                                                                     "hold finite numbers, none negative"),
+            ({"memory_bytes": [-1.0] * n}, "breakdown and memory_bytes must hold finite numbers, none negative"),
+            ({"baselines": {"x": {"seconds": 0.0}}}, "every baseline needs its seconds, a finite positive number"),
             ({"stages": [{**st, "program": [{**st["program"][0], "loads": [["x", "S(0)", "extra"]]}, *st["program"][1:]]}]},
              r"instruction '\w+' loads must be a list of \[tensor, placement\] pairs"),
             # these raised a TypeError or an AttributeError in hap train --plan and hap explain
