@@ -99,6 +99,9 @@ def example_tuple(example_inputs: Sequence[Any]) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         raise CaptureError(f"example inputs must be a tuple of tensors, one per forward argument, not a tensor of shape "
                            f"{tuple(example_inputs.shape)}: for a forward of one argument give (x,)")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(f"example inputs must be a tuple of tensors, one per forward argument, not "
+                           f"{type(example_inputs).__name__}")
     return tuple(example_inputs)
 
 

@@ -217,6 +217,14 @@ def _live_bytes(graph: Graph) -> list[float]:
     return out
 
 
+def check_graph_and_cluster(graph, cluster) -> None:
+    """A one-line TypeError unless `graph` is a captured Graph and `cluster` a Cluster."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a hap Graph (hap.capture(model, example_inputs)), got {type(graph).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a hap Cluster (hap.load_cluster({cluster!r}), say), got {type(cluster).__name__}")
+
+
 def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
          progress: Callable[[str], None] | None = None) -> Plan:
     """Synthesize the fastest program and ratios for `graph` on `cluster` (one stage: a
@@ -225,8 +233,7 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
     if config.pipeline_asked:
         raise ValueError(f"PlannerConfig.{config.pipeline_asked[0]} is for the pipeline planners "
                          "(hap.planners.make_plan('pp-exact', ...)); hap.plan synthesizes one stage")
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a hap Cluster (hap.load_cluster({cluster!r}), say), got {type(cluster).__name__}")
+    check_graph_and_cluster(graph, cluster)
     with paused_gc():
         return _plan(graph, cluster, config, progress)
 

@@ -610,6 +610,14 @@ def test_a_knob_a_planner_does_not_read_is_refused():
         plan(graph, cluster, PlannerConfig(micro_batches=4))
     with pytest.raises(TypeError, match=r"^cluster must be a hap Cluster \(hap.load_cluster\('local'\), say\), got str$"):
         plan(graph, "local")
+    # a model for a graph, or no example inputs: AttributeError and TypeError deep inside
+    with pytest.raises(TypeError, match=r"^graph must be a hap Graph \(hap.capture\(model, example_inputs\)\), got BigMLP$"):
+        plan(BigMLP(), cluster)
+    with pytest.raises(TypeError, match=r"^graph must be a hap Graph .*, got BigMLP$"):
+        make_plan("pp-exact", BigMLP(), cluster)
+    from hap.capture import CaptureError
+    with pytest.raises(CaptureError, match=r"^example inputs must be a tuple of tensors, one per forward argument, not NoneType$"):
+        capture(BigMLP(), None)
     with pytest.raises(ValueError, match=r"^PlannerConfig.optimizer must be one of adam, momentum, sgd, got 'lamb'$"):
         PlannerConfig(optimizer="lamb")
     with pytest.raises(ValueError, match=r"^PlannerConfig.segments must be a whole number of at least 1, got 0$"):

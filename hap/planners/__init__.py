@@ -23,7 +23,7 @@ from typing import Callable, Literal, Protocol
 from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..plan import Plan
-from ..planner import PlannerConfig, baseline_plan, plan as synthesize_plan
+from ..planner import PlannerConfig, baseline_plan, check_graph_and_cluster, plan as synthesize_plan
 
 Progress = Callable[[str], None]
 
@@ -77,8 +77,7 @@ def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig |
     for knob, fields in asked.items():
         if fields and knob not in KNOBS[name]:
             raise ValueError(f"PlannerConfig.{fields[0]} is for the planners {', '.join(reading(knob))}, not {name}")
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a hap Cluster (hap.load_cluster({cluster!r}), say), got {type(cluster).__name__}")
+    check_graph_and_cluster(graph, cluster)
     return planner(graph, cluster, config, progress or (lambda msg: None))
 
 
