@@ -168,9 +168,10 @@ def _is_share(x) -> bool:
 # the fields the runtime and summary() read, of the types they read them as (the timeline is
 # explain's, which says when it cannot draw it)
 def _number(x, positive: bool = True) -> bool:
-    """Whether a plan file's x is a finite number (not a bool), positive or at least not negative."""
+    """Whether a plan file's x is a finite number (not a bool), positive or at least not negative
+    (beyond a sum's rounding: plans written before breakdowns were clamped hold -2e-18)."""
     return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-            and (x > 0 if positive else x >= 0))
+            and (x > 0 if positive else x >= -1e-12))
 
 
 _FIELD_TYPES = {"model": str, "cluster": dict, "devices": list, "estimated_iteration_seconds": (int, float),

@@ -15,6 +15,7 @@ import json
 import os
 import warnings
 import re
+import shutil
 import signal
 
 import pytest
@@ -222,14 +223,14 @@ def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
     for got in run_ranks(train, 2, tmp_path, ("dp", [0.4, 0.6]), "sgd", directory, 8, True, 2, None, 2):
         assert got["start"] == 4
         assert_like_reference(got, 8, "sgd")  # momentum buffers included
-    assert sorted(os.listdir(directory)) == ["latest", "step-00000006", "step-00000008"]  # the last two kept
+    assert sorted(os.listdir(directory)) == [".commits", "latest", "step-00000006", "step-00000008"]  # the last two kept
 
 
 def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
     directory, empty_first = str(tmp_path / "ckpt"), ("sharded", [0.0, 1.0])  # rank 0 holds no rows: no shards
     with pytest.raises(RankFailed, match="rank 1 died from signal SIGKILL"):  # killed while writing step 4
         run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, False, 2, (1, 4, "save"))
-    assert sorted(os.listdir(directory)) == [".tmp-step-00000004", "latest", "step-00000002"]
+    assert sorted(os.listdir(directory)) == [".commits", ".tmp-step-00000004", "latest", "step-00000002"]
     with pytest.raises(RankFailed, match="injected: disk full"):  # resumed, written in full, not renamed
         run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, True, 2, (0, 4, "commit"))
     assert os.path.exists(os.path.join(directory, ".tmp-step-00000004", ".metadata"))
@@ -238,7 +239,7 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
     with pytest.raises(RankFailed, match=r"failed: ValueError: checkpoint save: writing \S+step-00000004 failed "
                                          r"\(OSError: \[Errno 28\] No space left on device\)\n"):
         run_ranks(train, 2, tmp_path, empty_first, "sgd", directory, 4, True, 2, (1, 4, "full"))
-    assert sorted(os.listdir(directory)) == ["latest", "step-00000002"]
+    assert sorted(os.listdir(directory)) == [".commits", "latest", "step-00000002"]
     for got in run_ranks(train, 2, tmp_path, ("sharded", [0.7, 0.3]), "sgd", directory, 2, True):
         assert got["start"] == 2
         assert_like_reference(got, 2, "sgd")
@@ -791,7 +792,7 @@ def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_
                  no_dist=True)
         sums = {f.name: checkpoint._sha256(str(f)) for f in staging.iterdir()}  # (save: each rank hashes a share)
         checkpoint._commit(str(staging), str(tmp_path), step, 2, sums)
-    assert sorted(e.name for e in tmp_path.iterdir()) == ["latest", "step-100000000", "step-100000001"]
+    assert sorted(e.name for e in tmp_path.iterdir()) == [".commits", "latest", "step-100000000", "step-100000001"]
     again = tmp_path / "again"  # one step saved three times, then an earlier step (a run restarted)
     again.mkdir()
     for step in (5, 5, 5, 3):
@@ -801,13 +802,21 @@ def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_
         checkpoint._commit(str(staging), str(again), step, 2, {})
     # the third save of step 5 replaced the first (names alternated 5, 5.1, 5), and keep then
     # dropped it as the oldest
-    assert sorted(e.name for e in again.iterdir()) == ["latest", "step-00000003", "step-00000005.2"]
+    assert sorted(e.name for e in again.iterdir()) == [".commits", "latest", "step-00000003", "step-00000005.2"]
     for step in (4, 5):  # the run resumed from step 3 goes on: keep=2 keeps its own newest two, not the
         staging = again / ".tmp-step"  # abandoned run's step 5.2 (it was kept, and step 4 dropped, by step)
         staging.mkdir()
         (staging / "x").write_text(str(step))
         checkpoint._commit(str(staging), str(again), step, 2, {})
-    assert sorted(e.name for e in again.iterdir()) == ["latest", "step-00000004", "step-00000005"]
+    assert sorted(e.name for e in again.iterdir()) == [".commits", "latest", "step-00000004", "step-00000005"]
+    copied = tmp_path / "copied"  # a copy (cp -r, a backup restored) gives the files other times: the order holds
+    shutil.copytree(again, copied)
+    for path in (copied / "step-00000004").rglob("*"):
+        os.utime(path, ns=(2**62, 2**62))  # step 4's files now look newer than step 5's
+    staging = copied / ".tmp-step"
+    staging.mkdir()
+    checkpoint._commit(str(staging), str(copied), 6, 2, {})
+    assert sorted(e.name for e in copied.iterdir()) == [".commits", "latest", "step-00000005", "step-00000006"]
     path = str(tmp_path / "step-100000001")
     checkpoint.verify(path)
     data = next(p for p in (tmp_path / "step-100000001").iterdir() if p.suffix == ".distcp")

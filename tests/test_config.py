@@ -34,7 +34,7 @@ def test_rules_hold_exactly_on_their_bounds():
 @pytest.mark.parametrize("make, message", [
     (lambda: PlannerConfig(micro_batches=-2),
      "PlannerConfig.micro_batches must be a whole number of at least 0 (0: the planner's choice), got -2"),
-    (lambda: PlannerConfig(schedule="zb"), "PlannerConfig.schedule must be one of gpipe, 1f1b, got 'zb'"),
+    (lambda: PlannerConfig(schedule="zb"), "PlannerConfig.schedule must be one of gpipe, 1f1b or None (1f1b), got 'zb'"),
     (lambda: DQNConfig(depth=-1), "DQNConfig.depth must be a whole number of at least 0, got -1"),
     # a string compared with a number: a TypeError deep in the loop's first round, before
     (lambda: AutoSyncConfig(trials="5"), "AutoSyncConfig.trials must be a whole number of at least 0, got '5'"),

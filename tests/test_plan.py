@@ -816,10 +816,10 @@ def test_memory_counts_the_buffers_every_device_keeps():
         plan(graph, tight)
 
 
-def test_shard_sizes_of_another_model_are_one_line_errors_for_every_runtime():
-    """hap.HAP, the pipeline runtime and check_fits each checked a plan's shard sizes, and the
-    two runtimes' copies raised IndexError (a dim the tensor lacks) or did not check the tensor;
-    all three call Plan.check_shards now."""
+def test_check_shards_says_in_one_line_which_shard_is_not_this_models():
+    """Plan.check_shards, which check_fits, hap.HAP and the pipeline runtime call (each had its
+    own copy, and the runtimes' raised IndexError on a dim the tensor lacks or did not check
+    the tensor), on a plan edited three ways."""
     from hap.planners import make_plan
 
     graph = capture(BigMLP(), (torch.randn(12, 256), torch.randint(0, 8, (12,))))

@@ -625,7 +625,7 @@ def test_a_search_that_cannot_write_or_would_measure_nothing_is_refused_before_a
         autosync.run("vit", {"scale": "small"}, one, tmp_path / "d")
 
 
-def test_knobs_that_change_nothing_key_the_same_search():
+def test_knobs_that_change_nothing_key_the_same_search(setting, tmp_path):
     """`hap sync --layers 2`, 2 being the small ViT's default, keyed a search of its own, so it
     neither resumed nor learned from the same model's trials logged without the flag."""
     from hap.models import changing_knobs, resolve
@@ -637,6 +637,13 @@ def test_knobs_that_change_nothing_key_the_same_search():
         "scale": "small", "layers": small.layers + 1, "dropout": small.dropout / 2}
     assert changing_knobs("bert-moe", 4, experts=8) == {}  # 2 experts a device by default
     assert changing_knobs("bert-moe", 4, experts=6) == {"experts": 6}
+    # a log keyed as the knobs were given (before they were dropped) is resumed as this search's
+    variables = setting[-1]
+    log = tmp_path / "trials.jsonl"
+    log.write_text(logged("as-given", uniform(variables, PartSync(kind=AR)), 0.002)
+                   + logged("other", uniform(variables, PartSync(kind=AR)), 0.001))
+    rows = autosync._history(log, "key", compress=False, aliases=("as-given",))
+    assert [t["domain"] for t in rows] == ["key", "other"]
 
 
 def test_an_accuracy_with_no_pair_to_rank_is_null_in_result_json(setting):

@@ -129,7 +129,8 @@ class CostModel:
         for k, node in enumerate(graph.nodes):
             key = (node.op, node.flops, node.bwd_flops, node.bytes_moved,
                    tuple((graph.tensors[x].kind, graph.tensors[x].requires_grad, graph.tensors[x].nbytes,
-                          self.granules(x), self.first_used_by(x, k)) for x in node.inputs),
+                          self.granules(x), self.first_used_by(x, k), x in node.inputs[:i])
+                         for i, x in enumerate(node.inputs)),
                    tuple(self.granules(x) for x in node.outputs),
                    None if timing is None else (timing.fwd[k], timing.bwd[k], timing.fwd_fixed[k], timing.bwd_fixed[k]))
             out.append(ids.setdefault(key, len(ids)))

@@ -76,9 +76,9 @@ class Pipeline(nn.Module):
         object.__setattr__(self, "model", model)  # not a submodule: parameters() are this stage's only
         # where this rank computes: the model's device (received activations, draws and sums go there)
         self.device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
-        if plan is None:
-            raise TypeError("hap.Pipeline needs a pipeline Plan (hap.planners.make_plan('pp-exact', graph, cluster, "
-                            "config), or hap.Plan.from_json of one), got None")
+        if plan is None and comm.rank == 0:  # (other ranks may leave it to rank 0's: told to them too)
+            plan = TypeError("hap.Pipeline needs a pipeline Plan (hap.planners.make_plan('pp-exact', graph, cluster, "
+                             "config), or hap.Plan.from_json of one), got None")
         self.plan = plan = agree_plan(plan, comm)
         if len(plan.stages) < 2 or plan.schedule is None:
             raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")

@@ -48,6 +48,9 @@ from .executor import per_element
 POINTER = "latest"
 CHECKSUMS = "checksums.json"
 """In a checkpoint: the SHA-256 of every file DCP wrote, checked before a load reads them."""
+COMMITS = ".commits"
+"""Beside the checkpoints: their names in the order they were committed, one a line (keep=
+keeps the newest committed; a copy of the directory keeps that order, where file times do not)."""
 _CHECKSUMMED = "checksummed"
 """In a checkpoint's .metadata: the save wrote checksums.json (older checkpoints have none)."""
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
@@ -465,26 +468,31 @@ def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dic
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(directory, POINTER))
+    with open(os.path.join(directory, COMMITS), "a") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_dir(directory)
     for entry in os.listdir(directory):  # staging directories of saves that died
         if entry.startswith(".tmp-step-"):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
-    if keep is not None:  # the newest saved: a run resumed from an older step keeps its own, not a later step's
+    if keep is not None:  # the newest committed: a run resumed from an older step keeps its own, not a later step's
+        committed = _commit_order(directory)
         done = sorted((e for e in os.listdir(directory) if _NAME.fullmatch(e) and e != name),
-                      key=lambda e: (_saved_at(os.path.join(directory, e)), _order(e)))
+                      key=lambda e: (committed.get(e, -1), _order(e)))  # (saves before the log: by step, first)
         for entry in done[: max(0, len(done) - (keep - 1))]:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     return final
 
 
-def _saved_at(path: str) -> int:
-    """When the checkpoint at `path` was committed (ns): its checksums' write, else its directory's."""
-    for where in (os.path.join(path, CHECKSUMS), path):
-        try:
-            return os.stat(where).st_mtime_ns
-        except OSError:
-            continue
-    return 0
+def _commit_order(directory: str) -> dict[str, int]:
+    """Checkpoint name -> its place in the order of commits (COMMITS; a name committed again, its
+    last place)."""
+    try:
+        with open(os.path.join(directory, COMMITS), errors="replace") as f:
+            return {line.strip(): i for i, line in enumerate(f)}
+    except OSError:
+        return {}
 
 
 def _order(name: str) -> tuple[int, int]:

@@ -353,6 +353,8 @@ class Executor:
         for name, (p, seg) in self.stored.items():
             if p.is_shard:
                 before, after = self.sizes(name, p, seg), self.classes.split_sizes(name, p.dim, ratios[seg])
+                if before == after:
+                    continue
                 sent = sum(_rows_exchanged(before, after, r) for r in range(self.comm.world)) // 2  # (each row counted twice)
                 total += sent * self._row_bytes(name, before) * (1 + len(self._state_entries(name, optimizers)))
         return total

@@ -765,8 +765,8 @@ def unlike_rank_0(values: Sequence) -> list[int]:
 def agree_plan(plan: Plan | Exception | None, comm: Comm) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error, and so
     is rank 0's failure to plan (`plan` an exception there), on every rank."""
-    if plan is not None and not isinstance(plan, (Plan, Exception)):
-        raise TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
+    if plan is not None and not isinstance(plan, (Plan, Exception)):  # (rank 0's is told to every rank)
+        plan = TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
     failed = isinstance(plan, Exception)
     box = [f"{type(plan).__name__}: {plan}" if failed else plan.to_json() if plan is not None else None]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)

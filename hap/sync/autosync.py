@@ -112,7 +112,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
                              f"{'directory' if want_dir else 'file'} there")
     if cluster.size < 2:
         raise ValueError(f"cluster {cluster.name!r} has one device: there are no gradients to synchronize between devices")
-    knobs = changing_knobs(model, cluster.size, **knobs)  # (--layers 2 where 2 is the default: the same search)
+    given, knobs = knobs, changing_knobs(model, cluster.size, **knobs)  # (--layers 2 where 2 is the default: one search)
     rng = random.Random(config.seed)
     graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
@@ -120,7 +120,9 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
     key = _domain_key(model, knobs, cluster, plan, config.space.compress)
     log = out / "trials.jsonl"
-    history = _history(log, key, config.space.compress, say)
+    # (rows logged before knobs at their defaults left the key are this search's too)
+    history = _history(log, key, config.space.compress, say,
+                       aliases=(_domain_key(model, given, cluster, plan, config.space.compress),))
     _save_domain(out, key, model, knobs, cluster, plan)
     others = _other_samples(history, key, out, say)
     for t in history:  # this search's rows must be of its parameters (a row of another search's, hand-edited)
@@ -270,11 +272,16 @@ def _load(log: Path, say: Callable[[str], None] = print) -> list[dict]:
     return rows
 
 
-def _history(log: Path, key: str, compress: bool, say: Callable[[str], None] = print) -> list[dict]:
-    """The log's rows (_load); in a search without compression, none of this search's of a
-    compressed strategy (logged by a search with compression before _domain_key told them apart):
-    such a search neither starts from nor returns an approximate strategy."""
+def _history(log: Path, key: str, compress: bool, say: Callable[[str], None] = print,
+             aliases: tuple[str, ...] = ()) -> list[dict]:
+    """The log's rows (_load), those of `aliases` (keys the same search had before) as this
+    search's; in a search without compression, none of this search's of a compressed strategy
+    (logged by a search with compression before _domain_key told them apart): such a search
+    neither starts from nor returns an approximate strategy."""
     rows = _load(log, say)
+    for t in rows:
+        if t["domain"] in aliases:
+            t["domain"] = key
     if log.exists() and log.stat().st_size and not log.read_bytes().endswith(b"\n"):  # (a row appended would join it)
         with log.open("a") as f:
             f.write("\n")

@@ -252,9 +252,9 @@ def with_estimate(plan: Plan, graph: Graph, cost: CostModel, est: Estimate, sear
     variables = Variables.of(plan, graph, cost.cluster.machines, cost)
     phased, end = schedule(plan.sync, variables, cost, est)
     _, backward = backward_clock(est)
-    exposed = end - backward
-    breakdown = {**est.breakdown(), "gradient_sync": exposed,
-                 "gradient_sync_overlapped": sum(p.seconds + p.then for p in phased) - exposed}
+    exposed = max(0.0, end - backward)
+    breakdown = {**est.breakdown(), "gradient_sync": exposed,  # (max: not -2e-18, a rounding of a sum)
+                 "gradient_sync_overlapped": max(0.0, sum(p.seconds + p.then for p in phased) - exposed)}
     timeline = {**plan.timeline, "buckets": [], "sync": [dataclasses.asdict(p) for p in phased]}
     return dataclasses.replace(plan, estimated_iteration_seconds=overlapped(plan.sync, variables, cost, est),
                                breakdown=breakdown, timeline=timeline, search={**plan.search, "sync": searched})
