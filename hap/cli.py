@@ -16,6 +16,7 @@ Bad input gets one line on stderr naming the problem and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -23,6 +24,8 @@ import time
 
 DEFAULT_LR = 0.05
 """hap train's SGD learning rate where --lr is not given (nor a checkpoint's, on --resume)."""
+TRAIN_OPTIMIZER = "momentum"
+"""What hap train trains with (SGD with momentum 0.9), whose state its plans' memory counts."""
 
 
 class UserError(Exception):
@@ -237,6 +240,7 @@ def cmd_train(args) -> int:
         raise UserError(f"--calibrate: calibration needs two devices at least; cluster {cluster.name!r} has {cluster.size}")
     planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
     config = _planner_config(args, planner if args.plan is None else f"the plan in {args.plan}")
+    config = dataclasses.replace(config, optimizer=TRAIN_OPTIMIZER)  # (its state counts in the memory priced)
     straggling = _check_straggler(args, cluster.size)
     say = lambda msg: print(f"[hap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not cluster.local and not args.emulate:
@@ -260,7 +264,7 @@ def cmd_train(args) -> int:
     if args.plan is not None:
         result = _plan_file(args.plan, cluster)
         _check_plan_fits(args.plan, result, graph)
-        result = _priced_here(args.plan, result, graph, cluster, say)
+        result = _priced_here(args.plan, result, graph, cluster, config, say)
         planner = f"the plan in {args.plan}"
     else:
         try:
@@ -334,19 +338,17 @@ def _plan_file(path: str, cluster):
     return plan
 
 
-def _priced_here(path: str, plan, graph, cluster, say):
+def _priced_here(path: str, plan, graph, cluster, config, say):
     """The plan priced on the cluster it is about to run on (it may have been made for another
     of the same size, or its shares or groups edited since): the summary and the measured
     over estimated ratio then speak of this run. A plan that does not fit a device's memory
     there is refused, as the planners refuse one."""
-    import dataclasses
-
     from .ir import size_text
     from .planner import priced
 
     try:
         here = priced(graph, cluster, dataclasses.replace(plan, cluster=cluster.to_dict(),
-                                                          devices=[d.name for d in cluster.devices]))
+                                                          devices=[d.name for d in cluster.devices]), config)
     except ValueError as e:
         raise UserError(f"--plan {path}: {e}") from None
     for j, (need, device) in enumerate(zip(here.memory_bytes, cluster.devices)):  # as a planner would refuse it
