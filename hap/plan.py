@@ -165,8 +165,6 @@ def _is_share(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
 
 
-# the fields the runtime and summary() read, of the types they read them as (the timeline is
-# explain's, which says when it cannot draw it)
 def _number(x, positive: bool = True) -> bool:
     """Whether a plan file's x is a finite number (not a bool), positive or at least not negative
     (beyond a sum's rounding: plans written before breakdowns were clamped hold -2e-18)."""
@@ -174,6 +172,8 @@ def _number(x, positive: bool = True) -> bool:
             and (x > 0 if positive else x >= -1e-12))
 
 
+# the fields the runtime and summary() read, of the types they read them as (the timeline is
+# explain's, which says when it cannot draw it)
 _FIELD_TYPES = {"model": str, "cluster": dict, "devices": list, "estimated_iteration_seconds": (int, float),
                 "breakdown": dict, "memory_bytes": list, "baselines": dict, "synthesis_seconds": (int, float),
                 "replicated_ops": list, "search": dict, "written": str}

@@ -721,7 +721,7 @@ def _buffers_on_meta(model: nn.Module):
     and inputs are; given back after."""
     swapped = []
     for sub in model.modules():
-        for name, b in list(sub.named_buffers(recurse=False)):
+        for name, b in list(sub.named_buffers(recurse=False, remove_duplicate=False)):
             if not b.is_meta:
                 swapped.append((sub, name, b))
                 setattr(sub, name, torch.empty_like(b, device="meta"))  # (a buffer stays a buffer)
