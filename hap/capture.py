@@ -111,7 +111,8 @@ def _refuse_backward_hooks(model: torch.nn.Module) -> None:
     if registered:
         raise CaptureError("a global module backward hook is registered (register_module_full_backward_hook): "
                            "hap computes gradients from the captured graph, which does not keep hooks")
-    for path, sub in hooked:
+    if hooked:
+        path, sub = hooked[0]
         raise CaptureError(f"module {path or '(root)'} ({type(sub).__name__}) has a backward hook "
                            "(register_full_backward_hook): hap computes gradients from the captured graph, "
                            "which does not keep hooks; change the gradients after backward instead")
