@@ -106,8 +106,19 @@ class CostModel:
         self._shares: dict[tuple, tuple[float, ...]] = {}  # (granules, ratios) -> shares: the search asks often
         self._granules: dict[str, tuple[int, ...]] = {}
         self._granule_counts: list[int] = []
+        self._reduced_at: dict[int, frozenset[str]] = {}
         self._signatures: dict[tuple, tuple] = {}
         self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
+
+    def reduced_at(self, k: int) -> frozenset[str]:
+        """The trainable parameters node k uses first: a machine's GPUs all-reduce their gradients
+        there (first_used_by), each once."""
+        found = self._reduced_at.get(k)
+        if found is None:
+            graph = self.graph
+            found = self._reduced_at[k] = frozenset(x for x in graph.nodes[k].inputs
+                                                    if graph.tensors[x].requires_grad and self.first_used_by(x, k))
+        return found
 
     def first_used_by(self, name: str, k: int) -> bool:
         """Whether node k is the first to use parameter `name` (where a machine's GPUs all-reduce

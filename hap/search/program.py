@@ -263,13 +263,14 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
                 pf, pb = [c if a else 0.0 for c, a in zip(pf, active)], [c if a else 0.0 for c, a in zip(pb, active)]
             fwd = [a + c for a, c in zip(fwd, pf)]
             bwd = [a + c for a, c in zip(bwd, pb)]
-    if any(cost.intra_grad):  # once per parameter, at its first use (a tied one's uses add up, then one reduce)
-        for i, ld in enumerate(loads):
-            t = graph.tensors[ld.tensor]
-            if (t.requires_grad and cost.first_used_by(ld.tensor, k)
-                    and all(other.tensor != ld.tensor for other in loads[:i])):
+    reduced = cost.reduced_at(k) if any(cost.intra_grad) else ()
+    if reduced:  # once per parameter, at its first use (a tied one's uses add up, then one reduce)
+        left = set(reduced)
+        for ld in loads:
+            if ld.tensor in left:
+                left.discard(ld.tensor)
                 local = alg.of(ld.tensor, ld.placement.dim, seg) if ld.placement.is_shard else (1.0,) * cost.m
-                bwd = [b + g * s for b, g, s in zip(bwd, cost.grad_intra(t.nbytes), local)]
+                bwd = [b + g * s for b, g, s in zip(bwd, cost.grad_intra(graph.tensors[ld.tensor].nbytes), local)]
     return list(fwd), list(bwd)
 
 
