@@ -83,6 +83,40 @@ def test_a_collective_that_times_out_ends_the_run(tmp_path):
     assert 3 < took < 20  # the sleeping rank is killed, not waited for
 
 
+def join_late(rank, port, out):
+    time.sleep(4.0 * rank)  # as slow to start as a rank importing torch and CUDA on a GPU machine
+    from hap.runtime.launch import join_group
+    join_group("gloo", rank, 2, port, timeout_s=1.0)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    (out / str(rank)).write_text(str(t.item()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_rank_slow_to_start_is_waited_for_beyond_the_collective_timeout(tmp_path):
+    # on a GPU machine a 3 s collective timeout once failed a run before any collective ran
+    from hap.runtime.launch import rendezvous
+    store = rendezvous(1.0)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=join_late, args=(rank, store.port, tmp_path)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert [(tmp_path / str(rank)).read_text() for rank in range(2)] == ["2.0", "2.0"]
+
+
+def test_a_rank_that_never_starts_is_named(monkeypatch):
+    from hap.runtime import launch
+    store = launch.rendezvous(1.0)
+    monkeypatch.setattr(launch, "STARTUP_S", 1.0)
+    with pytest.raises(TimeoutError, match=r"^rank\(s\) 1, 2 did not start within 1 s$"):
+        launch.join_group("gloo", 0, 3, store.port, timeout_s=0.5)
+    assert not dist.is_initialized()
+
+
 def test_nccl_with_more_ranks_than_gpus_is_refused_before_starting():
     n = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"nccl needs a GPU per rank: {n + 1} ranks, {n} CUDA devices"):

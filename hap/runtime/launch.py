@@ -48,9 +48,25 @@ def rendezvous(timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+# How long ranks may take to arrive, however short the collective timeout: starting a process,
+# importing torch and initializing CUDA took over 3 s on a GPU machine, and a run whose
+# collectives time out after 3 s then failed before any collective ran.
+STARTUP_S = 300.0
+
+
 def join_group(backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:
-    """This rank's default process group, met at the rendezvous store on `port`."""
-    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
+    """This rank's default process group, met at the rendezvous store on `port`: every rank first
+    waits for all to arrive (up to STARTUP_S), then joins a group whose collectives time out
+    after timeout_s (gloo's connecting counts as one)."""
+    startup = max(timeout_s, STARTUP_S)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=startup))
+    arrived = [f"hap/arrived/{r}" for r in range(world)]
+    store.set(arrived[rank], "1")
+    try:
+        store.wait(arrived)
+    except dist.DistStoreError:
+        missing = [r for r in range(world) if not store.check([arrived[r]])]
+        raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} did not start within {startup:g} s") from None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
