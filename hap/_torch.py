@@ -30,6 +30,27 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
+def route_clip_grad_norm(spread_norm: Callable[[list, float, bool], torch.Tensor | None]) -> None:
+    """Have torch.nn.utils.clip_grad_norm_ take its total norm from `spread_norm(grads,
+    norm_type, error_if_nonfinite)` where that returns one (gradients spread over ranks), else
+    from torch. clip_grad_norm_ looks up the module-private _get_total_norm at every call, so
+    this reaches it however it was imported, before hap too; the public alias
+    torch.nn.utils.get_total_norm stays torch's. No public hook exists: FSDP2 gets a global
+    norm from DTensor gradients, which hap's plain shards are not. Idempotent."""
+    from torch.nn.utils import clip_grad
+    own = clip_grad._get_total_norm
+    if getattr(own, "hap_routed", False):
+        return
+
+    def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        found = spread_norm(listed, float(norm_type), error_if_nonfinite)
+        return own(listed, norm_type, error_if_nonfinite, foreach) if found is None else found
+
+    total_norm.hap_routed = True
+    clip_grad._get_total_norm = total_norm
+
+
 # -- ops and modules -----------------------------------------------------------------------------
 
 def schema_arg(target, args: Sequence[Any], kwargs: dict, name: str) -> Any:

@@ -168,6 +168,45 @@ def test_dropout_local_batches_and_clipping_like_one_device(tmp_path):
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
+def clipped_by_torch(rank, world):
+    from torch.nn.utils import clip_grad_norm_  # bound before hap.HAP exists: hap must reach it still
+    model, batches = small_vit(dropout=0.2)
+    dmodel = skewed(model, batches[0], "megatron")  # sharded weights: each rank holds a part of the gradient
+    losses, norms = train_clipped(dmodel, batches, lambda m: clip_grad_norm_(m.parameters(), 0.05))
+    refused = []
+    dmodel(*batches[0]).backward()
+    try:  # another model's gradients in the same call
+        clip_grad_norm_([*dmodel.parameters(), torch.nn.Parameter(torch.ones(2), requires_grad=True)], 0.05)
+        loose = torch.nn.Parameter(torch.ones(3))
+        loose.grad = torch.ones(3)
+        clip_grad_norm_([next(iter(dmodel.parameters())), loose], 0.05)
+    except ValueError as e:
+        refused.append(str(e))
+    alone = torch.nn.Parameter(torch.ones(4))  # another model's alone: torch's own, no collective
+    alone.grad = torch.full((4,), 2.0)
+    own = torch.nn.utils.clip_grad_norm_([alone], 1.0).item()
+    params = {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    return {"losses": losses, "norms": norms, "params": params, "refused": refused, "own": own}
+
+
+def test_torch_clip_grad_norm_clips_a_sharded_model_by_its_global_norm(tmp_path):
+    """torch.nn.utils.clip_grad_norm_(dmodel.parameters()) under Megatron at 60/40 clips by the
+    one-device norm on every rank (each rank took the norm of its own shards: the ranks then
+    scaled the gradients of the parameters kept whole differently, and those diverged)."""
+    reports = run_ranks(clipped_by_torch, 2, tmp_path)
+    model, batches = small_vit(dropout=0.2)
+    losses, norms = train_clipped(model, batches, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+    assert all(n > 0.05 for n in norms)  # the clipping bites
+    for got in reports:
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert got["norms"] == pytest.approx(norms, rel=1e-4)
+        assert got["refused"] == ["torch.nn.utils.clip_grad_norm_ was given the gradients of a hap model, spread over "
+                                  "its ranks, together with others: clip each model's apart (dmodel.clip_grad_norm_)"]
+        assert got["own"] == pytest.approx(4.0)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
+
+
 def train_dropout_idle_rank0(rank, world):
     """Data parallel with rank 0 holding no rows: it computes nothing, yet its generator,
     which every forward shares with the others, must move on as one device's does."""

@@ -631,8 +631,9 @@ def test_checkpoint_moves_between_pipeline_and_data_parallel_layouts(before, aft
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
 
-def clipped(rank, world, max_norm, norm_type):
-    """The tied model on 3 ranks (stage 1 on two at 40/60), gradients clipped every step."""
+def clipped(rank, world, max_norm, norm_type, via="pipe"):
+    """The tied model on 3 ranks (stage 1 on two at 40/60), gradients clipped every step (by
+    pipe.clip_grad_norm_, or by torch's clip_grad_norm_ given the pipeline's parameters)."""
     from hap.capture import capture
     model, batches = _tied_setup()
     graph = capture(model, batches[0])
@@ -642,7 +643,10 @@ def clipped(rank, world, max_norm, norm_type):
     norms = []
     for batch in batches:
         pipe.train_step(*batch)
-        norms.append(pipe.clip_grad_norm_(max_norm, norm_type).item())
+        if via == "pipe":
+            norms.append(pipe.clip_grad_norm_(max_norm, norm_type).item())
+        else:  # each rank holds its stage's gradients alone: hap gives torch the global norm
+            norms.append(torch.nn.utils.clip_grad_norm_(pipe.parameters(), max_norm, norm_type).item())
         opt.step()
         opt.zero_grad()
     return {"norms": norms, "state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
@@ -677,11 +681,12 @@ def test_a_stage_without_parameters_returns_the_norm_in_the_models_dtype(tmp_pat
     assert first == {**last, "params": 2} and first["dtype"] == "torch.float64"
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_clipping_a_pipeline_is_one_devices_clipping(norm_type, tmp_path):
+@pytest.mark.parametrize("norm_type, via", [(2.0, "pipe"), (float("inf"), "pipe"), (2.0, "torch")])
+def test_clipping_a_pipeline_is_one_devices_clipping(norm_type, via, tmp_path):
     """Norms over both stages, the tied embedding counted once, and every gradient scaled alike:
-    torch's clip_grad_norm_ on one device, step by step (the threshold clips every step)."""
-    reports = run_ranks(clipped, 3, tmp_path, 0.05, norm_type)
+    torch's clip_grad_norm_ on one device, step by step (the threshold clips every step).
+    torch's clip_grad_norm_(pipe.parameters()) alike (each rank clipped by its stage's norm)."""
+    reports = run_ranks(clipped, 3, tmp_path, 0.05, norm_type, via)
     model, batches = _tied_setup()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     norms = []

@@ -42,8 +42,8 @@ from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import (agree_plan, check_trainable, clip_by_global_norm, model_named, rank_comm, state_keys,
-                              watch_wrapped)
+from ..runtime.module import (agree_plan, check_trainable, clip_by_global_norm, model_named, rank_comm, spread_gradients,
+                              state_keys, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -158,6 +158,8 @@ class Pipeline(nn.Module):
         (torch.profiler), as hap.HAP's executor does."""
         self._stage_state = _StageState(self)
         watch_wrapped(model)
+        if len(plan.stages) > 1:  # each rank holds its stage's gradients alone
+            spread_gradients(self)
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -521,11 +523,17 @@ class Pipeline(nn.Module):
         that holds it: a tied embedding's two stages hold one parameter), the same on every rank;
         every gradient is scaled by min(1, max_norm / (norm + 1e-6)). A collective: every rank
         calls it, after train_step. Returns the total norm."""
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
-        counted = [g for g in (self.params[name].grad for name in self._norm_counted) if g is not None]
-        # in the model's gradients' dtype on every rank, a stage without parameters too (it was float32)
+        grads, dtype = self.spread_grads()
+        return clip_by_global_norm([g for g, counted in grads if counted], [g for g, _ in grads], max_norm, norm_type,
+                                   self.comm, dtype)
+
+    def spread_grads(self) -> tuple[list[tuple[torch.Tensor, bool]], torch.dtype | None]:
+        """This stage's gradients, each with whether this rank counts it in the global norm
+        (clip_grad_norm_); and the norm's dtype: the model's gradients', on every rank, a stage
+        without parameters too (it was float32)."""
+        counted = set(self._norm_counted)
         dtype = next((p.dtype for p in self.model.parameters() if p.requires_grad and p.is_floating_point()), None)
-        return clip_by_global_norm(counted, grads, max_norm, norm_type, self.comm, dtype)
+        return [(p.grad, name in counted) for name, p in self.params.items() if p.grad is not None], dtype
 
     # -- state ---------------------------------------------------------------------------------
 

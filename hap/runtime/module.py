@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._torch import is_view, tree_unflatten
+from .._torch import is_view, route_clip_grad_norm, tree_unflatten
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..plan import Plan, shard_sizes
@@ -115,6 +115,8 @@ class HAP(nn.Module):
                           comm)
         self.train(model.training)  # the model's mode, as DDP keeps it (a model fine-tuned in eval mode)
         watch_wrapped(model)
+        if any(ex.stored[name][0].is_shard for name in ex.params):
+            spread_gradients(self)
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
@@ -312,13 +314,18 @@ class HAP(nn.Module):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of the global gradient
         (every rank's shards of sharded parameters, parameters kept whole counted once), the
         same on every rank; every local gradient is scaled by min(1, max_norm / (norm + 1e-6)).
-        A collective: every rank calls it, after backward. Returns the total norm."""
-        sharded, whole = [], []
-        for name, p in self.shards.items():
-            if p.grad is not None:
-                (sharded if self.executor.stored[name][0].is_shard else whole).append(p.grad)
-        mine = sharded + (whole if self.comm.rank == 0 else [])  # whole gradients are equal on all ranks
-        return clip_by_global_norm(mine, sharded + whole, max_norm, norm_type, self.comm)
+        A collective: every rank calls it, after backward. Returns the total norm.
+        (torch.nn.utils.clip_grad_norm_(dmodel.parameters(), ...) does the same: spread_gradients.)"""
+        grads, dtype = self.spread_grads()
+        return clip_by_global_norm([g for g, counted in grads if counted], [g for g, _ in grads], max_norm, norm_type,
+                                   self.comm, dtype)
+
+    def spread_grads(self) -> tuple[list[tuple[torch.Tensor, bool]], torch.dtype | None]:
+        """This rank's gradients, each with whether this rank counts it in the global norm (its
+        shards of sharded parameters, and on rank 0 alone those kept whole, equal on every
+        rank); and the norm's dtype (None: the gradients')."""
+        return [(p.grad, self.executor.stored[name][0].is_shard or self.comm.rank == 0)
+                for name, p in self.shards.items() if p.grad is not None], None
 
     def reshard(self, ratios: Sequence[float] | Sequence[Sequence[float]],
                 optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ()) -> int:
@@ -441,6 +448,17 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     (each gradient element counted by exactly one rank), then each of this rank's `grads`
     scaled by min(1, max_norm / (norm + 1e-6)). A collective. Returns the total norm, in `dtype`
     (default: the gradients', as torch's; a rank that may hold none must say it)."""
+    total = global_norm(counted, grads, norm_type, comm, dtype)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], norm_type: float, comm: Comm,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The norm of `counted` on every rank together (clip_by_global_norm), in `dtype` (default:
+    the first of `grads`'). A collective."""
     dtype = dtype or next((g.dtype for g in grads if g.is_floating_point()), torch.float32)
     if math.isinf(norm_type):
         # in float64 on every rank (one with no gradients to count has no dtype to go by), exact for the max
@@ -453,9 +471,46 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     else:
         local = sum((g.double().abs().pow(norm_type).sum() for g in counted), torch.zeros((), dtype=torch.float64))
         total = all_reduce(local.reshape(1), comm)[0].pow(1.0 / norm_type).to(dtype)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef)
+    return total
+
+
+_SPREAD: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Every live wrapper whose gradients are spread over its ranks (spread_gradients)."""
+
+
+def spread_gradients(owner: nn.Module) -> None:
+    """From now on torch.nn.utils.clip_grad_norm_ given `owner`'s gradients clips by their norm
+    over all of its ranks, as `owner.clip_grad_norm_` does (a collective then: every rank calls
+    it). Each rank holds its shards of sharded parameters (hap.HAP) or its stage's parameters
+    (hap.Pipeline), so torch's norm of them alone would differ by rank, and so would the
+    parameters kept whole after the step. `owner` has `comm` and `spread_grads()`: its local
+    gradients, each with whether this rank counts it, and the norm's dtype."""
+    _SPREAD.add(owner)
+    route_clip_grad_norm(_spread_norm)
+
+
+def _spread_norm(grads: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor | None:
+    """The norm torch.nn.utils.clip_grad_norm_ clips `grads` by where they are a spread
+    wrapper's (spread_gradients), else None (torch's own)."""
+    owners, dtypes = {}, {}
+    for owner in list(_SPREAD):
+        pairs, dtypes[id(owner)] = owner.spread_grads()
+        for g, counted in pairs:
+            owners[id(g)] = (owner, counted)
+    found = [owners.get(id(g)) for g in grads]
+    if not any(found):
+        return None
+    mixed = not all(found) or len({id(owner) for owner, _ in found}) > 1
+    if mixed:
+        raise ValueError("torch.nn.utils.clip_grad_norm_ was given the gradients of a hap model, spread over its ranks, "
+                         "together with others: clip each model's apart (dmodel.clip_grad_norm_)")
+    owner = found[0][0]
+    total = global_norm([g for g, (_, counted) in zip(grads, found) if counted], grads, norm_type, owner.comm,
+                        dtypes[id(owner)])
+    if error_if_nonfinite and not torch.isfinite(total):  # the same on every rank, as torch words it
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                           "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                           "anyway, set `error_if_nonfinite=False`")
     return total
 
 
