@@ -51,6 +51,27 @@ def route_clip_grad_norm(spread_norm: Callable[[list, float, bool], torch.Tensor
     clip_grad._get_total_norm = total_norm
 
 
+def route_grad_scaler(agree: Callable[[torch.optim.Optimizer, list], None]) -> None:
+    """Have a plain torch.amp.GradScaler, after it unscales `optimizer`'s gradients, call
+    `agree(optimizer, found_infs)`, which may sum its per-device inf flags (float tensors) over
+    other ranks in place: then every rank skips a step that one rank's gradients overflow.
+    torch's ShardedGradScaler does this for FSDP (it overrides unscale_, so it is left as it
+    is), reading the same per-optimizer state, which has no public accessor. Idempotent."""
+    cls = torch.amp.GradScaler
+    own = cls.unscale_
+    if getattr(own, "hap_routed", False):
+        return
+
+    def unscale_(self, optimizer):
+        own(self, optimizer)
+        if self._enabled:  # (a rank whose optimizer holds no gradient has no flag, and agrees too)
+            agree(optimizer, list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()))
+
+    unscale_.hap_routed = True
+    unscale_.__doc__ = own.__doc__
+    cls.unscale_ = unscale_
+
+
 # -- ops and modules -----------------------------------------------------------------------------
 
 def schema_arg(target, args: Sequence[Any], kwargs: dict, name: str) -> Any:

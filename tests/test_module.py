@@ -897,19 +897,22 @@ def overflowing():
     return Overflowing(), [(torch.randn(10, 16, generator=gen), torch.randint(0, 8, (10,), generator=gen)) for _ in range(2)]
 
 
-def scaled_on_ranks(rank, world):
+def scaled_on_ranks(rank, world, scaler):
     model, batches = overflowing()
     dmodel = skewed(model, batches[0], "megatron")
-    scales = scaled_steps(dmodel, dmodel.parameters(), batches, dmodel.grad_scaler(init_scale=1e36))
+    scaler = dmodel.grad_scaler(init_scale=1e36) if scaler == "hap" else torch.amp.GradScaler("cpu", init_scale=1e36)
+    scales = scaled_steps(dmodel, dmodel.parameters(), batches, scaler)
     return {"scales": scales, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
 
 
-def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(tmp_path):
-    """torch.amp.GradScaler on rank 1 never saw rank 0's inf: it stepped and kept its scale."""
+@pytest.mark.parametrize("scaler", ["hap", "torch"])
+def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(scaler, tmp_path):
+    """A plain torch.amp.GradScaler on rank 1 never saw rank 0's inf: it stepped and kept its
+    scale. dmodel.grad_scaler() (torch's ShardedGradScaler) and now a plain one agree."""
     model, batches = overflowing()
     scales = scaled_steps(model, model.parameters(), batches, torch.amp.GradScaler("cpu", init_scale=1e36))
     assert scales == pytest.approx([5e35, 2.5e35], rel=1e-6)  # both steps skipped (the scale halved twice)
-    for got in run_ranks(scaled_on_ranks, 2, tmp_path):
+    for got in run_ranks(scaled_on_ranks, 2, tmp_path, scaler):
         assert got["scales"] == scales
         for name, p in model.named_parameters():
             assert torch.equal(torch.tensor(got["params"][name]), p.detach()), name

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._torch import is_view, route_clip_grad_norm, tree_unflatten
+from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..plan import Plan, shard_sizes
@@ -481,12 +481,28 @@ _SPREAD: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 def spread_gradients(owner: nn.Module) -> None:
     """From now on torch.nn.utils.clip_grad_norm_ given `owner`'s gradients clips by their norm
     over all of its ranks, as `owner.clip_grad_norm_` does (a collective then: every rank calls
-    it). Each rank holds its shards of sharded parameters (hap.HAP) or its stage's parameters
-    (hap.Pipeline), so torch's norm of them alone would differ by rank, and so would the
-    parameters kept whole after the step. `owner` has `comm` and `spread_grads()`: its local
+    it), and a plain torch.amp.GradScaler stepping an optimizer of `owner`'s parameters skips a
+    step on every rank where one rank's gradients overflow. Each rank holds its shards of
+    sharded parameters (hap.HAP) or its stage's parameters (hap.Pipeline), so torch's norm and
+    inf check of them alone would differ by rank, and so would the parameters after the step. `owner` has `comm` and `spread_grads()`: its local
     gradients, each with whether this rank counts it, and the norm's dtype."""
     _SPREAD.add(owner)
     route_clip_grad_norm(_spread_norm)
+    route_grad_scaler(_agree_found_inf)
+
+
+def _agree_found_inf(optimizer: torch.optim.Optimizer, found: list[torch.Tensor]) -> None:
+    """A plain torch.amp.GradScaler's inf flags of `optimizer` summed over the ranks of the spread
+    wrapper whose parameters it steps, so that every rank skips a step one rank's shard
+    overflows (a collective; as dmodel.grad_scaler(), torch's ShardedGradScaler, does)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owner = next((o for o in list(_SPREAD) if any(id(p) in held for p in o.parameters())), None)
+    if owner is None:
+        return
+    total = torch.stack([f.double().cpu() for f in found]).sum().reshape(1) if found else torch.zeros(1, dtype=torch.float64)
+    total = all_reduce(total, owner.comm)
+    for f in found:
+        f.fill_(float(total[0]))
 
 
 def _spread_norm(grads: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor | None:
