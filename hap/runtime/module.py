@@ -484,8 +484,9 @@ def spread_gradients(owner: nn.Module) -> None:
     it), and a plain torch.amp.GradScaler stepping an optimizer of `owner`'s parameters skips a
     step on every rank where one rank's gradients overflow. Each rank holds its shards of
     sharded parameters (hap.HAP) or its stage's parameters (hap.Pipeline), so torch's norm and
-    inf check of them alone would differ by rank, and so would the parameters after the step. `owner` has `comm` and `spread_grads()`: its local
-    gradients, each with whether this rank counts it, and the norm's dtype."""
+    inf check of them alone would differ by rank, and so would the parameters after the step.
+    `owner` has `comm` and `spread_grads()`: its local gradients, each with whether this rank
+    counts it, and the norm's dtype."""
     _SPREAD.add(owner)
     route_clip_grad_norm(_spread_norm)
     route_grad_scaler(_agree_found_inf)
