@@ -47,6 +47,19 @@ class CaptureError(ValueError):
     """The model cannot be captured; the message says why."""
 
 
+@contextlib.contextmanager
+def _without_autocast():
+    """Capture the model's own arithmetic: export under an enclosing torch.autocast would bake
+    its casts into the graph (a batch shape first met under autocast then computed in bfloat16
+    without it). At run time autocast applies to the graph's ops as they dispatch, as it does
+    to one device's; autocast inside the model's forward is captured as written."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | None = None,
             training: bool = True) -> Graph:
     """Capture `model` (forward returns the scalar training loss) on `example_inputs`, in
@@ -64,12 +77,12 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     model.train(training)
     lost: list[str] = []
     try:
-        with warnings.catch_warnings(), _unsupported_calls(lost), quiet_fake_tensors():
+        with warnings.catch_warnings(), _unsupported_calls(lost), quiet_fake_tensors(), _without_autocast():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, example_inputs)
-        if lost:
-            raise CaptureError(lost[0])
-        ep = _functional(ep)
+            if lost:
+                raise CaptureError(lost[0])
+            ep = _functional(ep)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types; the user needs the first line

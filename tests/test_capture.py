@@ -312,3 +312,31 @@ def test_a_packed_sequence_is_refused_naming_it():
                                            r"depends on the lengths' values, which torch.export cannot trace; pad the "
                                            r"batch and mask instead$"):
         capture(Packed(), (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])))
+
+
+class AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the model's own autocast stays
+            h = self.fc2(h)
+        return h.float().pow(2).mean()
+
+
+def test_an_enclosing_autocast_is_not_captured():
+    """A graph captured under torch.autocast kept its casts: a batch shape hap.HAP first met
+    under autocast then computed in bfloat16 without it (one device: float32)."""
+    def dtypes(graph):
+        return [(n.op, tuple(str(graph.tensors[o].dtype) for o in n.outputs)) for n in graph.nodes]
+
+    model, x = AutocastInside(), torch.randn(4, 8)
+    plain = capture(model, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        enclosed = capture(model, (x,))
+    assert dtypes(enclosed) == dtypes(plain)
+    assert torch.is_autocast_enabled("cpu") is False
+    linears = [ds for op, ds in dtypes(plain) if op == "aten.linear.default"]
+    assert linears == [("float32",), ("bfloat16",)]  # fc1 as written, fc2 under the model's autocast
