@@ -64,7 +64,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
             training: bool = True) -> Graph:
     """Capture `model` (forward returns the scalar training loss) on `example_inputs`, in
     training mode (or with training=False in eval mode: no dropout, BatchNorm's running
-    statistics read, not updated); the model's own mode is left as it was."""
+    statistics read, not updated); the model's own mode is left as it was. A model in the mode
+    asked for is captured with its modules' modes as they are (a BatchNorm kept in eval mode
+    in a training model reads its running statistics, as on one device)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}")
     example_inputs = example_tuple(example_inputs)
@@ -73,8 +75,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
             raise CaptureError(f"input {k} is a {type(x).__name__}: hap runs a forward that takes tensors, one "
                                "argument each; wrap the model so that it does (as hap.models.zoo.LibraryModel does)")
     _refuse_backward_hooks(model)
-    was_training = model.training
-    model.train(training)
+    modes = [(m, m.training) for m in model.modules()]
+    if training != model.training:  # (the modes as they are otherwise: a BatchNorm frozen in eval mode stays so)
+        model.train(training)
     lost: list[str] = []
     try:
         with warnings.catch_warnings(), _unsupported_calls(lost), quiet_fake_tensors(), _without_autocast():
@@ -90,7 +93,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
             raise CaptureError(lost[0]) from e
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {_first_line(e)}") from e
     finally:
-        model.train(was_training)
+        for m, mode in modes:  # each module's own mode back, not the model's spread over all
+            m.training = mode
     frozen = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     graph = graph_from_exported(ep, name or type(model).__name__, _aliases(model, ep), frozen)
     if any(graph.tensors[p].requires_grad for p in graph.params) and not graph.tensors[graph.loss].requires_grad:

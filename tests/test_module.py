@@ -345,6 +345,40 @@ def dropout_bn():
     return DropoutBatchNorm(), batches, (torch.randn(7, 12, generator=gen), torch.randn(7, 12, generator=gen))
 
 
+def frozen_bn():
+    """dropout_bn's model training with its BatchNorm frozen in eval mode (fine-tuning's habit)."""
+    model, batches, _ = dropout_bn()
+    model.bn.running_mean.normal_(generator=torch.Generator().manual_seed(2))
+    model.bn.eval()
+    return model, batches
+
+
+def trained_with_frozen_bn(rank, world, planner):
+    model, batches = frozen_bn()
+    dmodel = skewed(model, batches[0], planner)
+    modes = [m.training for m in model.modules()]
+    torch.manual_seed(5)
+    losses = train(dmodel, batches)
+    return {"losses": losses, "state": {k: v.tolist() for k, v in dmodel.full_state_dict().items()}, "modes": modes}
+
+
+@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
+def test_a_batchnorm_frozen_in_eval_mode_stays_frozen(planner, tmp_path):
+    """A model in training mode with its BatchNorm in eval mode trains as on one device: the
+    BatchNorm normalizes by its running statistics and leaves them. Capture set every module
+    to the model's mode (and back): the BatchNorm trained on batch statistics, and the model
+    the user wrapped came back with it unfrozen."""
+    model, batches = frozen_bn()
+    modes = [m.training for m in model.modules()]
+    torch.manual_seed(5)
+    losses = train(model, batches)
+    for got in run_ranks(trained_with_frozen_bn, 2, tmp_path, planner):
+        assert got["modes"] == modes == [True, True, False, True, True]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
+
+
 def two_segments(model, example, at="dropout"):
     """hap.HAP under a plan of two segments at 60/40 (fc1 and batch norm: features split) and
     30/70 (dropout and fc2: fc2's columns split); or cut `at` batch norm (its eval op is named
