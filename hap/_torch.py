@@ -25,6 +25,13 @@ def at_backward_end(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """Each tensor's version counter, which every in-place write bumps (load_state_dict's copy_,
+    torch.nn.init's fills; not a write through `.data`). No public accessor: autograd's check of
+    tensors saved for backward reads it."""
+    return tuple(t._version for t in tensors)
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether `t` is a view of another tensor (a view cannot be detached in place)."""
     return t._is_view()

@@ -9,7 +9,7 @@ machines); run on a GPU machine with `bash benchmarks/gpu_tier.sh` (or `pytest t
 
 import pytest
 import torch
-from gloo import run_ranks, to_device
+from gloo import rank_device, run_ranks, to_device
 
 import test_module
 import test_pipeline
@@ -121,3 +121,23 @@ def test_straggler_meter_times_gpu_multiplications():
         a @ b
     assert len(meter.pending) == 1 and meter.flops == 2.0 * 4096 ** 3
     assert meter.seconds >= 0.5 * synced and not meter.pending
+
+
+def own_samples_on_gpu(rank, world):
+    dev = rank_device(rank, "cuda")
+    model, batches, _ = test_module.dropout_bn()
+    model, batches = model.to(dev), [to_device(b, dev) for b in batches]
+    dmodel = test_module.skewed(model, batches[0], "megatron")
+    dmodel(*batches[rank])  # each rank its own batch: on a GPU the verdict is read at the next forward
+    refused = []
+    try:
+        dmodel(*batches[0])
+    except ValueError as e:
+        refused.append(str(e))
+    dmodel(*batches[0])  # the same batch everywhere: on
+    return {"refused": refused}
+
+
+def test_ranks_given_different_batches_are_refused_on_gpus(tmp_path):
+    for got in run_ranks(own_samples_on_gpu, 2, tmp_path, backend=backend(2)):
+        assert len(got["refused"]) == 1 and got["refused"][0].startswith("the ranks were given different batches")

@@ -379,6 +379,91 @@ def test_a_batchnorm_frozen_in_eval_mode_stays_frozen(planner, tmp_path):
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
 
 
+def validate_through(switched, model, batches, val):
+    """SGD steps, each followed by validation in eval mode switched on `switched` (the model
+    itself, or the one hap wrapped): validation losses, then training losses."""
+    def validate(_, batch):
+        switched.eval()
+        with torch.no_grad():
+            found = [model(*batch).item(), model(*val).item()]
+        switched.train()
+        return found
+
+    return train(model, batches, validate)
+
+
+def changed_original(rank, world):
+    model, batches, val = dropout_bn()
+    dmodel = skewed(model, batches[0], "megatron")
+    torch.manual_seed(3)
+    losses = validate_through(model, dmodel, batches, val)  # model.eval() on the original: followed
+    model.load_state_dict(dmodel.full_state_dict())  # the trained weights, for evaluation: hap's own
+    losses.append(dmodel(*batches[0]).item())
+    refused = []
+    model.bn.eval()  # a module's own mode after wrapping
+    try:
+        dmodel(*batches[0])
+    except ValueError as e:
+        refused.append(str(e))
+    model.bn.train()
+    with torch.no_grad():
+        model.fc2.weight.mul_(2.0)  # weights loaded into the original after wrapping
+    try:
+        dmodel(*batches[0])
+    except ValueError as e:
+        refused.append(str(e))
+    return {"losses": losses, "refused": refused}
+
+
+def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
+    """model.eval() and model.train() on the model hap.HAP wrapped are followed, as DDP's module
+    is (they were ignored: validation ran the training graph, dropout and batch statistics
+    on, and moved the running statistics); a module's own mode or a parameter changed after
+    wrapping is refused in one line (ignored before: hap trains its copies). The trained
+    weights loaded back into the original for evaluation are hap's own: accepted."""
+    model, batches, val = dropout_bn()
+    torch.manual_seed(3)
+    losses = validate_through(model, model, batches, val)
+    model.load_state_dict(model.state_dict())
+    losses.append(model(*batches[0]).item())
+    for got in run_ranks(changed_original, 2, tmp_path):
+        assert got["losses"][:-1] == pytest.approx(losses[:-1], rel=1e-5)
+        assert got["refused"][0] == ("module 'bn' of the model hap wrapped was put in eval mode after wrapping, "
+                                     "unlike the training graph hap captured: set modules' modes before wrapping "
+                                     "(dmodel.train() and dmodel.eval() switch the whole model)")
+        assert got["refused"][1].startswith("fc2.weight of the model hap wrapped was changed after wrapping")
+        assert len(got["refused"]) == 2
+
+
+def own_samples(rank, world):
+    model, batches, _ = dropout_bn()
+    dmodel = skewed(model, batches[0], "megatron")
+    refused = []
+    mine = batches[rank]  # each rank its own batch of the planned shape, as DistributedSampler gives DDP
+    for batch in (mine, (batches[0][0], mine[1])):  # every input, or one of them
+        try:
+            dmodel(*batch)
+        except ValueError as e:
+            refused.append(str(e))
+    torch.manual_seed(7)
+    loss = dmodel(*batches[0]).item()  # the same batch everywhere trains on
+    return {"refused": refused, "loss": loss}
+
+
+def test_ranks_given_different_batches_are_refused(tmp_path):
+    """Each rank given its own batch of the planned shape trained each rank's rows of its own
+    batch, silently (no batch's gradient): the inputs' fingerprints ride on the loss's sum."""
+    model, batches, _ = dropout_bn()
+    torch.manual_seed(7)
+    loss = model(*batches[0]).item()
+    for got in run_ranks(own_samples, 2, tmp_path):
+        assert got["refused"] == ["the ranks were given different batches (each its own sample, as DistributedSampler "
+                                  "gives DDP): give every rank the same global batch, or each rank its part of it "
+                                  "(dmodel.local_batch(*batch), or the rows dmodel.input_slices() names, with "
+                                  "part=True)"] * 2
+        assert got["loss"] == pytest.approx(loss, rel=1e-5)
+
+
 def two_segments(model, example, at="dropout"):
     """hap.HAP under a plan of two segments at 60/40 (fc1 and batch norm: features split) and
     30/70 (dropout and fc2: fc2's columns split); or cut `at` batch norm (its eval op is named

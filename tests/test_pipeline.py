@@ -652,6 +652,39 @@ def clipped(rank, world, max_norm, norm_type, via="pipe"):
     return {"norms": norms, "state": {k: v.tolist() for k, v in pipe.full_state_dict().items()}}
 
 
+def misused(rank, world):
+    """The tied model as 2 stages: what DDP habits do to a pipeline, each refused in one line."""
+    from hap.capture import capture
+    model, batches = _tied_setup()
+    cut = next(n.index for n in capture(model, batches[0]).nodes if n.op == "aten.layer_norm.default")
+    pipe = _pipeline(model, batches, world, [cut], *PIPE_2)
+    refused = []
+
+    def refuse(call):
+        try:
+            call()
+        except ValueError as e:
+            refused.append(str(e))
+
+    refuse(lambda: pipe.train_step(*batches[rank]))  # each rank its own batch (DistributedSampler)
+    model.eval()  # on the model hap wrapped
+    refuse(lambda: pipe.train_step(*batches[0]))
+    model.train()
+    with torch.no_grad():
+        model.emb.weight.mul_(2.0)  # weights loaded into the wrapped model after wrapping
+    refuse(lambda: pipe.train_step(*batches[0]))
+    return {"refused": refused}
+
+
+def test_ddp_habits_on_a_pipeline_are_refused(tmp_path):
+    """Each rank given its own batch spliced one batch's features with another's labels; the
+    wrapped model's mode and weights changed after wrapping were ignored: all silently."""
+    for got in run_ranks(misused, 2, tmp_path):
+        assert [e.split(" (")[0].split(":")[0] for e in got["refused"]] == [
+            "the ranks were given different batches", "model.eval() was called on the model hap.Pipeline wrapped",
+            "emb.weight of the model hap wrapped was changed after wrapping"]
+
+
 class _Regression(nn.Module):
     def __init__(self):
         super().__init__()

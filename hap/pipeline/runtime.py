@@ -40,10 +40,10 @@ from ..rules.units import ShardClasses
 from ..runtime.checkpoint import sync_idle
 from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
-from ..runtime.executor import leaf_values
+from ..runtime.executor import leaf_values, model_state
 from ..runtime import wire
-from ..runtime.module import (agree_plan, check_trainable, clip_by_global_norm, model_named, rank_comm, spread_gradients,
-                              state_keys, watch_wrapped)
+from ..runtime.module import (InputCheck, WrappedWatch, agree_plan, check_trainable, clip_by_global_norm, fingerprints,
+                              inputs_differ, model_named, rank_comm, spread_gradients, state_keys, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -160,6 +160,11 @@ class Pipeline(nn.Module):
         watch_wrapped(model)
         if len(plan.stages) > 1:  # each rank holds its stage's gradients alone
             spread_gradients(self)
+        state = {} if any(p.is_meta for p in model.parameters()) else model_state(model)
+        self._wrapped = WrappedWatch(model, [(graph.tensors[name].target, state[graph.tensors[name].target],
+                                              functools.partial(_held_whole, self.params, name))
+                                             for name in self.params if state])
+        self._input_check: InputCheck | None = None  # whether the last step's ranks had the same inputs
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -217,6 +222,13 @@ class Pipeline(nn.Module):
                              "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        if self._wrapped.switched() is False:
+            raise ValueError("model.eval() was called on the model hap.Pipeline wrapped: a pipeline runs training "
+                             "steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
+        self._wrapped.check_values()
+        check, self._input_check = self._input_check, None
+        if check is not None:
+            check.verify()
         check_trainable(self.params, self.graph)
         for name, x in zip(self.graph.inputs, batch):
             if tuple(x.shape) != tuple(self.graph.tensors[name].shape):
@@ -251,7 +263,17 @@ class Pipeline(nn.Module):
         if self._random:
             self._noise = {}
             self._share_rng(self._rng_after)
-        total = all_reduce(loss.to(torch.float64), self.comm).to(loss.dtype)
+        # the loss's sum over ranks, with the inputs' fingerprints and their squares (hap.HAP's forward)
+        prints = fingerprints(batch, self.device) if self.comm.world > 1 else torch.zeros(0, dtype=torch.float64,
+                                                                                         device=self.device)
+        sums = all_reduce(torch.cat([loss.to(torch.float64).reshape(1), prints, prints ** 2]), self.comm)
+        total = sums[0].to(loss.dtype)
+        if len(prints):
+            check = InputCheck(inputs_differ(sums[1:1 + len(prints)], sums[1 + len(prints):], self.comm.world))
+            if check.event is None:
+                check.verify()
+            else:  # read at the next step: the host does not wait for the device here
+                self._input_check = check
         wall = time.perf_counter() - t0
         self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
         return total
@@ -580,3 +602,8 @@ class _StageState:
 class _Missing(dict):
     def __missing__(self, key):
         return None
+
+
+def _held_whole(params: nn.ParameterDict, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parameter `name`'s whole value, this stage's copy of it: a stage holds its parameters whole)."""
+    return whole, params[name]

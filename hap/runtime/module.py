@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import weakref
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten
+from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten, versions
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..plan import Plan, shard_sizes
@@ -78,6 +79,7 @@ class HAP(nn.Module):
         rank needs, at no extra collective. The sums land in `piggybacked`."""
         self.piggybacked: torch.Tensor | None = None
         self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
+        self._input_check: InputCheck | None = None  # whether the last forward's ranks had the same inputs
         example_inputs = example_tuple(example_inputs)
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
@@ -117,6 +119,9 @@ class HAP(nn.Module):
         watch_wrapped(model)
         if any(ex.stored[name][0].is_shard for name in ex.params):
             spread_gradients(self)
+        state = {} if meta else model_state(model)
+        self._wrapped = WrappedWatch(model, [(graph.tensors[name].target, state[graph.tensors[name].target],
+                                              functools.partial(_held_part, ex, name)) for name in ex.params if not meta])
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
@@ -132,6 +137,10 @@ class HAP(nn.Module):
         if named:
             raise TypeError(f"hap.HAP takes the model's inputs by position, in the order of the example inputs "
                             f"(got {', '.join(map(repr, named))} by name)")
+        self._follow_original()
+        check, self._input_check = self._input_check, None
+        if check is not None:
+            check.verify()
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
@@ -144,15 +153,34 @@ class HAP(nn.Module):
         if not self.global_loss:
             self._keep_loss(part)
             return self._as_returned(part)
+        # one sum over ranks: [the loss's parts, the piggyback, the whole inputs' fingerprints and their squares]
+        given = self.piggyback if self.piggyback is not None else torch.zeros(0, dtype=torch.float64)
+        prints = fingerprints([None if name in presliced else x for name, x in zip(self.graph.inputs, batch)],
+                               part.device) if self.comm.world > 1 else torch.zeros(0, dtype=torch.float64,
+                                                                                    device=part.device)
+        sums = all_reduce(torch.cat([part.detach().reshape(1).double(), given.double().to(part.device), prints,
+                                     prints ** 2]), self.comm)
+        total, k = sums[0].to(part.dtype), 1 + len(given)
         if self.piggyback is not None:
-            extra = self.piggyback.to(part.device)
-            sums = all_reduce(torch.cat([part.detach().reshape(1).to(extra.dtype), extra]), self.comm)
-            total, self.piggybacked, self.piggyback = sums[0].to(part.dtype), sums[1:], None
-        else:
-            total = all_reduce(part.detach(), self.comm)
+            self.piggybacked, self.piggyback = sums[1:k].to(given.dtype), None
+        if len(prints):
+            check = InputCheck(inputs_differ(sums[k:k + len(prints)], sums[k + len(prints):], self.comm.world))
+            if check.event is None:
+                check.verify()
+            else:  # read at the next forward: the host does not wait for the device here
+                self._input_check = check
         loss = part + (total - part).detach()  # the global loss's value, the part's gradient
         self._keep_loss(loss)
         return self._as_returned(loss)
+
+    def _follow_original(self) -> None:
+        """model.train() or model.eval() on the model hap.HAP wrapped, since the last forward, is
+        followed, as DDP's wrapped module is (dmodel.train() and dmodel.eval() leave it be); what
+        else WrappedWatch refuses is a ValueError."""
+        mode = self._wrapped.switched()
+        if mode is not None:
+            nn.Module.train(self, mode)
+        self._wrapped.check_values()
 
     def _as_returned(self, loss: torch.Tensor):
         """The loss in the structure the model's forward returns it in ((loss,), {"loss": loss})."""
@@ -724,6 +752,124 @@ def _runs(plan: Plan, graph) -> bool:
         if (st.inputs, st.outputs) not in {(o.inputs, o.outputs) for o in strategies_for(node, graph, short_shards=True)}:
             return False
     return len(program) == len(graph.nodes)
+
+
+FINGERPRINT_POINTS = 1024
+"""Elements of each input given whole that its fingerprint reads (evenly spaced)."""
+
+
+def fingerprints(inputs: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """Three numbers per input, in float64: 1 (given whole) and two that two different batches
+    all but never share, sums of up to FINGERPRINT_POINTS evenly spaced elements, plain and
+    weighted by position; zeros for an input given as this rank's part (None). Every rank
+    sends as many, whichever inputs it was given whole (a rank's part can be the whole)."""
+    out = []
+    for x in inputs:
+        if x is None:
+            out += [torch.zeros(3, dtype=torch.float64, device=device)]
+            continue
+        flat = x.detach().reshape(-1)
+        if flat.numel() > FINGERPRINT_POINTS:
+            flat = flat[torch.linspace(0, flat.numel() - 1, FINGERPRINT_POINTS, device=flat.device).long()]
+        v = flat.double()
+        weights = torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.float64)
+        out += [torch.stack([torch.ones((), dtype=torch.float64, device=v.device), v.sum(), (v * weights).sum()]).to(device)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def inputs_differ(summed: torch.Tensor, squares: torch.Tensor, world: int) -> torch.Tensor:
+    """Whether the ranks' fingerprints of an input every rank was given whole differ (a bool
+    tensor, alike on every rank): their variance over ranks, from the sums of them and of their
+    squares, is above rounding's."""
+    whole = (summed[0::3] == world).repeat_interleave(3)  # inputs every rank was given whole
+    mean, mean_square = summed / world, squares / world
+    spread = mean_square - mean * mean
+    return ((spread > 1e-9 * mean_square.abs()) & spread.isfinite() & whole).any()
+
+
+class InputCheck:
+    """A forward's verdict on its inputs (inputs_differ), read when `verify` is called: on a GPU an
+    event's wait, at the next forward, rather than the host waiting for the device each step."""
+
+    def __init__(self, differ: torch.Tensor):
+        if differ.device.type == "cuda":
+            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.flag.copy_(differ, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag, self.event = differ, None
+
+    def verify(self) -> None:
+        """A ValueError where the ranks were given different inputs. Each rank given its own
+        sample (DistributedSampler's habit, for DDP) trained each rank's rows of its own batch:
+        no batch's gradient."""
+        if self.event is not None:
+            self.event.synchronize()
+        if bool(self.flag):
+            raise ValueError("the ranks were given different batches (each its own sample, as DistributedSampler "
+                             "gives DDP): give every rank the same global batch, or each rank its part of it "
+                             "(dmodel.local_batch(*batch), or the rows dmodel.input_slices() names, with part=True)")
+
+
+class WrappedWatch:
+    """The model a wrapper (hap.HAP, hap.Pipeline) trains copies of, watched for what is done to
+    it after wrapping: model.train() and model.eval() (`switched`), one module's own mode, and
+    in-place writes to its parameters (`check_values`)."""
+
+    def __init__(self, model: nn.Module, copies: list[tuple[str, torch.Tensor, Callable]]):
+        """copies: per parameter the wrapper holds, (its name, the model's tensor, a function
+        of that tensor giving (the part of it this rank holds, the wrapper's copy of that part))."""
+        self.model, self.copies = model, copies
+        # what the training graph was captured with (capture puts an eval-mode model in training mode)
+        self.train_modes = _modes(model) if model.training else (True,) * len(_modes(model))
+        self.seen = _modes(model)
+        self.versions = versions([t for _, t, _ in copies])
+
+    def switched(self) -> bool | None:
+        """The mode model.train() or model.eval() put the model in since the last look (None: no
+        change). A module's own mode changed is a ValueError: the training graph was captured
+        with the modes at wrapping."""
+        modes = _modes(self.model)
+        if modes == self.seen:
+            return None
+        if modes != self.train_modes and any(modes):
+            name, m = next((n, m) for (n, m), was in zip(self.model.named_modules(), self.train_modes)
+                           if m.training != was)
+            raise ValueError(f"module {name or type(self.model).__name__!r} of the model hap wrapped was put in "
+                             f"{'training' if m.training else 'eval'} mode after wrapping, unlike the training graph "
+                             "hap captured: set modules' modes before wrapping (dmodel.train() and dmodel.eval() "
+                             "switch the whole model)")
+        self.seen = modes
+        return any(modes)
+
+    def check_values(self) -> None:
+        """A ValueError where a parameter was written in place since the last look to a value the
+        wrapper's copy does not hold (load_state_dict, an initialization): the wrapper trains its
+        copies and would ignore it. Loading the wrapper's own values back (full_state_dict, to
+        evaluate the model) is no change."""
+        now = versions([t for _, t, _ in self.copies])
+        if now == self.versions:
+            return
+        for (name, original, held), a, b in zip(self.copies, now, self.versions):
+            if a != b:
+                part, mine = held(original.detach())
+                if not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
+                    raise ValueError(f"{name} of the model hap wrapped was changed after wrapping (load_state_dict, "
+                                     "an initialization, an in-place write), which hap, training copies of the "
+                                     "parameters, would ignore: change the model before wrapping it, or load it "
+                                     "into hap's copies: dmodel.load_state_dict(model.state_dict())")
+        self.versions = now
+
+
+def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's part of parameter `name`'s whole value, the executor's copy of it)."""
+    return ex.stored_part(name, whole), ex.params[name]
+
+
+def _modes(model: nn.Module) -> tuple[bool, ...]:
+    """Every module's training flag, in model.modules() order."""
+    return tuple(m.training for m in model.modules())
 
 
 def _shapes_of(graph) -> tuple:
