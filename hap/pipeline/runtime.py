@@ -222,7 +222,8 @@ class Pipeline(nn.Module):
                              "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
-        if self._wrapped.switched() is False:
+        self._wrapped.switched()  # (a module's own mode changed: a ValueError)
+        if not self.model.training:
             raise ValueError("model.eval() was called on the model hap.Pipeline wrapped: a pipeline runs training "
                              "steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         self._wrapped.check_values()
