@@ -59,24 +59,31 @@ def route_clip_grad_norm(spread_norm: Callable[[list, float, bool], torch.Tensor
 
 
 def route_grad_scaler(agree: Callable[[torch.optim.Optimizer, list], None]) -> None:
-    """Have a plain torch.amp.GradScaler, after it unscales `optimizer`'s gradients, call
+    """Have torch.amp.GradScaler, once it has checked `optimizer`'s gradients for infs, call
     `agree(optimizer, found_infs)`, which may sum its per-device inf flags (float tensors) over
     other ranks in place: then every rank skips a step that one rank's gradients overflow.
-    torch's ShardedGradScaler does this for FSDP (it overrides unscale_, so it is left as it
-    is), reading the same per-optimizer state, which has no public accessor. Idempotent."""
+    The check is unscale_'s (a plain GradScaler; torch's ShardedGradScaler overrides it and
+    agrees over its own group) or, for a fused optimizer, which unscales itself,
+    _check_inf_per_device's (both scalers: torch's ShardedGradScaler agrees in unscale_ alone).
+    Both read per-optimizer state that has no public accessor. Idempotent."""
     cls = torch.amp.GradScaler
-    own = cls.unscale_
-    if getattr(own, "hap_routed", False):
+    own_unscale, own_check = cls.unscale_, cls._check_inf_per_device
+    if getattr(own_unscale, "hap_routed", False):
         return
 
     def unscale_(self, optimizer):
-        own(self, optimizer)
+        own_unscale(self, optimizer)
         if self._enabled:  # (a rank whose optimizer holds no gradient has no flag, and agrees too)
             agree(optimizer, list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()))
 
+    def _check_inf_per_device(self, optimizer):
+        found = own_check(self, optimizer)
+        agree(optimizer, list(found.values()))
+        return found
+
     unscale_.hap_routed = True
-    unscale_.__doc__ = own.__doc__
-    cls.unscale_ = unscale_
+    unscale_.__doc__ = own_unscale.__doc__
+    cls.unscale_, cls._check_inf_per_device = unscale_, _check_inf_per_device
 
 
 # -- ops and modules -----------------------------------------------------------------------------

@@ -337,6 +337,5 @@ def test_an_enclosing_autocast_is_not_captured():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         enclosed = capture(model, (x,))
     assert dtypes(enclosed) == dtypes(plain)
-    assert torch.is_autocast_enabled("cpu") is False
     linears = [ds for op, ds in dtypes(plain) if op == "aten.linear.default"]
     assert linears == [("float32",), ("bfloat16",)]  # fc1 as written, fc2 under the model's autocast

@@ -175,10 +175,9 @@ def clipped_by_torch(rank, world):
     losses, norms = train_clipped(dmodel, batches, lambda m: clip_grad_norm_(m.parameters(), 0.05))
     refused = []
     dmodel(*batches[0]).backward()
+    loose = torch.nn.Parameter(torch.ones(3))
+    loose.grad = torch.ones(3)
     try:  # another model's gradients in the same call
-        clip_grad_norm_([*dmodel.parameters(), torch.nn.Parameter(torch.ones(2), requires_grad=True)], 0.05)
-        loose = torch.nn.Parameter(torch.ones(3))
-        loose.grad = torch.ones(3)
         clip_grad_norm_([next(iter(dmodel.parameters())), loose], 0.05)
     except ValueError as e:
         refused.append(str(e))
@@ -399,6 +398,8 @@ def changed_original(rank, world):
     losses = validate_through(model, dmodel, batches, val)  # model.eval() on the original: followed
     model.load_state_dict(dmodel.full_state_dict())  # the trained weights, for evaluation: hap's own
     losses.append(dmodel(*batches[0]).item())
+    # torch's own walk of the module (AveragedModel pairs parameters by it) in named_parameters' order
+    walked = [id(p) for _, p in torch.nn.Module.named_parameters(dmodel)] == [id(p) for p in dmodel.parameters()]
     refused = []
     model.bn.eval()  # a module's own mode after wrapping
     try:
@@ -406,13 +407,17 @@ def changed_original(rank, world):
     except ValueError as e:
         refused.append(str(e))
     model.bn.train()
+    dmodel.eval()  # hap's mode, and the wrapped model's with it (as DDP's module)
+    model.train()  # on the wrapped model: followed
+    dmodel(*batches[0])
+    followed = dmodel.training
     with torch.no_grad():
-        model.fc2.weight.mul_(2.0)  # weights loaded into the original after wrapping
+        model.fc1.weight[0].mul_(2.0)  # weights loaded into the original after wrapping (rank 0's rows)
     try:
         dmodel(*batches[0])
     except ValueError as e:
         refused.append(str(e))
-    return {"losses": losses, "refused": refused}
+    return {"losses": losses, "refused": refused, "walked": walked, "followed": followed}
 
 
 def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
@@ -426,13 +431,18 @@ def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
     losses = validate_through(model, model, batches, val)
     model.load_state_dict(model.state_dict())
     losses.append(model(*batches[0]).item())
-    for got in run_ranks(changed_original, 2, tmp_path):
+    reports = run_ranks(changed_original, 2, tmp_path)
+    for got in reports:
         assert got["losses"][:-1] == pytest.approx(losses[:-1], rel=1e-5)
         assert got["refused"][0] == ("module 'bn' of the model hap wrapped was put in eval mode after wrapping, "
                                      "unlike the training graph hap captured: set modules' modes before wrapping "
                                      "(dmodel.train() and dmodel.eval() switch the whole model)")
-        assert got["refused"][1].startswith("fc2.weight of the model hap wrapped was changed after wrapping")
+        assert got["walked"] and got["followed"]
         assert len(got["refused"]) == 2
+    # fc1 is split by rows under Megatron at 60/40: its first row is rank 0's, and rank 1 hears of it
+    first, second = (got["refused"][1] for got in reports)
+    assert first.startswith("fc1.weight of the model hap wrapped was changed after wrapping")
+    assert second.startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
 
 
 def own_samples(rank, world):
@@ -998,8 +1008,8 @@ class Overflowing(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
 
 
-def scaled_steps(model, params, batches, scaler):
-    opt = torch.optim.SGD(params, lr=0.05)
+def scaled_steps(model, params, batches, scaler, fused=False):
+    opt = torch.optim.SGD(params, lr=0.05, fused=fused or None)
     scales = []
     for x, y in batches:
         scaler.scale(model(x, y)).backward()
@@ -1019,15 +1029,18 @@ def overflowing():
 def scaled_on_ranks(rank, world, scaler):
     model, batches = overflowing()
     dmodel = skewed(model, batches[0], "megatron")
-    scaler = dmodel.grad_scaler(init_scale=1e36) if scaler == "hap" else torch.amp.GradScaler("cpu", init_scale=1e36)
-    scales = scaled_steps(dmodel, dmodel.parameters(), batches, scaler)
+    fused = scaler.endswith("fused")  # the optimizer unscales itself: the scaler only checks for infs
+    scaler = dmodel.grad_scaler(init_scale=1e36) if scaler.startswith("hap") else \
+        torch.amp.GradScaler("cpu", init_scale=1e36)
+    scales = scaled_steps(dmodel, dmodel.parameters(), batches, scaler, fused)
     return {"scales": scales, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
 
 
-@pytest.mark.parametrize("scaler", ["hap", "torch"])
+@pytest.mark.parametrize("scaler", ["hap", "torch", "hap-fused", "torch-fused"])
 def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(scaler, tmp_path):
     """A plain torch.amp.GradScaler on rank 1 never saw rank 0's inf: it stepped and kept its
-    scale. dmodel.grad_scaler() (torch's ShardedGradScaler) and now a plain one agree."""
+    scale. dmodel.grad_scaler() (torch's ShardedGradScaler) and now a plain one agree, also for
+    a fused optimizer (which only has the scaler check for infs: neither agreed)."""
     model, batches = overflowing()
     scales = scaled_steps(model, model.parameters(), batches, torch.amp.GradScaler("cpu", init_scale=1e36))
     assert scales == pytest.approx([5e35, 2.5e35], rel=1e-6)  # both steps skipped (the scale halved twice)

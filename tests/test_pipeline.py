@@ -671,18 +671,21 @@ def misused(rank, world):
     refuse(lambda: pipe.train_step(*batches[0]))
     model.train()
     with torch.no_grad():
-        model.emb.weight.mul_(2.0)  # weights loaded into the wrapped model after wrapping
+        model.norm.weight.mul_(2.0)  # weights loaded into the wrapped model after wrapping (stage 1's alone)
     refuse(lambda: pipe.train_step(*batches[0]))
     return {"refused": refused}
 
 
 def test_ddp_habits_on_a_pipeline_are_refused(tmp_path):
     """Each rank given its own batch spliced one batch's features with another's labels; the
-    wrapped model's mode and weights changed after wrapping were ignored: all silently."""
-    for got in run_ranks(misused, 2, tmp_path):
-        assert [e.split(" (")[0].split(":")[0] for e in got["refused"]] == [
-            "the ranks were given different batches", "model.eval() was called on the model hap.Pipeline wrapped",
-            "emb.weight of the model hap wrapped was changed after wrapping"]
+    wrapped model's mode and weights changed after wrapping were ignored: all silently. A
+    weight of the last stage alone is refused on both (by the step's sum)."""
+    first, last = (got["refused"] for got in run_ranks(misused, 2, tmp_path))
+    assert [e.split(" (")[0].split(":")[0] for e in last] == [
+        "the ranks were given different batches", "model.eval() was called on the model hap.Pipeline wrapped",
+        "norm.weight of the model hap wrapped was changed after wrapping"]
+    assert first[:2] == last[:2]
+    assert first[2].startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
 
 
 class _Regression(nn.Module):
@@ -704,7 +707,10 @@ def norm_of_a_stage_without_parameters(rank, world):
     pipe = _pipeline(model, [batch], world, [cut], [[0], [1]], [[1.0], [1.0]], 1)
     pipe.train_step(*batch)
     norm = pipe.clip_grad_norm_(1.0)
-    return {"norm": norm.item(), "dtype": str(norm.dtype), "params": len(list(pipe.parameters()))}
+    pipe.train_step(*batch)  # torch's, given this stage's parameters (none on the last): the same collective
+    by_torch = torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1.0)
+    return {"norm": norm.item(), "dtype": str(norm.dtype), "params": len(list(pipe.parameters())),
+            "torch": by_torch.item()}
 
 
 def test_a_stage_without_parameters_returns_the_norm_in_the_models_dtype(tmp_path):
@@ -712,6 +718,7 @@ def test_a_stage_without_parameters_returns_the_norm_in_the_models_dtype(tmp_pat
     first, last = run_ranks(norm_of_a_stage_without_parameters, 2, tmp_path)
     assert (first["params"], last["params"]) == (2, 0)
     assert first == {**last, "params": 2} and first["dtype"] == "torch.float64"
+    assert first["torch"] == last["torch"] > 0  # (the stage without parameters took 0 and left the other waiting)
 
 
 @pytest.mark.parametrize("norm_type, via", [(2.0, "pipe"), (float("inf"), "pipe"), (2.0, "torch")])

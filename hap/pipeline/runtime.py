@@ -38,12 +38,12 @@ from ..rules.local import LocalContext, is_random, run_node, substitute, whole_n
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
 from ..runtime.checkpoint import sync_idle
-from ..runtime.collectives import Comm, all_reduce, broadcast, every_rank, from_rank_0, global_rank, run_move
+from ..runtime.collectives import Comm, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values, model_state
 from ..runtime import wire
-from ..runtime.module import (InputCheck, WrappedWatch, agree_plan, check_trainable, clip_by_global_norm, fingerprints,
-                              inputs_differ, model_named, rank_comm, spread_gradients, state_keys, watch_wrapped)
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_by_global_norm, model_named,
+                              rank_comm, spread_gradients, state_keys, sum_step, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -164,7 +164,7 @@ class Pipeline(nn.Module):
         self._wrapped = WrappedWatch(model, [(graph.tensors[name].target, state[graph.tensors[name].target],
                                               functools.partial(_held_whole, self.params, name))
                                              for name in self.params if state])
-        self._input_check: InputCheck | None = None  # whether the last step's ranks had the same inputs
+        self._step_check: StepCheck | None = None  # the last step's, where a GPU's verdict is read later
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -222,14 +222,14 @@ class Pipeline(nn.Module):
                              "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        check, self._step_check = self._step_check, None
+        if check is not None:
+            check.verify()
         self._wrapped.switched()  # (a module's own mode changed: a ValueError)
         if not self.model.training:
             raise ValueError("model.eval() was called on the model hap.Pipeline wrapped: a pipeline runs training "
                              "steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
-        self._wrapped.check_values()
-        check, self._input_check = self._input_check, None
-        if check is not None:
-            check.verify()
+        changed = self._wrapped.changed_values()  # (told every rank by the step's sum)
         check_trainable(self.params, self.graph)
         for name, x in zip(self.graph.inputs, batch):
             if tuple(x.shape) != tuple(self.graph.tensors[name].shape):
@@ -264,17 +264,10 @@ class Pipeline(nn.Module):
         if self._random:
             self._noise = {}
             self._share_rng(self._rng_after)
-        # the loss's sum over ranks, with the inputs' fingerprints and their squares (hap.HAP's forward)
-        prints = fingerprints(batch, self.device) if self.comm.world > 1 else torch.zeros(0, dtype=torch.float64,
-                                                                                         device=self.device)
-        sums = all_reduce(torch.cat([loss.to(torch.float64).reshape(1), prints, prints ** 2]), self.comm)
-        total = sums[0].to(loss.dtype)
-        if len(prints):
-            check = InputCheck(inputs_differ(sums[1:1 + len(prints)], sums[1 + len(prints):], self.comm.world))
-            if check.event is None:
-                check.verify()
-            else:  # read at the next step: the host does not wait for the device here
-                self._input_check = check
+        # the loss's sum over ranks, with the step's checks (hap.HAP's forward)
+        total, _, check = sum_step(loss, torch.zeros(0, dtype=torch.float64), batch, changed, self.comm)
+        total = total.to(loss.dtype)
+        self._step_check = check.now_or_later()
         wall = time.perf_counter() - t0
         self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
         return total

@@ -67,6 +67,7 @@ def join_group(backend: str, rank: int, world: int, port: int, timeout_s: float)
     except dist.DistStoreError:
         missing = [r for r in range(world) if not store.check([arrived[r]])]
         raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} did not start within {startup:g} s") from None
+    store.set_timeout(timedelta(seconds=timeout_s))  # all arrived: later waits (a new group's) are collectives
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 

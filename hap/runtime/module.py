@@ -17,6 +17,7 @@ program at the plan's ratios, or one planned for it on the same layout (`shapes`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -79,7 +80,7 @@ class HAP(nn.Module):
         rank needs, at no extra collective. The sums land in `piggybacked`."""
         self.piggybacked: torch.Tensor | None = None
         self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
-        self._input_check: InputCheck | None = None  # whether the last forward's ranks had the same inputs
+        self._step_check: StepCheck | None = None  # the last forward's, where a GPU's verdict is read later
         example_inputs = example_tuple(example_inputs)
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
@@ -99,9 +100,11 @@ class HAP(nn.Module):
         if meta:
             for values in _materialized(model, graph, init):
                 ex.shard_parameters(values)
-            self.shards = nn.ParameterDict(ex.params)
         else:
-            self.shards = nn.ParameterDict(ex.shard_parameters(leaf_values(graph, model, example_inputs)))
+            ex.shard_parameters(leaf_values(graph, model, example_inputs))
+        # in the model's order, as named_parameters() gives them: torch's own walks of the module
+        # (AveragedModel pairs a copy's parameters with these by it) then agree with it
+        self.shards = nn.ParameterDict(collections.OrderedDict(model_named_by_graph(ex.params, graph)))  # (a dict: sorted)
         from .checkpoint import sync_idle
         sync_idle(self)  # the parameters no node uses: rank 0's, as the others
         self.groups: dict = {}  # process groups by (devices, lane), made at start-up and by resync
@@ -137,10 +140,12 @@ class HAP(nn.Module):
         if named:
             raise TypeError(f"hap.HAP takes the model's inputs by position, in the order of the example inputs "
                             f"(got {', '.join(map(repr, named))} by name)")
-        self._follow_original()
-        check, self._input_check = self._input_check, None
+        check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()
+        changed = self._follow_original()
+        if changed and not self.global_loss:  # (no sum to tell the others by)
+            raise ValueError(changed)
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
@@ -153,34 +158,32 @@ class HAP(nn.Module):
         if not self.global_loss:
             self._keep_loss(part)
             return self._as_returned(part)
-        # one sum over ranks: [the loss's parts, the piggyback, the whole inputs' fingerprints and their squares]
         given = self.piggyback if self.piggyback is not None else torch.zeros(0, dtype=torch.float64)
-        prints = fingerprints([None if name in presliced else x for name, x in zip(self.graph.inputs, batch)],
-                               part.device) if self.comm.world > 1 else torch.zeros(0, dtype=torch.float64,
-                                                                                    device=part.device)
-        sums = all_reduce(torch.cat([part.detach().reshape(1).double(), given.double().to(part.device), prints,
-                                     prints ** 2]), self.comm)
-        total, k = sums[0].to(part.dtype), 1 + len(given)
+        total, summed, check = sum_step(part, given, [None if name in presliced else x for name, x in
+                                                      zip(self.graph.inputs, batch)], changed, self.comm)
+        total = total.to(part.dtype)
         if self.piggyback is not None:
-            self.piggybacked, self.piggyback = sums[1:k].to(given.dtype), None
-        if len(prints):
-            check = InputCheck(inputs_differ(sums[k:k + len(prints)], sums[k + len(prints):], self.comm.world))
-            if check.event is None:
-                check.verify()
-            else:  # read at the next forward: the host does not wait for the device here
-                self._input_check = check
+            self.piggybacked, self.piggyback = summed.to(given.dtype), None
+        self._step_check = check.now_or_later()
         loss = part + (total - part).detach()  # the global loss's value, the part's gradient
         self._keep_loss(loss)
         return self._as_returned(loss)
 
-    def _follow_original(self) -> None:
+    def _follow_original(self) -> str | None:
         """model.train() or model.eval() on the model hap.HAP wrapped, since the last forward, is
-        followed, as DDP's wrapped module is (dmodel.train() and dmodel.eval() leave it be); what
-        else WrappedWatch refuses is a ValueError."""
+        followed, as DDP's wrapped module is (dmodel.train() and dmodel.eval() switch it too);
+        a module's own mode changed is a ValueError. Returns WrappedWatch.changed_values()."""
         mode = self._wrapped.switched()
         if mode is not None:
             nn.Module.train(self, mode)
-        self._wrapped.check_values()
+        return self._wrapped.changed_values()
+
+    def train(self, mode: bool = True) -> "HAP":
+        """Training or eval mode, and the model hap.HAP wrapped with it (WrappedWatch.set)."""
+        super().train(mode)
+        if "_wrapped" in self.__dict__:
+            self._wrapped.set(mode)
+        return self
 
     def _as_returned(self, loss: torch.Tensor):
         """The loss in the structure the model's forward returns it in ((loss,), {"loss": loss})."""
@@ -332,8 +335,8 @@ class HAP(nn.Module):
     def grad_scaler(self, **kwargs) -> torch.amp.GradScaler:
         """A loss scaler for mixed precision (torch.amp.GradScaler's interface and kwargs) that
         skips a step on every rank when any rank's gradient shard overflows: torch's
-        ShardedGradScaler over this model's ranks. A plain GradScaler sees only this rank's
-        shards, so under a sharded plan the ranks would step differently."""
+        ShardedGradScaler over this model's ranks. (A plain GradScaler does too, where its
+        optimizer steps this model's parameters: spread_gradients.)"""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         device = next((p.device.type for p in self.shards.values()), "cpu")
         return ShardedGradScaler(device, process_group=self.comm.group, **kwargs)
@@ -543,6 +546,10 @@ def _spread_norm(grads: list, norm_type: float, error_if_nonfinite: bool) -> tor
         for g, counted in pairs:
             owners[id(g)] = (owner, counted)
     found = [owners.get(id(g)) for g in grads]
+    if not grads:  # a stage holding no gradient: its owner's norm is a collective all the same
+        empty = [owner for owner in list(_SPREAD) if not owner.spread_grads()[0]]
+        if len(empty) == 1:
+            return global_norm([], [], norm_type, empty[0].comm, dtypes[id(empty[0])])
     if not any(found):
         return None
     mixed = not all(found) or len({id(owner) for owner, _ in found}) > 1
@@ -661,9 +668,15 @@ def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
 
 def model_named(params: dict[str, torch.Tensor], graph, prefix: str = ""):
     """(model name, parameter) of parameters held by graph tensor name, in the model's order."""
+    for name, p in model_named_by_graph(params, graph):
+        yield (f"{prefix}." if prefix else "") + graph.tensors[name].target, p
+
+
+def model_named_by_graph(params: dict[str, torch.Tensor], graph):
+    """(graph tensor name, parameter) of parameters held by graph tensor name, in the model's order."""
     ordered = [name for name in graph.params if name in params]
     for name in ordered + [name for name in params if name not in set(ordered)]:
-        yield (f"{prefix}." if prefix else "") + graph.tensors[name].target, params[name]
+        yield name, params[name]
 
 
 def check_trainable(params: dict[str, torch.Tensor], graph) -> None:
@@ -757,6 +770,10 @@ def _runs(plan: Plan, graph) -> bool:
 FINGERPRINT_POINTS = 1024
 """Elements of each input given whole that its fingerprint reads (evenly spaced)."""
 
+DIFFERENT_BATCHES = ("the ranks were given different batches (each its own sample, as DistributedSampler gives DDP): "
+                     "give every rank the same global batch, or each rank its part of it (dmodel.local_batch(*batch), "
+                     "or the rows dmodel.input_slices() names, with part=True)")
+
 
 def fingerprints(inputs: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """Three numbers per input, in float64: 1 (given whole) and two that two different batches
@@ -766,14 +783,17 @@ def fingerprints(inputs: Sequence[torch.Tensor | None], device: torch.device) ->
     out = []
     for x in inputs:
         if x is None:
-            out += [torch.zeros(3, dtype=torch.float64, device=device)]
+            out.append(torch.zeros(3, dtype=torch.float64, device=device))
             continue
-        flat = x.detach().reshape(-1)
-        if flat.numel() > FINGERPRINT_POINTS:
-            flat = flat[torch.linspace(0, flat.numel() - 1, FINGERPRINT_POINTS, device=flat.device).long()]
-        v = flat.double()
+        n = x.numel()
+        if n > FINGERPRINT_POINTS:  # (integer positions: a float's rounding passed the end of 2^24 elements)
+            at = torch.arange(FINGERPRINT_POINTS, device=x.device) * (n - 1) // (FINGERPRINT_POINTS - 1)
+            v = torch.take(x.detach(), at).double()  # (in the logical order, with no copy of a strided input)
+        else:
+            v = x.detach().reshape(-1).double()
         weights = torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.float64)
-        out += [torch.stack([torch.ones((), dtype=torch.float64, device=v.device), v.sum(), (v * weights).sum()]).to(device)]
+        out.append(torch.stack([torch.ones((), dtype=torch.float64, device=v.device), v.sum(),
+                                (v * weights).sum()]).to(device))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=device)
 
 
@@ -787,44 +807,83 @@ def inputs_differ(summed: torch.Tensor, squares: torch.Tensor, world: int) -> to
     return ((spread > 1e-9 * mean_square.abs()) & spread.isfinite() & whole).any()
 
 
-class InputCheck:
-    """A forward's verdict on its inputs (inputs_differ), read when `verify` is called: on a GPU an
-    event's wait, at the next forward, rather than the host waiting for the device each step."""
+def sum_step(value: torch.Tensor, given: torch.Tensor, inputs: Sequence[torch.Tensor | None], changed: str | None,
+             comm: Comm) -> tuple[torch.Tensor, torch.Tensor, "StepCheck"]:
+    """A step's one sum over ranks, in float64: [value (the loss's parts), `given` (a
+    piggyback), whether this rank's wrapped model was changed (`changed`: WrappedWatch's
+    message), the fingerprints of the inputs given whole (None: a rank's part), their squares].
+    Returns value's sum, given's sums and the step's check (StepCheck)."""
+    device = value.device
+    prints = fingerprints(inputs, device) if comm.world > 1 else torch.zeros(0, dtype=torch.float64, device=device)
+    flag = torch.tensor([1.0 if changed else 0.0], dtype=torch.float64, device=device)
+    sums = all_reduce(torch.cat([value.detach().reshape(1).double(), given.double().to(device), flag, prints,
+                                 prints ** 2]), comm)
+    k, n = 1 + len(given), len(prints)
+    differ = inputs_differ(sums[k + 1:k + 1 + n], sums[k + 1 + n:], comm.world) if n else torch.zeros((), dtype=torch.bool, device=device)
+    return sums[0], sums[1:k], StepCheck(torch.stack([sums[k] > 0, differ]), changed)
 
-    def __init__(self, differ: torch.Tensor):
-        if differ.device.type == "cuda":
-            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self.flag.copy_(differ, non_blocking=True)
+
+class StepCheck:
+    """What a step's sum told every rank (sum_step): a rank's wrapped model was changed, the
+    ranks' inputs differ. Read by `verify`: at once on the CPU; on a GPU at the next step (an
+    event's wait), rather than the host waiting for the device every step."""
+
+    def __init__(self, flags: torch.Tensor, changed: str | None):
+        self.changed = changed
+        if flags.device.type == "cuda":
+            self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            self.flags.copy_(flags, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.flag, self.event = differ, None
+            self.flags, self.event = flags, None
+
+    def now_or_later(self) -> "StepCheck | None":
+        """Verified now (the CPU: None), or itself, for the next step to verify."""
+        if self.event is not None:
+            return self
+        self.verify()
+        return None
 
     def verify(self) -> None:
-        """A ValueError where the ranks were given different inputs. Each rank given its own
-        sample (DistributedSampler's habit, for DDP) trained each rank's rows of its own batch:
-        no batch's gradient."""
+        """A ValueError, on every rank, where a rank's wrapped model was changed or the ranks
+        were given different inputs. Each rank given its own sample (DistributedSampler's habit,
+        for DDP) trained each rank's rows of its own batch: no batch's gradient."""
         if self.event is not None:
             self.event.synchronize()
-        if bool(self.flag):
-            raise ValueError("the ranks were given different batches (each its own sample, as DistributedSampler "
-                             "gives DDP): give every rank the same global batch, or each rank its part of it "
-                             "(dmodel.local_batch(*batch), or the rows dmodel.input_slices() names, with part=True)")
+        changed, differ = self.flags.tolist()
+        if changed:
+            raise ValueError(self.changed or "a parameter of the model hap wrapped was changed after wrapping on "
+                                             "another rank, which hap, training copies of the parameters, would ignore")
+        if differ:
+            raise ValueError(DIFFERENT_BATCHES)
 
 
 class WrappedWatch:
     """The model a wrapper (hap.HAP, hap.Pipeline) trains copies of, watched for what is done to
     it after wrapping: model.train() and model.eval() (`switched`), one module's own mode, and
-    in-place writes to its parameters (`check_values`)."""
+    in-place writes to its parameters (`changed_values`). `set` puts it in the wrapper's mode."""
 
     def __init__(self, model: nn.Module, copies: list[tuple[str, torch.Tensor, Callable]]):
         """copies: per parameter the wrapper holds, (its name, the model's tensor, a function
         of that tensor giving (the part of it this rank holds, the wrapper's copy of that part))."""
         self.model, self.copies = model, copies
-        # what the training graph was captured with (capture puts an eval-mode model in training mode)
-        self.train_modes = _modes(model) if model.training else (True,) * len(_modes(model))
-        self.seen = _modes(model)
+        # the modes the training graph was captured with: model.train()'s, as capture makes
+        # them (an override of train() may keep a BatchNorm frozen)
+        modes = _modes(model)
+        model.train(True)
+        self.train_modes = _modes(model)
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
+        self.seen = modes
         self.versions = versions([t for _, t, _ in copies])
+
+    def set(self, training: bool) -> None:
+        """The wrapper was put in this mode: so is the model (as DDP's wrapped module is), in the
+        modes its training graph was captured with, or all in eval mode."""
+        for m, mode in zip(self.model.modules(), self.train_modes if training else (False,) * len(self.train_modes)):
+            m.training = mode
+        self.seen = _modes(self.model)
 
     def switched(self) -> bool | None:
         """The mode model.train() or model.eval() put the model in since the last look (None: no
@@ -833,6 +892,9 @@ class WrappedWatch:
         modes = _modes(self.model)
         if modes == self.seen:
             return None
+        if len(modes) != len(self.train_modes):
+            raise ValueError("the model hap wrapped gained or lost modules after wrapping: hap trains the graph it "
+                             "captured; change the model before wrapping it")
         if modes != self.train_modes and any(modes):
             name, m = next((n, m) for (n, m), was in zip(self.model.named_modules(), self.train_modes)
                            if m.training != was)
@@ -843,23 +905,26 @@ class WrappedWatch:
         self.seen = modes
         return any(modes)
 
-    def check_values(self) -> None:
-        """A ValueError where a parameter was written in place since the last look to a value the
-        wrapper's copy does not hold (load_state_dict, an initialization): the wrapper trains its
-        copies and would ignore it. Loading the wrapper's own values back (full_state_dict, to
-        evaluate the model) is no change."""
+    def changed_values(self) -> str | None:
+        """Why the model was changed since the last look (None: it was not): a parameter written
+        in place to a value the wrapper's copy of this rank's part does not hold (load_state_dict,
+        an initialization), which the wrapper, training its copies, would ignore. Loading the
+        wrapper's own values back (full_state_dict, to evaluate the model) is no change. Said on
+        every rank by the step's sum (sum_step): a rank may hold none of the rows written."""
         now = versions([t for _, t, _ in self.copies])
         if now == self.versions:
-            return
+            return None
+        found = None
         for (name, original, held), a, b in zip(self.copies, now, self.versions):
-            if a != b:
+            if a != b and found is None:
                 part, mine = held(original.detach())
                 if not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
-                    raise ValueError(f"{name} of the model hap wrapped was changed after wrapping (load_state_dict, "
-                                     "an initialization, an in-place write), which hap, training copies of the "
-                                     "parameters, would ignore: change the model before wrapping it, or load it "
-                                     "into hap's copies: dmodel.load_state_dict(model.state_dict())")
+                    found = (f"{name} of the model hap wrapped was changed after wrapping (load_state_dict, an "
+                             "initialization, an in-place write), which hap, training copies of the parameters, "
+                             "would ignore: change the model before wrapping it, or load it into hap's copies: "
+                             "dmodel.load_state_dict(model.state_dict())")
         self.versions = now
+        return found
 
 
 def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
