@@ -400,7 +400,16 @@ def changed_original(rank, world):
     losses.append(dmodel(*batches[0]).item())
     # torch's own walk of the module (AveragedModel pairs parameters by it) in named_parameters' order
     walked = [id(p) for _, p in torch.nn.Module.named_parameters(dmodel)] == [id(p) for p in dmodel.parameters()]
+    ema = copy.deepcopy(dmodel)  # a copy whose parameters change in place (an average): its own, not a change
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    ema(*batches[0])
     refused = []
+    try:
+        dmodel.apply(lambda m: None)  # an initialization, DDP's way: it reached no layer, silently
+    except ValueError as e:
+        refused.append(str(e))
     model.bn.eval()  # a module's own mode after wrapping
     try:
         dmodel(*batches[0])
@@ -434,13 +443,14 @@ def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
     reports = run_ranks(changed_original, 2, tmp_path)
     for got in reports:
         assert got["losses"][:-1] == pytest.approx(losses[:-1], rel=1e-5)
-        assert got["refused"][0] == ("module 'bn' of the model hap wrapped was put in eval mode after wrapping, "
+        assert got["refused"][0].startswith("dmodel.apply(fn) reaches none of the model's layers")
+        assert got["refused"][1] == ("module 'bn' of the model hap wrapped was put in eval mode after wrapping, "
                                      "unlike the training graph hap captured: set modules' modes before wrapping "
                                      "(dmodel.train() and dmodel.eval() switch the whole model)")
         assert got["walked"] and got["followed"]
-        assert len(got["refused"]) == 2
+        assert len(got["refused"]) == 3
     # fc1 is split by rows under Megatron at 60/40: its first row is rank 0's, and rank 1 hears of it
-    first, second = (got["refused"][1] for got in reports)
+    first, second = (got["refused"][2] for got in reports)
     assert first.startswith("fc1.weight of the model hap wrapped was changed after wrapping")
     assert second.startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
 

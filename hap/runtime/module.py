@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -177,6 +178,13 @@ class HAP(nn.Module):
         if mode is not None:
             nn.Module.train(self, mode)
         return self._wrapped.changed_values()
+
+    def apply(self, fn):
+        """Refused: hap holds shards of the model's parameters, not its modules, so `fn` (an
+        initialization, DDP's module.apply habit) would reach none of its layers."""
+        raise ValueError("dmodel.apply(fn) reaches none of the model's layers (hap holds shards of its parameters, "
+                         "not its modules): initialize the model before wrapping it, or load weights into hap with "
+                         "dmodel.load_state_dict(...)")
 
     def train(self, mode: bool = True) -> "HAP":
         """Training or eval mode, and the model hap.HAP wrapped with it (WrappedWatch.set)."""
@@ -877,6 +885,14 @@ class WrappedWatch:
             m.training = mode
         self.seen = modes
         self.versions = versions([t for _, t, _ in copies])
+
+    def __deepcopy__(self, memo: dict) -> "WrappedWatch":
+        """A copy of the wrapper (copy.deepcopy(dmodel): an EMA of it, AveragedModel) watches its
+        copy of the model from the copy's own version counters, which start afresh."""
+        new = copy.copy(self)
+        new.model, new.copies = copy.deepcopy(self.model, memo), copy.deepcopy(self.copies, memo)
+        new.versions = versions([t for _, t, _ in new.copies])
+        return new
 
     def set(self, training: bool) -> None:
         """The wrapper was put in this mode: so is the model (as DDP's wrapped module is), in the
