@@ -40,10 +40,10 @@ from ..rules.units import ShardClasses
 from ..runtime.checkpoint import sync_idle
 from ..runtime.collectives import Comm, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
-from ..runtime.executor import leaf_values, model_state
+from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_by_global_norm, model_named,
-                              rank_comm, spread_gradients, state_keys, sum_step, watch_wrapped)
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, model_named, rank_comm,
+                              spread_gradients, state_keys, sum_step, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -160,10 +160,7 @@ class Pipeline(nn.Module):
         watch_wrapped(model)
         if len(plan.stages) > 1:  # each rank holds its stage's gradients alone
             spread_gradients(self)
-        state = {} if any(p.is_meta for p in model.parameters()) else model_state(model)
-        self._wrapped = WrappedWatch(model, [(graph.tensors[name].target, state[graph.tensors[name].target],
-                                              functools.partial(_held_whole, self.params, name))
-                                             for name in self.params if state])
+        self._wrapped = WrappedWatch.of(model, graph, self.params, functools.partial(_held_whole, self.params))
         self._step_check: StepCheck | None = None  # the last step's, where a GPU's verdict is read later
 
     # -- routes --------------------------------------------------------------------------------
@@ -539,9 +536,7 @@ class Pipeline(nn.Module):
         that holds it: a tied embedding's two stages hold one parameter), the same on every rank;
         every gradient is scaled by min(1, max_norm / (norm + 1e-6)). A collective: every rank
         calls it, after train_step. Returns the total norm."""
-        grads, dtype = self.spread_grads()
-        return clip_by_global_norm([g for g, counted in grads if counted], [g for g, _ in grads], max_norm, norm_type,
-                                   self.comm, dtype)
+        return clip_spread_(self, max_norm, norm_type)
 
     def spread_grads(self) -> tuple[list[tuple[torch.Tensor, bool]], torch.dtype | None]:
         """This stage's gradients, each with whether this rank counts it in the global norm

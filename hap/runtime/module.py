@@ -123,9 +123,7 @@ class HAP(nn.Module):
         watch_wrapped(model)
         if any(ex.stored[name][0].is_shard for name in ex.params):
             spread_gradients(self)
-        state = {} if meta else model_state(model)
-        self._wrapped = WrappedWatch(model, [(graph.tensors[name].target, state[graph.tensors[name].target],
-                                              functools.partial(_held_part, ex, name)) for name in ex.params if not meta])
+        self._wrapped = WrappedWatch.of(model, graph, ex.params, functools.partial(_held_part, ex))
 
     @torch.compiler.disable  # torch.compile(dmodel) runs it as it is: tracing its Python would recompile every step
     def forward(self, *batch: torch.Tensor, part: bool | None = None, **named) -> torch.Tensor:
@@ -355,9 +353,7 @@ class HAP(nn.Module):
         same on every rank; every local gradient is scaled by min(1, max_norm / (norm + 1e-6)).
         A collective: every rank calls it, after backward. Returns the total norm.
         (torch.nn.utils.clip_grad_norm_(dmodel.parameters(), ...) does the same: spread_gradients.)"""
-        grads, dtype = self.spread_grads()
-        return clip_by_global_norm([g for g, counted in grads if counted], [g for g, _ in grads], max_norm, norm_type,
-                                   self.comm, dtype)
+        return clip_spread_(self, max_norm, norm_type)
 
     def spread_grads(self) -> tuple[list[tuple[torch.Tensor, bool]], torch.dtype | None]:
         """This rank's gradients, each with whether this rank counts it in the global norm (its
@@ -492,6 +488,14 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     for g in grads:
         g.mul_(coef)
     return total
+
+
+def clip_spread_(owner: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """clip_by_global_norm of a wrapper's gradients (`owner.spread_grads()`, over `owner.comm`):
+    the clip_grad_norm_ of hap.HAP and hap.Pipeline."""
+    grads, dtype = owner.spread_grads()
+    return clip_by_global_norm([g for g, counted in grads if counted], [g for g, _ in grads], max_norm, norm_type,
+                               owner.comm, dtype)
 
 
 def global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], norm_type: float, comm: Comm,
@@ -871,6 +875,15 @@ class WrappedWatch:
     """The model a wrapper (hap.HAP, hap.Pipeline) trains copies of, watched for what is done to
     it after wrapping: model.train() and model.eval() (`switched`), one module's own mode, and
     in-place writes to its parameters (`changed_values`). `set` puts it in the wrapper's mode."""
+
+    @classmethod
+    def of(cls, model: nn.Module, graph, names, held: Callable) -> "WrappedWatch":
+        """The watch of the parameters `names` (graph tensor names) a wrapper holds, held(name,
+        whole) giving (the part of the whole this rank holds, the wrapper's copy of it). A model
+        on the meta device holds no values: nothing to watch but its modes."""
+        state = {} if any(p.is_meta for p in model.parameters()) else model_state(model)
+        return cls(model, [(graph.tensors[name].target, state[graph.tensors[name].target],
+                            functools.partial(held, name)) for name in names if state])
 
     def __init__(self, model: nn.Module, copies: list[tuple[str, torch.Tensor, Callable]]):
         """copies: per parameter the wrapper holds, (its name, the model's tensor, a function
