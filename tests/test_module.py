@@ -407,7 +407,7 @@ def changed_original(rank, world):
     ema(*batches[0])
     refused = []
     try:
-        dmodel.apply(lambda m: None)  # an initialization, DDP's way: it reached no layer, silently
+        dmodel.apply(lambda m: None)  # an initialization, DDP's way: it reached no layer, silently (now: shards alone)
     except ValueError as e:
         refused.append(str(e))
     model.bn.eval()  # a module's own mode after wrapping
@@ -443,7 +443,7 @@ def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
     reports = run_ranks(changed_original, 2, tmp_path)
     for got in reports:
         assert got["losses"][:-1] == pytest.approx(losses[:-1], rel=1e-5)
-        assert got["refused"][0].startswith("dmodel.apply(fn) reaches none of the model's layers")
+        assert got["refused"][0].startswith("dmodel.apply(fn) would reach this rank's shards of the parameters alone")
         assert got["refused"][1] == ("module 'bn' of the model hap wrapped was put in eval mode after wrapping, "
                                      "unlike the training graph hap captured: set modules' modes before wrapping "
                                      "(dmodel.train() and dmodel.eval() switch the whole model)")
@@ -640,11 +640,17 @@ def optimizer_over_the_model(rank, world):
     dmodel = skewed(model, batches[0])
     dmodel(*batches[0]).backward()
     names = [n for n, _ in dmodel.named_parameters()]
+    children = [(n, type(m).__name__) for n, m in dmodel.named_children()]  # the model's modules, holding shards
+    try:
+        dict(dmodel.named_children())["fc1"](batches[0][0])
+        ran = "ran"
+    except ValueError as e:
+        ran = str(e)
     try:
         torch.optim.SGD(model.parameters(), lr=0.1).step()
-        return {"names": names, "refused": None}
+        return {"names": names, "children": children, "ran": ran, "refused": None}
     except ValueError as e:
-        return {"names": names, "refused": str(e)}
+        return {"names": names, "children": children, "ran": ran, "refused": str(e)}
 
 
 def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
@@ -656,6 +662,8 @@ def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
         assert got["refused"] == ("SGD holds the parameters of the model hap.HAP wrapped, which get no gradients: hap "
                                   "trains its own copies of them; build the optimizer over dmodel.parameters()")
         assert got["names"] == [n for n, _ in model.named_parameters()]
+        assert got["children"] == [[n, type(m).__name__] for n, m in model.named_children()]
+        assert got["ran"].startswith("this Linear inside hap's wrapper only holds this rank's parameters")
 
 
 class Returning(torch.nn.Module):

@@ -1,6 +1,7 @@
 """The model-zoo tier: eight architectures from Hugging Face transformers (hap.models.zoo: random
 init, tiny configs) are captured, planned on `local` (2 ranks) and `local-4` (4 ranks), and
-trained 2 SGD-with-momentum steps on real gloo ranks. Loss, every gradient (each step),
+trained 2 SGD-with-momentum steps on real gloo ranks, with Hugging Face Trainer's weight-decay
+groups (found by walking the module). Loss, every gradient (each step),
 parameters and buffers after the steps equal one device's. Where hap's plan leaves a device
 idle (tiny models often run on one device), data parallelism at skewed ratios is run too, so
 every model also trains on every device with uneven shards; on 2 ranks Megatron-style tensor
@@ -31,15 +32,30 @@ CLUSTERS = {"local": 2, "local-4": 4}
 RTOL, ATOL = 2e-4, 2e-5
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+WEIGHT_DECAY = 0.1
+# Hugging Face Trainer.get_decay_parameter_names: no decay inside LayerNorm or on these names
+NO_DECAY_NAMES = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def decay_names(model) -> set[str]:
+    """The parameters Hugging Face's Trainer decays: found by walking model.named_children()."""
+    from transformers.trainer_pt_utils import get_parameter_names
+    return set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAMES)) & {n for n, _ in model.named_parameters()}
+
+
+def sgd(model):
+    """SGD with momentum and the Trainer's weight-decay groups, built from the walk of `model`
+    (hap's module tree is the model's: over hap's own containers no parameter was decayed)."""
+    decay, named = decay_names(model), list(model.named_parameters())
+    return torch.optim.SGD([{"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
+                            {"params": [p for n, p in named if n not in decay]}], lr=LR, momentum=0.9)
 
 
 def train_reference(name):
     """One device: losses, gradients per step (under every name of a parameter), the state dict
     after the steps, the buffers' keys, and how many parameters get a gradient."""
     model, batches = zoo.build(name, STEPS)
-    opt = sgd(model.parameters())
+    opt = sgd(model)
     losses, grads, with_grad = [], [], []
     for batch in batches:
         torch.manual_seed(1)  # dropout's masks: the distributed run draws from the same state
@@ -62,7 +78,8 @@ def train_ranks(rank, world, cluster_name, jobs):
     for name, label, plan_json in jobs:
         model, batches = zoo.build(name, STEPS)
         dmodel = hap.HAP(model, hap.load_cluster(cluster_name), batches[0], plan=Plan.from_json(plan_json))
-        opt = sgd(dmodel.parameters())
+        opt = sgd(dmodel)
+        assert decay_names(dmodel) == decay_names(model) != set(), name  # (a rank's failure fails the run)
         losses, grads = [], []
         for batch in batches:
             torch.manual_seed(1)

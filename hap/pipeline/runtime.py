@@ -42,7 +42,8 @@ from ..runtime.collectives import Comm, broadcast, every_rank, from_rank_0, glob
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, model_named, rank_comm,
+from ..runtime.mirror import MirrorsModel
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, held_by_original, rank_comm,
                               spread_gradients, state_keys, sum_step, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
@@ -61,7 +62,7 @@ class _Transfer:
     """-1: the whole tensor (a replicated crossing)."""
 
 
-class Pipeline(nn.Module):
+class Pipeline(MirrorsModel):
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
                  comm: Comm | None = None):
         super().__init__()
@@ -118,11 +119,12 @@ class Pipeline(nn.Module):
                 x = from_rank_0(values[name], comm)
                 if t.kind == "buffer" or name in loaded:
                     mine[name] = x
-        self.params = nn.ParameterDict()  # by graph tensor name (torch.export's p_fc1_bias), as hap.HAP's shards
+        self.params: dict[str, nn.Parameter] = {}  # by graph tensor name (torch.export's p_fc1_bias), as hap.HAP's shards
         for name in sorted(loaded):
             t = graph.tensors[name]
             if t.kind == "param":
                 self.params[name] = nn.Parameter(mine[name], requires_grad=t.requires_grad)
+        self.mirror_model(model, held_by_original(model, graph, self.params))  # children: the model's modules, as hap.HAP's
         self._constants: dict[str, torch.Tensor] = {name: x for name, x in mine.items() if graph.tensors[name].kind == "buffer"}
         loads = [{ld.tensor for step in prog for ld in step.loads} for prog in programs]  # per stage
         whole = set().union(*loads)
@@ -526,10 +528,6 @@ class Pipeline(nn.Module):
                 else:
                     p.grad = None
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This stage's parameters under the model's own names, as hap.HAP names its shards."""
-        return model_named(self.params, self.graph, prefix)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model, as hap.HAP's: the norm of every
         stage's gradients, each parameter counted once (by the first device of the first stage
@@ -593,6 +591,6 @@ class _Missing(dict):
         return None
 
 
-def _held_whole(params: nn.ParameterDict, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _held_whole(params: dict[str, nn.Parameter], name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(parameter `name`'s whole value, this stage's copy of it: a stage holds its parameters whole)."""
     return whole, params[name]

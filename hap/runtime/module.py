@@ -17,7 +17,6 @@ program at the plan's ratios, or one planned for it on the same layout (`shapes`
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import dataclasses
@@ -47,6 +46,7 @@ from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state, per_element
 from .gradsync import GradSync, Groups
 from .launch import collective_timeout
+from .mirror import MirrorsModel
 
 log = logging.getLogger("hap")
 
@@ -55,7 +55,7 @@ SHAPES_KEPT = 32
 after being dropped)."""
 
 
-class HAP(nn.Module):
+class HAP(MirrorsModel):
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan | None = None,
                  config: PlannerConfig | None = None, comm: Comm | None = None,
                  init: Callable[[nn.Module], None] | None = None, global_loss: bool = True):
@@ -103,9 +103,10 @@ class HAP(nn.Module):
                 ex.shard_parameters(values)
         else:
             ex.shard_parameters(leaf_values(graph, model, example_inputs))
-        # in the model's order, as named_parameters() gives them: torch's own walks of the module
-        # (AveragedModel pairs a copy's parameters with these by it) then agree with it
-        self.shards = nn.ParameterDict(collections.OrderedDict(model_named_by_graph(ex.params, graph)))  # (a dict: sorted)
+        self.shards = dict(model_named_by_graph(ex.params, graph))  # by graph tensor name, in the model's order
+        # children: the model's modules holding these shards, so walks of the module (parameters(),
+        # named_parameters(), a library's weight-decay groups, AveragedModel's pairing) are the model's
+        self.mirror_model(model, held_by_original(model, graph, self.shards))
         from .checkpoint import sync_idle
         sync_idle(self)  # the parameters no node uses: rank 0's, as the others
         self.groups: dict = {}  # process groups by (devices, lane), made at start-up and by resync
@@ -178,10 +179,10 @@ class HAP(nn.Module):
         return self._wrapped.changed_values()
 
     def apply(self, fn):
-        """Refused: hap holds shards of the model's parameters, not its modules, so `fn` (an
-        initialization, DDP's module.apply habit) would reach none of its layers."""
-        raise ValueError("dmodel.apply(fn) reaches none of the model's layers (hap holds shards of its parameters, "
-                         "not its modules): initialize the model before wrapping it, or load weights into hap with "
+        """Refused: `fn` (an initialization, DDP's module.apply habit) would reach this rank's
+        shards alone, each rank drawing its own rows otherwise than one device draws the whole."""
+        raise ValueError("dmodel.apply(fn) would reach this rank's shards of the parameters alone, not the model's "
+                         "layers: initialize the model before wrapping it, or load weights into hap with "
                          "dmodel.load_state_dict(...)")
 
     def train(self, mode: bool = True) -> "HAP":
@@ -433,12 +434,6 @@ class HAP(nn.Module):
             plan = priced(self.graph, self.cluster, dataclasses.replace(plan, search={**plan.search, "sync": "resync"}))
         self.plan = plan
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's shards under the model's own names (`fc1.weight`, a tied parameter under
-        its first name), as model.named_parameters() names them: parameter groups built by name
-        (no weight decay on biases) pick the same parameters."""
-        return model_named(self.shards, self.graph, prefix)
-
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
         return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
@@ -678,10 +673,10 @@ def _refused_state(opt: torch.optim.Optimizer, checked: set[int]) -> str | None:
     return None
 
 
-def model_named(params: dict[str, torch.Tensor], graph, prefix: str = ""):
-    """(model name, parameter) of parameters held by graph tensor name, in the model's order."""
-    for name, p in model_named_by_graph(params, graph):
-        yield (f"{prefix}." if prefix else "") + graph.tensors[name].target, p
+def held_by_original(model: nn.Module, graph, held: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """id of each of the model's parameters -> what this rank holds for it (held by graph name)."""
+    state = model_state(model)
+    return {id(state[graph.tensors[name].target]): p for name, p in held.items()}
 
 
 def model_named_by_graph(params: dict[str, torch.Tensor], graph):
