@@ -828,3 +828,49 @@ def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_
     (tmp_path / "step-100000001" / checkpoint.CHECKSUMS).write_text("{}")  # emptied: it loaded unchecked
     with pytest.raises(ValueError, match=rf"^checkpoint {path} is damaged: its checksums.json does not list \.metadata$"):
         checkpoint.verify(path)
+
+
+def whose_optimizer_state(rank, world, directory):
+    """2 steps at 50/50 (rank 0's shards and rank 1's of a size), each rank's opt.state_dict()
+    saved; then loaded back: each rank's own (2 more steps: one device's 4), rank 0's on every
+    rank, and one device's (whole tensors)."""
+    dmodel = distributed(world, ("sharded", [0.5, 0.5]))
+    opt = optimizer(dmodel.parameters(), "sgd")
+    one = MLP()
+    one_opt = optimizer(one.parameters(), "sgd")
+    for step in range(2):
+        for m, o in ((dmodel, opt), (one, one_opt)):
+            m(*batch(step)).backward()
+            o.step()
+            o.zero_grad()
+    torch.save(opt.state_dict(), os.path.join(directory, f"opt{rank}.pt"))
+    torch.distributed.barrier()
+    refused = {}
+    for label, saved in (("rank 0", torch.load(os.path.join(directory, "opt0.pt"))), ("one device", one_opt.state_dict())):
+        opt.load_state_dict(saved)
+        try:
+            opt.step()  # (no gradients: a step would change nothing but it is checked first)
+            refused[label] = None
+        except ValueError as e:
+            refused[label] = str(e)
+    opt.load_state_dict(torch.load(os.path.join(directory, f"opt{rank}.pt")))
+    for step in range(2, 4):
+        dmodel(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"refused": refused, **whole(dmodel, opt)}
+
+
+def test_an_optimizer_state_dict_of_another_rank_or_one_device_is_refused(tmp_path):
+    """DDP's habit: rank 0 saves opt.state_dict() and every rank loads it. Where hap shards
+    parameters, each rank's state holds its own rows; at equal shard sizes rank 1 stepped on
+    with rank 0's momentum, silently. One device's whole state failed inside torch's step."""
+    got = run_ranks(whose_optimizer_state, 2, tmp_path, str(tmp_path))
+    assert got[0]["refused"]["rank 0"] is None
+    assert got[1]["refused"]["rank 0"].startswith(
+        "SGD's state was saved on rank 0 of 2, 4 sharded parameters of 312 elements; this is rank 1 of 2, 4 sharded "
+        "parameters of 312 elements: each rank holds its own rows")
+    for r in got:
+        assert re.match(r"SGD's state 'momentum_buffer' of \S+ is \(\d+, \d+\), this rank's shard \(\d+, \d+\): state "
+                        "saved by one device", r["refused"]["one device"])
+    assert_state_like_reference(got[0], 4, "sgd")  # each rank's own state round trips

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .._torch import ShardedTensor, quiet_sharded_tensors, sharded_tensor
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
+from .module import group_settings
 
 POINTER = "latest"
 CHECKSUMS = "checksums.json"
@@ -188,7 +189,7 @@ def optimizer_state_dict(dmodel, opt: torch.optim.Optimizer) -> dict[str, Any]:
                 state[key] = {k: _like(dmodel, name, (v.to_dense() if v.layout != torch.strided else v).detach().contiguous())
                               if isinstance(v, torch.Tensor) and per_element(k, v.shape, p.shape, key, sharded) else v
                               for k, v in opt.state[p].items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [key for _, key, _ in params]})
+        groups.append({**group_settings(group), "params": [key for _, key, _ in params]})
     return {"state": state, "param_groups": groups}
 
 
@@ -649,7 +650,7 @@ def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> tuple[str | None
     kind, mine, refused = None if opt is None else type(opt).__qualname__, [], None
     try:
         if opt is not None:
-            mine = [({k: v for k, v in g.items() if k != "params"}, [key for _, key, _ in params])
+            mine = [(group_settings(g), [key for _, key, _ in params])
                     for g, params in zip(opt.param_groups, _opt_params(dmodel, opt))]
     except ValueError as e:
         refused = str(e)
@@ -701,7 +702,7 @@ def _loaded_hyper(dmodel, opt: torch.optim.Optimizer, saved: list[dict]) -> list
             differ = next(k for k in sorted(ha.keys() | hb.keys()) if not _same_hyper({k: ha.get(k)}, {k: hb.get(k)}))
             raise ValueError(f"parameter group {i} holds {a!r} and {b!r}, saved with {differ} {ha.get(differ)!r} and "
                              f"{hb.get(differ)!r}: give them groups of their own, as they were")
-        out.append(found[0][1] if found else {k: v for k, v in opt.param_groups[i].items() if k != "params"})
+        out.append(found[0][1] if found else group_settings(opt.param_groups[i]))
     return out
 
 

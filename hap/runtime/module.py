@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten, versions
 from ..capture import capture, example_tuple
@@ -383,6 +383,8 @@ class HAP(MirrorsModel):
         self._losses = []
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
+        for opt in optimizers:  # their state is this rank's at the new sizes
+            stamp_state(opt)
         self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
         self.plan = priced(self.graph, self.cluster, plan)
@@ -592,6 +594,7 @@ def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]], comm: Comm |
     for key, (param, label) in sharded.items():
         _SHARDED[key] = (weakref.ref(param, lambda _, key=key: _SHARDED.pop(key, None)), label, comm)
     if not _watching:
+        register_optimizer_step_pre_hook(_check_whose_state)
         register_optimizer_step_post_hook(_check_optimizer_state)
         _watching = True
 
@@ -633,6 +636,64 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         gather_or_refuse(None, refused, comm)
     elif refused is not None:
         raise ValueError(refused)
+
+
+SHARDS_STAMP = "hap_shards"
+"""A parameter group's entry (in opt.state_dict() too) naming whose shards its optimizer state
+holds: `rank 1 of 2, 3 sharded parameters of 4608 elements`. Set at every step; not a hyper-parameter."""
+_STAMPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[str | None]]" = weakref.WeakKeyDictionary()
+
+
+def group_settings(group: dict) -> dict:
+    """A parameter group's hyper-parameters: its entries but the parameters and SHARDS_STAMP."""
+    return {k: v for k, v in group.items() if k not in ("params", SHARDS_STAMP)}
+
+
+def _own_stamps(opt: torch.optim.Optimizer) -> list[str | None]:
+    """Per parameter group, SHARDS_STAMP as this rank holds its sharded parameters (None: none)."""
+    stamps = _STAMPS.get(opt)
+    if stamps is None or len(stamps) != len(opt.param_groups):
+        stamps = []
+        for group in opt.param_groups:
+            sharded = [p for p in group["params"] if _watched(p)]
+            comm = _SHARDED[id(sharded[0])][2] if sharded else None
+            stamps.append(None if comm is None else f"rank {comm.rank} of {comm.world}, {len(sharded)} sharded "
+                          f"parameters of {sum(p.numel() for p in sharded)} elements")
+        _STAMPS[opt] = stamps
+    return stamps
+
+
+def stamp_state(opt: torch.optim.Optimizer) -> None:
+    """Mark the optimizer's state as this rank's, at its parameters' present sizes."""
+    _STAMPS.pop(opt, None)
+    for group, own in zip(opt.param_groups, _own_stamps(opt)):
+        if own is not None:
+            group[SHARDS_STAMP] = own
+
+
+def _check_whose_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before every step: a ValueError where the state of the optimizer's sharded parameters was
+    loaded from another rank's, or another layout's, opt.state_dict() (rank 0's saved and
+    loaded on every rank: at equal shard sizes the other ranks stepped with rank 0's rows,
+    silently). State without a stamp (a fresh optimizer; hap's checkpoint, which loads each
+    rank's rows) is checked for its parameters' shapes, then stamped."""
+    for group, own in zip(opt.param_groups, _own_stamps(opt)):
+        stamp = group.get(SHARDS_STAMP)
+        if stamp == own or own is None:
+            continue
+        held = [(p, opt.state[p]) for p in group["params"] if _watched(p) and opt.state.get(p)]
+        if stamp is not None and held:
+            raise ValueError(f"{type(opt).__name__}'s state was saved on {stamp}; this is {own}: each rank holds its "
+                             "own rows of the sharded parameters (rank 0's opt.state_dict() loaded everywhere gives "
+                             "every rank rank 0's); save and load each rank's own, or use hap.runtime.checkpoint")
+        for p, state in held:
+            bad = next((k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 1
+                        and v.shape != p.shape), None)
+            if bad is not None:
+                raise ValueError(f"{type(opt).__name__}'s state {bad!r} of {_watched(p)} is {tuple(state[bad].shape)}, "
+                                 f"this rank's shard {tuple(p.shape)}: state saved by one device, another rank or "
+                                 "another layout; load it with hap.runtime.checkpoint (any plan, any ranks)")
+        group[SHARDS_STAMP] = own
 
 
 def _optimizer_left_behind(params, passed: Sequence[torch.optim.Optimizer]) -> str | None:
