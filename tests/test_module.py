@@ -8,6 +8,7 @@ into full-size steps."""
 
 import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -646,11 +647,19 @@ def optimizer_over_the_model(rank, world):
         ran = "ran"
     except ValueError as e:
         ran = str(e)
+    habits = []  # DDP code's: each refused in one line (were a pickling error deep in a process group, and
+    for habit in (lambda: torch.save(dmodel, io.BytesIO()), dmodel.half):  # BatchNorm's float32 statistics
+        try:                                                                  # meeting half parameters mid-step)
+            habit()
+            habits.append(None)
+        except (TypeError, ValueError) as e:
+            habits.append(str(e))
+    out = {"names": names, "children": children, "ran": ran, "habits": habits}
     try:
         torch.optim.SGD(model.parameters(), lr=0.1).step()
-        return {"names": names, "children": children, "ran": ran, "refused": None}
+        return {**out, "refused": None}
     except ValueError as e:
-        return {"names": names, "children": children, "ran": ran, "refused": str(e)}
+        return {**out, "refused": str(e)}
 
 
 def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
@@ -664,6 +673,8 @@ def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
         assert got["names"] == [n for n, _ in model.named_parameters()]
         assert got["children"] == [[n, type(m).__name__] for n, m in model.named_children()]
         assert got["ran"].startswith("this Linear inside hap's wrapper only holds this rank's parameters")
+        assert got["habits"][0].startswith("torch.save (pickle) of a HAP would take its process groups along")
+        assert got["habits"][1].startswith("HAP of a model captured in torch.float32 on cpu cannot move to torch.float16")
 
 
 class Returning(torch.nn.Module):

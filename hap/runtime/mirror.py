@@ -9,6 +9,8 @@ LayerNorm instances and biases, pick the parameters they pick on the model (over
 containers they gave names that no parameter has: no decay anywhere, silently). A shell runs
 nothing; the wrapper runs the model."""
 
+import copy
+
 import torch
 from torch import nn
 
@@ -24,6 +26,31 @@ class MirrorsModel(nn.Module):
         for name, child in model._modules.items():
             if child is not None:
                 self._modules[name] = _shell(child, held, memo)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Refused where it would change a parameter's dtype or device (.half(), .to(device)):
+        the model was captured and planned as it was, and its buffers live in hap's executor
+        (a BatchNorm's statistics stayed float32 beside half parameters: an error deep inside
+        the step). Otherwise (.float() of a float model, share_memory()) torch's."""
+        for p in self.parameters():
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if probe.dtype != p.dtype or probe.device != p.device:
+                raise ValueError(f"{type(self).__name__} of a model captured in {p.dtype} on {p.device} cannot move to "
+                                 f"{probe.dtype} on {probe.device}: convert the model before wrapping it "
+                                 "(model.half(), model.to(device)), or use torch.autocast")
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"torch.save (pickle) of a {type(self).__name__} would take its process groups along: save "
+                        "dmodel.full_state_dict() (every rank calls it), hap.runtime.checkpoint.save(dmodel, opt, dir), "
+                        "or the model itself")
+
+    def __deepcopy__(self, memo: dict):
+        # as copy.deepcopy does by default (pickle's __reduce_ex__, refused above, made it)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def __setattr__(self, name: str, value) -> None:
         # hap's own attribute (plan, graph) named as one of the model's modules or parameters
