@@ -427,6 +427,15 @@ def changed_original(rank, world):
         dmodel(*batches[0])
     except ValueError as e:
         refused.append(str(e))
+    model.fc2.bias.data = model.fc2.bias.detach().clone()  # new storage holding hap's values: no change
+    dmodel(*batches[0])
+    for change in (lambda: setattr(model.fc2.weight, "data", model.fc2.weight.detach() * 2),  # no version bump
+                   lambda: model.load_state_dict({"fc2.bias": model.fc2.bias.detach() + 1}, strict=False, assign=True)):
+        change()  # (each unseen before: hap trained on with its copies, silently)
+        try:
+            dmodel(*batches[0])
+        except ValueError as e:
+            refused.append(str(e))
     return {"losses": losses, "refused": refused, "walked": walked, "followed": followed}
 
 
@@ -449,7 +458,10 @@ def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
                                      "unlike the training graph hap captured: set modules' modes before wrapping "
                                      "(dmodel.train() and dmodel.eval() switch the whole model)")
         assert got["walked"] and got["followed"]
-        assert len(got["refused"]) == 3
+        assert len(got["refused"]) == 5
+        # new storage (p.data = x) and a new parameter (load_state_dict(assign=True)): every rank holds some of it
+        assert got["refused"][3].startswith("fc2.weight of the model hap wrapped was changed after wrapping")
+        assert got["refused"][4].startswith("fc2.bias of the model hap wrapped was changed after wrapping")
     # fc1 is split by rows under Megatron at 60/40: its first row is rank 0's, and rank 1 hears of it
     first, second = (got["refused"][2] for got in reports)
     assert first.startswith("fc1.weight of the model hap wrapped was changed after wrapping")

@@ -953,14 +953,16 @@ class WrappedWatch:
         for m, mode in zip(model.modules(), modes):
             m.training = mode
         self.seen = modes
-        self.versions = versions([t for _, t, _ in copies])
+        self.versions = _looks(copies)
+        self.params = _param_ids(model)
+        self.shapes = {name: t.shape for name, t, _ in copies}
 
     def __deepcopy__(self, memo: dict) -> "WrappedWatch":
         """A copy of the wrapper (copy.deepcopy(dmodel): an EMA of it, AveragedModel) watches its
         copy of the model from the copy's own version counters, which start afresh."""
         new = copy.copy(self)
         new.model, new.copies = copy.deepcopy(self.model, memo), copy.deepcopy(self.copies, memo)
-        new.versions = versions([t for _, t, _ in new.copies])
+        new.versions, new.params = _looks(new.copies), _param_ids(new.model)
         return new
 
     def set(self, training: bool) -> None:
@@ -992,24 +994,43 @@ class WrappedWatch:
 
     def changed_values(self) -> str | None:
         """Why the model was changed since the last look (None: it was not): a parameter written
-        in place to a value the wrapper's copy of this rank's part does not hold (load_state_dict,
-        an initialization), which the wrapper, training its copies, would ignore. Loading the
+        in place (load_state_dict, an initialization), given new storage (`p.data = x`) or
+        replaced (load_state_dict(assign=True)) with a value the wrapper's copy of this rank's
+        part does not hold, which the wrapper, training its copies, would ignore. Loading the
         wrapper's own values back (full_state_dict, to evaluate the model) is no change. Said on
-        every rank by the step's sum (sum_step): a rank may hold none of the rows written."""
-        now = versions([t for _, t, _ in self.copies])
+        every rank by the step's sum (sum_step): a rank may hold none of the rows written. (A
+        write through `.data` in place, `p.data.copy_(x)`, leaves no trace to see.)"""
+        params = _param_ids(self.model)
+        if params != self.params:  # a parameter object replaced: watch the model's own now
+            state = model_state(self.model)
+            self.copies = [(name, state.get(name, original), held) for name, original, held in self.copies]
+            self.params = params
+        now = _looks(self.copies)
         if now == self.versions:
             return None
         found = None
         for (name, original, held), a, b in zip(self.copies, now, self.versions):
             if a != b and found is None:
-                part, mine = held(original.detach())
-                if not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
+                part, mine = held(original.detach()) if original.shape == self.shapes[name] else (None, None)
+                if part is None or not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
                     found = (f"{name} of the model hap wrapped was changed after wrapping (load_state_dict, an "
-                             "initialization, an in-place write), which hap, training copies of the parameters, "
-                             "would ignore: change the model before wrapping it, or load it into hap's copies: "
-                             "dmodel.load_state_dict(model.state_dict())")
+                             "initialization, a write to it or its .data), which hap, training copies of the "
+                             "parameters, would ignore: change the model before wrapping it, or load it into "
+                             "hap's copies: dmodel.load_state_dict(model.state_dict())")
         self.versions = now
         return found
+
+
+def _looks(copies: list[tuple[str, torch.Tensor, Callable]]) -> tuple:
+    """What changes when a watched tensor is written: its version counter (in place) and its
+    storage (`p.data = x`), and which tensor it is."""
+    tensors = [t for _, t, _ in copies]
+    return tuple(zip(versions(tensors), (t.data_ptr() for t in tensors), map(id, tensors)))
+
+
+def _param_ids(model: nn.Module) -> tuple[int, ...]:
+    """Which tensors the model's parameters are (a walk as cheap as _modes')."""
+    return tuple(id(p) for m in model.modules() for p in m._parameters.values())
 
 
 def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
