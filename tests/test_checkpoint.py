@@ -853,6 +853,12 @@ def whose_optimizer_state(rank, world, directory):
             refused[label] = None
         except ValueError as e:
             refused[label] = str(e)
+        if label == "rank 0":  # moved by a reshard as if it were this rank's: refused on every rank
+            try:
+                dmodel.reshard([0.6, 0.4], [opt])
+                refused["reshard"] = None
+            except ValueError as e:
+                refused["reshard"] = str(e)
     opt.load_state_dict(torch.load(os.path.join(directory, f"opt{rank}.pt")))
     for step in range(2, 4):
         dmodel(*batch(step)).backward()
@@ -867,10 +873,12 @@ def test_an_optimizer_state_dict_of_another_rank_or_one_device_is_refused(tmp_pa
     with rank 0's momentum, silently. One device's whole state failed inside torch's step."""
     got = run_ranks(whose_optimizer_state, 2, tmp_path, str(tmp_path))
     assert got[0]["refused"]["rank 0"] is None
-    assert got[1]["refused"]["rank 0"].startswith(
-        "SGD's state was saved on rank 0 of 2, 4 sharded parameters of 312 elements; this is rank 1 of 2, 4 sharded "
-        "parameters of 312 elements: each rank holds its own rows")
+    # (one layout: the same digest of the shards' shapes)
+    assert re.match(r"SGD's state was saved on rank 0 of 2, 4 sharded parameters of 312 elements \(layout (\w{8})\); "
+                    r"this is rank 1 of 2, 4 sharded parameters of 312 elements \(layout \1\): the state of sharded "
+                    "parameters is each rank's own rows", got[1]["refused"]["rank 0"])
     for r in got:
+        assert r["refused"]["reshard"] == got[1]["refused"]["rank 0"]
         assert re.match(r"SGD's state 'momentum_buffer' of \S+ is \(\d+, \d+\), this rank's shard \(\d+, \d+\): state "
                         "saved by one device", r["refused"]["one device"])
     assert_state_like_reference(got[0], 4, "sgd")  # each rank's own state round trips

@@ -417,6 +417,12 @@ def changed_original(rank, world):
     except ValueError as e:
         refused.append(str(e))
     model.bn.train()
+    dict(dmodel.named_modules())["bn"].eval()  # frozen through dmodel's module tree: its statistics moved on
+    try:
+        dmodel(*batches[0])
+    except ValueError as e:
+        refused.append(str(e))
+    dict(dmodel.named_modules())["bn"].train()
     dmodel.eval()  # hap's mode, and the wrapped model's with it (as DDP's module)
     model.train()  # on the wrapped model: followed
     dmodel(*batches[0])
@@ -458,12 +464,13 @@ def test_changes_to_the_wrapped_model_are_followed_or_refused(tmp_path):
                                      "unlike the training graph hap captured: set modules' modes before wrapping "
                                      "(dmodel.train() and dmodel.eval() switch the whole model)")
         assert got["walked"] and got["followed"]
-        assert len(got["refused"]) == 5
+        assert got["refused"][2].startswith("module 'bn' inside HAP was put in eval mode, unlike the training graph")
+        assert len(got["refused"]) == 6
         # new storage (p.data = x) and a new parameter (load_state_dict(assign=True)): every rank holds some of it
-        assert got["refused"][3].startswith("fc2.weight of the model hap wrapped was changed after wrapping")
-        assert got["refused"][4].startswith("fc2.bias of the model hap wrapped was changed after wrapping")
+        assert got["refused"][4].startswith("fc2.weight of the model hap wrapped was changed after wrapping")
+        assert got["refused"][5].startswith("fc2.bias of the model hap wrapped was changed after wrapping")
     # fc1 is split by rows under Megatron at 60/40: its first row is rank 0's, and rank 1 hears of it
-    first, second = (got["refused"][2] for got in reports)
+    first, second = (got["refused"][3] for got in reports)
     assert first.startswith("fc1.weight of the model hap wrapped was changed after wrapping")
     assert second.startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
 
@@ -654,6 +661,12 @@ def optimizer_over_the_model(rank, world):
     dmodel(*batches[0]).backward()
     names = [n for n, _ in dmodel.named_parameters()]
     children = [(n, type(m).__name__) for n, m in dmodel.named_children()]  # the model's modules, holding shards
+    shown = repr(dmodel)  # each module's own settings (a shell's extra_repr read a buffer or parameter it lacks)
+    try:
+        dict(dmodel.named_children())["bn"].running_mean  # swa_utils.update_bn's reach: hap keeps the buffers
+        buffer = None
+    except AttributeError as e:
+        buffer = str(e)
     try:
         dict(dmodel.named_children())["fc1"](batches[0][0])
         ran = "ran"
@@ -666,7 +679,7 @@ def optimizer_over_the_model(rank, world):
             habits.append(None)
         except (TypeError, ValueError) as e:
             habits.append(str(e))
-    out = {"names": names, "children": children, "ran": ran, "habits": habits}
+    out = {"names": names, "children": children, "ran": ran, "habits": habits, "shown": shown, "buffer": buffer}
     try:
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         return {**out, "refused": None}
@@ -685,7 +698,9 @@ def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
         assert got["names"] == [n for n, _ in model.named_parameters()]
         assert got["children"] == [[n, type(m).__name__] for n, m in model.named_children()]
         assert got["ran"].startswith("this Linear inside hap's wrapper only holds this rank's parameters")
-        assert got["habits"][0].startswith("torch.save (pickle) of a HAP would take its process groups along")
+        assert got["habits"][0].startswith("pickling (torch.save) or copy.copy of a HAP would take its process groups")
+        assert "(bn): BatchNorm1d(24, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)" in got["shown"]
+        assert got["buffer"].startswith("BatchNorm1d inside hap's wrapper holds no buffer 'running_mean'")
         assert got["habits"][1].startswith("HAP of a model captured in torch.float32 on cpu cannot move to torch.float16")
 
 

@@ -26,6 +26,30 @@ class MirrorsModel(nn.Module):
         for name, child in model._modules.items():
             if child is not None:
                 self._modules[name] = _shell(child, held, memo)
+        self.mirror_modes(model)
+
+    def mirror_modes(self, model: nn.Module) -> None:
+        """Every shell in the mode of its module of `model` (after hap set the model's modes)."""
+        for shell, module in zip(list(self.modules())[1:], list(model.modules())[1:]):
+            shell.training = module.training
+        self._shell_modes = module_modes(self)
+
+    def train(self, mode: bool = True):
+        """This wrapper's mode; its shells keep the modes of the model's modules."""
+        nn.Module.train(self, mode)
+        self.mirror_modes(self.model)
+        return self
+
+    def shell_mode_changed(self) -> str | None:
+        """Why a shell's mode was set since mirror_modes (a BatchNorm frozen through
+        dmodel.modules(), say: its statistics moved on, silently), or None."""
+        now = module_modes(self)
+        if now == self.__dict__.get("_shell_modes", now):
+            return None
+        name, m = next((n, m) for (n, m), was in zip(self.named_modules(), self._shell_modes) if m.training != was)
+        return (f"module {name or type(self).__name__!r} inside {type(self).__name__} was put in "
+                f"{'training' if m.training else 'eval'} mode, unlike the training graph hap captured: set modules' "
+                "modes on the model before wrapping it (dmodel.train() and dmodel.eval() switch the whole model)")
 
     def _apply(self, fn, recurse: bool = True):
         """Refused where it would change a parameter's dtype or device (.half(), .to(device)):
@@ -41,15 +65,16 @@ class MirrorsModel(nn.Module):
         return super()._apply(fn, recurse)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(f"torch.save (pickle) of a {type(self).__name__} would take its process groups along: save "
-                        "dmodel.full_state_dict() (every rank calls it), hap.runtime.checkpoint.save(dmodel, opt, dir), "
-                        "or the model itself")
+        raise TypeError(f"pickling (torch.save) or copy.copy of a {type(self).__name__} would take its process groups "
+                        "along: save dmodel.full_state_dict() (every rank calls it), hap.runtime.checkpoint.save(dmodel, "
+                        "opt, dir), or the model itself; copy.deepcopy(dmodel) makes a copy")
 
     def __deepcopy__(self, memo: dict):
-        # as copy.deepcopy does by default (pickle's __reduce_ex__, refused above, made it)
+        # as copy.deepcopy does by default (through pickle's __reduce_ex__, refused above):
+        # torch's __getstate__ leaves out what ties a module to itself (torch.compile's call)
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
     def __setattr__(self, name: str, value) -> None:
@@ -63,30 +88,73 @@ class MirrorsModel(nn.Module):
             super().__setattr__(name, value)
 
 
+def module_modes(module: nn.Module) -> tuple[bool, ...]:
+    """Each module's training flag, in modules() order."""
+    return tuple(m.training for m in module.modules())
+
+
 def _held_parameters(module: nn.Module, held: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
     # None where the model has None (Linear(bias=False)) or hap holds none (another stage's)
     return {name: None if p is None else held.get(id(p)) for name, p in module._parameters.items()}
 
 
+class _Shell:
+    """Mixed into a shell's class (a subclass of its module's, made once per class)."""
+
+    def forward(self, *args, **kwargs):
+        raise ValueError(f"this {type(self).__name__} inside hap's wrapper only holds this rank's parameters (a shard, "
+                         "a stage's) under the model's names: call the wrapper (dmodel(*batch)), which runs the model")
+
+    def extra_repr(self) -> str:
+        return self._hap_repr  # the module's own, taken whole (its own may read what a shell lacks)
+
+    def __getattr__(self, name: str):
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name in self.__dict__.get("_hap_buffers", ()):
+                raise AttributeError(f"{type(self).__name__} inside hap's wrapper holds no buffer {name!r}: hap keeps "
+                                     "the model's buffers (BatchNorm's running statistics) itself; "
+                                     "dmodel.full_state_dict() has them") from None
+            raise
+
+
+_SHELL_CLASSES: dict[type, type] = {}
+
+
+def _shell_class(cls: type) -> type:
+    """cls with _Shell's methods first: isinstance(shell, cls) holds, its name is cls's."""
+    if cls not in _SHELL_CLASSES:
+        _SHELL_CLASSES[cls] = type(cls.__name__, (_Shell, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _SHELL_CLASSES[cls]
+
+
 def _shell(module: nn.Module, held: dict[int, torch.Tensor], memo: dict[int, nn.Module]) -> nn.Module:
     """An instance of module's class with its settings, held parameters and children's shells
-    (a module met twice, one shell), but no buffers, no hooks, and a forward that refuses."""
+    (a module met twice, one shell), but no buffers, no hooks, and a forward that refuses. A
+    class that cannot be made so (torch.compile's wrapper, whose attributes are its module's) is
+    a plain module's."""
     if id(module) in memo:
         return memo[id(module)]
-    cls = type(module)
-    shell = cls.__new__(cls)
-    nn.Module.__init__(shell)  # its own parameter, buffer, child and hook tables
-    for key, value in vars(module).items():
-        shell.__dict__.setdefault(key, value)  # settings: repr() and isinstance checks read them
-    shell.training = module.training
+    try:
+        shell = _bare(_shell_class(type(module)))
+        for key, value in vars(module).items():
+            shell.__dict__.setdefault(key, value)  # settings: isinstance checks and libraries read them
+    except Exception:  # (RecursionError: an attribute lookup that needs what __init__ sets)
+        shell = _bare(_shell_class(nn.Module))
+    try:
+        shell.__dict__["_hap_repr"] = module.extra_repr()
+    except Exception:
+        shell.__dict__["_hap_repr"] = ""
+    shell.__dict__["_hap_buffers"] = frozenset(module._buffers)
     memo[id(module)] = shell
     shell._parameters.update(_held_parameters(module, held))
     for name, child in module._modules.items():
         shell._modules[name] = None if child is None else _shell(child, held, memo)
-    shell.register_forward_pre_hook(_runs_nothing)
     return shell
 
 
-def _runs_nothing(module: nn.Module, args) -> None:
-    raise ValueError(f"this {type(module).__name__} inside hap's wrapper only holds this rank's parameters (a shard, "
-                     "a stage's) under the model's names: call the wrapper (dmodel(*batch)), which runs the model")
+def _bare(cls: type) -> nn.Module:
+    shell = cls.__new__(cls)
+    nn.Module.__init__(shell)  # its own parameter, buffer, child and hook tables
+    return shell

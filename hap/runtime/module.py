@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 import weakref
+import zlib
 from typing import Callable, Sequence
 
 import torch
@@ -46,7 +47,7 @@ from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state, per_element
 from .gradsync import GradSync, Groups
 from .launch import collective_timeout
-from .mirror import MirrorsModel
+from .mirror import MirrorsModel, module_modes
 
 log = logging.getLogger("hap")
 
@@ -173,9 +174,13 @@ class HAP(MirrorsModel):
         """model.train() or model.eval() on the model hap.HAP wrapped, since the last forward, is
         followed, as DDP's wrapped module is (dmodel.train() and dmodel.eval() switch it too);
         a module's own mode changed is a ValueError. Returns WrappedWatch.changed_values()."""
+        shell_changed = self.shell_mode_changed()
+        if shell_changed is not None:
+            raise ValueError(shell_changed)
         mode = self._wrapped.switched()
         if mode is not None:
             nn.Module.train(self, mode)
+            self.mirror_modes(self.model)
         return self._wrapped.changed_values()
 
     def apply(self, fn):
@@ -187,9 +192,10 @@ class HAP(MirrorsModel):
 
     def train(self, mode: bool = True) -> "HAP":
         """Training or eval mode, and the model hap.HAP wrapped with it (WrappedWatch.set)."""
-        super().train(mode)
+        nn.Module.train(self, mode)
         if "_wrapped" in self.__dict__:
             self._wrapped.set(mode)
+        self.mirror_modes(self.model)
         return self
 
     def _as_returned(self, loss: torch.Tensor):
@@ -372,7 +378,9 @@ class HAP(MirrorsModel):
         the same ratios, after zero_grad(set_to_none=True). Returns the bytes this rank sent
         and received."""
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        gather_or_refuse(None, _optimizer_left_behind(self.shards.values(), optimizers), self.comm)
+        refused = _optimizer_left_behind(self.shards.values(), optimizers)
+        refused = refused or next((why for why in map(whose_state, optimizers) if why is not None), None)
+        gather_or_refuse(None, refused, self.comm)  # (a state not this rank's would move as if it were)
         # The last step's graph, alive while the caller holds its loss, keeps each parameter's
         # gradient accumulator with the old shape, which the next backward would meet: let it go
         # (the loss keeps its value; a graph already backpropagated is of no further use).
@@ -383,7 +391,7 @@ class HAP(MirrorsModel):
         self._losses = []
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
-        for opt in optimizers:  # their state is this rank's at the new sizes
+        for opt in optimizers:  # their state is this rank's at the new layout
             stamp_state(opt)
         self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
@@ -640,8 +648,10 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
 
 SHARDS_STAMP = "hap_shards"
 """A parameter group's entry (in opt.state_dict() too) naming whose shards its optimizer state
-holds: `rank 1 of 2, 3 sharded parameters of 4608 elements`. Set at every step; not a hyper-parameter."""
-_STAMPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[str | None]]" = weakref.WeakKeyDictionary()
+holds: `rank 1 of 2, 4 sharded parameters of 312 elements (layout 5d1e0c2a)`, the layout a
+digest of their shapes. Set at every step; not a hyper-parameter."""
+_STAMPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list[str | None]]]" = weakref.WeakKeyDictionary()
+_reshards = 0  # reshards so far in this process: a cached stamp of an earlier layout is stale
 
 
 def group_settings(group: dict) -> dict:
@@ -651,49 +661,61 @@ def group_settings(group: dict) -> dict:
 
 def _own_stamps(opt: torch.optim.Optimizer) -> list[str | None]:
     """Per parameter group, SHARDS_STAMP as this rank holds its sharded parameters (None: none)."""
-    stamps = _STAMPS.get(opt)
-    if stamps is None or len(stamps) != len(opt.param_groups):
+    epoch, stamps = _STAMPS.get(opt, (-1, []))
+    if epoch != _reshards or len(stamps) != len(opt.param_groups):
         stamps = []
         for group in opt.param_groups:
             sharded = [p for p in group["params"] if _watched(p)]
             comm = _SHARDED[id(sharded[0])][2] if sharded else None
+            layout = zlib.crc32(repr([tuple(p.shape) for p in sharded]).encode())
             stamps.append(None if comm is None else f"rank {comm.rank} of {comm.world}, {len(sharded)} sharded "
-                          f"parameters of {sum(p.numel() for p in sharded)} elements")
-        _STAMPS[opt] = stamps
+                          f"parameters of {sum(p.numel() for p in sharded)} elements (layout {layout:08x})")
+        _STAMPS[opt] = (_reshards, stamps)
     return stamps
 
 
-def stamp_state(opt: torch.optim.Optimizer) -> None:
-    """Mark the optimizer's state as this rank's, at its parameters' present sizes."""
-    _STAMPS.pop(opt, None)
-    for group, own in zip(opt.param_groups, _own_stamps(opt)):
-        if own is not None:
-            group[SHARDS_STAMP] = own
-
-
-def _check_whose_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before every step: a ValueError where the state of the optimizer's sharded parameters was
-    loaded from another rank's, or another layout's, opt.state_dict() (rank 0's saved and
-    loaded on every rank: at equal shard sizes the other ranks stepped with rank 0's rows,
-    silently). State without a stamp (a fresh optimizer; hap's checkpoint, which loads each
-    rank's rows) is checked for its parameters' shapes, then stamped."""
+def whose_state(opt: torch.optim.Optimizer) -> str | None:
+    """Why the state of the optimizer's sharded parameters is not this rank's at their present
+    layout, or None (then it is stamped so): loaded from another rank's opt.state_dict() (rank
+    0's, saved and loaded on every rank: at equal shard sizes the other ranks stepped with rank
+    0's rows, silently), another layout's, or one device's. State without a stamp (a fresh
+    optimizer's; hap's checkpoint, which loads each rank's own rows) is checked for its
+    parameters' shapes."""
     for group, own in zip(opt.param_groups, _own_stamps(opt)):
         stamp = group.get(SHARDS_STAMP)
         if stamp == own or own is None:
             continue
         held = [(p, opt.state[p]) for p in group["params"] if _watched(p) and opt.state.get(p)]
         if stamp is not None and held:
-            raise ValueError(f"{type(opt).__name__}'s state was saved on {stamp}; this is {own}: each rank holds its "
-                             "own rows of the sharded parameters (rank 0's opt.state_dict() loaded everywhere gives "
-                             "every rank rank 0's); save and load each rank's own, or use hap.runtime.checkpoint")
+            return (f"{type(opt).__name__}'s state was saved on {stamp}; this is {own}: the state of sharded "
+                    "parameters is each rank's own rows at one layout (another rank's, say rank 0's loaded on every "
+                    "rank, steps with the wrong rows); save and load each rank's own, or use hap.runtime.checkpoint")
         for p, state in held:
             bad = next((k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 1
                         and v.shape != p.shape), None)
             if bad is not None:
-                raise ValueError(f"{type(opt).__name__}'s state {bad!r} of {_watched(p)} is {tuple(state[bad].shape)}, "
-                                 f"this rank's shard {tuple(p.shape)}: state saved by one device, another rank or "
-                                 "another layout; load it with hap.runtime.checkpoint (any plan, any ranks)")
+                return (f"{type(opt).__name__}'s state {bad!r} of {_watched(p)} is {tuple(state[bad].shape)}, this "
+                        f"rank's shard {tuple(p.shape)}: state saved by one device, another rank or another layout; "
+                        "load it with hap.runtime.checkpoint (any plan, any ranks)")
         group[SHARDS_STAMP] = own
+    return None
+
+
+def _check_whose_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before every step: whose_state's refusal, on this rank."""
+    refused = whose_state(opt)
+    if refused is not None:
+        raise ValueError(refused)
+
+
+def stamp_state(opt: torch.optim.Optimizer) -> None:
+    """Mark the optimizer's state as this rank's at its parameters' present layout (after a
+    reshard moved it there; whose_state refused another's before)."""
+    global _reshards
+    _reshards += 1
+    for group, own in zip(opt.param_groups, _own_stamps(opt)):
+        if own is not None:
+            group[SHARDS_STAMP] = own
 
 
 def _optimizer_left_behind(params, passed: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -947,9 +969,9 @@ class WrappedWatch:
         self.model, self.copies = model, copies
         # the modes the training graph was captured with: model.train()'s, as capture makes
         # them (an override of train() may keep a BatchNorm frozen)
-        modes = _modes(model)
+        modes = module_modes(model)
         model.train(True)
-        self.train_modes = _modes(model)
+        self.train_modes = module_modes(model)
         for m, mode in zip(model.modules(), modes):
             m.training = mode
         self.seen = modes
@@ -970,13 +992,13 @@ class WrappedWatch:
         modes its training graph was captured with, or all in eval mode."""
         for m, mode in zip(self.model.modules(), self.train_modes if training else (False,) * len(self.train_modes)):
             m.training = mode
-        self.seen = _modes(self.model)
+        self.seen = module_modes(self.model)
 
     def switched(self) -> bool | None:
         """The mode model.train() or model.eval() put the model in since the last look (None: no
         change). A module's own mode changed is a ValueError: the training graph was captured
         with the modes at wrapping."""
-        modes = _modes(self.model)
+        modes = module_modes(self.model)
         if modes == self.seen:
             return None
         if len(modes) != len(self.train_modes):
@@ -1036,11 +1058,6 @@ def _param_ids(model: nn.Module) -> tuple[int, ...]:
 def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's part of parameter `name`'s whole value, the executor's copy of it)."""
     return ex.stored_part(name, whole), ex.params[name]
-
-
-def _modes(model: nn.Module) -> tuple[bool, ...]:
-    """Every module's training flag, in model.modules() order."""
-    return tuple(m.training for m in model.modules())
 
 
 def _shapes_of(graph) -> tuple:
