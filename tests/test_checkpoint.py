@@ -845,6 +845,13 @@ def whose_optimizer_state(rank, world, directory):
             o.zero_grad()
     torch.save(opt.state_dict(), os.path.join(directory, f"opt{rank}.pt"))
     torch.distributed.barrier()
+    try:  # DDP's habit, torch.save(model.state_dict()): the model hap wrapped is not what trained
+        dmodel.model.state_dict()
+        stale = None
+    except ValueError as e:
+        stale = str(e)
+    dmodel.model.load_state_dict(dmodel.full_state_dict())  # hap's values loaded into it: saved as they are
+    loaded = {k: v.tolist() for k, v in dmodel.model.state_dict().items()}
     refused = {}
     for label, saved in (("rank 0", torch.load(os.path.join(directory, "opt0.pt"))), ("one device", one_opt.state_dict())):
         opt.load_state_dict(saved)
@@ -864,13 +871,14 @@ def whose_optimizer_state(rank, world, directory):
         dmodel(*batch(step)).backward()
         opt.step()
         opt.zero_grad()
-    return {"refused": refused, **whole(dmodel, opt)}
+    return {"refused": refused, "stale": stale, "loaded": loaded, **whole(dmodel, opt)}
 
 
 def test_an_optimizer_state_dict_of_another_rank_or_one_device_is_refused(tmp_path):
     """DDP's habit: rank 0 saves opt.state_dict() and every rank loads it. Where hap shards
     parameters, each rank's state holds its own rows; at equal shard sizes rank 1 stepped on
-    with rank 0's momentum, silently. One device's whole state failed inside torch's step."""
+    with rank 0's momentum, silently. One device's whole state failed inside torch's step.
+    And torch.save(model.state_dict()) of the model hap wrapped saved its untrained values."""
     got = run_ranks(whose_optimizer_state, 2, tmp_path, str(tmp_path))
     assert got[0]["refused"]["rank 0"] is None
     # (one layout: the same digest of the shards' shapes)
@@ -878,6 +886,10 @@ def test_an_optimizer_state_dict_of_another_rank_or_one_device_is_refused(tmp_pa
                     r"this is rank 1 of 2, 4 sharded parameters of 312 elements \(layout \1\): the state of sharded "
                     "parameters is each rank's own rows", got[1]["refused"]["rank 0"])
     for r in got:
+        assert re.match(r"model.state_dict\(\) of the model hap wrapped holds its values from before training "
+                        r"\(\S+ differs from hap's\): hap trains copies of the parameters", r["stale"])
+        for key, want in reference(2, "sgd")[0].items():  # one device's after the 2 steps
+            assert torch.allclose(torch.tensor(r["loaded"][key], dtype=want.dtype), want, rtol=1e-4, atol=1e-5), key
         assert r["refused"]["reshard"] == got[1]["refused"]["rank 0"]
         assert re.match(r"SGD's state 'momentum_buffer' of \S+ is \(\d+, \d+\), this rank's shard \(\d+, \d+\): state "
                         "saved by one device", r["refused"]["one device"])

@@ -43,7 +43,7 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, held_by_original, rank_comm,
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, held_by_original, rank_comm, wrapped_state,
                               spread_gradients, state_keys, sum_step, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
@@ -564,7 +564,7 @@ class Pipeline(MirrorsModel):
             mine = {n: p.detach().clone() for n, p in self.params.items()}
             mine.update({n: self._constants[n].clone() for n in self._kept_buffers})
         whole = {n: v for part in every_rank(mine, self.comm) for n, v in part.items()}
-        original = self.model.state_dict()
+        original = wrapped_state(self.model)
         return {key: whole[name] if name in whole else original[key].detach().clone()
                 for key, name in self._state_keys.items()}
 

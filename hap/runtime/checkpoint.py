@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .._torch import ShardedTensor, quiet_sharded_tensors, sharded_tensor
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
-from .module import group_settings
+from .module import group_settings, wrapped_state
 
 POINTER = "latest"
 CHECKSUMS = "checksums.json"
@@ -75,7 +75,7 @@ def idle_state(dmodel) -> dict[str, torch.Tensor]:
     nothing, kept whole in the model hap wrapped (rank 0's values on every rank: sync_idle), and
     saved and loaded with the rest, so a resume keeps what load_state_dict put there. Not on
     the meta device (a model too large for one device: never materialized)."""
-    original = dmodel.model.state_dict()
+    original = wrapped_state(dmodel.model)
     return {key: original[key] for key in idle_shapes(dmodel.graph) if key in original and not original[key].is_meta}
 
 
@@ -135,7 +135,7 @@ def load_state_dict(dmodel, state: dict[str, Any], strict: bool = True) -> Loade
         raise ValueError(f"the state dict has no {missing[0]!r}, which the model needs")
     # what the forward never reads (a head the loss does not use) stays in the model hap wrapped,
     # whole, where full_state_dict reads it
-    original = dmodel.model.state_dict()
+    original = wrapped_state(dmodel.model)
     idle = {key: value for key, value in state.items()
             if key in original and key not in leaf_of and dmodel._state_keys.get(key) not in parts}
     for key, value in idle.items():

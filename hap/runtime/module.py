@@ -472,7 +472,7 @@ class HAP(MirrorsModel):
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (a tied
         parameter under each of its names): it loads into the original model, which then
         evaluates as the distributed one. A collective: all ranks call it; every rank gets it."""
-        ex, out, whole, original = self.executor, {}, {}, self.model.state_dict()
+        ex, out, whole, original = self.executor, {}, {}, wrapped_state(self.model)
         for key, name in self._state_keys.items():
             if name is None or name not in ex.stored:  # not used by the forward: never trained, as on one device
                 out[key] = original[key].detach().clone()
@@ -978,6 +978,8 @@ class WrappedWatch:
         self.versions = _looks(copies)
         self.params = _param_ids(model)
         self.shapes = {name: t.shape for name, t, _ in copies}
+        _WATCHES[model] = self
+        model.register_state_dict_post_hook(_stale_state_dict)
 
     def __deepcopy__(self, memo: dict) -> "WrappedWatch":
         """A copy of the wrapper (copy.deepcopy(dmodel): an EMA of it, AveragedModel) watches its
@@ -985,6 +987,7 @@ class WrappedWatch:
         new = copy.copy(self)
         new.model, new.copies = copy.deepcopy(self.model, memo), copy.deepcopy(self.copies, memo)
         new.versions, new.params = _looks(new.copies), _param_ids(new.model)
+        _WATCHES[new.model] = new  # (its copy of the model keeps the state-dict hook)
         return new
 
     def set(self, training: bool) -> None:
@@ -1041,6 +1044,46 @@ class WrappedWatch:
                              "hap's copies: dmodel.load_state_dict(model.state_dict())")
         self.versions = now
         return found
+
+
+    def trained_since(self) -> str | None:
+        """The first parameter whose value on the model differs from the wrapper's copy of this
+        rank's part (the wrapper trained it since wrapping), or None; "(meta)" for a model on
+        the meta device, which holds no values at all."""
+        if any(p.is_meta for p in self.model.parameters()):
+            return "(meta)"
+        for name, original, held in self.copies:
+            if original.shape != self.shapes[name]:
+                continue  # (refused at the next forward: changed_values)
+            part, mine = held(original.detach())
+            if not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
+                return name
+        return None
+
+
+_WATCHES: "weakref.WeakKeyDictionary[nn.Module, WrappedWatch]" = weakref.WeakKeyDictionary()
+
+
+def wrapped_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() of a wrapped model, as hap reads it (no stale-state check)."""
+    return {key: v.detach() for key, v in model.state_dict(keep_vars=True).items()}
+
+
+def _stale_state_dict(model: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    """model.state_dict() (keep_vars=False: to save it) of a model hap.HAP or hap.Pipeline
+    wraps, once the wrapper has trained: a ValueError. DDP trains its module in place, so
+    `torch.save(model.state_dict(), ...)` after training saved it; hap trains copies, and it
+    saved the values from before training, silently."""
+    watch = _WATCHES.get(model)
+    if watch is None or any(isinstance(v, nn.Parameter) for v in state.values()):
+        return  # (keep_vars=True: a walk of the model, torch.export's)
+    name = watch.trained_since()
+    if name is not None:
+        what = "is on the meta device (hap materialized only its shards)" if name == "(meta)" else \
+            f"holds its values from before training ({name} differs from hap's)"
+        raise ValueError(f"model.state_dict() of the model hap wrapped {what}: hap trains copies of the parameters; "
+                         "save dmodel.full_state_dict() (every rank calls it; pipe.full_state_dict() alike), or load "
+                         "it into the model first: model.load_state_dict(dmodel.full_state_dict())")
 
 
 def _looks(copies: list[tuple[str, torch.Tensor, Callable]]) -> tuple:
