@@ -978,7 +978,7 @@ class WrappedWatch:
         self.versions = _looks(copies)
         self.params = _param_ids(model)
         self.shapes = {name: t.shape for name, t, _ in copies}
-        _WATCHES[model] = self
+        _WATCHES[model] = weakref.ref(self)  # (weakly: a watch holds the model, and the wrapper's shards)
         model.register_state_dict_post_hook(_stale_state_dict)
 
     def __deepcopy__(self, memo: dict) -> "WrappedWatch":
@@ -987,7 +987,7 @@ class WrappedWatch:
         new = copy.copy(self)
         new.model, new.copies = copy.deepcopy(self.model, memo), copy.deepcopy(self.copies, memo)
         new.versions, new.params = _looks(new.copies), _param_ids(new.model)
-        _WATCHES[new.model] = new  # (its copy of the model keeps the state-dict hook)
+        _WATCHES[new.model] = weakref.ref(new)  # (its copy of the model keeps the state-dict hook)
         return new
 
     def set(self, training: bool) -> None:
@@ -1061,7 +1061,8 @@ class WrappedWatch:
         return None
 
 
-_WATCHES: "weakref.WeakKeyDictionary[nn.Module, WrappedWatch]" = weakref.WeakKeyDictionary()
+_WATCHES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+"""Each wrapped model's watch, while its wrapper lives."""
 
 
 def wrapped_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -1074,7 +1075,7 @@ def _stale_state_dict(model: nn.Module, state: dict, prefix: str, local_metadata
     wraps, once the wrapper has trained: a ValueError. DDP trains its module in place, so
     `torch.save(model.state_dict(), ...)` after training saved it; hap trains copies, and it
     saved the values from before training, silently."""
-    watch = _WATCHES.get(model)
+    watch = _WATCHES[model]() if model in _WATCHES else None
     if watch is None or any(isinstance(v, nn.Parameter) for v in state.values()):
         return  # (keep_vars=True: a walk of the model, torch.export's)
     name = watch.trained_since()
