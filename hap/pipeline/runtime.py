@@ -224,9 +224,7 @@ class Pipeline(MirrorsModel):
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()
-        shell_changed = self.shell_mode_changed()  # (one of pipe.modules() put in another mode)
-        if shell_changed is not None:
-            raise ValueError(shell_changed)
+        self.refuse_shell_mode_change()  # (one of pipe.modules() put in another mode)
         self._wrapped.switched()  # (a module's own mode changed: a ValueError)
         if not self.model.training:
             raise ValueError("model.eval() was called on the model hap.Pipeline wrapped: a pipeline runs training "

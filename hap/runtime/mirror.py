@@ -40,16 +40,17 @@ class MirrorsModel(nn.Module):
         self.mirror_modes(self.model)
         return self
 
-    def shell_mode_changed(self) -> str | None:
-        """Why a shell's mode was set since mirror_modes (a BatchNorm frozen through
-        dmodel.modules(), say: its statistics moved on, silently), or None."""
+    def refuse_shell_mode_change(self) -> None:
+        """A ValueError where a shell's mode was set since mirror_modes (a BatchNorm frozen
+        through dmodel.modules(), say: its statistics moved on, silently)."""
         now = module_modes(self)
         if now == self.__dict__.get("_shell_modes", now):
-            return None
+            return
         name, m = next((n, m) for (n, m), was in zip(self.named_modules(), self._shell_modes) if m.training != was)
-        return (f"module {name or type(self).__name__!r} inside {type(self).__name__} was put in "
-                f"{'training' if m.training else 'eval'} mode, unlike the training graph hap captured: set modules' "
-                "modes on the model before wrapping it (dmodel.train() and dmodel.eval() switch the whole model)")
+        raise ValueError(f"module {name or type(self).__name__!r} inside {type(self).__name__} was put in "
+                         f"{'training' if m.training else 'eval'} mode, unlike the training graph hap captured: set "
+                         "modules' modes on the model before wrapping it (dmodel.train() and dmodel.eval() switch "
+                         "the whole model)")
 
     def _apply(self, fn, recurse: bool = True):
         """Refused where it would change a parameter's dtype or device (.half(), .to(device)):

@@ -174,9 +174,7 @@ class HAP(MirrorsModel):
         """model.train() or model.eval() on the model hap.HAP wrapped, since the last forward, is
         followed, as DDP's wrapped module is (dmodel.train() and dmodel.eval() switch it too);
         a module's own mode changed is a ValueError. Returns WrappedWatch.changed_values()."""
-        shell_changed = self.shell_mode_changed()
-        if shell_changed is not None:
-            raise ValueError(shell_changed)
+        self.refuse_shell_mode_change()
         mode = self._wrapped.switched()
         if mode is not None:
             nn.Module.train(self, mode)
@@ -1035,16 +1033,21 @@ class WrappedWatch:
             return None
         found = None
         for (name, original, held), a, b in zip(self.copies, now, self.versions):
-            if a != b and found is None:
-                part, mine = held(original.detach()) if original.shape == self.shapes[name] else (None, None)
-                if part is None or not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
-                    found = (f"{name} of the model hap wrapped was changed after wrapping (load_state_dict, an "
-                             "initialization, a write to it or its .data), which hap, training copies of the "
-                             "parameters, would ignore: change the model before wrapping it, or load it into "
-                             "hap's copies: dmodel.load_state_dict(model.state_dict())")
+            if a != b and found is None and not self._agrees(name, original, held):
+                found = (f"{name} of the model hap wrapped was changed after wrapping (load_state_dict, an "
+                         "initialization, a write to it or its .data), which hap, training copies of the "
+                         "parameters, would ignore: change the model before wrapping it, or load it into "
+                         "hap's copies: dmodel.load_state_dict(model.state_dict())")
         self.versions = now
         return found
 
+    def _agrees(self, name: str, original: torch.Tensor, held: Callable) -> bool | None:
+        """Whether the model's tensor holds the wrapper's copy of this rank's part; None where
+        its shape is no longer the one wrapped."""
+        if original.shape != self.shapes[name]:
+            return None
+        part, mine = held(original.detach())
+        return torch.equal(part.to(mine.device, mine.dtype), mine.detach())
 
     def trained_since(self) -> str | None:
         """The first parameter whose value on the model differs from the wrapper's copy of this
@@ -1052,13 +1055,8 @@ class WrappedWatch:
         the meta device, which holds no values at all."""
         if any(p.is_meta for p in self.model.parameters()):
             return "(meta)"
-        for name, original, held in self.copies:
-            if original.shape != self.shapes[name]:
-                continue  # (refused at the next forward: changed_values)
-            part, mine = held(original.detach())
-            if not torch.equal(part.to(mine.device, mine.dtype), mine.detach()):
-                return name
-        return None
+        # (a changed shape: refused at the next forward, changed_values)
+        return next((name for name, original, held in self.copies if self._agrees(name, original, held) is False), None)
 
 
 _WATCHES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
