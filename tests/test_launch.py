@@ -5,6 +5,7 @@ times out. The healthy ranks wait in a collective meanwhile, and no process is l
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,42 @@ def test_a_finished_run_leaves_no_semaphore_behind(tmp_path):
                                   [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr
     assert "leaked semaphore" not in done.stderr
+
+
+def sleep_for_ever(rank, pid_dir):
+    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_the_ranks_end_with_the_process_that_started_them(tmp_path):
+    """Ranks are forked by multiprocessing's forkserver, which lives as long as any rank it forked
+    does: torch's signal on the parent's death never came, and a killed `hap train` left its
+    ranks (and the server) running for ever."""
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text("import sys\nfrom hap.runtime.launch import spawn\nfrom test_launch import sleep_for_ever\n"
+                      "if __name__ == '__main__':\n    spawn(sleep_for_ever, 2, args=(sys.argv[1],))\n")
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / str(r)).exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # (a pid file is written before it is complete)
+    ranks = [int((tmp_path / str(r)).read_text()) for r in range(2)]
+    launcher.kill()
+    launcher.wait()
+
+    def running(pid):  # an ended rank whose new parent has not reaped it yet is a zombie
+        try:
+            return "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 30
+    while any(map(running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, ranks))
 
 
 def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -82,11 +83,10 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, 
                          f"(gloo lets ranks share a GPU)")
     with tempfile.TemporaryDirectory(prefix="hap-ranks-") as reports:
         store = rendezvous(timeout_s)  # (served until spawn returns)
-        # torch starts the ranks (and has each die with the parent); the joining is ours: torch's
+        # start_ranks starts them (each dies with this process); the joining is ours: torch's
         # ProcessContext.join blames whichever failure it sees first (often a peer's "Connection
         # closed by peer") and gives stuck ranks 30 s after SIGTERM.
-        procs = mp.start_processes(_entry, args=(fn, world, store.port, args, timeout_s, reports, backend),
-                                   nprocs=world, join=False, start_method="spawn").processes
+        procs = start_ranks(_entry, (fn, world, store.port, args, timeout_s, reports, backend), world)
         try:
             gone = _wait(procs)
         finally:  # however we leave (a failure, Ctrl-C), no rank outlives spawn
@@ -96,6 +96,42 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, 
                 p.join()
         if gone:
             raise _failure(procs, gone, reports)
+
+
+def start_ranks(fn: Callable, args: tuple, world: int) -> list:
+    """Start `world` processes running fn(rank, *args) (not joined), forked from a server process
+    that imported hap once (multiprocessing's forkserver, which torch supports): a rank started
+    bare spent 1.5-2.5 s of CPU importing torch and hap before its first line, 4 ranks on 2
+    cores 5 s a run. The server touches no GPU. Each rank is interrupted (SIGINT) when this
+    process ends, however it ends."""
+    mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
+    return mp.start_processes(_die_with_launcher, args=(os.getpid(), fn, args), nprocs=world, join=False,
+                              start_method="forkserver").processes
+
+
+def _die_with_launcher(rank: int, launcher: int, fn: Callable, args: tuple) -> None:
+    """fn(rank, *args), interrupted when the launcher ends. torch's own death signal fires when
+    the rank's parent ends, and that is the forkserver, which outlives the launcher as long as
+    any rank it forked lives: a killed `hap train` left its ranks running for ever."""
+    def interrupt_when_gone():
+        try:
+            select.select([os.pidfd_open(launcher)], [], [])  # readable once the launcher has ended
+        except ProcessLookupError:  # ended (and reaped) before we started
+            pass
+        except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): look every second
+            while _exists(launcher):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_when_gone, daemon=True, name="hap-launcher-watch").start()
+    fn(rank, *args)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _wait(procs: list) -> set[int]:

@@ -50,16 +50,15 @@ class TrialsFailed(RuntimeError):
 
 class TrialCluster:
     def __init__(self, workload: Workload, timeout_s: float = 600.0):
-        from ..runtime.launch import rendezvous
+        from ..runtime.launch import rendezvous, start_ranks
 
         self.workload, self.timeout_s = workload, timeout_s
         self.world = len(workload.plan["devices"])
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self._store = rendezvous(timeout_s)  # served while the trial ranks run
-        self.procs = mp.start_processes(_serve, args=(self.world, self._store.port, asdict(workload), self.commands,
-                                                      self.results, timeout_s),
-                                        nprocs=self.world, join=False, start_method="spawn").processes
+        self.procs = start_ranks(_serve, (self.world, self._store.port, asdict(workload), self.commands,
+                                          self.results, timeout_s), self.world)
         self._expect("ready")
 
     def measure(self, syncs: Sequence[Sequence[SyncEntry]]) -> list[float]:
@@ -123,8 +122,9 @@ def _timed_blocks(step, steps: int, min_seconds: float, max_blocks: int = 20) ->
 
 
 def _next_command(commands, parent: int, poll_s: float = 1.0):
-    """The parent's next command; None once the parent is gone (a hap sync killed where its
-    children ignore the interrupt torch sends them: rank 0 waited on the queue for ever)."""
+    """The parent's next command; None once the process that forked us is gone (the forkserver,
+    which exits with hap sync: a hap sync killed where its children ignore the interrupt torch
+    sends them left rank 0 waiting on the queue for ever)."""
     while True:
         try:
             return commands.get(timeout=poll_s)
