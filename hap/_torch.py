@@ -133,11 +133,34 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
 
 
+class RankRows(ShardedTensor):
+    """hap's ShardedTensor: one that pickles is refused. torch.save of a rank's state dict (DDP's
+    habit, `torch.save(model.state_dict())` on rank 0) wrote that rank's rows alone, in a file
+    that loads nowhere outside a process group, and the other ranks' rows were lost."""
+
+    key = "a sharded tensor"
+    """What it is, for messages: set to the state-dict key it is made for."""
+
+    def __reduce_ex__(self, protocol):
+        whole = tuple(self.size())
+        held = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in self.local_shards()]
+        dim = next((d for d, n in enumerate(held[0][1]) if n != whole[d]), 0) if held else 0
+        mine = f"rows {held[0][0][dim]}:{held[0][0][dim] + held[0][1][dim]} of dim {dim}" if held else "none"
+        raise ValueError(f"cannot pickle this rank's part of {self.key} of shape {whole} (it holds {mine}): "
+                         "dmodel.state_dict() is each rank's part, for torch.distributed.checkpoint; save "
+                         "dmodel.full_state_dict() (every rank calls it) or use hap.runtime.checkpoint.save")
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)  # (a plain ShardedTensor)
+        copied.__class__, copied.key = type(self), self.key
+        return copied
+
+
 def sharded_tensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes: Sequence[int], rank: int,
-                   placements: Sequence[str], group) -> ShardedTensor:
-    """A ShardedTensor of whole shape `shape` whose rank r holds rows [sum(sizes[:r]), +sizes[r])
-    of dim `dim`, placed at placements[r] ("rank:<global rank>/<device>"); this rank's rows are
-    `local` (shared, not copied)."""
+                   placements: Sequence[str], group, key: str) -> ShardedTensor:
+    """A ShardedTensor (RankRows) of whole shape `shape` whose rank r holds rows [sum(sizes[:r]),
+    +sizes[r]) of dim `dim`, placed at placements[r] ("rank:<global rank>/<device>"); this rank's
+    rows are `local` (shared, not copied). `key`: what it is, for messages."""
     def shard(r):
         offsets, part = [0] * len(shape), list(shape)
         offsets[dim], part[dim] = sum(sizes[:r]), sizes[r]
@@ -148,7 +171,10 @@ def sharded_tensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes:
     meta = ShardedTensorMetadata([shard(r) for r in range(len(sizes)) if sizes[r]], torch.Size(shape), props)
     mine = [Shard(local, shard(rank))] if sizes[rank] else []
     with quiet_sharded_tensors():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=group)
+        made = ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=group)
+    made.__class__ = RankRows  # (torch builds a ShardedTensor whatever class it is called on)
+    made.key = key
+    return made
 
 
 @contextlib.contextmanager

@@ -10,7 +10,9 @@ the sharded layout, rows of each split [17, 7] (or [12, 7, 5, 0] on four ranks: 
 none). fc1 has no bias: batch norm makes its gradient zero in theory, which Adam would turn
 from rounding noise into full steps."""
 
+import copy
 import dataclasses
+import io
 import json
 import os
 import warnings
@@ -467,6 +469,11 @@ def state_dicts(rank, world, directory, first):
         out["whole equal"] = all(torch.equal(v, other.state_dict()[k]) for k, v in dmodel.full_state_dict().items())
         dcp.save(dmodel.state_dict(), checkpoint_id=directory, process_group=dmodel.comm.group)
         dmodel(*batch(1)).backward()  # the forward moves the statistics: the save holds the old ones
+        for how, sd in {"torch.save": dmodel.state_dict(), "a deep copy": copy.deepcopy(dmodel.state_dict())}.items():
+            try:  # DDP's habit on rank 0: it saved this rank's rows alone, loadable nowhere
+                torch.save(sd, io.BytesIO())
+            except ValueError as e:
+                out.setdefault("pickled", {})[how] = f"rank {rank}: {e}"
     else:
         sd = dmodel.state_dict()
         dcp.load(sd, checkpoint_id=directory, process_group=dmodel.comm.group)
@@ -488,7 +495,14 @@ def state_dicts(rank, world, directory, first):
 
 def test_state_dict_whole_and_through_dcp(tmp_path):
     directory = str(tmp_path / "dcp")
-    saved, = {json.dumps(r, sort_keys=True) for r in run_ranks(state_dicts, 2, tmp_path, directory, True)}
+    reports = run_ranks(state_dicts, 2, tmp_path, directory, True)
+    told = "dmodel.state_dict() is each rank's part, for torch.distributed.checkpoint; save dmodel.full_state_dict() " \
+           "(every rank calls it) or use hap.runtime.checkpoint.save"
+    for rank, rows in enumerate(["0:17", "17:24"]):  # 24 rows at [0.7, 0.3]
+        assert reports[rank].pop("pickled") == {how: f"rank {rank}: cannot pickle this rank's part of 'fc1.weight' of shape "
+                                                     f"(24, 12) (it holds rows {rows} of dim 0): {told}"
+                                                for how in ("torch.save", "a deep copy")}
+    saved, = {json.dumps(r, sort_keys=True) for r in reports}
     loaded, = {json.dumps(r, sort_keys=True) for r in run_ranks(state_dicts, 2, tmp_path, directory, False)}
     saved, loaded = json.loads(saved), json.loads(loaded)
     assert saved["whole"] == [[], []] and saved["whole equal"]

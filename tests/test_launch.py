@@ -144,23 +144,53 @@ def test_a_finished_run_leaves_no_semaphore_behind(tmp_path):
     assert "leaked semaphore" not in done.stderr
 
 
+def say_hello_and_what_is_set(rank, out_dir):
+    os.write(1, f"rank {rank} says hello\n".encode())  # (one write: the ranks' lines do not interleave)
+    with open(os.path.join(out_dir, str(rank)), "w") as f:
+        f.write(os.environ.get("HAP_TEST_SETTING", "unset"))
+
+
+def test_ranks_write_to_the_launchers_stdout_and_read_its_environment_as_they_start(tmp_path, monkeypatch):
+    """Ranks are forked by a server that started with the launcher's stdout and environment of
+    that moment: a run's output went to wherever stdout had been when the first run started
+    (another test's capture), and a setting made since was not seen."""
+    spawn(make_a_progress_bar, 2)  # the server started here at the latest, with stdout as it is now
+    monkeypatch.setenv("HAP_TEST_SETTING", "set since")
+    read, write = os.pipe()
+    stdout = os.dup(1)
+    os.dup2(write, 1)  # stdout redirected since
+    try:
+        spawn(say_hello_and_what_is_set, 2, args=(str(tmp_path),))
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)
+        os.close(write)
+    with os.fdopen(read) as f:
+        said = [line for line in f.read().splitlines() if line.startswith("rank ")]
+    assert sorted(said) == ["rank 0 says hello", "rank 1 says hello"]
+    assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["set since"] * 2
+
+
 def sleep_for_ever(rank, pid_dir):
     with open(os.path.join(pid_dir, str(rank)), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)
 
 
-def test_the_ranks_end_with_the_process_that_started_them(tmp_path):
+@pytest.mark.parametrize("interrupt", ["handled", "ignored"])
+def test_the_ranks_end_with_the_process_that_started_them(tmp_path, interrupt):
     """Ranks are forked by multiprocessing's forkserver, which lives as long as any rank it forked
     does: torch's signal on the parent's death never came, and a killed `hap train` left its
-    ranks (and the server) running for ever."""
+    ranks (and the server) running for ever. A launcher started with SIGINT ignored (by
+    `cmd &` in a script) passes that on to its ranks: an interrupt would not end them."""
     import subprocess
     import sys
     script = tmp_path / "run.py"
     script.write_text("import sys\nfrom hap.runtime.launch import spawn\nfrom test_launch import sleep_for_ever\n"
                       "if __name__ == '__main__':\n    spawn(sleep_for_ever, 2, args=(sys.argv[1],))\n")
-    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if interrupt == "ignored" else None
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], preexec_fn=ignore, env={
+        **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
     deadline = time.monotonic() + 120
     while not all((tmp_path / str(r)).exists() for r in range(2)) and time.monotonic() < deadline:
         time.sleep(0.1)

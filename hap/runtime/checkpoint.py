@@ -756,7 +756,8 @@ def _like(dmodel, name: str, local: torch.Tensor):
     assert local.shape[p.dim] == sizes[dmodel.comm.rank], f"{name}: {tuple(local.shape)}, not this rank's of {sizes}"
     comm = dmodel.comm
     return sharded_tensor(local, shape, p.dim, sizes, comm.rank,
-                          [f"rank:{global_rank(comm, r)}/{local.device}" for r in range(comm.world)], comm.group)
+                          [f"rank:{global_rank(comm, r)}/{local.device}" for r in range(comm.world)], comm.group,
+                          repr(dmodel.graph.tensors[name].target))
 
 
 def _volume(shape) -> int:

@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 from typing import Callable
 
@@ -102,17 +103,40 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
     """Start `world` processes running fn(rank, *args) (not joined), forked from a server process
     that imported hap once (multiprocessing's forkserver, which torch supports): a rank started
     bare spent 1.5-2.5 s of CPU importing torch and hap before its first line, 4 ranks on 2
-    cores 5 s a run. The server touches no GPU. Each rank is interrupted (SIGINT) when this
-    process ends, however it ends."""
+    cores 5 s a run. The server touches no GPU. Each rank is interrupted (SIGINT, then ended
+    5 s later) when this process ends, however it ends."""
     mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
-    return mp.start_processes(_die_with_launcher, args=(os.getpid(), fn, args), nprocs=world, join=False,
+    return mp.start_processes(_as_launched, args=(os.getpid(), _Launcher(), fn, args), nprocs=world, join=False,
                               start_method="forkserver").processes
 
 
-def _die_with_launcher(rank: int, launcher: int, fn: Callable, args: tuple) -> None:
-    """fn(rank, *args), interrupted when the launcher ends. torch's own death signal fires when
-    the rank's parent ends, and that is the forkserver, which outlives the launcher as long as
-    any rank it forked lives: a killed `hap train` left its ranks running for ever."""
+class _Launcher:
+    """What a rank takes from its launcher as it starts, as a spawned rank did: its stdout and
+    stderr (the same open files: a log it was redirected to, pytest's capture) and environment.
+    A forked rank has the forkserver's, which are the launcher's at the server's start."""
+
+    def __init__(self, stdio: tuple = (), env: dict | None = None):
+        self.stdio, self.env = stdio, env
+
+    def __reduce__(self):  # (pickled as the rank starts: the descriptors go with it)
+        return _Launcher, (tuple((fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)), dict(os.environ))
+
+    def take(self) -> None:
+        for fd, passed in self.stdio:
+            got = passed.detach()
+            os.dup2(got, fd)
+            os.close(got)
+        os.environ.clear()
+        os.environ.update(self.env)
+
+
+def _as_launched(rank: int, launcher: int, state: _Launcher, fn: Callable, args: tuple) -> None:
+    """fn(rank, *args) with the launcher's stdout, stderr and environment, interrupted when the
+    launcher ends. torch's own death signal fires when the rank's parent ends, and that is the
+    forkserver, which outlives the launcher as long as any rank it forked lives: a killed
+    `hap train` left its ranks running for ever."""
+    state.take()
+
     def interrupt_when_gone():
         try:
             select.select([os.pidfd_open(launcher)], [], [])  # readable once the launcher has ended
@@ -121,9 +145,20 @@ def _die_with_launcher(rank: int, launcher: int, fn: Callable, args: tuple) -> N
         except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): look every second
             while _exists(launcher):
                 time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGINT)
+        if callable(signal.getsignal(signal.SIGINT)):  # Python's handler: the rank unwinds
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5.0)
+        os._exit(1)  # SIGINT ignored (inherited, as by `cmd &` in a script), or stuck in a C call
     threading.Thread(target=interrupt_when_gone, daemon=True, name="hap-launcher-watch").start()
     fn(rank, *args)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def _exists(pid: int) -> bool:
