@@ -406,9 +406,8 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
     assert sorted(resumed) == [5, 6] and "checkpoint at step 6" in out
     _, straight = losses("--steps", "6")
     assert resumed == {5: straight[5], 6: straight[6]}
-    import shutil  # a given --lr replaces the checkpoint's (it was silently ignored)
-    for copy in ("-a", "-b"):
-        shutil.copytree(directory, directory + copy)
+    for suffix in ("-a", "-b"):  # a given --lr replaces the checkpoint's (it was silently ignored)
+        shutil.copytree(directory, directory + suffix)
     out, kept = losses("--steps", "8", "--checkpoint", directory + "-a", "--resume")
     assert "learning rate the checkpoint's" in out
     out, given = losses("--steps", "8", "--checkpoint", directory + "-b", "--resume", "--lr", "5")
