@@ -657,15 +657,45 @@ def test_an_accuracy_with_no_pair_to_rank_is_null_in_result_json(setting):
     json.dumps(acc, allow_nan=False)  # (a ValueError on NaN)
 
 
-def test_a_trial_rank_stops_waiting_once_its_parent_is_gone():
-    """hap sync's trial rank 0 waits on a queue for the next strategies; a search killed where
-    its children ignore the interrupt torch sends them left it waiting for ever (11 minutes and
-    on, in a hunt's run). It now ends once its parent is gone."""
+def test_trial_ranks_end_once_their_search_is_killed(tmp_path):
+    """hap sync's trial rank 0 waits on a queue for the next strategies, the others in a
+    broadcast; a search killed where its children ignore the interrupt torch sends them left
+    them waiting for ever (11 minutes and on, in a hunt's run). They end with it now
+    (launch.start_ranks), here started with SIGINT ignored."""
     import os
-    import queue
-    from hap.sync.trials import _next_command
+    import signal
+    import subprocess
+    import sys
+    import time
 
-    commands = queue.Queue()
-    commands.put("strategies")
-    assert _next_command(commands, os.getppid(), poll_s=0.01) == "strategies"
-    assert _next_command(commands, parent=-1, poll_s=0.01) is None  # not its parent's pid: gone
+    script = tmp_path / "search.py"
+    script.write_text(
+        "import sys, time\n"
+        "import hap\n"
+        "from hap.models import build\n"
+        "from hap.sync.trials import TrialCluster, Workload\n"
+        "if __name__ == '__main__':\n"
+        "    cluster = hap.load_cluster('local')\n"
+        "    model, batch = build('vit', scale='small', devices=2)\n"
+        "    plan = hap.plan(hap.capture(model, batch), cluster)\n"
+        "    with TrialCluster(Workload(model='vit', knobs={'scale': 'small'}, cluster=cluster.to_dict(),\n"
+        "                               plan=plan.to_dict())) as trials:\n"
+        "        print(*(p.pid for p in trials.procs), flush=True)\n"
+        "        time.sleep(600)\n")
+    search = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    ranks = [int(pid) for pid in search.stdout.readline().split()]  # (the ranks are ready, rank 0 waits)
+    assert len(ranks) == 2
+    search.kill()
+    search.wait()
+
+    def running(pid):  # an ended rank not reaped yet is a zombie
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 30
+    while any(map(running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, ranks))

@@ -13,7 +13,6 @@ rank, per step.
 
 from __future__ import annotations
 
-import os
 import queue
 import statistics
 import time
@@ -121,18 +120,6 @@ def _timed_blocks(step, steps: int, min_seconds: float, max_blocks: int = 20) ->
             return statistics.median(blocks)
 
 
-def _next_command(commands, parent: int, poll_s: float = 1.0):
-    """The parent's next command; None once the process that forked us is gone (the forkserver,
-    which exits with hap sync: a hap sync killed where its children ignore the interrupt torch
-    sends them left rank 0 waiting on the queue for ever)."""
-    while True:
-        try:
-            return commands.get(timeout=poll_s)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return None
-
-
 def _serve(rank: int, world: int, port: int, workload: dict, commands, results, timeout_s: float) -> None:
     from datetime import timedelta
 
@@ -142,7 +129,6 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
     from ..runtime import launch
 
     torch.set_num_threads(1)
-    parent = os.getppid()
     try:
         launch._TIMEOUT = timedelta(seconds=timeout_s)
         launch.join_group("gloo", rank, world, port, timeout_s)
@@ -163,7 +149,7 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
         if rank == 0:
             results.put(("ready", None))
         while True:
-            box = [_next_command(commands, parent) if rank == 0 else None]
+            box = [commands.get() if rank == 0 else None]  # (a killed hap sync ends us: launch.start_ranks)
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 break
