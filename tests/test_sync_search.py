@@ -662,7 +662,6 @@ def test_trial_ranks_end_once_their_search_is_killed(tmp_path):
     broadcast; a search killed where its children ignore the interrupt torch sends them left
     them waiting for ever (11 minutes and on, in a hunt's run). They end with it now
     (launch.start_ranks), here started with SIGINT ignored."""
-    import os
     import signal
     import subprocess
     import sys
