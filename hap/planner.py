@@ -311,7 +311,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                 break  # converged, or back to a program already balanced
             seen.add(key)
             try:
-                ratios = _balanced(program, cost, segment_of, g, capacity)
+                ratios = _balanced(program, cost, segment_of, g, capacity, frame=frame)
             except BalanceError as e:
                 say(f"  load balancer: {e}")
                 break
@@ -334,7 +334,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
             if tuple(program) not in seen:
                 seen.add(tuple(program))
                 try:
-                    balanced = _balanced(program, cost, segment_of, g, capacity)
+                    balanced = _balanced(program, cost, segment_of, g, capacity, frame=frame)
                 except BalanceError as e:
                     say(f"  {name} balanced: {e}")
                 else:
@@ -363,7 +363,7 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
                 try:
                     program = search(ratios, frugal)
                     price("hap with sharded parameters", program, ratios)
-                    ratios = _balanced(program, cost, segment_of, g, capacity)
+                    ratios = _balanced(program, cost, segment_of, g, capacity, frame=frame)
                     price("hap with sharded parameters, balanced", program, ratios)
                 except (SearchError, BalanceError) as e:
                     say(f"  {e}")
@@ -386,17 +386,19 @@ def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Calla
 
 
 def _balanced(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], g: int,
-              capacity: Sequence[float], tries: int = 4) -> list[list[float]]:
+              capacity: Sequence[float], tries: int = 4, frame: Frame | None = None) -> list[list[float]]:
     """The load balancer's ratios for `program` whose whole-row shards fit memory. The LP meets
     capacity with continuous shares; rounding them to whole rows may put a device at its limit a
     row over it (the plan was then dropped as not fitting, a slower one taken). Such a device's
     capacity is lowered by its overflow and the LP solved again, a few times at most (a
     BalanceError from the first solve only: later, the last ratios are returned, and the
-    planner's memory filter decides)."""
+    planner's memory filter decides). With the planner's `frame`, the memory is its replay's,
+    which the planner then prices as a candidate (memory alone cost VGG19's planning 1 ms)."""
     caps = list(capacity)
     ratios = balance(program, cost, segment_of, g, caps).ratios
     for _ in range(tries - 1):
-        over = [m - c for m, c in zip(memory(program, cost, segment_of, ratios), capacity)]
+        held = frame.replay(program, ratios).memory if frame is not None else memory(program, cost, segment_of, ratios)
+        over = [m - c for m, c in zip(held, capacity)]
         if max(over) <= 0:
             break
         caps = [cap - o * 1.01 if o > 0 else cap for cap, o in zip(caps, over)]

@@ -225,11 +225,12 @@ class Pipeline(MirrorsModel):
         if check is not None:
             check.verify()
         self.refuse_shell_mode_change()  # (one of pipe.modules() put in another mode)
-        self._wrapped.switched()  # (a module's own mode changed: a ValueError)
+        modes, params = self._wrapped.walk()
+        self._wrapped.switched(modes)  # (a module's own mode changed: a ValueError)
         if not self.model.training:
             raise ValueError("model.eval() was called on the model hap.Pipeline wrapped: a pipeline runs training "
                              "steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
-        changed = self._wrapped.changed_values()  # (told every rank by the step's sum)
+        changed = self._wrapped.changed_values(params)  # (told every rank by the step's sum)
         check_trainable(self.params, self.graph)
         for name, x in zip(self.graph.inputs, batch):
             if tuple(x.shape) != tuple(self.graph.tensors[name].shape):

@@ -35,10 +35,15 @@ class MirrorsModel(nn.Module):
         self._shell_modes = module_modes(self)
 
     def train(self, mode: bool = True):
-        """This wrapper's mode; its shells keep the modes of the model's modules."""
+        """This wrapper's mode; its shells keep the modes of the model's modules (after
+        _follow_mode, where the wrapper sets those too)."""
         nn.Module.train(self, mode)
+        self._follow_mode(mode)
         self.mirror_modes(self.model)
         return self
+
+    def _follow_mode(self, mode: bool) -> None:
+        """What else the wrapper's train(mode) sets: nothing here."""
 
     def refuse_shell_mode_change(self) -> None:
         """A ValueError where a shell's mode was set since mirror_modes (a BatchNorm frozen

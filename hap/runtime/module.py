@@ -175,11 +175,12 @@ class HAP(MirrorsModel):
         followed, as DDP's wrapped module is (dmodel.train() and dmodel.eval() switch it too);
         a module's own mode changed is a ValueError. Returns WrappedWatch.changed_values()."""
         self.refuse_shell_mode_change()
-        mode = self._wrapped.switched()
+        modes, params = self._wrapped.walk()
+        mode = self._wrapped.switched(modes)
         if mode is not None:
             nn.Module.train(self, mode)
             self.mirror_modes(self.model)
-        return self._wrapped.changed_values()
+        return self._wrapped.changed_values(params)
 
     def apply(self, fn):
         """Refused: `fn` (an initialization, DDP's module.apply habit) would reach this rank's
@@ -188,13 +189,10 @@ class HAP(MirrorsModel):
                          "layers: initialize the model before wrapping it, or load weights into hap with "
                          "dmodel.load_state_dict(...)")
 
-    def train(self, mode: bool = True) -> "HAP":
-        """Training or eval mode, and the model hap.HAP wrapped with it (WrappedWatch.set)."""
-        nn.Module.train(self, mode)
+    def _follow_mode(self, mode: bool) -> None:
+        """dmodel.train(mode): the model hap.HAP wrapped is put in it too (WrappedWatch.set)."""
         if "_wrapped" in self.__dict__:
             self._wrapped.set(mode)
-        self.mirror_modes(self.model)
-        return self
 
     def _as_returned(self, loss: torch.Tensor):
         """The loss in the structure the model's forward returns it in ((loss,), {"loss": loss})."""
@@ -974,7 +972,7 @@ class WrappedWatch:
             m.training = mode
         self.seen = modes
         self.versions = _looks(copies)
-        self.params = _param_ids(model)
+        self.params = self.walk()[1]
         self.shapes = {name: t.shape for name, t, _ in copies}
         _WATCHES[model] = weakref.ref(self)  # (weakly: a watch holds the model, and the wrapper's shards)
         model.register_state_dict_post_hook(_stale_state_dict)
@@ -984,7 +982,7 @@ class WrappedWatch:
         copy of the model from the copy's own version counters, which start afresh."""
         new = copy.copy(self)
         new.model, new.copies = copy.deepcopy(self.model, memo), copy.deepcopy(self.copies, memo)
-        new.versions, new.params = _looks(new.copies), _param_ids(new.model)
+        new.versions, new.params = _looks(new.copies), new.walk()[1]
         _WATCHES[new.model] = weakref.ref(new)  # (its copy of the model keeps the state-dict hook)
         return new
 
@@ -995,11 +993,19 @@ class WrappedWatch:
             m.training = mode
         self.seen = module_modes(self.model)
 
-    def switched(self) -> bool | None:
+    def walk(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+        """The model's modules' modes and which tensors its parameters are, in one walk of it,
+        for `switched` and `changed_values` (a step's look at the model)."""
+        modes, params = [], []
+        for m in self.model.modules():
+            modes.append(m.training)
+            params.extend(map(id, m._parameters.values()))
+        return tuple(modes), tuple(params)
+
+    def switched(self, modes: tuple[bool, ...]) -> bool | None:
         """The mode model.train() or model.eval() put the model in since the last look (None: no
-        change). A module's own mode changed is a ValueError: the training graph was captured
-        with the modes at wrapping."""
-        modes = module_modes(self.model)
+        change), from the model's modes now (walk). A module's own mode changed is a ValueError:
+        the training graph was captured with the modes at wrapping."""
         if modes == self.seen:
             return None
         if len(modes) != len(self.train_modes):
@@ -1015,15 +1021,15 @@ class WrappedWatch:
         self.seen = modes
         return any(modes)
 
-    def changed_values(self) -> str | None:
-        """Why the model was changed since the last look (None: it was not): a parameter written
+    def changed_values(self, params: tuple[int, ...]) -> str | None:
+        """Why the model was changed since the last look (None: it was not), from which tensors
+        its parameters are now (walk): a parameter written
         in place (load_state_dict, an initialization), given new storage (`p.data = x`) or
         replaced (load_state_dict(assign=True)) with a value the wrapper's copy of this rank's
         part does not hold, which the wrapper, training its copies, would ignore. Loading the
         wrapper's own values back (full_state_dict, to evaluate the model) is no change. Said on
         every rank by the step's sum (sum_step): a rank may hold none of the rows written. (A
         write through `.data` in place, `p.data.copy_(x)`, leaves no trace to see.)"""
-        params = _param_ids(self.model)
         if params != self.params:  # a parameter object replaced: watch the model's own now
             state = model_state(self.model)
             self.copies = [(name, state.get(name, original), held) for name, original, held in self.copies]
@@ -1090,11 +1096,6 @@ def _looks(copies: list[tuple[str, torch.Tensor, Callable]]) -> tuple:
     storage (`p.data = x`), and which tensor it is."""
     tensors = [t for _, t, _ in copies]
     return tuple(zip(versions(tensors), (t.data_ptr() for t in tensors), map(id, tensors)))
-
-
-def _param_ids(model: nn.Module) -> tuple[int, ...]:
-    """Which tensors the model's parameters are (a walk as cheap as _modes')."""
-    return tuple(id(p) for m in model.modules() for p in m._parameters.values())
 
 
 def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
