@@ -155,6 +155,13 @@ class RankRows(ShardedTensor):
         copied.__class__, copied.key = type(self), self.key
         return copied
 
+    def __copy__(self):  # (copy.copy went through __reduce_ex__: refused as pickling)
+        with quiet_sharded_tensors():
+            copied = ShardedTensor._init_from_local_shards_and_global_metadata(
+                self.local_shards(), self.metadata(), process_group=self._process_group)
+        copied.__class__, copied.key = type(self), self.key
+        return copied
+
 
 def sharded_tensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes: Sequence[int], rank: int,
                    placements: Sequence[str], group, key: str) -> ShardedTensor:

@@ -468,7 +468,11 @@ def state_dicts(rank, world, directory, first):
         out["whole equal"] = all(torch.equal(v, other.state_dict()[k]) for k, v in dmodel.full_state_dict().items())
         dcp.save(dmodel.state_dict(), checkpoint_id=directory, process_group=dmodel.comm.group)
         dmodel(*batch(1)).backward()  # the forward moves the statistics: the save holds the old ones
-        for how, sd in {"torch.save": dmodel.state_dict(), "a deep copy": copy.deepcopy(dmodel.state_dict())}.items():
+        shallow = copy.copy(dmodel.state_dict()["fc1.weight"])  # a new wrapper of the same rows
+        out["shallow copy"] = [type(shallow).__name__, shallow.local_shards()[0].tensor.data_ptr() ==
+                               dmodel.state_dict()["fc1.weight"].local_shards()[0].tensor.data_ptr()]
+        for how, sd in {"torch.save": dmodel.state_dict(), "a deep copy": copy.deepcopy(dmodel.state_dict()),
+                        "a shallow copy": {"fc1.weight": shallow}}.items():
             try:  # DDP's habit on rank 0: it saved this rank's rows alone, loadable nowhere
                 torch.save(sd, io.BytesIO())
             except ValueError as e:
@@ -500,8 +504,9 @@ def test_state_dict_whole_and_through_dcp(tmp_path):
     for rank, rows in enumerate(["0:17", "17:24"]):  # 24 rows at [0.7, 0.3]
         assert reports[rank].pop("pickled") == {how: f"rank {rank}: cannot pickle this rank's part of 'fc1.weight' of shape "
                                                      f"(24, 12) (it holds rows {rows} of dim 0): {told}"
-                                                for how in ("torch.save", "a deep copy")}
+                                                for how in ("torch.save", "a deep copy", "a shallow copy")}
     saved, = {json.dumps(r, sort_keys=True) for r in reports}
+    assert json.loads(saved)["shallow copy"] == ["RankRows", True]
     loaded, = {json.dumps(r, sort_keys=True) for r in run_ranks(state_dicts, 2, tmp_path, directory, False)}
     saved, loaded = json.loads(saved), json.loads(loaded)
     assert saved["whole"] == [[], []] and saved["whole equal"]

@@ -171,6 +171,21 @@ def test_ranks_write_to_the_launchers_stdout_and_read_its_environment_as_they_st
     assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["set since"] * 2
 
 
+def run_ranks_in_a_fork():
+    spawn(make_a_progress_bar, 2)
+
+
+def test_a_process_forked_from_a_launcher_launches_too():
+    """multiprocessing keeps one forkserver per process: a process forked from a launcher that
+    ran one held its record and failed to start ranks (ChildProcessError), where spawned ranks
+    had started (a sweep in multiprocessing workers after a run of its own)."""
+    spawn(make_a_progress_bar, 2)  # this process's forkserver runs
+    child = torch.multiprocessing.get_context("fork").Process(target=run_ranks_in_a_fork)
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+
+
 def sleep_for_ever(rank, pid_dir):
     with open(os.path.join(pid_dir, str(rank)), "w") as f:
         f.write(str(os.getpid()))

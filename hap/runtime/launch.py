@@ -105,9 +105,19 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
     bare spent 1.5-2.5 s of CPU importing torch and hap before its first line, 4 ranks on 2
     cores 5 s a run. The server touches no GPU. Each rank is interrupted (SIGINT, then ended
     5 s later) when this process ends, however it ends."""
+    global _START
     mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
-    return mp.start_processes(_as_launched, args=(os.getpid(), _Launcher(), fn, args), nprocs=world, join=False,
-                              start_method="forkserver").processes
+    args = (os.getpid(), _Launcher(), fn, args)
+    try:
+        return mp.start_processes(_as_launched, args=args, nprocs=world, join=False, start_method=_START).processes
+    except ChildProcessError:  # (raised before any rank started)
+        # A process forked from one that ran a forkserver holds that server's record and
+        # cannot use it (multiprocessing waits for it as its own child): ranks start bare here.
+        _START = "spawn"
+        return mp.start_processes(_as_launched, args=args, nprocs=world, join=False, start_method=_START).processes
+
+
+_START = "forkserver"
 
 
 class _Launcher:
