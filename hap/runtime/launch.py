@@ -107,14 +107,14 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
     5 s later) when this process ends, however it ends."""
     global _START
     mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
-    args = (os.getpid(), _Launcher(), fn, args)
+    launched = (os.getpid(), _Launcher(), fn, args)
     try:
-        return mp.start_processes(_as_launched, args=args, nprocs=world, join=False, start_method=_START).processes
+        return mp.start_processes(_as_launched, args=launched, nprocs=world, join=False, start_method=_START).processes
     except ChildProcessError:  # (raised before any rank started)
         # A process forked from one that ran a forkserver holds that server's record and
         # cannot use it (multiprocessing waits for it as its own child): ranks start bare here.
         _START = "spawn"
-        return mp.start_processes(_as_launched, args=args, nprocs=world, join=False, start_method=_START).processes
+        return mp.start_processes(_as_launched, args=launched, nprocs=world, join=False, start_method=_START).processes
 
 
 _START = "forkserver"

@@ -1023,10 +1023,10 @@ class WrappedWatch:
 
     def changed_values(self, params: tuple[int, ...]) -> str | None:
         """Why the model was changed since the last look (None: it was not), from which tensors
-        its parameters are now (walk): a parameter written
-        in place (load_state_dict, an initialization), given new storage (`p.data = x`) or
-        replaced (load_state_dict(assign=True)) with a value the wrapper's copy of this rank's
-        part does not hold, which the wrapper, training its copies, would ignore. Loading the
+        its parameters are now (walk): a parameter written in place (load_state_dict, an
+        initialization), given new storage (`p.data = x`) or replaced (load_state_dict(
+        assign=True)) with a value the wrapper's copy of this rank's part does not hold, which
+        the wrapper, training its copies, would ignore. Loading the
         wrapper's own values back (full_state_dict, to evaluate the model) is no change. Said on
         every rank by the step's sum (sum_step): a rank may hold none of the rows written. (A
         write through `.data` in place, `p.data.copy_(x)`, leaves no trace to see.)"""
