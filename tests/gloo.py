@@ -8,6 +8,7 @@ and the test sees all failures at once.
 
 import json
 import os
+import time
 
 import torch
 
@@ -39,3 +40,18 @@ def rank_device(rank: int, device: str) -> torch.device:
 def to_device(batch, dev: torch.device):
     """A batch (a tensor, or a tuple of them) on dev."""
     return tuple(t.to(dev) for t in batch) if isinstance(batch, tuple) else batch.to(dev)
+
+
+def still_running(pids: list[int], within_s: float = 30.0) -> list[int]:
+    """Of `pids`, those still running after waiting up to within_s for them to end (an ended
+    process its new parent has not reaped yet, a zombie, has ended)."""
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + within_s
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if running(pid)]

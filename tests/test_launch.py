@@ -5,11 +5,11 @@ times out. The healthy ranks wait in a collective meanwhile, and no process is l
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo import still_running
 
 from hap.runtime.launch import RankFailed, spawn
 
@@ -213,16 +213,7 @@ def test_the_ranks_end_with_the_process_that_started_them(tmp_path, interrupt):
     ranks = [int((tmp_path / str(r)).read_text()) for r in range(2)]
     launcher.kill()
     launcher.wait()
-
-    def running(pid):  # an ended rank whose new parent has not reaped it yet is a zombie
-        try:
-            return "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:
-            return False
-    deadline = time.monotonic() + 30
-    while any(map(running, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(running, ranks))
+    assert still_running(ranks) == []
 
 
 def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():

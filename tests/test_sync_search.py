@@ -665,7 +665,8 @@ def test_trial_ranks_end_once_their_search_is_killed(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
+
+    from gloo import still_running
 
     script = tmp_path / "search.py"
     script.write_text(
@@ -687,14 +688,4 @@ def test_trial_ranks_end_once_their_search_is_killed(tmp_path):
     assert len(ranks) == 2
     search.kill()
     search.wait()
-
-    def running(pid):  # an ended rank not reaped yet is a zombie
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-    deadline = time.monotonic() + 30
-    while any(map(running, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(running, ranks))
+    assert still_running(ranks) == []
