@@ -156,11 +156,16 @@ class RankRows(ShardedTensor):
         return copied
 
     def __copy__(self):  # (copy.copy went through __reduce_ex__: refused as pickling)
-        with quiet_sharded_tensors():
-            copied = ShardedTensor._init_from_local_shards_and_global_metadata(
-                self.local_shards(), self.metadata(), process_group=self._process_group)
-        copied.__class__, copied.key = type(self), self.key
-        return copied
+        return _rank_rows(self.local_shards(), self.metadata(), self._process_group, self.key)
+
+
+def _rank_rows(shards: list, meta: ShardedTensorMetadata, group, key: str) -> RankRows:
+    """torch's ShardedTensor of these local shards, made a RankRows (torch builds a ShardedTensor
+    whatever class it is called on)."""
+    with quiet_sharded_tensors():
+        made = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
+    made.__class__, made.key = RankRows, key
+    return made
 
 
 def sharded_tensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes: Sequence[int], rank: int,
@@ -177,11 +182,7 @@ def sharded_tensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, sizes:
                              memory_format=torch.contiguous_format, pin_memory=False)
     meta = ShardedTensorMetadata([shard(r) for r in range(len(sizes)) if sizes[r]], torch.Size(shape), props)
     mine = [Shard(local, shard(rank))] if sizes[rank] else []
-    with quiet_sharded_tensors():
-        made = ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=group)
-    made.__class__ = RankRows  # (torch builds a ShardedTensor whatever class it is called on)
-    made.key = key
-    return made
+    return _rank_rows(mine, meta, group, key)
 
 
 @contextlib.contextmanager
