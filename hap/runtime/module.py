@@ -387,8 +387,7 @@ class HAP(MirrorsModel):
         self._losses = []
         ex = self.executor
         nbytes = ex.reshard(ratios, optimizers)
-        for opt in optimizers:  # their state is this rank's at the new layout
-            stamp_state(opt)
+        stamp_state(optimizers)  # their state is this rank's at the new layout
         self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
         self.plan = priced(self.graph, self.cluster, plan)
@@ -704,14 +703,15 @@ def _check_whose_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         raise ValueError(refused)
 
 
-def stamp_state(opt: torch.optim.Optimizer) -> None:
-    """Mark the optimizer's state as this rank's at its parameters' present layout (after a
-    reshard moved it there; whose_state refused another's before)."""
+def stamp_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Mark the optimizers' state as this rank's at their parameters' present layout (after a
+    reshard moved it there, one reshard counted; whose_state refused another's before)."""
     global _reshards
     _reshards += 1
-    for group, own in zip(opt.param_groups, _own_stamps(opt)):
-        if own is not None:
-            group[SHARDS_STAMP] = own
+    for opt in optimizers:
+        for group, own in zip(opt.param_groups, _own_stamps(opt)):
+            if own is not None:
+                group[SHARDS_STAMP] = own
 
 
 def _optimizer_left_behind(params, passed: Sequence[torch.optim.Optimizer]) -> str | None:
