@@ -590,6 +590,114 @@ def stage_rates(rank, world, directory, phase, stage_names=None):
     return out
 
 
+def _pretrained(model) -> dict:
+    """The model's state dict moved off its initialization (weights + 0.05, running means 0.5,
+    variances 2, counters 7): pretrained weights whose buffers matter (the running statistics
+    move on from them)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("num_batches_tracked"):
+            out[k] = torch.full_like(v, 7)
+        elif k.endswith("running_mean"):
+            out[k] = torch.full_like(v, 0.5)
+        elif k.endswith("running_var"):
+            out[k] = torch.full_like(v, 2.0)
+        else:
+            out[k] = v + 0.05
+    return out
+
+
+def stage_state_dicts(rank, world, directory):
+    """A pipeline of BatchNormCNN (stage 1: the second BatchNorm and the head) loads pretrained
+    weights with load_state_dict, trains, and its state_dict() is refused by torch.save and
+    saved by DCP, then loaded (dcp.load, load_state_dict) into a fresh pipeline. A state dict
+    without the head's weight is refused on the stage that needs it. A pipeline whose stage 1
+    is the loss alone refuses .half() on both ranks."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from hap.capture import capture
+
+    def pipeline():
+        model, batches = _bn_setup()
+        cut = _second_batch_norm(capture(model, batches[0]))
+        return model, batches, _pipeline(model, batches, world, [cut], [[0], [1]], [[1.0], [1.0]], 1)
+
+    model, batches, pipe = pipeline()
+    out = {"loaded": [list(keys) for keys in pipe.load_state_dict(_pretrained(model))]}
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    out["losses"] = []
+    for batch in batches:
+        out["losses"].append(pipe.train_step(*batch).item())
+        opt.step()
+        opt.zero_grad()
+    sd = pipe.state_dict()
+    out["keys"] = sorted(sd)
+    try:
+        torch.save(sd, io.BytesIO())
+    except ValueError as e:
+        out["save"] = str(e)
+    out["copies"] = [type(copy(sd)).__name__ for copy in (__import__("copy").copy, __import__("copy").deepcopy)]
+    dcp.save(sd, checkpoint_id=directory)
+    _, _, fresh = pipeline()
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=directory)
+    fresh.load_state_dict(sd)
+    out["state"] = {k: v.tolist() for k, v in fresh.full_state_dict().items()}
+    try:
+        fresh.load_state_dict({k: v for k, v in _bn_setup()[0].state_dict().items() if k != "head.weight"})
+        out["without head"] = None
+    except ValueError as e:
+        out["without head"] = str(e)
+    model, batches = _bn_setup()  # stage 1: the loss alone, no parameters (it let .half() through)
+    loss_alone = _pipeline(model, batches, world, [len(capture(model, batches[0]).nodes) - 1], [[0], [1]], [[1.0], [1.0]], 1)
+    out["held"] = len(list(loss_alone.parameters()))
+    try:
+        loss_alone.half()
+    except ValueError as e:
+        out["half"] = str(e)
+    return out
+
+
+def test_a_pipeline_loads_and_gives_state_dicts_by_stage(tmp_path):
+    """pipe.load_state_dict(model.state_dict()) (pretrained weights) was torch's RuntimeError
+    (every other stage's key unexpected; with strict=False the running statistics were skipped,
+    silently), and pipe.state_dict() held no buffers: torch.save of it on rank 0 lost the
+    BatchNorm statistics and the other stage's parameters. Now each rank loads its stage's
+    entries; its state_dict() is its stage's, buffers included, for DCP; torch.save of it is
+    refused in one line; trained from pretrained weights, a DCP round trip gives one device's.
+    A stage holding no parameters let .half() through while the other refused (then waited)."""
+    directory = str(tmp_path / "dcp")
+    model, batches = _bn_setup()
+    model.load_state_dict(_pretrained(model))
+    losses = train(model, batches)
+    ref = model.state_dict()
+    reports = run_ranks(stage_state_dicts, 2, tmp_path, directory)
+    stage_keys = [["block1.0.bias", "block1.0.weight", "block1.1.bias", "block1.1.num_batches_tracked",
+                   "block1.1.running_mean", "block1.1.running_var", "block1.1.weight", "block2.0.bias",
+                   "block2.0.weight", "block2.1.num_batches_tracked"],  # (the counter's update is stage 0's)
+                  ["block2.1.bias", "block2.1.running_mean", "block2.1.running_var", "block2.1.weight",
+                   "head.bias", "head.weight"]]
+    for rank, got in enumerate(reports):
+        assert got["loaded"] == [[], []]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert got["keys"] == stage_keys[rank]
+        lacks = "block2.1.weight" if rank == 0 else "block1.0.weight"
+        assert got["save"] == (f"cannot pickle this rank's state dict: it lacks {lacks!r}, which another rank holds "
+                               "(each pipeline stage holds its own entries): save dmodel.full_state_dict() (every "
+                               "rank calls it) or use hap.runtime.checkpoint.save")
+        assert got["copies"] == ["RankStateDict", "RankStateDict"]
+        assert sorted(got["state"]) == sorted(ref)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
+    assert reports[0]["without head"] is None  # (another stage's entry)
+    assert reports[1]["without head"] == "the state dict has no 'head.weight', which the model needs"
+    assert [got["held"] for got in reports] == [10, 0]
+    for got in reports:
+        assert got["half"].startswith("Pipeline of a model captured in torch.float32 on cpu cannot move to torch.float16")
+
+
 def test_each_stage_resumes_with_its_own_optimizer_settings(tmp_path):
     """A checkpoint recorded group i's settings from the first rank that had one, so every stage
     resumed at stage 0's learning rate (as did a move of the pipeline's rebalancer). Under data

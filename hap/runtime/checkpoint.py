@@ -26,6 +26,7 @@ the parameter (momentum, Adam's moments); an optimizer whose state spans a shard
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -62,12 +63,37 @@ _NAME = re.compile(r"step-(\d+)(\.\d+)?$")
 def state_dict(dmodel) -> dict[str, torch.Tensor]:
     """This rank's part of every parameter and buffer by the model's state-dict key, as DCP
     saves it: a tensor kept whole on every rank is a plain tensor, a sharded one a tensor that
-    knows its rows in the whole (see _sharded)."""
+    knows its rows in the whole (_like). Where this rank holds no part of some entries
+    (a pipeline stage holds its own), a RankStateDict."""
     ex, out = dmodel.executor, {}
     for name in _persistent(dmodel):
         out[dmodel.graph.tensors[name].target] = _like(dmodel, name, ex.value_of(name).detach().contiguous())
     out.update(idle_state(dmodel))
-    return out
+    lacks = next((key for key in model_shapes(dmodel.graph) if key not in out), None)
+    return out if lacks is None else RankStateDict(out, lacks)
+
+
+class RankStateDict(dict):
+    """A rank's state dict that lacks the entries other ranks hold (a pipeline stage's, whole):
+    pickling it, as torch.save does, is a ValueError naming one it lacks. DDP's habit,
+    `torch.save(model.state_dict())` on rank 0, saved stage 0's entries alone and the other
+    stages' were lost. DCP saves it (each rank its entries); copy.copy and copy.deepcopy keep it one."""
+
+    def __init__(self, entries: dict[str, torch.Tensor], lacks: str):
+        super().__init__(entries)
+        self.lacks = lacks
+        """A state-dict key another rank holds."""
+
+    def __reduce_ex__(self, protocol):
+        raise ValueError(f"cannot pickle this rank's state dict: it lacks {self.lacks!r}, which another rank holds "
+                         "(each pipeline stage holds its own entries): save dmodel.full_state_dict() (every rank "
+                         "calls it) or use hap.runtime.checkpoint.save")
+
+    def __copy__(self) -> "RankStateDict":
+        return RankStateDict(self, self.lacks)
+
+    def __deepcopy__(self, memo: dict) -> "RankStateDict":
+        return RankStateDict({key: copy.deepcopy(value, memo) for key, value in self.items()}, self.lacks)
 
 
 def idle_state(dmodel) -> dict[str, torch.Tensor]:

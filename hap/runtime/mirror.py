@@ -61,8 +61,10 @@ class MirrorsModel(nn.Module):
         """Refused where it would change a parameter's dtype or device (.half(), .to(device)):
         the model was captured and planned as it was, and its buffers live in hap's executor
         (a BatchNorm's statistics stayed float32 beside half parameters: an error deep inside
-        the step). Otherwise (.float() of a float model, share_memory()) torch's."""
-        for p in self.parameters():
+        the step). Otherwise (.float() of a float model, share_memory()) torch's. A rank that holds
+        no parameters (a pipeline stage of the loss alone) asks the model's: it let .half()
+        through while the other ranks refused, then waited for them."""
+        for p in list(self.parameters()) or list(self.model.parameters())[:1]:
             probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
             if probe.dtype != p.dtype or probe.device != p.device:
                 raise ValueError(f"{type(self).__name__} of a model captured in {p.dtype} on {p.device} cannot move to "
