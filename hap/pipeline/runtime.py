@@ -555,28 +555,6 @@ class Pipeline(MirrorsModel):
         either loads under the other, any plan)."""
         return self._stage_state
 
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """This stage's parameters and the buffers it keeps (BatchNorm's statistics), whole,
-        under the keys of `model.state_dict()`, sharing storage with them: what this rank's part
-        of a torch.distributed.checkpoint holds. It lacks the other stages' entries, so pickling
-        it (torch.save) is a one-line ValueError (checkpoint.RankStateDict): save
-        full_state_dict() (every rank calls it), or use hap.runtime.checkpoint.save."""
-        if args or kwargs:
-            raise TypeError("Pipeline.state_dict() takes no arguments (it is not a submodule's)")
-        from ..runtime.checkpoint import state_dict
-
-        return state_dict(self)
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load this stage's entries from a whole state dict (the original model's `state_dict()`,
-        pretrained weights) or from state_dict()'s (after dcp.load into it); the other stages'
-        entries are their ranks' to load. strict: a missing entry this stage needs, an unknown key
-        or a misshapen entry is a ValueError naming it, and nothing is loaded. Returns
-        (missing_keys, unexpected_keys), as torch does."""
-        from ..runtime.checkpoint import load_state_dict
-
-        return load_state_dict(self, state_dict, strict)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (each
         stage's first device contributes its parameters). A collective: every rank gets it."""

@@ -7,7 +7,8 @@ module by torch and by libraries see the model's modules and names: named_parame
 the model's names, and Hugging Face's weight-decay groups, which walk named_children() and skip
 LayerNorm instances and biases, pick the parameters they pick on the model (over hap's own
 containers they gave names that no parameter has: no decay anywhere, silently). A shell runs
-nothing; the wrapper runs the model."""
+nothing; the wrapper runs the model. The wrapper's state_dict() and load_state_dict() are by the
+model's keys too (hap.runtime.checkpoint)."""
 
 import copy
 
@@ -56,6 +57,30 @@ class MirrorsModel(nn.Module):
                          f"{'training' if m.training else 'eval'} mode, unlike the training graph hap captured: set "
                          "modules' modes on the model before wrapping it (dmodel.train() and dmodel.eval() switch "
                          "the whole model)")
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """This rank's part of the model's state, under the keys of `model.state_dict()` (a tied
+        parameter once), sharing storage with the parameters and buffers: a tensor kept whole is
+        itself, a sharded one (hap.HAP's) a tensor that knows its rows in the whole; a pipeline
+        stage's holds that stage's parameters and buffers. torch.distributed.checkpoint saves it
+        and loads into it under any plan, ratios or number of ranks (hap.runtime.checkpoint does
+        that, with the optimizer's state and atomic commits). Pickling a rank's part (torch.save,
+        DDP's habit on rank 0: the other ranks' parts were lost) is a one-line ValueError."""
+        if args or kwargs:
+            raise TypeError(f"{type(self).__name__}.state_dict() takes no arguments (it is not a submodule's)")
+        from .checkpoint import state_dict
+
+        return state_dict(self)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a state dict whole (the original model's `state_dict()`, pretrained weights) or
+        as `state_dict()` gives it (after dcp.load into it): each rank its part (a pipeline
+        stage's entries; the other stages' are their ranks' to load). A missing, unknown or
+        misshapen entry is a ValueError naming it (strict), and nothing is loaded. Returns
+        (missing_keys, unexpected_keys), as torch does."""
+        from .checkpoint import load_state_dict
+
+        return load_state_dict(self, state_dict, strict)
 
     def _apply(self, fn, recurse: bool = True):
         """Refused where it would change a parameter's dtype or device (.half(), .to(device)):

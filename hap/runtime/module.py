@@ -443,26 +443,6 @@ class HAP(MirrorsModel):
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
         return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
 
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """This rank's part of the model's state, under the keys of `model.state_dict()` (a tied
-        parameter once): a tensor kept whole is itself, a sharded one a tensor that knows its
-        rows in the whole, sharing storage with the parameter or buffer. torch.distributed.
-        checkpoint saves it, and loads into it under any plan, ratios or number of ranks
-        (hap.runtime.checkpoint does that, with the optimizer's state and atomic commits)."""
-        if args or kwargs:
-            raise TypeError("HAP.state_dict() takes no arguments (it is not a submodule's)")
-        from .checkpoint import state_dict
-
-        return state_dict(self)
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a state dict whole (the original model's `state_dict()`) or as `state_dict()`
-        gives it (after dcp.load into it). A missing, unknown or misshapen entry is a ValueError
-        naming it (strict), and nothing is loaded. Returns (missing_keys, unexpected_keys), as torch does."""
-        from .checkpoint import load_state_dict
-
-        return load_state_dict(self, state_dict, strict)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (a tied
         parameter under each of its names): it loads into the original model, which then
