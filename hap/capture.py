@@ -18,10 +18,14 @@ work.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import operator
 import os
+import random
 import re
 import sys
+import threading
+import traceback
 import warnings
 from typing import Any, Sequence
 
@@ -86,6 +90,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
             if lost:
                 raise CaptureError(lost[0])
             ep = _functional(ep)
+        if lost:  # (found as the trace's watch ended: a draw its patches did not see)
+            raise CaptureError(lost[0])
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types; the user needs the first line
@@ -172,10 +178,77 @@ def _unsupported_calls(lost: list[str]):
     function.Function.apply, torch.Tensor.register_hook = classmethod(watched_apply), watched_hook
     rnn.pack_padded_sequence = watched_pack
     try:
-        yield
+        with _host_draws(lost):
+            yield
     finally:
         function.Function.apply, torch.Tensor.register_hook = classmethod(apply), register_hook
         rnn.pack_padded_sequence = pack
+
+
+@contextlib.contextmanager
+def _host_draws(lost: list[str]):
+    """Record in `lost` a draw from Python's or numpy's global random generator by the model's
+    code while torch.export traces the forward: the trace runs it once, and the graph keeps
+    that draw as a constant (SpecAugment's masks, drawn with np.random, in transformers'
+    wav2vec2) or the branch it chose (a layer drop on random.random()), so every step would
+    reuse it where one device draws anew: trained silently otherwise. A generator the forward
+    seeds first (BigBird's random attention blocks: np.random.seed(layer) each forward) draws
+    alike every step: kept. Their module-level functions are patched for the trace (the call's
+    place named); a draw they do not see (a function imported by name beforehand) still moves
+    the generator's state, compared after (so does another thread's: said so)."""
+    generators = [(random, random._inst, ())]  # (module, its global generator, its functions that are no methods of it)
+    numpy = sys.modules.get("numpy")  # (a model that draws with numpy imported it)
+    if numpy is not None:
+        generators.append((numpy.random, numpy.random.mtrand._rand, ("seed", "ranf", "sample")))
+    before = [_state_of(gen) for _, gen, _ in generators]
+    seeded: set[str] = set()  # the generators the forward seeded (by module name)
+    patched = []
+    for module, gen, functions in generators:
+        for name in dir(module):
+            fn = getattr(module, name)
+            if (getattr(fn, "__self__", None) is gen or name in functions) and "state" not in name:
+                patched.append((module, name, fn))
+                setattr(module, name, _watched(lost, seeded, module.__name__, name, fn))
+    try:
+        yield
+    finally:
+        for module, name, fn in patched:
+            setattr(module, name, fn)
+    for (module, gen, _), was in zip(generators, before):
+        if _state_of(gen) != was and module.__name__ not in seeded and not lost:
+            lost.append(f"{module.__name__}'s global generator moved as hap captured the forward, by no call "
+                        "it saw (a function imported by name, or another thread: capture before starting threads "
+                        f"that draw from it): if the forward draws, {_HOST_DRAW}")
+
+
+_HOST_DRAW = ("torch.export keeps the one draw made as it traces, so every step would reuse it where one device "
+              "draws anew; draw with torch (torch.rand, torch.bernoulli: hap draws those as one device does), or "
+              "turn that randomness off")
+
+
+def _watched(lost: list[str], seeded: set[str], module: str, name: str, fn):
+    """fn (a draw, or `seed`) noting what the model's code does with it (_host_draws)."""
+    thread = threading.get_ident()
+
+    def call(*args, **kwargs):
+        # (not torch's own use, nor another thread's)
+        if threading.get_ident() == thread and not sys._getframe(1).f_code.co_filename.startswith(_LIBRARY_DIRS):
+            if name == "seed":
+                if (args[0] if args else kwargs.get("seed", kwargs.get("a"))) is not None:
+                    seeded.add(module)
+            elif module not in seeded:
+                lost.append(f"forward draws random numbers with {module}.{name} at {_user_frame()}: {_HOST_DRAW}")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _state_of(gen) -> tuple:
+    """A generator's state, comparable with == (numpy's holds an array: its bytes)."""
+    if hasattr(gen, "getstate"):  # Python's
+        return gen.getstate()
+    name, keys, *rest = gen.get_state()
+    return name, keys.tobytes(), *rest
 
 
 def _user_frame() -> str:
@@ -236,15 +309,36 @@ def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, val, like: torch
 
 
 def _first_line(e: Exception) -> str:
-    """torch's first line, and where in the model's code torch says the error arose (a data-
-    dependent branch: `if labels.max() >= vocab`), which its message gives further down."""
+    """torch's first line, and where in the model's code the error arose (a data-dependent
+    branch: `if labels.max() >= vocab`): where torch's message says, in either of its two
+    forms, else the innermost frame of the model's code in the traceback."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
+    if type(e).__name__ == "DynamicOutputShapeException":  # its message is the op alone
+        first = f"the shape of {first}'s output depends on its inputs' values, which torch.export cannot trace"
     where = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]+(\S[^\n]*))?', text)
+    caused = re.search(r"Caused by: \((\S+?):(\d+) in (\S+)\)", text)
     if where:
         path, line, fn, code = where.groups()
-        first += f" (at {os.path.basename(path)}:{line} in {fn}" + (f": {code.strip()}" if code else "") + ")"
-    return first
+    elif caused:
+        path, line, fn = caused.groups()
+        code = linecache.getline(_loaded_file(path), int(line))
+    else:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+        if not frames:
+            return first
+        path, line, fn, code = frames[-1].filename, frames[-1].lineno, frames[-1].name, frames[-1].line
+    code = (code or "").strip()
+    return first + f" (at {os.path.basename(path)}:{line} in {fn}" + (f": {code}" if code else "") + ")"
+
+
+def _loaded_file(tail: str) -> str:
+    """The file of a loaded module whose path ends with `tail` (torch names one so), or tail."""
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None) or ""
+        if path.endswith(os.sep + tail):
+            return path
+    return tail
 
 
 def _functional(ep: ExportedProgram) -> ExportedProgram:

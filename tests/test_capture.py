@@ -2,13 +2,17 @@
 
 import contextlib
 import importlib
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 from hap._torch import FAKE_TENSOR_LOGGER
 from hap.capture import CaptureError, capture
+
+_numpy_rand = np.random.rand  # (DrawnByAlias)
 
 torch.set_num_threads(1)
 
@@ -114,7 +118,8 @@ def test_a_shape_the_model_cannot_run_is_one_line_with_no_log(monkeypatch):
     fake.addHandler(listener)
     try:
         with pytest.raises(CaptureError, match=r"^torch.export could not capture Mixing: a and b must have same "
-                                               r"reduction dim, but got \[2, 4\] X \[5, 5\]\.$"):
+                                               r"reduction dim, but got \[2, 4\] X \[5, 5\]\. \(at test_capture\.py:\d+ "
+                                               r"in forward: return \(x @ self\.w\)\.sum\(\)\)$"):
             capture(Mixing(), (torch.randn(2, 4),))
         assert logged == []
         with monkeypatch.context() as m:  # the control: unsilenced, torch logs there (it has not renamed the logger)
@@ -206,6 +211,106 @@ def test_a_data_dependent_branch_is_refused_naming_its_line():
     with pytest.raises(CaptureError, match=r"could not capture LabelCheck: .*\(at test_capture\.py:\d+ in forward: "
                                            r"if labels\.max\(\) >= 5:"):
         capture(LabelCheck(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])))
+
+
+class LabelIndex(nn.Module):
+    """DeBERTa-v2's classification head: a branch on how many labels are set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        index = (labels >= 0).nonzero()
+        if index.size(0) > 0:
+            return nn.functional.cross_entropy(self.lin(x), labels)
+        return self.lin(x).sum() * 0.0
+
+
+class CTC(nn.Module):
+    """A speech head's loss: ctc_loss, whose output's shape depends on the target lengths' values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 6)
+
+    def forward(self, x, targets, target_lengths):
+        log_probs = self.lin(x).log_softmax(-1).transpose(0, 1)  # [T, N, C]
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return nn.functional.ctc_loss(log_probs, targets, lengths, target_lengths)
+
+
+def test_where_export_failed_is_named_in_each_of_torchs_forms():
+    """torch names the line of a data-dependent branch in a second form ("Caused by: (file:line
+    in forward)"), which the one-line error lost; and a ctc_loss fails with its op's name alone
+    (DynamicOutputShapeException): the error says why, and the traceback gives the line."""
+    with pytest.raises(CaptureError, match=r"could not capture LabelIndex: .*data-dependent.* \(at test_capture\.py:\d+ "
+                                           r"in forward: if index\.size\(0\) > 0:\)$"):
+        capture(LabelIndex(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])))
+    with pytest.raises(CaptureError, match=r"could not capture CTC: the shape of aten\._ctc_loss\.\w+'s output depends on "
+                                           r"its inputs' values, which torch\.export cannot trace \(at test_capture\.py:\d+ "
+                                           r"in forward: return nn\.functional\.ctc_loss\("):
+        capture(CTC(), (torch.randn(2, 7, 8), torch.tensor([[1, 2, 3], [2, 3, 1]]), torch.tensor([3, 2])))
+
+
+class SpecAugment(nn.Module):
+    """Masks drawn with numpy inside the forward, as transformers' wav2vec2 draws SpecAugment's."""
+
+    def __init__(self, seeded: bool = False):
+        super().__init__()
+        self.lin, self.seeded = nn.Linear(8, 1), seeded
+
+    def forward(self, x):
+        if self.seeded:  # BigBird's random attention blocks: seeded each forward, alike every step
+            np.random.seed(3)
+        keep = torch.from_numpy(np.random.rand(*x.shape) > 0.3)
+        return self.lin(x * keep).pow(2).mean()
+
+
+class LayerDrop(nn.Module):
+    """A layer skipped at random, decided by Python's generator in a Python branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        if random.random() > 0.5:
+            x = self.a(x)
+        return self.b(x).pow(2).mean()
+
+
+class DrawnByAlias(nn.Module):
+    """numpy's draw through a name imported before capture (hap's patch does not see it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin(x * float(_numpy_rand())).pow(2).mean()
+
+
+def test_a_draw_from_pythons_or_numpys_generator_in_the_forward_is_refused():
+    """export kept SpecAugment's numpy masks as a constant: every step trained on the masks of
+    the capture, where one device draws new ones (the loss was 1.108215 against 1.107070 after
+    one step for transformers' wav2vec2), silently. A generator seeded in the forward first draws
+    alike every step: captured. Python's and numpy's generators are left as they were, bar the
+    draws the forward made."""
+    x = torch.randn(4, 8)
+    with pytest.raises(CaptureError, match=r"^forward draws random numbers with numpy\.random\.rand at test_capture\.py:"
+                                           r"\d+: torch\.export keeps the one draw made as it traces, so every step would "
+                                           r"reuse it where one device draws anew; draw with torch \(torch\.rand"):
+        capture(SpecAugment(), (x,))
+    with pytest.raises(CaptureError, match=r"^forward draws random numbers with random\.random at test_capture\.py:\d+: "):
+        capture(LayerDrop(), (x,))
+    with pytest.raises(CaptureError, match=r"^numpy\.random's global generator moved as hap captured the forward, by no "
+                                           r"call it saw \(a function imported by name, or another thread: .*\): if the "
+                                           r"forward draws, torch\.export keeps"):
+        capture(DrawnByAlias(), (x,))
+    assert np.random.rand is _numpy_rand and random.random.__self__ is random._inst  # (put back)
+    graph = capture(SpecAugment(seeded=True), (x,))
+    assert graph.constants  # the seeded masks, as one device draws them every step
 
 
 def test_a_forward_taking_a_dict_is_refused_saying_what_to_do():
