@@ -402,6 +402,13 @@ def graph_from_exported(ep: ExportedProgram, name: str, aliases: dict[str, str] 
                                "place; hap trains parameters by their gradients only")
     for spec in ep.graph_signature.input_specs:
         kind = _KIND_OF_INPUT.get(spec.kind)
+        if kind is None and getattr(spec.arg, "class_fqn", "").endswith("Generator"):
+            placeholder = next(fx for fx in ep.graph.nodes if fx.op == "placeholder" and fx.name == spec.arg.name)
+            user = next(iter(placeholder.users), None)
+            where = f"{user.target} at {_scope(user) or 'the top module'}" if user is not None else spec.arg.name
+            raise CaptureError(f"forward draws with a torch.Generator of its own ({where}): hap draws random numbers "
+                               "from torch's default generator, as one device does, and cannot carry another's state; "
+                               "draw from the default (torch.manual_seed seeds it)")
         if kind is None:
             raise CaptureError(f"unsupported graph input kind {spec.kind} for {spec.arg}")
         kinds[spec.arg.name] = kind

@@ -291,12 +291,33 @@ class DrawnByAlias(nn.Module):
         return self.lin(x * float(_numpy_rand())).pow(2).mean()
 
 
+class OwnGenerator(nn.Module):
+    """Dropout drawn from a generator of the model's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.drop = _GeneratorDropout()
+
+    def forward(self, x):
+        return self.lin(self.drop(x)).pow(2).mean()
+
+
+class _GeneratorDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        return x * (torch.rand(x.shape, generator=self.gen) > 0.3)
+
+
 def test_a_draw_from_pythons_or_numpys_generator_in_the_forward_is_refused():
     """export kept SpecAugment's numpy masks as a constant: every step trained on the masks of
     the capture, where one device draws new ones (the loss was 1.108215 against 1.107070 after
     one step for transformers' wav2vec2), silently. A generator seeded in the forward first draws
     alike every step: captured. Python's and numpy's generators are left as they were, bar the
-    draws the forward made."""
+    draws the forward made. A torch.Generator of the model's own is refused naming its op."""
     x = torch.randn(4, 8)
     with pytest.raises(CaptureError, match=r"^forward draws random numbers with numpy\.random\.rand at test_capture\.py:"
                                            r"\d+: torch\.export keeps the one draw made as it traces, so every step would "
@@ -309,6 +330,9 @@ def test_a_draw_from_pythons_or_numpys_generator_in_the_forward_is_refused():
                                            r"forward draws, torch\.export keeps"):
         capture(DrawnByAlias(), (x,))
     assert np.random.rand is _numpy_rand and random.random.__self__ is random._inst  # (put back)
+    with pytest.raises(CaptureError, match=r"^forward draws with a torch\.Generator of its own \(aten\.rand\.generator at "
+                                           r"drop\): hap draws random numbers from torch's default generator"):
+        capture(OwnGenerator(), (x,))  # (it was "unsupported graph input kind InputKind.CUSTOM_OBJ for ...")
     graph = capture(SpecAugment(seeded=True), (x,))
     assert graph.constants  # the seeded masks, as one device draws them every step
 
