@@ -84,14 +84,14 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
         model.train(training)
     lost: list[str] = []
     try:
-        with warnings.catch_warnings(), _unsupported_calls(lost), quiet_fake_tensors(), _without_autocast():
+        with warnings.catch_warnings(), _unsupported_calls(lost), _HostDraws() as draws, quiet_fake_tensors(), \
+                _without_autocast():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, example_inputs)
             if lost:
                 raise CaptureError(lost[0])
+            draws.check_alike(ep, lambda: torch.export.export(model, example_inputs))
             ep = _functional(ep)
-        if lost:  # (found as the trace's watch ended: a draw its patches did not see)
-            raise CaptureError(lost[0])
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types; the user needs the first line
@@ -178,47 +178,109 @@ def _unsupported_calls(lost: list[str]):
     function.Function.apply, torch.Tensor.register_hook = classmethod(watched_apply), watched_hook
     rnn.pack_padded_sequence = watched_pack
     try:
-        with _host_draws(lost):
-            yield
+        yield
     finally:
         function.Function.apply, torch.Tensor.register_hook = classmethod(apply), register_hook
         rnn.pack_padded_sequence = pack
 
 
-@contextlib.contextmanager
-def _host_draws(lost: list[str]):
-    """Record in `lost` a draw from Python's or numpy's global random generator by the model's
-    code while torch.export traces the forward: the trace runs it once, and the graph keeps
-    that draw as a constant (SpecAugment's masks, drawn with np.random, in transformers'
-    wav2vec2) or the branch it chose (a layer drop on random.random()), so every step would
-    reuse it where one device draws anew: trained silently otherwise. A generator the forward
-    seeds first (BigBird's random attention blocks: np.random.seed(layer) each forward) draws
-    alike every step: kept. Their module-level functions are patched for the trace (the call's
-    place named); a draw they do not see (a function imported by name beforehand) still moves
-    the generator's state, compared after (so does another thread's: said so)."""
-    generators = [(random, random._inst, ())]  # (module, its global generator, its functions that are no methods of it)
-    numpy = sys.modules.get("numpy")  # (a model that draws with numpy imported it)
-    if numpy is not None:
-        generators.append((numpy.random, numpy.random.mtrand._rand, ("seed", "ranf", "sample")))
-    before = [_state_of(gen) for _, gen, _ in generators]
-    seeded: set[str] = set()  # the generators the forward seeded (by module name)
-    patched = []
-    for module, gen, functions in generators:
-        for name in dir(module):
-            fn = getattr(module, name)
-            if (getattr(fn, "__self__", None) is gen or name in functions) and "state" not in name:
-                patched.append((module, name, fn))
-                setattr(module, name, _watched(lost, seeded, module.__name__, name, fn))
-    try:
-        yield
-    finally:
-        for module, name, fn in patched:
+class _HostDraws:
+    """Python's and numpy's global random generators while torch.export traces the forward
+    (a context manager). The trace runs the forward once: a draw the graph uses is kept as a
+    constant (SpecAugment's masks, drawn with np.random in transformers' wav2vec2) or as the
+    branch it chose (a layer drop on random.random()), so every step would reuse it where one
+    device draws anew, silently. A draw the graph never uses (MusicGen's layer drop at
+    probability 0: random.uniform every layer) or draws alike every step (BigBird's random
+    attention blocks, seeded in the forward) is harmless. So where the model's code drew
+    (`sites`: their module-level functions are patched for the trace, the call's place
+    noted) or a generator's state moved otherwise (a function imported by name, or another
+    thread), `check_alike` traces twice more, the uniform draws at the bottom of their range
+    and then at its top (so a branch on `draw < p` goes both ways) and the others from moved
+    states; a graph that differs is refused. (A generator object of the forward's own,
+    np.random.default_rng()'s, is not watched.)"""
+
+    def __init__(self):
+        self.generators = [(random, random._inst, ())]  # (module, its global generator, its functions that are no methods of it)
+        numpy = sys.modules.get("numpy")  # (a model that draws with numpy imported it)
+        if numpy is not None:
+            self.generators.append((numpy.random, numpy.random.mtrand._rand, ("seed", "ranf", "sample", "default_rng")))
+        self.sites: list[str] = []
+        self.extreme: str | None = None  # "low" or "high": where check_alike's traces put uniform draws
+        self._reseeded: set[str] = set()  # the generators the forward seeded in this trace (their draws follow)
+        self._patched: list[tuple] = []
+
+    def __enter__(self) -> "_HostDraws":
+        self.before = self._states()
+        thread = threading.get_ident()
+        for module, gen, functions in self.generators:
+            for name in dir(module):
+                fn = getattr(module, name)
+                if (getattr(fn, "__self__", None) is gen or name in functions) and "state" not in name:
+                    self._patched.append((module, name, fn))
+                    setattr(module, name, self._watched(module.__name__, name, fn, thread))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, fn in self._patched:
             setattr(module, name, fn)
-    for (module, gen, _), was in zip(generators, before):
-        if _state_of(gen) != was and module.__name__ not in seeded and not lost:
-            lost.append(f"{module.__name__}'s global generator moved as hap captured the forward, by no call "
-                        "it saw (a function imported by name, or another thread: capture before starting threads "
-                        f"that draw from it): if the forward draws, {_HOST_DRAW}")
+
+    def _watched(self, module: str, name: str, fn, thread: int):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            # (the model's code on the capturing thread: not torch's own use, nor another thread's)
+            if threading.get_ident() != thread or _is_library(sys._getframe(1).f_code.co_filename):
+                return out
+            if name == "seed":  # (the generator's state moved: checked, but no draw to name)
+                if (args[0] if args else kwargs.get("seed", kwargs.get("a"))) is not None:
+                    self._reseeded.add(module)
+                return out
+            self.sites.append(f"{module}.{name} at {_user_frame()}")
+            if self.extreme and module not in self._reseeded and (module, name) in _UNIFORM:
+                lo, hi = _UNIFORM[(module, name)](*args, **kwargs)
+                return out * 0 + (lo if self.extreme == "low" else hi - (hi - lo) * 1e-12)  # (a float, or an array of its shape)
+            return out
+
+        return call
+
+    def _states(self) -> list:
+        return [gen.getstate() if module is random else gen.get_state(legacy=False) for module, gen, _ in self.generators]
+
+    def check_alike(self, ep: ExportedProgram, trace_again) -> None:
+        """A CaptureError where the model's code drew (or a generator moved) and another trace,
+        its uniform draws at an end of their range and the others from moved states, gives
+        another graph."""
+        after = self._states()
+        if not self.sites and all(_frozen(a) == _frozen(b) for a, b in zip(after, self.before)):
+            return
+        first = self.sites[0] if self.sites else None
+        try:
+            for extreme in ("low", "high"):
+                for _, gen, _ in self.generators:
+                    for _ in range(7):
+                        gen.random()
+                self.extreme, self._reseeded = extreme, set()
+                other = trace_again()
+                if not _same_graph(ep, other):
+                    where = (f"with {first}" if first else
+                             "outside torch (a generator moved by no call hap saw: a function imported by name)")
+                    raise CaptureError(f"forward draws random numbers {where}, and the graph depends on them: "
+                                       f"{_HOST_DRAW}")
+        finally:
+            self.extreme = None
+            for (module, gen, _), state in zip(self.generators, after):
+                if module is random:
+                    gen.setstate(state)
+                else:
+                    gen.set_state(state)
+
+
+_UNIFORM = {  # (module, function) -> the range its draw is uniform over, from its arguments
+    ("random", "random"): lambda: (0.0, 1.0),
+    ("random", "uniform"): lambda a, b: (a, b),
+    **{("numpy.random", name): lambda *args, **kwargs: (0.0, 1.0)
+       for name in ("rand", "random", "random_sample", "ranf", "sample")},
+    ("numpy.random", "uniform"): lambda low=0.0, high=1.0, size=None: (low, high),
+}
 
 
 _HOST_DRAW = ("torch.export keeps the one draw made as it traces, so every step would reuse it where one device "
@@ -226,40 +288,37 @@ _HOST_DRAW = ("torch.export keeps the one draw made as it traces, so every step 
               "turn that randomness off")
 
 
-def _watched(lost: list[str], seeded: set[str], module: str, name: str, fn):
-    """fn (a draw, or `seed`) noting what the model's code does with it (_host_draws)."""
-    thread = threading.get_ident()
-
-    def call(*args, **kwargs):
-        # (not torch's own use, nor another thread's)
-        if threading.get_ident() == thread and not sys._getframe(1).f_code.co_filename.startswith(_LIBRARY_DIRS):
-            if name == "seed":
-                if (args[0] if args else kwargs.get("seed", kwargs.get("a"))) is not None:
-                    seeded.add(module)
-            elif module not in seeded:
-                lost.append(f"forward draws random numbers with {module}.{name} at {_user_frame()}: {_HOST_DRAW}")
-        return fn(*args, **kwargs)
-
-    return call
+def _frozen(state) -> object:
+    """A generator's state comparable with == (numpy's holds arrays: their bytes)."""
+    if isinstance(state, dict):
+        return tuple((k, _frozen(v)) for k, v in sorted(state.items()))
+    return state.tobytes() if hasattr(state, "tobytes") else state
 
 
-def _state_of(gen) -> tuple:
-    """A generator's state, comparable with == (numpy's holds an array: its bytes)."""
-    if hasattr(gen, "getstate"):  # Python's
-        return gen.getstate()
-    name, keys, *rest = gen.get_state()
-    return name, keys.tobytes(), *rest
+def _same_graph(a: ExportedProgram, b: ExportedProgram) -> bool:
+    """Two traces of one model captured alike: the same code and constants."""
+    if a.graph_module.code != b.graph_module.code or a.constants.keys() != b.constants.keys():
+        return False
+    return all(torch.equal(x, b.constants[k]) if isinstance(x, torch.Tensor) else x is b.constants[k]
+               for k, x in a.constants.items())
 
 
 def _user_frame() -> str:
     """file:line of the innermost caller outside torch and hap (the model's code)."""
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARY_DIRS)):
+    while frame is not None and _is_library(frame.f_code.co_filename):
         frame = frame.f_back
     return "an unknown place" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "<")
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep, "<")
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _is_library(path: str) -> bool:
+    """Whether a frame's file is torch's, hap's, generated code's or the standard library's:
+    not the model's code."""
+    return path.startswith(_LIBRARY_DIRS) or (path.startswith(_STDLIB) and "-packages" + os.sep not in path)
 
 
 def _cuda_devices(model: torch.nn.Module, example_inputs: tuple) -> list[int]:
@@ -324,7 +383,7 @@ def _first_line(e: Exception) -> str:
         path, line, fn = caused.groups()
         code = linecache.getline(_loaded_file(path), int(line))
     else:
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not _is_library(f.filename)]
         if not frames:
             return first
         path, line, fn, code = frames[-1].filename, frames[-1].lineno, frames[-1].name, frames[-1].line
