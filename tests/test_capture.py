@@ -290,12 +290,8 @@ class Plain(nn.Module):
         return self.lin(x).pow(2).mean()
 
 
-class DrawnByAlias(nn.Module):
+class DrawnByAlias(Plain):
     """numpy's draw through a name imported before capture (hap's patch does not see it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 1)
 
     def forward(self, x):
         return self.lin(x * float(_numpy_rand())).pow(2).mean()
