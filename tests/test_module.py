@@ -81,6 +81,56 @@ def test_hap_trains_vit_like_one_device(tmp_path):
             assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-4, atol=1e-5), name
 
 
+class _Head(torch.nn.Module):
+    def __init__(self, width: int, extra: bool = False):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, width)
+        if extra:
+            self.extra = torch.nn.Linear(width, width)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        if hasattr(self, "extra"):
+            h = self.extra(h)
+        return torch.nn.functional.cross_entropy(h, y)
+
+
+def test_a_wrapper_of_what_is_no_module_says_so():
+    """It was an AttributeError: 'function' object has no attribute 'parameters'."""
+    x = torch.randn(4, 8)
+    for wrapper in (hap.HAP, hap.Pipeline):
+        with pytest.raises(TypeError, match=rf"^hap\.{wrapper.__name__} wraps a torch\.nn\.Module whose forward returns "
+                                            r"the loss, got function$"):
+            wrapper(lambda x: x.sum(), hap.load_cluster("local"), (x,), None)
+
+
+def wrap_unlike(rank, world, how):
+    """Rank 1 wraps another model (`how`: "width", a wider layer; "extra", one layer more) or
+    the same model with example inputs of other rows ("rows"): every rank's one-line error."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    model = _Head(5 if how == "width" and rank == 1 else 4, extra=how == "extra" and rank == 1)
+    if how == "rows" and rank == 1:
+        x, y = x[:6], y[:6]
+    try:
+        hap.HAP(model, hap.load_cluster("local"), (x, y))
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e)}
+
+
+@pytest.mark.parametrize("how,leaf", [
+    ("width", "its leaf 0 is lin.weight (param (5, 8) float32), rank 0's lin.weight (param (4, 8) float32)"),
+    ("extra", "its leaf 2 is extra.weight (param (4, 4) float32), rank 0's"),
+    ("rows", "its leaf 2 is x (input (6, 8) float32), rank 0's x (input (8, 8) float32)")])
+def test_ranks_that_wrap_other_models_or_inputs_are_refused(how, leaf, tmp_path):
+    """Rank 1 wrapping a wider layer trained on rank 0's plan and values, silently (its own
+    model's state kept apart); one layer more failed in the executor (IndexError); example
+    inputs of other rows waited for the collective timeout. DDP refuses such ranks; so does hap."""
+    for rank, got in enumerate(run_ranks(wrap_unlike, 2, tmp_path, how)):
+        assert got["error"].startswith("rank 1's model or example inputs differ from rank 0's: " + leaf), (rank, got)
+
+
 def train_from_own_seeds(rank, world):
     """Every rank builds the model under its own seed (as a script that seeds nothing does):
     hap.HAP takes rank 0's parameters and buffers, as DDP does."""

@@ -66,6 +66,8 @@ class Pipeline(MirrorsModel):
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
                  comm: Comm | None = None):
         super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"hap.Pipeline wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
         comm = rank_comm(cluster, comm, "hap.Pipeline")
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster), as hap.HAP
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
@@ -80,10 +82,10 @@ class Pipeline(MirrorsModel):
         if plan is None and comm.rank == 0:  # (other ranks may leave it to rank 0's: told to them too)
             plan = TypeError("hap.Pipeline needs a pipeline Plan (hap.planners.make_plan('pp-exact', graph, cluster, "
                              "config), or hap.Plan.from_json of one), got None")
-        self.plan = plan = agree_plan(plan, comm)
+        self.graph = graph = capture(model, example_tuple(example_inputs))
+        self.plan = plan = agree_plan(plan, comm, graph)
         if len(plan.stages) < 2 or plan.schedule is None:
             raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")
-        self.graph = graph = capture(model, example_tuple(example_inputs))
         self._state_keys = state_keys(model, graph)
         K, M = len(plan.stages), plan.schedule.micro_batches
         self.K, self.M, self.schedule = K, M, plan.schedule.name

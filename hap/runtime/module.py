@@ -69,6 +69,8 @@ class HAP(MirrorsModel):
         all-reduce per step); False returns this rank's part of it (the parts sum to the loss,
         and backward is the same), saving that all-reduce, as DDP returns each rank's own loss."""
         super().__init__()
+        if not isinstance(model, nn.Module):  # (it was an AttributeError: 'function' object has no attribute 'parameters')
+            raise TypeError(f"hap.HAP wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
         comm = rank_comm(cluster, comm, "hap.HAP")
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster)
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
@@ -94,7 +96,7 @@ class HAP(MirrorsModel):
                 plan = make_plan(graph, cluster, config)
             except (ValueError, TypeError, SearchError) as e:  # told to the others, waiting for the plan
                 plan = e
-        self.plan = agree_plan(plan, comm)
+        self.plan = agree_plan(plan, comm, graph)
         segment_of = self.plan.segment_of
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.plan.check_shards(graph, classes)  # (this rank's rounding: the same on every rank)
@@ -320,7 +322,7 @@ class HAP(MirrorsModel):
                 kept = {name: p for name, (p, _) in base.stored.items()}  # every rank plans; they must agree
                 segment_of = _segments_like(self.graph, base.segment_of, graph)
                 plan = agree_plan(plan_for_layout(graph, self.cluster, self.plan.ratios, kept, segment_of=segment_of),
-                                  self.comm)
+                                  self.comm, graph)
                 how = f"a program planned for it in {plan.synthesis_seconds:.2f} s"
             ex = Executor(graph, plan.steps(graph), ShardClasses(graph, enumerate(strategy_table(graph))),
                           plan.segment_of, plan.ratios, self.comm)
@@ -1191,9 +1193,11 @@ def unlike_rank_0(values: Sequence) -> list[int]:
     return [r for r, v in enumerate(values) if v != values[0]]
 
 
-def agree_plan(plan: Plan | Exception | None, comm: Comm) -> Plan:
+def agree_plan(plan: Plan | Exception | None, comm: Comm, graph=None) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error, and so
-    is rank 0's failure to plan (`plan` an exception there), on every rank."""
+    is rank 0's failure to plan (`plan` an exception there), on every rank; and with `graph`
+    (this rank's capture), a rank whose model or example inputs differ from rank 0's (DDP's
+    check: they trained, on rank 0's plan and values, or failed deep in the executor)."""
     if plan is not None and not isinstance(plan, (Plan, Exception)):  # (rank 0's is told to every rank)
         plan = TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
     failed = isinstance(plan, Exception)
@@ -1204,13 +1208,37 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm) -> Plan:
     if not box[0].lstrip().startswith("{"):
         raise ValueError(f"rank 0 could not plan: {box[0]}")
     agreed = Plan.from_json(box[0])
-    digests = every_rank(plan.digest if plan is not None else agreed.digest, comm)
+    told = every_rank((plan.digest if plan is not None else agreed.digest, graph_leaves(graph)), comm)
+    unlike = next((r for r, (_, leaves) in enumerate(told) if leaves != told[0][1]), None)
+    if unlike is not None:
+        raise ValueError(_leaves_differ(told[unlike][1], told[0][1], unlike))
+    digests = [digest for digest, _ in told]
     bad = unlike_rank_0(digests)
     if bad:
         raise ValueError(f"ranks {bad} were given a plan (digest {digests[bad[0]]}) other than rank 0's ({digests[0]})")
     if len(agreed.devices) != comm.world:
         raise ValueError(f"the plan is for {len(agreed.devices)} devices but {comm.world} ranks are running")
     return agreed
+
+
+def graph_leaves(graph) -> list[tuple] | None:
+    """What every rank's capture must agree on: each parameter, buffer and input, by name, with
+    its kind, shape and dtype, in graph order (None without a graph)."""
+    if graph is None:
+        return None
+    return [(t.target or name, t.kind, tuple(t.shape), t.dtype) for name, t in graph.tensors.items()
+            if t.kind in ("param", "buffer", "input")]
+
+
+def _leaves_differ(theirs: list[tuple], ours: list[tuple], rank: int) -> str:
+    """The first leaf where rank `rank`'s capture differs from rank 0's, in one line."""
+    at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+
+    def said(leaves):
+        return f"{leaves[at][0]} ({leaves[at][1]} {leaves[at][2]} {leaves[at][3]})" if at < len(leaves) else "nothing"
+
+    return (f"rank {rank}'s model or example inputs differ from rank 0's: its leaf {at} is {said(theirs)}, rank 0's "
+            f"{said(ours)} (every rank wraps the same model, with inputs of the same shapes)")
 
 
 def _device_groups(plan: Plan, comm: Comm, more=(), made=None) -> dict[tuple[tuple[int, ...], int], object]:
