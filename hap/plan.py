@@ -273,13 +273,26 @@ class Plan:
         if version != FORMAT_VERSION:
             raise ValueError(f"plan format version {version!r} is not {FORMAT_VERSION}")
         d = dict(d)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = next((k for k in d if k not in fields), None)
+        missing = next((name for name, f in fields.items() if name not in d and f.default is dataclasses.MISSING
+                        and f.default_factory is dataclasses.MISSING), None)
+        if unknown or missing:  # (they were Python's words: "Plan.__init__() missing 1 required keyword-only ...")
+            raise ValueError(f"malformed plan: {f'unknown field {unknown!r}' if unknown else f'no field {missing!r}'}")
+        parts = (("a stage", "stages", lambda: [_stage_from_dict(st) for st in d["stages"]]),
+                 ("a sync entry", "sync", lambda: [SyncEntry(**{**e, "devices": tuple(e["devices"]), "rows": tuple(
+                     e["rows"]) if e.get("rows") is not None else None}) for e in d["sync"]]),
+                 ("its schedule", "schedule", lambda: Schedule(**d["schedule"]) if d.get("schedule") else None))
+        for what, key, read in parts:
+            try:
+                d[key] = read()
+            except KeyError as e:  # (it said "malformed plan: 'program'")
+                raise ValueError(f"malformed plan: {what} has no field {e}") from None
+            except (TypeError, AttributeError) as e:
+                raise ValueError(f"malformed plan: {what}: {e}") from None
         try:
-            d["stages"] = [_stage_from_dict(st) for st in d["stages"]]
-            d["sync"] = [SyncEntry(**{**e, "devices": tuple(e["devices"]),
-                                      "rows": tuple(e["rows"]) if e.get("rows") is not None else None}) for e in d["sync"]]
-            d["schedule"] = Schedule(**d["schedule"]) if d.get("schedule") else None
             plan = cls(**d)
-        except (KeyError, TypeError, AttributeError) as e:
+        except (TypeError, AttributeError) as e:
             raise ValueError(f"malformed plan: {e}") from None
         plan._validate()
         return plan
@@ -369,13 +382,21 @@ class Plan:
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "Plan":
-        text = str(path_or_text)
+        text, where = str(path_or_text), "malformed plan"
         if not text.lstrip().startswith("{"):
-            text = Path(path_or_text).read_text()
+            where = f"plan file {text}"
+            try:
+                text = Path(path_or_text).read_text()
+            except OSError as e:  # (a bare FileNotFoundError, IsADirectoryError)
+                raise ValueError(f"{where}: cannot read it ({e.strerror})") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not a text file (a plan is JSON)") from None
         try:
             data = json.loads(text)
-        except RecursionError:  # (a ValueError for any other bad JSON)
-            raise ValueError("malformed plan: its JSON nests too deeply") from None
+        except RecursionError:
+            raise ValueError(f"{where}: its JSON nests too deeply") from None
+        except json.JSONDecodeError as e:  # (it said "Expecting value: line 1 column 1 (char 0)", naming no plan)
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(data)
 
     @property

@@ -338,7 +338,7 @@ def test_two_segments_keep_both_shard_sizes(graph):
     assert shards[("linear", 0, 0)] == [24, 8] and shards[("linear", 0, 1)] == [13, 19]
 
 
-def test_old_and_malformed_plans_are_one_line_errors(result):
+def test_old_and_malformed_plans_are_one_line_errors(result, tmp_path):
     data = result.to_dict()
     with pytest.raises(ValueError, match="version-1 plan .* plan the model again") as e:
         Plan.from_dict({**data, "version": 1})
@@ -428,6 +428,21 @@ def test_old_and_malformed_plans_are_one_line_errors(result):
     Plan.from_dict({**data, "breakdown": {**data["breakdown"], "gradient_sync_overlapped": -2.3e-18}})
     with pytest.raises(ValueError, match="^malformed plan: its JSON nests too deeply$"):  # a RecursionError
         Plan.from_json('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    # these said Python's words: "malformed plan: 'program'", "Plan.__init__() missing 1 required
+    # keyword-only argument: 'cluster'", or a bare JSONDecodeError, FileNotFoundError, IsADirectoryError
+    for edit, message in (({"stages": [{k: v for k, v in st.items() if k != "program"}]}, "a stage has no field 'program'"),
+                          ({"sync": [{}]}, "a sync entry has no field 'devices'"),
+                          ({"cluster": None, "colour": 1}, "unknown field 'colour'")):
+        with pytest.raises(ValueError, match="^malformed plan: " + message + "$"):
+            Plan.from_dict({**data, **edit})
+    with pytest.raises(ValueError, match="^malformed plan: no field 'cluster'$"):
+        Plan.from_dict({k: v for k, v in data.items() if k != "cluster"})
+    bad = tmp_path / "plan.json"
+    bad.write_text("")
+    for path, message in ((bad, "not valid JSON \\(Expecting value at line 1\\)"), (tmp_path / "none.json", "cannot read it "
+                          "\\(No such file or directory\\)"), (tmp_path, "cannot read it \\(Is a directory\\)")):
+        with pytest.raises(ValueError, match=f"^plan file {path}: {message}$"):
+            Plan.from_json(path)
 
 
 def test_a_shard_beyond_the_tensors_dims_or_a_share_near_the_float_limit_is_one_line(graph):
