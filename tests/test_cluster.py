@@ -1,6 +1,7 @@
 """Cluster files: parsing, units, validation with one-line errors, built-ins."""
 
 import math
+import re
 
 import pytest
 
@@ -122,6 +123,11 @@ def test_a_directory_or_binary_file_is_not_a_cluster(tmp_path):
 def test_unknown_name():
     with pytest.raises(ClusterError, match="no cluster named 'nope'"):
         load_cluster("nope")
+    # a dict said "no cluster named '{'devices': []}'", and "" ". is a directory"
+    for given in ({"devices": []}, "", None):
+        with pytest.raises(ClusterError, match=rf"^load_cluster takes a built-in cluster's name or a YAML file's path, "
+                                               rf"got {re.escape(repr(given))} \(a cluster as a dict: "):
+            load_cluster(given)
 
 
 def test_builtins_are_valid_and_paper_shaped():

@@ -538,6 +538,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_cluster(path_or_name: str | Path) -> Cluster:
     """A built-in cluster by name, or a YAML file by path."""
+    if not isinstance(path_or_name, (str, Path)) or not str(path_or_name).strip():
+        # (a dict said "no cluster named '{'devices': []}'", "" ". is a directory")
+        raise ClusterError(f"load_cluster takes a built-in cluster's name or a YAML file's path, got {path_or_name!r} "
+                           "(a cluster as a dict: hap.cost.cluster.cluster_from_dict)")
     text = str(path_or_name)
     if text in BUILTIN:
         return BUILTIN[text]()
