@@ -494,6 +494,10 @@ class Plan:
                     raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim}, a tensor of "
                                      f"{len(graph.tensors[sh.tensor].shape)} dims (a hand-edited plan?)")
                 mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
+                if mine is not None and list(mine) != list(sh.sizes) and sum(mine) == sum(sh.sizes):
+                    # (the same whole: it blamed another model or batch)
+                    raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, but stage {k}'s "
+                                     f"ratios {list(ratios)} split it into {list(mine)}: its ratios or shards were edited")
                 if mine is None or list(mine) != list(sh.sizes):
                     raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "
                                      f"{'has no ' + sh.tensor if mine is None else 'into ' + str(list(mine))}: a plan "

@@ -179,6 +179,12 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     capsys.readouterr()
     assert refused(tmp_path / "edited.json").endswith("synchronizes ['p_nope'], which are not parameters of this model")
+    reratioed = json.loads((tmp_path / "vit.json").read_text())  # ratios edited, shards kept: it blamed the model
+    reratioed["stages"][0]["ratios"] = [[0.6, 0.4]]
+    (tmp_path / "reratioed.json").write_text(json.dumps(reratioed))
+    capsys.readouterr()
+    assert re.search(r"into \[\d+, \d+\], but stage 0's ratios \[0\.6, 0\.4\] split it into \[\d+, \d+\]: its ratios or "
+                     r"shards were edited$", refused(tmp_path / "reratioed.json"))
     dropped = json.loads((tmp_path / "vit.json").read_text())  # a parameter's sync entry deleted by hand
     gone = dropped["sync"].pop()["param"]
     (tmp_path / "dropped.json").write_text(json.dumps(dropped))
