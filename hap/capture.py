@@ -259,8 +259,11 @@ class _HostDraws:
                     for _ in range(7):
                         gen.random()
                 self.extreme, self._reseeded = extreme, set()
-                other = trace_again()
-                if not _same_graph(ep, other):
+                try:
+                    other = trace_again()
+                except Exception:  # (the first trace ran: the draws' values, computed with, failed this one)
+                    other = None
+                if other is None or not _same_graph(ep, other):
                     where = (f"with {first}" if first else
                              "outside torch (a generator moved by no call hap saw: a function imported by name)")
                     raise CaptureError(f"forward draws random numbers {where}, and the graph depends on them: "

@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib
+import math
 import random
 import threading
 
@@ -281,6 +282,17 @@ class LayerDrop(nn.Module):
         return self.b(x).pow(2).mean()
 
 
+class LogOfDraw(nn.Module):
+    """Gumbel noise of a Python draw, scaling the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin(x * -math.log(-math.log(random.random()))).pow(2).mean()
+
+
 class Plain(nn.Module):
     def __init__(self):
         super().__init__()
@@ -335,6 +347,9 @@ def test_a_draw_from_pythons_or_numpys_generator_in_the_forward_is_refused():
                                                r"\d+, and the graph depends on them"):
             capture(LayerDrop(p), (x,))
     capture(LayerDrop(p=0.0), (x,))  # a draw that decides nothing (MusicGen's layer drop at 0)
+    with pytest.raises(CaptureError, match=r"^forward draws random numbers with random\.random at test_capture\.py:\d+, "
+                                           r"and the graph depends on them"):
+        capture(LogOfDraw(), (x,))  # (the check's trace at 0 failed inside math.log: a draw computed with)
     capture(LayerDrop(p=1.0), (x,))
     with pytest.raises(CaptureError, match=r"^forward draws random numbers outside torch \(a generator moved by no call "
                                            r"hap saw: a function imported by name\), and the graph depends on them"):
