@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten, versions
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
+from ..ir import Graph
 from ..plan import Plan, shard_sizes
 from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout, priced
 from ..rules import strategies_for, strategy_table
@@ -1193,11 +1194,11 @@ def unlike_rank_0(values: Sequence) -> list[int]:
     return [r for r, v in enumerate(values) if v != values[0]]
 
 
-def agree_plan(plan: Plan | Exception | None, comm: Comm, graph=None) -> Plan:
+def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error, and so
-    is rank 0's failure to plan (`plan` an exception there), on every rank; and with `graph`
-    (this rank's capture), a rank whose model or example inputs differ from rank 0's (DDP's
-    check: they trained, on rank 0's plan and values, or failed deep in the executor)."""
+    is rank 0's failure to plan (`plan` an exception there), on every rank, and a rank whose
+    model or example inputs (`graph`, its capture) differ from rank 0's (DDP's check: they
+    trained, on rank 0's plan and values, or failed deep in the executor)."""
     if plan is not None and not isinstance(plan, (Plan, Exception)):  # (rank 0's is told to every rank)
         plan = TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
     failed = isinstance(plan, Exception)
@@ -1209,10 +1210,10 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph=None) -> Plan:
         raise ValueError(f"rank 0 could not plan: {box[0]}")
     agreed = Plan.from_json(box[0])
     told = every_rank((plan.digest if plan is not None else agreed.digest, graph_leaves(graph)), comm)
-    unlike = next((r for r, (_, leaves) in enumerate(told) if leaves != told[0][1]), None)
-    if unlike is not None:
-        raise ValueError(_leaves_differ(told[unlike][1], told[0][1], unlike))
-    digests = [digest for digest, _ in told]
+    digests, leaves = zip(*told)
+    unlike = unlike_rank_0(leaves)
+    if unlike:
+        raise ValueError(_leaves_differ(leaves[unlike[0]], leaves[0], unlike[0]))
     bad = unlike_rank_0(digests)
     if bad:
         raise ValueError(f"ranks {bad} were given a plan (digest {digests[bad[0]]}) other than rank 0's ({digests[0]})")
@@ -1221,11 +1222,9 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph=None) -> Plan:
     return agreed
 
 
-def graph_leaves(graph) -> list[tuple] | None:
+def graph_leaves(graph: Graph) -> list[tuple]:
     """What every rank's capture must agree on: each parameter, buffer and input, by name, with
-    its kind, shape and dtype, in graph order (None without a graph)."""
-    if graph is None:
-        return None
+    its kind, shape and dtype, in graph order."""
     return [(t.target or name, t.kind, tuple(t.shape), t.dtype) for name, t in graph.tensors.items()
             if t.kind in ("param", "buffer", "input")]
 
