@@ -22,7 +22,7 @@ def write(tmp_path, text):
     return p
 
 
-TWO = "devices: [{flops: 1, memory: 1GiB, count: 2}]"
+TWO = "devices: [{flops: 1e12, memory: 1GiB, count: 2}]"
 
 
 def test_bits_and_bytes_by_the_case_of_b(tmp_path):
@@ -50,27 +50,27 @@ def test_parse_units_and_counts(tmp_path):
     ("devices: [{name: a, flops: fast, memory: 1GiB}]", r"devices\[0\].flops: cannot read 'fast'"),
     ("devices: [{name: a, flops: 1e12, memory: 1GiB, colour: red}]", r"unknown key\(s\) \['colour'\]"),
     ("devices: []", "'devices' must be a non-empty list"),
-    ("devices: [{flops: 1, memory: 1GiB}, {flops: 1, memory: 1GiB}]", "no cost for collective"),
-    ("devices: [{flops: 1, memory: 1GiB, gpus: 2}]", "needs intra_bandwidth"),
-    ("devices: [{flops: 1, memory: 1GiB, count: 0}]", "count must be an integer from 1 to 1024, got 0"),
-    ("devices: [{flops: 1, memory: 1GiB, count: 100000000}]", "count must be an integer from 1 to 1024"),  # ran minutes
-    ("devices: [{flops: 1, memory: 1GiB, count: 1000}, {flops: 1, memory: 1GiB, count: 1000}]",
+    ("devices: [{flops: 1e12, memory: 1GiB}, {flops: 1e12, memory: 1GiB}]", "no cost for collective"),
+    ("devices: [{flops: 1e12, memory: 1GiB, gpus: 2}]", "needs intra_bandwidth"),
+    ("devices: [{flops: 1e12, memory: 1GiB, count: 0}]", "count must be an integer from 1 to 1024, got 0"),
+    ("devices: [{flops: 1e12, memory: 1GiB, count: 100000000}]", "count must be an integer from 1 to 1024"),  # ran minutes
+    ("devices: [{flops: 1e12, memory: 1GiB, count: 1000}, {flops: 1e12, memory: 1GiB, count: 1000}]",
      "'devices' lists 2000 devices; hap plans for 1024 at most"),
-    ("devices: [{flops: 1, memory: 1GiB}]\ncollectives: [1, 2]", "'collectives' must map each collective to"),
-    ("devices: [{flops: 1, memory: 1GiB}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
-    ("devices: [{flops: 1, memory: 1GiB}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),
+    ("devices: [{flops: 1e12, memory: 1GiB}]\ncollectives: [1, 2]", "'collectives' must map each collective to"),
+    ("devices: [{flops: 1e12, memory: 1GiB}]\ncollectives: {all_sum: {alpha: 1, beta: 1}}", "unknown collective 'all_sum'"),
+    ("devices: [{flops: 1e12, memory: 1GiB}]\nnetwork: {latency: 1us}", "'network' needs a bandwidth"),
     ("[1, 2]", "a cluster spec is a mapping"),
-    ("devices: [{flops: 1, memory: 1GiB}\n", "not valid YAML"),
+    ("devices: [{flops: 1e12, memory: 1GiB}\n", "not valid YAML"),
     # each was taken: the last of two keys won, a device was called None, 16 meant 16 bytes
-    ("devices: [{flops: 1, memory: 1GiB, memory: 2GiB}]", r"not valid YAML \(key 'memory' is given twice\)"),
-    ("devices: [{name: null, flops: 1, memory: 1GiB}]", r"devices\[0\]: name must be text, got None"),
-    ("devices: [{flops: 1, memory: 16}]", r"memory of 16 bytes is less than 1 KiB; give a unit \(say 16GiB\)$"),
+    ("devices: [{flops: 1e12, memory: 1GiB, memory: 2GiB}]", r"not valid YAML \(key 'memory' is given twice\)"),
+    ("devices: [{name: null, flops: 1e12, memory: 1GiB}]", r"devices\[0\]: name must be text, got None"),
+    ("devices: [{flops: 1e12, memory: 16}]", r"memory of 16 bytes is less than 1 KiB; give a unit \(say 16GiB\)$"),
     # each crashed with a traceback, was read silently, or made a price infinite
-    ("devices: [{flops: 1, memory: 1" + "0" * 340 + "}]", r"devices\[0\].memory: a number of 341 digits is out of range$"),
+    ("devices: [{flops: 1e12, memory: 1" + "0" * 340 + "}]", r"devices\[0\].memory: a number of 341 digits is out of range$"),
     (f"{TWO}\nmachines: [{{devices: 100000000000000000000, nic: {{bandwidth: 1Gbps}}}}]",
      r"machines\[0\]: devices must be a count from 1 to 1024, got 100000000000000000000$"),
     (f"{TWO}\nnetwork: {{bandwidth: 1e-320GB/s}}", r"network bandwidth of [0-9.e-]+ is out of range"),
-    ("devices: [{flops: 1e-300, memory: 1GiB}]", r"devices\[0\] \(device0\) flops of 1e-300 is out of range"),
+    ("devices: [{flops: 1e-300FLOPS, memory: 1GiB}]", r"devices\[0\] \(device0\) flops of 1e-300 is out of range"),
     (f"{TWO}\nnetwork: {{bandwidth: 10, latency: 30us}}", r"network.bandwidth of 10 with no unit; give one \(say 10Gbps\)$"),
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: 30}}", r"network.latency of 30 with no unit; give one \(say 30us\)$"),
     # YAML reads these as text: bare numbers all the same
@@ -81,15 +81,18 @@ def test_parse_units_and_counts(tmp_path):
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: '1e400'}}", r"network.latency must be a finite number, got inf$"),
     # a traceback (int too large to convert to float), then errors naming the wrong problem
     (f"{TWO}\nnetwork: {{bandwidth: 1{'0' * 400}, latency: 30us}}", r"network.bandwidth: a number of 401 digits is out of range$"),
-    ("devices: [{flops: 1, memory: 1GiB, op_overhead: 1" + "0" * 400 + "}]", r"op_overhead: a number of 401 digits is out of range$"),
+    ("devices: [{flops: 1e12, memory: 1GiB, op_overhead: 1" + "0" * 400 + "}]", r"op_overhead: a number of 401 digits is out of range$"),
     (f"{TWO}\nnetwork: {{bandwidth: -1.25e9, latency: 30us}}", r"network bandwidth must be positive, got -1.25e\+09$"),
     (f"{TWO}\nnetwork: {{bandwidth: 10Gbps, latency: -1}}", r"network latency must be non-negative, got -1$"),
     (f"{TWO}\nnetwork: {{bandwidth: 1e400Gbps, latency: 30us}}", r"network bandwidth of inf is out of range"),
     # each was read as bytes/s or seconds: estimates of hours per step
-    ("devices: [{flops: 1, memory: 1GiB, gpus: 4, intra_bandwidth: 10}]",
+    ("devices: [{flops: 1e12, memory: 1GiB, gpus: 4, intra_bandwidth: 10}]",
      r"devices\[0\] \(device0\) intra_bandwidth of 10 with no unit; give one \(say 100GB/s\)$"),
-    ("devices: [{flops: 1, memory: 1GiB, mem_bandwidth: 900}]", r"mem_bandwidth of 900 with no unit"),
-    ("devices: [{flops: 1, memory: 1GiB, op_overhead: 10}]", r"op_overhead of 10 with no unit; give one \(say 10us\)$"),
+    ("devices: [{flops: 1e12, memory: 1GiB, mem_bandwidth: 900}]", r"mem_bandwidth of 900 with no unit"),
+    ("devices: [{flops: 1e12, memory: 1GiB, op_overhead: 10}]", r"op_overhead of 10 with no unit; give one \(say 10us\)$"),
+    ("devices: [{name: v100, flops: 15, memory: 16GiB}]",
+     r"devices\[0\] \(v100\) flops of 15 with no unit; give one \(say 15TFLOPS\)$"),
+    ("devices: [{flops: '3e1', memory: 16GiB}]", r"flops of 30 with no unit"),
     (f"{TWO}\ncollectives: {{all_reduce: {{alpha: 5, beta: 1e9}}}}", r"collectives.all_reduce.alpha of 5 with no unit"),
     (f"{TWO}\ncollectives: {{all_reduce: {{alpha: 5us, beta: 10}}}}", r"collectives.all_reduce.beta of 10 with no unit"),
     (f"{TWO}\nnetwork: {{bandwidth: 1Gbps, emulate: true}}\ncollectives: {{all_reduce: {{alpha: 5us, beta: 1GB/s}}}}",
@@ -98,7 +101,7 @@ def test_parse_units_and_counts(tmp_path):
     # on machines, a partial section switched every price to measured fits (an all-reduce inside one machine 50x dearer)
     (f"{TWO}\nmachines: [{{name: a, devices: 2, intra: {{bandwidth: 10GB/s}}, nic: {{bandwidth: 1Gbps}}}}]\ncollectives: {{broadcast: {{alpha: 5us, "
      f"beta: 1GB/s}}}}", r"collectives: give all of .* or none \(the machines price them\); missing: all_reduce, "),
-    ("devices: [{flops: 1, memory: 16Gb}]", r"devices\[0\].memory: cannot read '16Gb' \(a number, or a number with a unit: B, kB,"),
+    ("devices: [{flops: 1e12, memory: 16Gb}]", r"devices\[0\].memory: cannot read '16Gb' \(a number, or a number with a unit: B, kB,"),
     (f"{TWO}\nmachines: [{{name: m, nic: {{bandwidth: 1Gbps}}}}, {{name: m, nic: {{bandwidth: 1Gbps}}}}]",
      r"machines\[1\]: machine name 'm' is given twice$"),
     (f"{TWO}\nmachines: [{{nic: {{bandwidth: 1Gbps}}}}, {{nic: {{bandwidth: 1Gbps}}}}]\n"
@@ -153,7 +156,7 @@ ONE_MACHINE = {"name": "m", "devices": [{"name": "g", "count": 1, "flops": 1e12,
     # one local device: its collectives (infinite betas) were written, and refused when read back
     {"name": "solo", "local": True, "devices": [{"name": "cpu", "count": 1, "flops": 1e10, "memory": "1GiB"}]},
     # values a bare number may not give (a unit forgotten): written bare, they were refused when read back
-    {"name": "slow", "devices": [{"name": "g", "count": 2, "flops": 1e12, "memory": "1GiB", "op_overhead": "1.5s"}],
+    {"name": "slow", "devices": [{"name": "g", "count": 2, "flops": "2e4FLOPS", "memory": "1GiB", "op_overhead": "1.5s"}],
      "network": {"bandwidth": "4kbps", "latency": "2s", "emulate": True}},
     {"name": "slow-m", "devices": [{"name": "g", "count": 2, "flops": 1e12, "memory": "1GiB", "mem_bandwidth": "500B/s"}],
      "machines": [{"name": "a", "devices": 2, "intra": {"bandwidth": "800B/s", "latency": "1s"}, "nic": {"bandwidth": "1GB/s"}}]},

@@ -310,10 +310,12 @@ BARE_BANDWIDTH = (1e3, math.inf)
 """Bytes/s a bandwidth given as a bare number may be (below: a unit forgotten)."""
 BARE_LATENCY = (0.0, 1.0)
 """Seconds a latency given as a bare number may be (a second or more: a unit forgotten)."""
+BARE_FLOPS = (1e6, math.inf)
+"""FLOP/s a device's speed given as a bare number may be ("flops: 15" meant 15 TFLOPS)."""
 
 
 _BARE_RANGE = {key: (BARE_BANDWIDTH, "B/s") for key in ("bandwidth", "beta", "intra_bandwidth", "mem_bandwidth")} | \
-    {key: (BARE_LATENCY, "s") for key in ("latency", "alpha", "op_overhead")}
+    {key: (BARE_LATENCY, "s") for key in ("latency", "alpha", "op_overhead")} | {"flops": (BARE_FLOPS, "FLOP/s")}
 """Per key of a cluster file, the range of a bare number (_given_unit) and its base unit."""
 
 
@@ -364,7 +366,7 @@ def _parse_device(spec, i: int) -> list[Device]:
     for key, v in (("count", count), ("gpus", gpus)):
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_DEVICES:
             raise ClusterError(f"{where} ({name}): {key} must be an integer from 1 to {MAX_DEVICES}, got {v!r}")
-    for key, example in (("intra_bandwidth", "100GB/s"), ("mem_bandwidth", "900GB/s"), ("op_overhead", "10us")):
+    for key, example in (("flops", "15TFLOPS"), ("intra_bandwidth", "100GB/s"), ("mem_bandwidth", "900GB/s"), ("op_overhead", "10us")):
         _given_unit(spec.get(key, 0), f"{where} ({name}) {key}", key, example)
     dev = Device(
         name=name,
