@@ -9,6 +9,7 @@ into full-size steps."""
 import copy
 import dataclasses
 import io
+import re
 
 import pytest
 import torch
@@ -129,6 +130,70 @@ def test_ranks_that_wrap_other_models_or_inputs_are_refused(how, leaf, tmp_path)
     inputs of other rows waited for the collective timeout. DDP refuses such ranks; so does hap."""
     for rank, got in enumerate(run_ranks(wrap_unlike, 2, tmp_path, how)):
         assert got["error"].startswith("rank 1's model or example inputs differ from rank 0's: " + leaf), (rank, got)
+
+
+def _steps(dmodel, x, y, steps):
+    """Up to `steps` SGD steps; the step of the first ValueError and its message, or (steps, None)."""
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    for step in range(steps):
+        try:
+            opt.zero_grad()
+            dmodel(x, y).backward()
+            opt.step()
+        except ValueError as e:
+            return step, str(e)
+    return steps, None
+
+
+def written_after_wrapping(rank, world):
+    """Each case wraps _Head (4 -> 8, one more layer) at 60/40 and writes its parameters after
+    wrapping: (the step that refused it, the message), per case."""
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 8), torch.randint(0, 4, (10,))
+    other = [_Head(8, extra=True).state_dict() for _ in range(2)]  # (the same on both ranks: seeded)
+    out = {}
+    for case in ("own-seed", "own-seed-tp", "own-seed-part-losses", "same-seed", "load-rank-0", "load-unlike",
+                 "load-alike"):
+        torch.manual_seed(0)
+        model = _Head(8, extra=True)
+        planner = "tp" if case.endswith("-tp") else "dp-cp"
+        cluster = hap.load_cluster("local")
+        plan = baseline_plan(hap.capture(model, (x, y)), cluster, planner, ratios=[0.6, 0.4])
+        dmodel = hap.HAP(model, cluster, (x, y), plan=plan, global_loss=case != "own-seed-part-losses")
+        if case.startswith(("own-seed", "same-seed")):  # an initialization through the shells
+            torch.manual_seed(rank if case.startswith("own-seed") else 7)
+            for m in dmodel.modules():
+                if isinstance(m, torch.nn.Linear):
+                    torch.nn.init.normal_(m.weight, std=0.1)
+        else:  # a step, then a state dict loaded
+            _steps(dmodel, x, y, 1)
+            if case != "load-rank-0" or rank == 0:
+                dmodel.load_state_dict(other[rank if case == "load-unlike" else 0])
+        out[case] = _steps(dmodel, x, y, 3)
+    return out
+
+
+def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_path):
+    """An initialization through dmodel.modules() under each rank's own seed left the ranks'
+    copies of each whole parameter apart, and a state dict loaded on rank 0 alone (DDP's habit
+    between steps) left rank 1's part as it was: both trained on, every rank's loss the same
+    and no one device's model. Now the first step after refuses it (the second after unlike
+    state dicts loaded on every rank between steps: a step's sum tells which ranks loaded)."""
+    diverged = r"^'{}' differs between the ranks, which hold it whole and must hold it alike: it was written after wrapping"
+    for got in run_ranks(written_after_wrapping, 2, tmp_path):
+        assert got["own-seed"][0] == 0 and re.match(diverged.format(r"lin\.weight"), got["own-seed"][1]), got
+        # tensor parallel: lin.weight and extra.weight are sharded, lin.bias (untouched) and extra.bias whole
+        assert got["own-seed-tp"][0] == 0 and re.match(diverged.format(r"\w+\.weight"), got["own-seed-tp"][1]), got
+        assert got["own-seed-part-losses"][0] == 0 and re.match(diverged.format(r"lin\.weight"),
+                                                              got["own-seed-part-losses"][1]), got
+        assert got["same-seed"] == [3, None]  # alike on every rank: trained
+        assert got["load-rank-0"] == [0, "load_state_dict ran on 1 of the 2 ranks since the last step: each rank holds "
+                                         "its own part of the model (hap.HAP's shards, a pipeline's stages) and loads "
+                                         "it itself, so every rank calls dmodel.load_state_dict(state) with the whole "
+                                         "state dict (DDP's habit, loading on rank 0 alone, left the other ranks' "
+                                         "parts as they were)"]
+        assert got["load-unlike"][0] == 1 and re.match(diverged.format(r"lin\.weight"), got["load-unlike"][1]), got
+        assert got["load-alike"] == [3, None]
 
 
 def train_from_own_seeds(rank, world):

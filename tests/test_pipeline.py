@@ -4,6 +4,7 @@ uneven shares inside a stage)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -794,6 +795,42 @@ def test_ddp_habits_on_a_pipeline_are_refused(tmp_path):
         "norm.weight of the model hap wrapped was changed after wrapping"]
     assert first[:2] == last[:2]
     assert first[2].startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
+
+
+def written_unlike(rank, world):
+    """The tied model as 2 stages (the embedding held by both), wrapped afresh per case: an
+    initialization through pipe.modules() under each rank's seed, or under one seed, and a
+    state dict loaded on rank 0 alone; per case, the first step's refusal (None: it trained)."""
+    from hap.capture import capture
+    model, batches = _tied_setup()
+    cut = next(n.index for n in capture(model, batches[0]).nodes if n.op == "aten.layer_norm.default")
+    out = {}
+    for case in ("own-seed", "one-seed", "load-rank-0"):
+        pipe = _pipeline(copy.deepcopy(model), batches, world, [cut], *PIPE_2)
+        if case == "load-rank-0":
+            if rank == 0:
+                pipe.load_state_dict(model.state_dict())
+        else:
+            torch.manual_seed(rank if case == "own-seed" else 7)
+            for m in pipe.modules():
+                if isinstance(m, nn.Embedding):
+                    nn.init.normal_(m.weight)
+        try:
+            pipe.train_step(*batches[0])
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_parameters_written_unlike_on_the_ranks_after_wrapping_a_pipeline_are_refused(tmp_path):
+    """Each stage's copy of the tied embedding initialized under its rank's seed trained on as
+    two parameters, and rank 0's stage alone loaded: no one device's model, silently."""
+    for got in run_ranks(written_unlike, 2, tmp_path):
+        assert got["own-seed"].startswith("'emb.weight' differs between the ranks, which hold it whole and must hold "
+                                          "it alike: it was written after wrapping"), got
+        assert got["one-seed"] is None
+        assert got["load-rank-0"].startswith("load_state_dict ran on 1 of the 2 ranks since the last step"), got
 
 
 class _Regression(nn.Module):

@@ -166,6 +166,9 @@ class Pipeline(MirrorsModel):
             spread_gradients(self)
         self._wrapped = WrappedWatch.of(model, graph, self.params, functools.partial(_held_whole, self.params))
         self._step_check: StepCheck | None = None  # the last step's, where a GPU's verdict is read later
+        self._loaded = False  # load_state_dict since the last step (on every rank, or a ValueError)
+        self._compare_alike = True  # at the next step: each parameter on the ranks holding it (an initialization)
+        self._every_param = sorted(n for n in whole if graph.tensors[n].kind == "param")  # every stage's
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -226,6 +229,7 @@ class Pipeline(MirrorsModel):
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()
+            self._compare_alike = check.compare_next(self._compare_alike)
         self.refuse_shell_mode_change()  # (one of pipe.modules() put in another mode)
         modes, params = self._wrapped.walk()
         self._wrapped.switched(modes)  # (a module's own mode changed: a ValueError)
@@ -268,9 +272,13 @@ class Pipeline(MirrorsModel):
             self._noise = {}
             self._share_rng(self._rng_after)
         # the loss's sum over ranks, with the step's checks (hap.HAP's forward)
-        total, _, check = sum_step(loss, torch.zeros(0, dtype=torch.float64), batch, changed, self.comm)
+        loaded, self._loaded = self._loaded, False
+        alike = [(self.graph.tensors[n].target, self.params.get(n)) for n in self._every_param] if self._compare_alike else ()
+        total, _, check = sum_step(loss, torch.zeros(0, dtype=torch.float64), batch, changed, self.comm, loaded, alike)
         total = total.to(loss.dtype)
         self._step_check = check.now_or_later()
+        if self._step_check is None:
+            self._compare_alike = check.compare_next(self._compare_alike)
         wall = time.perf_counter() - t0
         self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
         return total

@@ -80,7 +80,9 @@ class MirrorsModel(nn.Module):
         (missing_keys, unexpected_keys), as torch does."""
         from .checkpoint import load_state_dict
 
-        return load_state_dict(self, state_dict, strict)
+        loaded = load_state_dict(self, state_dict, strict)
+        self._loaded = True  # (every rank must load: the next step's sum says how many did)
+        return loaded
 
     def _apply(self, fn, recurse: bool = True):
         """Refused where it would change a parameter's dtype or device (.half(), .to(device)):

@@ -86,6 +86,8 @@ class HAP(MirrorsModel):
         self.piggybacked: torch.Tensor | None = None
         self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
         self._step_check: StepCheck | None = None  # the last forward's, where a GPU's verdict is read later
+        self._compare_alike = True  # at the next step: what the ranks hold whole (an initialization after wrapping)
+        self._loaded = False  # load_state_dict since the last step (on every rank, or a ValueError)
         example_inputs = example_tuple(example_inputs)
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
@@ -147,6 +149,7 @@ class HAP(MirrorsModel):
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()
+            self._compare_alike = check.compare_next(self._compare_alike)
         changed = self._follow_original()
         if changed and not self.global_loss:  # (no sum to tell the others by)
             raise ValueError(changed)
@@ -159,19 +162,39 @@ class HAP(MirrorsModel):
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
         ex, presliced = self._executor_for(batch, part) if self.training else self._evaluator_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
+        alike = self._alike() if self._compare_alike else ()
+        loaded, self._loaded = self._loaded, False
         if not self.global_loss:
+            if alike:  # the first step's comparison (no sum to carry it; loads are not compared)
+                first = sum_step(torch.zeros((), device=part.device), torch.zeros(0, dtype=torch.float64), [], None,
+                                 self.comm, alike=alike)[2]
+                first.verify()
+                self._compare_alike = first.compare_next(self._compare_alike)
             self._keep_loss(part)
             return self._as_returned(part)
         given = self.piggyback if self.piggyback is not None else torch.zeros(0, dtype=torch.float64)
         total, summed, check = sum_step(part, given, [None if name in presliced else x for name, x in
-                                                      zip(self.graph.inputs, batch)], changed, self.comm)
+                                                      zip(self.graph.inputs, batch)], changed, self.comm, loaded, alike)
         total = total.to(part.dtype)
         if self.piggyback is not None:
             self.piggybacked, self.piggyback = summed.to(given.dtype), None
         self._step_check = check.now_or_later()
+        if self._step_check is None:
+            self._compare_alike = check.compare_next(self._compare_alike)
         loss = part + (total - part).detach()  # the global loss's value, the part's gradient
         self._keep_loss(loss)
         return self._as_returned(loss)
+
+    def _alike(self) -> list[tuple[str, torch.Tensor]]:
+        """(state-dict key, tensor) of every parameter and buffer every rank holds whole, for
+        sum_step to compare."""
+        if self.comm.world == 1:
+            return []
+        ex, tensors = self.executor, self.graph.tensors
+        params = [(tensors[name].target, p) for name, p in ex.params.items() if not ex.stored[name][0].is_shard]
+        buffers = [(tensors[name].target, b) for name, b in ex.buffers.items()
+                   if name in ex.stored and not ex.stored[name][0].is_shard]
+        return params + buffers
 
     def _follow_original(self) -> str | None:
         """model.train() or model.eval() on the model hap.HAP wrapped, since the last forward, is
@@ -877,35 +900,69 @@ def inputs_differ(summed: torch.Tensor, squares: torch.Tensor, world: int) -> to
 
 
 def sum_step(value: torch.Tensor, given: torch.Tensor, inputs: Sequence[torch.Tensor | None], changed: str | None,
-             comm: Comm) -> tuple[torch.Tensor, torch.Tensor, "StepCheck"]:
+             comm: Comm, loaded: bool = False, alike: Sequence[tuple[str, torch.Tensor | None]] = ()
+             ) -> tuple[torch.Tensor, torch.Tensor, "StepCheck"]:
     """A step's one sum over ranks, in float64: [value (the loss's parts), `given` (a
     piggyback), whether this rank's wrapped model was changed (`changed`: WrappedWatch's
-    message), the fingerprints of the inputs given whole (None: a rank's part), their squares].
+    message), whether it loaded a state dict since its last step (`loaded`), the fingerprints
+    of the inputs given whole (None: a rank's part), their squares, the fingerprints of
+    `alike` (label, tensor), tensors that every rank holding them holds whole and alike (None:
+    this rank holds none of it), their squares]. `alike` names the same tensors on every rank.
     Returns value's sum, given's sums and the step's check (StepCheck)."""
     device = value.device
-    prints = fingerprints(inputs, device) if comm.world > 1 else torch.zeros(0, dtype=torch.float64, device=device)
-    flag = torch.tensor([1.0 if changed else 0.0], dtype=torch.float64, device=device)
-    sums = all_reduce(torch.cat([value.detach().reshape(1).double(), given.double().to(device), flag, prints,
-                                 prints ** 2]), comm)
-    k, n = 1 + len(given), len(prints)
-    differ = inputs_differ(sums[k + 1:k + 1 + n], sums[k + 1 + n:], comm.world) if n else torch.zeros((), dtype=torch.bool, device=device)
-    return sums[0], sums[1:k], StepCheck(torch.stack([sums[k] > 0, differ]), changed)
+    many = comm.world > 1
+    prints = fingerprints(inputs, device) if many else torch.zeros(0, dtype=torch.float64, device=device)
+    kept = fingerprints([t for _, t in alike], device) if many else torch.zeros(0, dtype=torch.float64, device=device)
+    flags = torch.tensor([1.0 if changed else 0.0, 1.0 if loaded else 0.0], dtype=torch.float64, device=device)
+    sums = all_reduce(torch.cat([value.detach().reshape(1).double(), given.double().to(device), flags, prints,
+                                 prints ** 2, kept, kept ** 2]), comm)
+    k, n, w = 1 + len(given), len(prints), len(kept)
+    at = k + 2 + 2 * n  # where the fingerprints of `alike` start
+    differ = inputs_differ(sums[k + 2:k + 2 + n], sums[k + 2 + n:at], comm.world) if n else \
+        torch.zeros((), dtype=torch.bool, device=device)
+    apart = held_apart(sums[at:at + w], sums[at + w:]) if w else torch.zeros(0, dtype=torch.bool, device=device)
+    verdict = torch.cat([torch.stack([sums[k] > 0, differ]).double(), sums[k + 1:k + 2], apart.double()])
+    return sums[0], sums[1:k], StepCheck(verdict, changed, [label for label, _ in alike], comm.world)
+
+
+def held_apart(summed: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+    """Per tensor fingerprinted (three numbers each, the first 1 from each rank holding it:
+    fingerprints), whether the ranks holding it hold it unlike: the variance of a
+    fingerprint over those ranks is above rounding's."""
+    held = summed[0::3].clamp(min=1).repeat_interleave(3)  # how many ranks hold each
+    mean, mean_square = summed / held, squares / held
+    spread = mean_square - mean * mean
+    return ((spread > 1e-9 * mean_square.abs()) & spread.isfinite()).reshape(-1, 3).any(1)
+
+
+DIVERGED = ("{label!r} differs between the ranks, which hold it whole and must hold it alike: it was written after "
+            "wrapping with each rank's own values (an initialization through dmodel.modules(), each rank drawing "
+            "its own numbers) or loaded differently on each rank: initialize the model before wrapping it, or load "
+            "the same weights on every rank with dmodel.load_state_dict(...)")
+
+LOADED_ON_SOME = ("load_state_dict ran on {some} of the {world} ranks since the last step: each rank holds its own "
+                  "part of the model (hap.HAP's shards, a pipeline's stages) and loads it itself, so every rank calls "
+                  "dmodel.load_state_dict(state) with the whole state dict (DDP's habit, loading on rank 0 alone, left "
+                  "the other ranks' parts as they were)")
 
 
 class StepCheck:
     """What a step's sum told every rank (sum_step): a rank's wrapped model was changed, the
-    ranks' inputs differ. Read by `verify`: at once on the CPU; on a GPU at the next step (an
-    event's wait), rather than the host waiting for the device every step."""
+    ranks' inputs differ, how many ranks loaded a state dict since their last step, which
+    tensors held whole differ. Read by `verify`: at once on the CPU; on a GPU at the next step
+    (an event's wait), rather than the host waiting for the device every step."""
 
-    def __init__(self, flags: torch.Tensor, changed: str | None):
-        self.changed = changed
-        if flags.device.type == "cuda":
-            self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-            self.flags.copy_(flags, non_blocking=True)
+    def __init__(self, verdict: torch.Tensor, changed: str | None, alike: Sequence[str] = (), world: int = 1):
+        self.changed, self.alike, self.world = changed, list(alike), world
+        self.loaded_everywhere = False
+        """After verify: every rank loaded a state dict since its last step."""
+        if verdict.device.type == "cuda":
+            self.verdict = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
+            self.verdict.copy_(verdict, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.flags, self.event = flags, None
+            self.verdict, self.event = verdict, None
 
     def now_or_later(self) -> "StepCheck | None":
         """Verified now (the CPU: None), or itself, for the next step to verify."""
@@ -915,17 +972,30 @@ class StepCheck:
         return None
 
     def verify(self) -> None:
-        """A ValueError, on every rank, where a rank's wrapped model was changed or the ranks
-        were given different inputs. Each rank given its own sample (DistributedSampler's habit,
-        for DDP) trained each rank's rows of its own batch: no batch's gradient."""
+        """A ValueError, on every rank, where a rank's wrapped model was changed, the ranks were
+        given different inputs, some ranks alone loaded a state dict, or a tensor every rank
+        holds whole differs between them. Each rank given its own sample (DistributedSampler's
+        habit, for DDP) trained each rank's rows of its own batch: no batch's gradient."""
         if self.event is not None:
             self.event.synchronize()
-        changed, differ = self.flags.tolist()
+        changed, differ, loaded, *apart = self.verdict.tolist()
         if changed:
             raise ValueError(self.changed or "a parameter of the model hap wrapped was changed after wrapping on "
                                              "another rank, which hap, training copies of the parameters, would ignore")
         if differ:
             raise ValueError(DIFFERENT_BATCHES)
+        if 0 < loaded < self.world:
+            raise ValueError(LOADED_ON_SOME.format(some=round(loaded), world=self.world))
+        for label, off in zip(self.alike, apart):
+            if off:
+                raise ValueError(DIVERGED.format(label=label))
+        self.loaded_everywhere = loaded > 0
+
+    def compare_next(self, due: bool) -> bool:
+        """After verify: whether the next step compares the tensors the ranks hold alike (sum_step's
+        `alike`), `due` saying whether it was due: where every rank loaded a state dict since its
+        last step, or where it was due and this step did not compare them."""
+        return self.loaded_everywhere or (due and not self.alike)
 
 
 class WrappedWatch:
