@@ -152,8 +152,8 @@ def written_after_wrapping(rank, world):
     x, y = torch.randn(10, 8), torch.randint(0, 4, (10,))
     other = [_Head(8, extra=True).state_dict() for _ in range(2)]  # (the same on both ranks: seeded)
     out = {}
-    for case in ("own-seed", "own-seed-tp", "own-seed-part-losses", "same-seed", "load-rank-0", "load-unlike",
-                 "load-alike"):
+    for case in ("own-seed", "own-seed-tp", "own-seed-part-losses", "same-seed", "reset", "load-rank-0",
+                 "load-unlike", "load-alike"):
         torch.manual_seed(0)
         model = _Head(8, extra=True)
         planner = "tp" if case.endswith("-tp") else "dp-cp"
@@ -165,6 +165,15 @@ def written_after_wrapping(rank, world):
             for m in dmodel.modules():
                 if isinstance(m, torch.nn.Linear):
                     torch.nn.init.normal_(m.weight, std=0.1)
+        elif case == "reset":  # each module's own initialization, through the shells
+            try:
+                for m in dmodel.modules():
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+                out[case] = "reset"
+            except ValueError as e:
+                out[case] = str(e)
+            continue
         else:  # a step, then a state dict loaded
             _steps(dmodel, x, y, 1)
             if case != "load-rank-0" or rank == 0:
@@ -175,7 +184,8 @@ def written_after_wrapping(rank, world):
 
 def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_path):
     """An initialization through dmodel.modules() under each rank's own seed left the ranks'
-    copies of each whole parameter apart, and a state dict loaded on rank 0 alone (DDP's habit
+    copies of each whole parameter apart (and reset_parameters() drew a shard with its own
+    fan-in: refused at the call), and a state dict loaded on rank 0 alone (DDP's habit
     between steps) left rank 1's part as it was: both trained on, every rank's loss the same
     and no one device's model. Now the first step after refuses it (the second after unlike
     state dicts loaded on every rank between steps: a step's sum tells which ranks loaded)."""
@@ -187,6 +197,9 @@ def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_p
         assert got["own-seed-part-losses"][0] == 0 and re.match(diverged.format(r"lin\.weight"),
                                                               got["own-seed-part-losses"][1]), got
         assert got["same-seed"] == [3, None]  # alike on every rank: trained
+        assert got["reset"] == ("Linear.reset_parameters() inside hap's wrapper would initialize this rank's shards "
+                                "and copies alone (a shard's fan-in, each rank's own draws): initialize the model "
+                                "before wrapping it, or load weights with dmodel.load_state_dict(...)")
         assert got["load-rank-0"] == [0, "load_state_dict ran on 1 of the 2 ranks since the last step: each rank holds "
                                          "its own part of the model (hap.HAP's shards, a pipeline's stages) and loads "
                                          "it itself, so every rank calls dmodel.load_state_dict(state) with the whole "

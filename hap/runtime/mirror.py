@@ -158,10 +158,25 @@ _SHELL_CLASSES: dict[type, type] = {}
 
 
 def _shell_class(cls: type) -> type:
-    """cls with _Shell's methods first: isinstance(shell, cls) holds, its name is cls's."""
+    """cls with _Shell's methods first: isinstance(shell, cls) holds, its name is cls's; and its
+    own initialization, where it has one, refused (_refuse_reset)."""
     if cls not in _SHELL_CLASSES:
-        _SHELL_CLASSES[cls] = type(cls.__name__, (_Shell, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        members = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        members.update({name: _refuse_reset for name in _RESETS if callable(getattr(cls, name, None))})
+        _SHELL_CLASSES[cls] = type(cls.__name__, (_Shell, cls), members)
     return _SHELL_CLASSES[cls]
+
+
+_RESETS = ("reset_parameters", "_reset_parameters")
+"""The methods by which a module initializes its own parameters (torch's layers, MultiheadAttention)."""
+
+
+def _refuse_reset(self, *args, **kwargs):
+    """A shell's reset_parameters(): its parameters are this rank's shards and replicas, which
+    it would draw alone (a fan-in taken from a shard's shape, each rank's own numbers)."""
+    raise ValueError(f"{type(self).__name__}.reset_parameters() inside hap's wrapper would initialize this rank's "
+                     "shards and copies alone (a shard's fan-in, each rank's own draws): initialize the model before "
+                     "wrapping it, or load weights with dmodel.load_state_dict(...)")
 
 
 def _shell(module: nn.Module, held: dict[int, torch.Tensor], memo: dict[int, nn.Module]) -> nn.Module:
