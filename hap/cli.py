@@ -274,6 +274,8 @@ def cmd_train(args) -> int:
     print(result.summary())
     if len(result.stages) > 1:
         _check_pipeline(args, graph, result)
+    elif straggling is not None:
+        _check_straggler_sites(args, graph, result)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")
         result.to_json(path)
@@ -485,6 +487,17 @@ def _check_straggler(args, world: int) -> str | None:
     else:
         how = f"mitigated by {args.straggler} ({'exact' if args.straggler in EXACT else 'approximate: prunes columns'})"
     return f"stragglers: {what}; {how}"
+
+
+def _check_straggler_sites(args, graph, plan) -> None:
+    """A one-stage plan without the tensor-parallel linear layers that --straggler (or its
+    emulated schedule) works on, refused before any rank starts (the ranks' mitigator would)."""
+    from .straggler.mitigator import no_layers_refusal, tp_linear_layers
+
+    schedule = args.straggler_schedule.strip().partition(":")[0]  # (its kind; _check_straggler read the rest)
+    refused = no_layers_refusal(args.straggler, schedule)
+    if refused and not tp_linear_layers(graph, plan.steps(graph)):
+        raise UserError(refused)
 
 
 def _resume_from(args) -> tuple[str, int] | None:

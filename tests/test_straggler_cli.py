@@ -40,13 +40,40 @@ def test_a_malformed_schedule_is_refused_before_any_rank_starts(capsys, monkeypa
     assert len(err) == 1 and "'persistent:chi=8,rank=2'" in err[0], err
 
 
-def test_a_policy_needs_tensor_parallel_linear_layers(capfd):
-    assert main([*VIT, "--planner", "dp-ev", "--straggler", "zero-pri", "--steps", "2"]) == 2
-    out, err = capfd.readouterr()
+@pytest.mark.parametrize("argv,what", [
+    (["--straggler", "zero-pri"], "straggler policy 'zero-pri'"),
+    (["--straggler-schedule", "persistent:chi=8,rank=1"],
+     "straggler schedule 'persistent' (it slows tensor-parallel linear layers)")])
+def test_a_policy_needs_tensor_parallel_linear_layers(argv, what, capsys, monkeypatch):
+    """Refused before any rank starts (the ranks refused it, after `training ... on 2 local
+    processes` and the mitigation's line had been printed)."""
+    import hap.runtime.launch
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("ranks were spawned")
+
+    monkeypatch.setattr(hap.runtime.launch, "spawn", spawn)
+    assert main([*VIT, "--planner", "dp-ev", *argv, "--steps", "2"]) == 2
+    err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if not line.startswith("[hap] ")]
-    assert errors == ["hap: error: straggler policy 'zero-pri': the plan has no tensor-parallel linear layer "
+    assert errors == [f"hap: error: {what}: the plan has no tensor-parallel linear layer "
                       "(plan with --planner megatron, or a plan that splits linear weights)"], err
-    assert "Traceback" not in err and not any(line.startswith("step ") for line in out.splitlines())
+    assert "[hap] training" not in err
+
+
+def test_the_tensor_parallel_linear_layers_of_a_plan():
+    """What the mitigator works on (and the CLI checks for): Megatron's column and row layers,
+    none in data parallelism."""
+    import hap
+    from hap.models import build
+    from hap.planner import baseline_plan
+    from hap.straggler.mitigator import tp_linear_layers
+
+    model, example = build("vit", scale="small", devices=2)
+    graph, cluster = hap.capture(model, example), hap.load_cluster("local")
+    layouts = [layout for _, layout in tp_linear_layers(graph, baseline_plan(graph, cluster, "megatron").steps(graph))]
+    assert layouts and set(layouts) == {"column", "row"} and layouts.count("column") >= layouts.count("row")
+    assert tp_linear_layers(graph, baseline_plan(graph, cluster, "dp-ev").steps(graph)) == []
 
 
 @pytest.mark.parametrize("argv", [["--straggler", "fastest"], ["--migration", "carrier-pigeon"]])

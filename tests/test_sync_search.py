@@ -296,6 +296,18 @@ def test_pairs_skip_near_ties():
     assert sorted(pairs(s)) == [(0, 2), (1, 2)]  # not across domains, not within the margin
     assert ranking_accuracy([0.0, 1.0, 2.0, 9.0], s) == 1.0
     assert ranking_accuracy([3.0, 1.0, 2.0, 9.0], s) == 0.5
+    assert ranking_accuracy([2.0, 2.0, 2.0, 9.0], s) == 0.5  # scored alike: a coin's half (it was 0)
+
+
+def test_a_strategy_measured_again_is_no_pair_to_rank():
+    """A search's log holds one strategy many times (DDP's buckets, Horovod's samples that fuse
+    alike, the confirmations): its times differ by noise, no ranker can order its two
+    samples, and every such pair counted as a miss (a search of 2 trials reported 0.00 for
+    every ranker)."""
+    s = [Sample("a", None, [], 1.0, "AR(0)"), Sample("a", None, [], 1.5, "AR(0)"), Sample("a", None, [], 2.0, "PS(1)")]
+    assert sorted(pairs(s)) == [(0, 2), (1, 2)]
+    assert ranking_accuracy([1.0, 1.0, 2.0], s) == 1.0
+    assert pairs(s[:2]) == [] and ranking_accuracy([1.0, 1.0], s[:2]) != ranking_accuracy([1.0, 1.0], s[:2])  # nan
 
 
 @pytest.mark.parametrize("kind", ["linear", "rnn", "gat"])

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, get_args
+from typing import Any, Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,35 @@ class StragglerConfig:
                              f"got {self.handover!r} with policy {self.policy!r}")
 
 
+def tp_linear_layers(graph, program) -> list[tuple[Any, str]]:
+    """The program's tensor-parallel linear layers, each (its step, "column" or "row"): a
+    parameter weight split on its output dim with the input whole (column), or on its input dim
+    with the input split likewise and the output a partial sum (row). A computed weight (a tied
+    one transposed) has no columns of a parameter to prune, hand over or watch: not one."""
+    out = []
+    for step in program:
+        node = graph.nodes[step.node]
+        if node.op != "aten.linear.default" or graph.tensors[node.inputs[1]].kind != "param":
+            continue
+        x_p, w_p = step.strategy.inputs[0], step.strategy.inputs[1]
+        if w_p.is_shard and w_p.dim == 0 and x_p == R:
+            out.append((step, "column"))
+        elif w_p.is_shard and w_p.dim == 1 and x_p.is_shard and step.strategy.outputs[0] == P:
+            out.append((step, "row"))
+    return out
+
+
+def no_layers_refusal(policy: str, schedule: str) -> str | None:
+    """What a plan without tensor-parallel linear layers says to straggler `policy` and emulated
+    `schedule` (None: neither needs one)."""
+    if policy == "none" and schedule == "none":
+        return None
+    what = (f"straggler policy {policy!r}" if policy != "none"
+            else f"straggler schedule {schedule!r} (it slows tensor-parallel linear layers)")
+    return (f"{what}: the plan has no tensor-parallel linear layer "
+            "(plan with --planner megatron, or a plan that splits linear weights)")
+
+
 class Mitigator:
     def __init__(self, dmodel, config: StragglerConfig, optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = ()):
         from ..pipeline.runtime import Pipeline
@@ -154,32 +183,22 @@ class Mitigator:
         """Find the program's tensor-parallel linear layers and run them through TPLinear."""
         ex = self.dmodel.executor
         self.sites: list[Site] = []
-        for step in ex.program:
+        for step, layout in tp_linear_layers(ex.graph, ex.program):
             node = ex.graph.nodes[step.node]
-            if node.op != "aten.linear.default":
-                continue
-            x_p, w_p = step.strategy.inputs[0], step.strategy.inputs[1]
-            seg = ex.segment_of[step.node]
-            weight = node.inputs[1]
-            if weight not in ex.params:  # computed (a tied weight transposed): no columns of a parameter to
-                continue                 # prune, hand over or watch; it runs as the plan says
+            weight, w_p, seg = node.inputs[1], step.strategy.inputs[1], ex.segment_of[step.node]
             n, k = ex.graph.tensors[weight].shape
             tokens = math.prod(ex.graph.tensors[node.inputs[0]].shape[:-1])
-            if w_p.is_shard and w_p.dim == 0 and x_p == R:
-                sizes = ex.sizes(weight, w_p, seg)
-                site = Site(step.node, node.name, weight, "column", tuple(sizes), (k,) * self.world, tokens)
-            elif w_p.is_shard and w_p.dim == 1 and x_p.is_shard and step.strategy.outputs[0] == P:
-                site = Site(step.node, node.name, weight, "row", (n,) * self.world, tuple(ex.sizes(weight, w_p, seg)), tokens)
+            if layout == "column":
+                site = Site(step.node, node.name, weight, "column", tuple(ex.sizes(weight, w_p, seg)), (k,) * self.world, tokens)
             else:
-                continue
+                site = Site(step.node, node.name, weight, "row", (n,) * self.world, tuple(ex.sizes(weight, w_p, seg)), tokens)
             self.sites.append(site)
         self.work: dict[int, Work] = {s.node: Work() for s in self.sites}
         ex.overrides = {s.node: self._runner(s) for s in self.sites}
-        if not self.sites and (self.config.policy != "none" or self.config.schedule.kind != "none"):
-            what = (f"straggler policy {self.config.policy!r}" if self.config.policy != "none"
-                    else f"straggler schedule {self.config.schedule.kind!r} (it slows tensor-parallel linear layers)")
-            raise ValueError(f"{what}: the plan has no tensor-parallel linear layer "
-                             "(plan with --planner megatron, or a plan that splits linear weights)")
+        if not self.sites:
+            refused = no_layers_refusal(self.config.policy, self.config.schedule.kind)
+            if refused:
+                raise ValueError(refused)
 
     def _runner(self, site: Site):
         def run(inputs: list[torch.Tensor]) -> tuple:

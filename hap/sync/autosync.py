@@ -290,7 +290,7 @@ def _history(log: Path, key: str, compress: bool, say: Callable[[str], None] = p
 
 def _sample(domain: Domain, strategy: SyncStrategy, seconds: float = 0.0) -> Sample:
     x, edges = features(domain, strategy)
-    return Sample(domain.name, x, edges, seconds)
+    return Sample(domain.name, x, edges, seconds, repr(strategy))
 
 
 def _samples(history: list[dict], key: str, domain: Domain) -> list[Sample]:
