@@ -231,3 +231,41 @@ def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
         with pytest.raises(OSError) as taken:
             s.bind(("127.0.0.1", first.port))
     assert taken.value.errno == errno.EADDRINUSE
+
+
+SCRIPT = """\
+from hap.runtime.launch import spawn
+
+
+def say(rank):
+    print("rank", rank, flush=True)
+
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("call,refused", [
+    ("spawn(say, 2)", True),
+    ("def main():\n    spawn(say, 2)\n\n\nmain()", True),  # a call reached from the top level, unguarded
+    ('if __name__ == "__main__":\n    spawn(say, 2)', False),
+    ('def main():\n    spawn(say, 2)\n\n\nif "__main__" == __name__:\n    main()', False)])
+def test_ranks_started_from_a_scripts_unguarded_top_level_are_refused_in_one_line(call, refused, tmp_path):
+    """Each rank imports the script as it starts and ran the call again: 95-150 lines of
+    interleaved tracebacks, then "rank 0 died with exit code 1"."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(call=call))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if refused:
+        line = call.splitlines().index(next(c for c in call.splitlines() if c.startswith(("spawn", "main()"))))
+        assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+            f"RuntimeError: train.py:{8 + line} starts hap's ranks at the script's top level: each rank imports the "
+            "script as it starts and would run that line again; put the script's top-level code under "
+            '`if __name__ == "__main__":`'), run.stderr
+        assert "rank" not in run.stdout
+    else:
+        assert run.returncode == 0 and sorted(run.stdout.split("\n")[:2]) == ["rank 0", "rank 1"], run.stderr

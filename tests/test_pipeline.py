@@ -461,6 +461,7 @@ def test_a_buffer_is_read_and_updated_in_one_stage():
     from hap.cost.cluster import local_cluster
     from hap.pipeline.plan import PipelineSpace, assemble
     from hap.planner import PlannerConfig
+    from hap.pipeline.stages import check_pipelinable
     from hap.planners import make_plan
     graph = capture(DecayingScale(), (torch.randn(12, 8), torch.randint(0, 3, (12,))))
     cluster = local_cluster((1.0, 1.0), "local")
@@ -474,6 +475,11 @@ def test_a_buffer_is_read_and_updated_in_one_stage():
     with pytest.raises(ValueError, match=r"^buffer scale is read in stage 0 and updated in stage 1: a pipeline "
                                          r"keeps the two in one stage$"):
         assemble(space, [update], [[0], [1]], [[1.0], [1.0]], 1, 0.0, {})
+    # an update that reads no batch: it said "from the whole batch"
+    with pytest.raises(ValueError, match=r"^the forward updates buffer scale once per pass \(a pipeline would update "
+                                         r"it once per micro-batch\): a pipeline runs it exactly with 1 micro-batch "
+                                         r"only, not 2$"):
+        check_pipelinable(graph, [step for k in range(2) for step in plan.steps(graph, k)], 2)
 
 
 def test_batch_norm_refuses_several_micro_batches_and_the_planners_use_one():

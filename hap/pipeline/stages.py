@@ -69,7 +69,8 @@ def whole_batch_reason(graph: Graph, program: Sequence[Step]) -> str | None:
             return f"{node.name} sums over the whole batch in its pass ({what})"
     if graph.buffer_updates:
         name = next(iter(graph.buffer_updates))
-        return f"the forward updates buffer {graph.tensors[name].target or name} from the whole batch"
+        return (f"the forward updates buffer {graph.tensors[name].target or name} once per pass (a pipeline would "
+                "update it once per micro-batch)")
     return None
 
 

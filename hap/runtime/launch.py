@@ -106,6 +106,7 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
     cores 5 s a run. The server touches no GPU. Each rank is interrupted (SIGINT, then ended
     5 s later) when this process ends, however it ends."""
     global _START
+    check_main_guard()
     mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
     launched = (os.getpid(), _Launcher(), fn, args)
     try:
@@ -118,6 +119,51 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
 
 
 _START = "forkserver"
+
+
+def check_main_guard() -> None:
+    """A RuntimeError, in one line, where ranks are started from the top level of the script
+    being run outside `if __name__ == "__main__":`. Each rank imports that script as it starts
+    (multiprocessing's forkserver and spawn do), so each ran the call again and died: 95-150
+    lines of interleaved tracebacks, and then "rank 0 died with exit code 1"."""
+    import ast
+    import inspect
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or not path.endswith(".py"):
+        return  # an interpreter, python -c, a notebook: nothing to import again
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.endswith("__main__"):
+        return  # python -m package (its __main__.py): multiprocessing does not import it again
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return  # not called from the script's top level (a test runner's, a module's)
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    if not any(_is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno)
+               for node in ast.walk(tree)):
+        raise RuntimeError(f"{os.path.basename(path)}:{line} starts hap's ranks at the script's top level: each rank "
+                           "imports the script as it starts and would run that line again; put the script's top-level "
+                           'code under `if __name__ == "__main__":`')
+
+
+def _is_main_guard(node) -> bool:
+    """Whether an ast node is `if __name__ == "__main__":` (either way round)."""
+    import ast
+
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.comparators) == 1
+            and isinstance(node.test.ops[0], ast.Eq)):
+        return False
+    sides = [node.test.left, node.test.comparators[0]]
+    return any(isinstance(a, ast.Name) and a.id == "__name__" for a in sides) and \
+        any(isinstance(a, ast.Constant) and a.value == "__main__" for a in sides)
 
 
 class _Launcher:

@@ -182,9 +182,9 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     best_plan.to_json(out / "plan.json")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     _plots(history, key, out)
+    baselines = ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in result["baselines"].items())
     say(f"[autosync] best {result['best']['measured_seconds'] * 1e3:.1f} ms ({result['best']['kind']}); "
-        + ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in result["baselines"].items())
-        + f"; wrote {out / 'result.json'}, {out / 'plan.json'}")
+        + (f"{baselines}; " if baselines else "") + f"wrote {out / 'result.json'}, {out / 'plan.json'}")
     return result
 
 
