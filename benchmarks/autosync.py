@@ -108,7 +108,7 @@ def _report(out: Path, cases: list[dict], seconds: float, trials: int) -> None:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         a = c["ranking_accuracy"]
-        lines.append(f"| {c['model']} | {c['space']} | {c['cluster']} | " + " | ".join(f"{a[k]:.2f}" for k in
+        lines.append(f"| {c['model']} | {c['space']} | {c['cluster']} | " + " | ".join(_accuracy(a[k]) for k in
                                                                         ("hap", "analytic", "linear", "rnn", "gat"))
                      + f" | {a['held_out']} | " + " / ".join(_accuracy(a["forecast"][k]) for k in ("linear", "rnn", "gat"))
                      + " |")

@@ -469,14 +469,15 @@ def _check_planner(name: str) -> str:
 
 
 def _check_straggler(args, world: int) -> str | None:
-    """The --straggler options checked before any rank starts: what the run will do (a line),
-    or None when it runs no mitigator."""
+    """The --straggler options checked before any rank starts (the schedule's parsed kind left
+    in args.schedule_kind): what the run will do (a line), or None when it runs no mitigator."""
     from .straggler import EXACT, MIGRATING, parse_schedule
 
     try:
         schedule = parse_schedule(args.straggler_schedule, world)
     except ValueError as e:
         raise UserError(f"--straggler-schedule: {e}") from None
+    args.schedule_kind = schedule.kind
     if args.migration is not None and args.straggler not in MIGRATING:
         raise UserError(f"--migration is for --straggler {', '.join(MIGRATING)}, not {args.straggler}")
     if args.straggler == "none" and schedule.kind == "none":
@@ -494,8 +495,7 @@ def _check_straggler_sites(args, graph, plan) -> None:
     emulated schedule) works on, refused before any rank starts (the ranks' mitigator would)."""
     from .straggler.mitigator import no_layers_refusal, tp_linear_layers
 
-    schedule = args.straggler_schedule.strip().partition(":")[0]  # (its kind; _check_straggler read the rest)
-    refused = no_layers_refusal(args.straggler, schedule)
+    refused = no_layers_refusal(args.straggler, args.schedule_kind)
     if refused and not tp_linear_layers(graph, plan.steps(graph)):
         raise UserError(refused)
 

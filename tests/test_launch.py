@@ -249,7 +249,8 @@ def say(rank):
     ("spawn(say, 2)", True),
     ("def main():\n    spawn(say, 2)\n\n\nmain()", True),  # a call reached from the top level, unguarded
     ('if __name__ == "__main__":\n    spawn(say, 2)', False),
-    ('def main():\n    spawn(say, 2)\n\n\nif "__main__" == __name__:\n    main()', False)])
+    ('def main():\n    spawn(say, 2)\n\n\nif "__main__" == __name__:\n    main()', False),
+    ('import os\nif __name__ == "__main__" and not os.environ.get("DRY_RUN"):\n    spawn(say, 2)', False)])
 def test_ranks_started_from_a_scripts_unguarded_top_level_are_refused_in_one_line(call, refused, tmp_path):
     """Each rank imports the script as it starts and ran the call again: 95-150 lines of
     interleaved tracebacks, then "rank 0 died with exit code 1"."""

@@ -152,11 +152,11 @@ def written_after_wrapping(rank, world):
     x, y = torch.randn(10, 8), torch.randint(0, 4, (10,))
     other = [_Head(8, extra=True).state_dict() for _ in range(2)]  # (the same on both ranks: seeded)
     out = {}
-    for case in ("own-seed", "own-seed-tp", "own-seed-part-losses", "same-seed", "reset", "load-rank-0",
+    for case in ("own-seed", "own-seed-tp", "own-seed-part-losses", "same-seed", "reset-tp", "reset", "load-rank-0",
                  "load-unlike", "load-alike"):
         torch.manual_seed(0)
         model = _Head(8, extra=True)
-        planner = "tp" if case.endswith("-tp") else "dp-cp"
+        planner = "megatron" if case.endswith("-tp") else "dp-cp"  # (megatron: the weights and lin.bias sharded)
         cluster = hap.load_cluster("local")
         plan = baseline_plan(hap.capture(model, (x, y)), cluster, planner, ratios=[0.6, 0.4])
         dmodel = hap.HAP(model, cluster, (x, y), plan=plan, global_loss=case != "own-seed-part-losses")
@@ -165,7 +165,8 @@ def written_after_wrapping(rank, world):
             for m in dmodel.modules():
                 if isinstance(m, torch.nn.Linear):
                     torch.nn.init.normal_(m.weight, std=0.1)
-        elif case == "reset":  # each module's own initialization, through the shells
+                    torch.nn.init.normal_(m.bias, std=0.1)
+        elif case.startswith("reset"):  # each module's own initialization, through the shells (alike RNGs)
             try:
                 for m in dmodel.modules():
                     if hasattr(m, "reset_parameters"):
@@ -184,7 +185,7 @@ def written_after_wrapping(rank, world):
 
 def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_path):
     """An initialization through dmodel.modules() under each rank's own seed left the ranks'
-    copies of each whole parameter apart (and reset_parameters() drew a shard with its own
+    copies of each whole parameter apart (and reset_parameters() drew a shard with the shard's
     fan-in: refused at the call), and a state dict loaded on rank 0 alone (DDP's habit
     between steps) left rank 1's part as it was: both trained on, every rank's loss the same
     and no one device's model. Now the first step after refuses it (the second after unlike
@@ -192,14 +193,15 @@ def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_p
     diverged = r"^'{}' differs between the ranks, which hold it whole and must hold it alike: it was written after wrapping"
     for got in run_ranks(written_after_wrapping, 2, tmp_path):
         assert got["own-seed"][0] == 0 and re.match(diverged.format(r"lin\.weight"), got["own-seed"][1]), got
-        # tensor parallel: lin.weight and extra.weight are sharded, lin.bias (untouched) and extra.bias whole
-        assert got["own-seed-tp"][0] == 0 and re.match(diverged.format(r"\w+\.weight"), got["own-seed-tp"][1]), got
+        # tensor parallel: the weights and lin.bias are sharded (each rank drew its own rows: not seen), extra.bias whole
+        assert got["own-seed-tp"][0] == 0 and re.match(diverged.format(r"extra\.bias"), got["own-seed-tp"][1]), got
         assert got["own-seed-part-losses"][0] == 0 and re.match(diverged.format(r"lin\.weight"),
                                                               got["own-seed-part-losses"][1]), got
         assert got["same-seed"] == [3, None]  # alike on every rank: trained
-        assert got["reset"] == ("Linear.reset_parameters() inside hap's wrapper would initialize this rank's shards "
-                                "and copies alone (a shard's fan-in, each rank's own draws): initialize the model "
-                                "before wrapping it, or load weights with dmodel.load_state_dict(...)")
+        assert got["reset-tp"] == ("Linear.reset_parameters() inside hap's wrapper would initialize this rank's shard "
+                                   "of a parameter alone (its fan-in from the shard's shape): initialize the model "
+                                   "before wrapping it, or load weights with dmodel.load_state_dict(...)")
+        assert got["reset"] == "reset"  # whole parameters, every rank's generator alike: as on one device
         assert got["load-rank-0"] == [0, "load_state_dict ran on 1 of the 2 ranks since the last step: each rank holds "
                                          "its own part of the model (hap.HAP's shards, a pipeline's stages) and loads "
                                          "it itself, so every rank calls dmodel.load_state_dict(state) with the whole "

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import tokenize
 import traceback
 from datetime import timedelta
 from multiprocessing import reduction
@@ -143,7 +144,7 @@ def check_main_guard() -> None:
         return  # not called from the script's top level (a test runner's, a module's)
     line = frame.f_lineno
     try:
-        with open(path, encoding="utf-8") as f:
+        with tokenize.open(path) as f:  # (in the script's own encoding)
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
         return
@@ -155,15 +156,18 @@ def check_main_guard() -> None:
 
 
 def _is_main_guard(node) -> bool:
-    """Whether an ast node is `if __name__ == "__main__":` (either way round)."""
+    """Whether an ast node is an `if` whose test compares __name__ with "__main__" (either way
+    round, alone or within `and`: false as a rank imports the script, as __mp_main__)."""
     import ast
 
-    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.comparators) == 1
-            and isinstance(node.test.ops[0], ast.Eq)):
-        return False
-    sides = [node.test.left, node.test.comparators[0]]
-    return any(isinstance(a, ast.Name) and a.id == "__name__" for a in sides) and \
-        any(isinstance(a, ast.Constant) and a.value == "__main__" for a in sides)
+    def compares(c) -> bool:
+        if not (isinstance(c, ast.Compare) and len(c.comparators) == 1 and isinstance(c.ops[0], ast.Eq)):
+            return False
+        sides = [c.left, c.comparators[0]]
+        return any(isinstance(a, ast.Name) and a.id == "__name__" for a in sides) and \
+            any(isinstance(a, ast.Constant) and a.value == "__main__" for a in sides)
+
+    return isinstance(node, ast.If) and any(compares(c) for c in ast.walk(node.test))
 
 
 class _Launcher:

@@ -11,6 +11,7 @@ nothing; the wrapper runs the model. The wrapper's state_dict() and load_state_d
 model's keys too (hap.runtime.checkpoint)."""
 
 import copy
+from typing import Callable
 
 import torch
 from torch import nn
@@ -19,14 +20,15 @@ from torch import nn
 class MirrorsModel(nn.Module):
     """An nn.Module whose children mirror the model it wraps (mirror_model)."""
 
-    def mirror_model(self, model: nn.Module, held: dict[int, torch.Tensor]) -> None:
+    def mirror_model(self, model: nn.Module, held: dict[int, torch.Tensor], sharded: frozenset[int] = frozenset()) -> None:
         """Register shells of model's children, and model's own parameters, holding held[id(p)]
-        in place of each parameter p of the model (None where hap holds none of it)."""
+        in place of each parameter p of the model (None where hap holds none of it); `sharded`:
+        the ids of the model's parameters hap shards over the ranks (the same on every rank)."""
         memo: dict[int, nn.Module] = {}
         self._parameters.update(_held_parameters(model, held))
         for name, child in model._modules.items():
             if child is not None:
-                self._modules[name] = _shell(child, held, memo)
+                self._modules[name] = _shell(child, held, sharded, memo)
         self.mirror_modes(model)
 
     def mirror_modes(self, model: nn.Module) -> None:
@@ -159,10 +161,11 @@ _SHELL_CLASSES: dict[type, type] = {}
 
 def _shell_class(cls: type) -> type:
     """cls with _Shell's methods first: isinstance(shell, cls) holds, its name is cls's; and its
-    own initialization, where it has one, refused (_refuse_reset)."""
+    own initialization, where it has one, refused on a shell holding a shard (_guarded_reset)."""
     if cls not in _SHELL_CLASSES:
         members = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        members.update({name: _refuse_reset for name in _RESETS if callable(getattr(cls, name, None))})
+        members.update({name: _guarded_reset(getattr(cls, name), name) for name in _RESETS
+                        if callable(getattr(cls, name, None))})
         _SHELL_CLASSES[cls] = type(cls.__name__, (_Shell, cls), members)
     return _SHELL_CLASSES[cls]
 
@@ -171,15 +174,21 @@ _RESETS = ("reset_parameters", "_reset_parameters")
 """The methods by which a module initializes its own parameters (torch's layers, MultiheadAttention)."""
 
 
-def _refuse_reset(self, *args, **kwargs):
-    """A shell's reset_parameters(): its parameters are this rank's shards and replicas, which
-    it would draw alone (a fan-in taken from a shard's shape, each rank's own numbers)."""
-    raise ValueError(f"{type(self).__name__}.reset_parameters() inside hap's wrapper would initialize this rank's "
-                     "shards and copies alone (a shard's fan-in, each rank's own draws): initialize the model before "
-                     "wrapping it, or load weights with dmodel.load_state_dict(...)")
+def _guarded_reset(reset: Callable, name: str) -> Callable:
+    """The module's own `reset` (its parameters' initialization), refused on a shell holding a
+    shard: it drew the shard alone, its fan-in taken from the shard's shape. Whole parameters it
+    initializes as on the model (each rank its own draws: the next step compares them)."""
+    def guarded(self, *args, **kwargs):
+        if self.__dict__.get("_hap_sharded"):
+            raise ValueError(f"{type(self).__name__}.{name}() inside hap's wrapper would initialize this rank's shard "
+                             "of a parameter alone (its fan-in from the shard's shape): initialize the model before "
+                             "wrapping it, or load weights with dmodel.load_state_dict(...)")
+        return reset(self, *args, **kwargs)
+
+    return guarded
 
 
-def _shell(module: nn.Module, held: dict[int, torch.Tensor], memo: dict[int, nn.Module]) -> nn.Module:
+def _shell(module: nn.Module, held: dict[int, torch.Tensor], sharded: frozenset[int], memo: dict[int, nn.Module]) -> nn.Module:
     """An instance of module's class with its settings, held parameters and children's shells
     (a module met twice, one shell), but no buffers, no hooks, and a forward that refuses. A
     class that cannot be made so (torch.compile's wrapper, whose attributes are its module's) is
@@ -199,8 +208,9 @@ def _shell(module: nn.Module, held: dict[int, torch.Tensor], memo: dict[int, nn.
     shell.__dict__["_hap_buffers"] = frozenset(module._buffers)
     memo[id(module)] = shell
     shell._parameters.update(_held_parameters(module, held))
+    shell.__dict__["_hap_sharded"] = any(p is not None and id(p) in sharded for p in module._parameters.values())
     for name, child in module._modules.items():
-        shell._modules[name] = None if child is None else _shell(child, held, memo)
+        shell._modules[name] = None if child is None else _shell(child, held, sharded, memo)
     return shell
 
 

@@ -68,7 +68,10 @@ class HAP(MirrorsModel):
 
         global_loss: forward returns the loss of the global batch on every rank (one scalar
         all-reduce per step); False returns this rank's part of it (the parts sum to the loss,
-        and backward is the same), saving that all-reduce, as DDP returns each rank's own loss."""
+        and backward is the same), saving that all-reduce, as DDP returns each rank's own loss.
+        The step's checks ride on that all-reduce: without it, the ranks' inputs, the wrapped
+        model's later changes and load_state_dict on some ranks only go unchecked (what the ranks
+        hold whole is compared once, at the first step)."""
         super().__init__()
         if not isinstance(model, nn.Module):  # (it was an AttributeError: 'function' object has no attribute 'parameters')
             raise TypeError(f"hap.HAP wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
@@ -112,7 +115,8 @@ class HAP(MirrorsModel):
         self.shards = dict(model_named_by_graph(ex.params, graph))  # by graph tensor name, in the model's order
         # children: the model's modules holding these shards, so walks of the module (parameters(),
         # named_parameters(), a library's weight-decay groups, AveragedModel's pairing) are the model's
-        self.mirror_model(model, held_by_original(model, graph, self.shards))
+        sharded = {name: p for name, p in self.shards.items() if ex.stored[name][0].is_shard}
+        self.mirror_model(model, held_by_original(model, graph, self.shards), frozenset(held_by_original(model, graph, sharded)))
         from .checkpoint import sync_idle
         sync_idle(self)  # the parameters no node uses: rank 0's, as the others
         self.groups: dict = {}  # process groups by (devices, lane), made at start-up and by resync
@@ -165,11 +169,8 @@ class HAP(MirrorsModel):
         alike = self._alike() if self._compare_alike else ()
         loaded, self._loaded = self._loaded, False
         if not self.global_loss:
-            if alike:  # the first step's comparison (no sum to carry it; loads are not compared)
-                first = sum_step(torch.zeros((), device=part.device), torch.zeros(0, dtype=torch.float64), [], None,
-                                 self.comm, alike=alike)[2]
-                first.verify()
-                self._compare_alike = first.compare_next(self._compare_alike)
+            if alike:
+                self._compare_once(alike, part.device)
             self._keep_loss(part)
             return self._as_returned(part)
         given = self.piggyback if self.piggyback is not None else torch.zeros(0, dtype=torch.float64)
@@ -184,6 +185,14 @@ class HAP(MirrorsModel):
         loss = part + (total - part).detach()  # the global loss's value, the part's gradient
         self._keep_loss(loss)
         return self._as_returned(loss)
+
+    def _compare_once(self, alike: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+        """Without the loss's all-reduce (global_loss=False), the first step's comparison of
+        what the ranks hold whole, by a sum of its own (once: no step sums the loads after)."""
+        check = sum_step(torch.zeros((), device=device), torch.zeros(0, dtype=torch.float64), [], None, self.comm,
+                         alike=alike)[2]
+        check.verify()
+        self._compare_alike = False
 
     def _alike(self) -> list[tuple[str, torch.Tensor]]:
         """(state-dict key, tensor) of every parameter and buffer every rank holds whole, for
@@ -891,12 +900,8 @@ def fingerprints(inputs: Sequence[torch.Tensor | None], device: torch.device) ->
 
 def inputs_differ(summed: torch.Tensor, squares: torch.Tensor, world: int) -> torch.Tensor:
     """Whether the ranks' fingerprints of an input every rank was given whole differ (a bool
-    tensor, alike on every rank): their variance over ranks, from the sums of them and of their
-    squares, is above rounding's."""
-    whole = (summed[0::3] == world).repeat_interleave(3)  # inputs every rank was given whole
-    mean, mean_square = summed / world, squares / world
-    spread = mean_square - mean * mean
-    return ((spread > 1e-9 * mean_square.abs()) & spread.isfinite() & whole).any()
+    tensor, alike on every rank; held_apart)."""
+    return (held_apart(summed, squares) & (summed[0::3] == world)).any()  # (inputs every rank was given whole)
 
 
 def sum_step(value: torch.Tensor, given: torch.Tensor, inputs: Sequence[torch.Tensor | None], changed: str | None,
@@ -994,7 +999,8 @@ class StepCheck:
     def compare_next(self, due: bool) -> bool:
         """After verify: whether the next step compares the tensors the ranks hold alike (sum_step's
         `alike`), `due` saying whether it was due: where every rank loaded a state dict since its
-        last step, or where it was due and this step did not compare them."""
+        last step, or where it was due and this step did not compare them (none held whole, as
+        under a plan that shards everything: it stays due, each step asking for none)."""
         return self.loaded_everywhere or (due and not self.alike)
 
 
