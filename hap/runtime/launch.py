@@ -80,6 +80,7 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, 
     all and raises RankFailed naming it."""
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
+    check_importable(fn)
     if backend == "nccl" and world > torch.cuda.device_count():
         raise ValueError(f"nccl needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} CUDA devices "
                          f"(gloo lets ranks share a GPU)")
@@ -153,6 +154,24 @@ def check_main_guard() -> None:
         raise RuntimeError(f"{os.path.basename(path)}:{line} starts hap's ranks at the script's top level: each rank "
                            "imports the script as it starts and would run that line again; put the script's top-level "
                            'code under `if __name__ == "__main__":`')
+
+
+def check_importable(fn: Callable) -> None:
+    """A RuntimeError, in one line, where the ranks could not find `fn`: defined in a __main__
+    they do not import as they start (python -m package's __main__.py, python -c, a notebook).
+    Each rank died unpickling it ("Can't get attribute"), then "rank 0 died with exit code 1"."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.endswith("__main__"):
+        where = f"{spec.name} (python -m {spec.parent})"
+    elif getattr(main, "__file__", None) is None:
+        where = "a __main__ with no file (python -c, an interactive session, a notebook)"
+    else:
+        return  # a script: each rank imports it again as __mp_main__
+    raise RuntimeError(f"{getattr(fn, '__qualname__', fn)!s} is defined in {where}, which the ranks do not import as "
+                       "they start: define it in a module they can import")
 
 
 def _is_main_guard(node) -> bool:
