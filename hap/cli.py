@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import sys
 import time
@@ -123,9 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint", metavar="DIR",
                    help="write sharded checkpoints to DIR (at the last step, and every --checkpoint-every steps)")
     t.add_argument("--checkpoint-every", type=int, metavar="N", help="write a checkpoint every N steps")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint DIR (any plan, ratios or cluster size) "
-                        "up to --steps in all, with its learning rate unless --lr is given")
+    t.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
+                   help="continue from the latest checkpoint in --checkpoint DIR, or the one of step STEP there "
+                        "(any plan, ratios or cluster size) up to --steps in all, with its learning rate unless "
+                        "--lr is given")
     t.add_argument("--straggler", metavar="POLICY", choices=_straggler_policies(), default="none",
                    help="react to slow ranks in the tensor-parallel linear layers (a plan that splits linear weights: "
                         "--planner megatron): " + ", ".join(_straggler_policies()) + " (default none: no mitigator); "
@@ -254,7 +256,7 @@ def cmd_train(args) -> int:
             "the file says)")
     graph = _build_graph(args, cluster.gpus, say)
     if resume is not None:
-        _check_checkpoint(resume[0], graph)
+        _check_checkpoint(resume[0], graph, args, cluster.gpus)
         args.resume_path = resume[0]  # the ranks load the checkpoint checked here, not hashing it again
         say(f"resuming from {resume[0]} (step {resume[1]}), learning rate "
             + ("the checkpoint's" if args.lr is None else f"{args.lr} (replacing the checkpoint's)"))
@@ -365,7 +367,7 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
     elif not math.isclose(old, new, rel_tol=1e-6):
         said, again = _distinct_ms(old, new)
         say(f"--plan {path} says {said} ms per iteration, priced again {again} ms "
-            "(edited since it was planned?): training with the price of it as it is")
+            "(planned at another batch or input shape, or edited since?): training with the price of it as it is")
     return here
 
 
@@ -514,10 +516,12 @@ def _resume_from(args) -> tuple[str, int] | None:
         raise UserError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if not args.resume:
         return None
+    if args.resume != "latest":
+        return _resume_named(args)
     try:
         found = latest(args.checkpoint)
     except ValueError as e:
-        raise UserError(f"--resume: {e}") from None
+        raise UserError(f"--resume: {e}{_earlier_hint(args.checkpoint, None)}") from None
     if found is None and os.path.exists(os.path.join(args.checkpoint, ".metadata")):  # (saves would go inside it)
         raise UserError(f"--resume: {args.checkpoint} is a checkpoint itself: give --checkpoint the directory that "
                         f"holds it, {os.path.dirname(os.path.normpath(args.checkpoint)) or '.'}")
@@ -529,7 +533,30 @@ def _resume_from(args) -> tuple[str, int] | None:
     return found
 
 
-def _check_checkpoint(path: str, graph) -> None:
+def _resume_named(args) -> tuple[str, int]:
+    """The checkpoint `--resume STEP` names in --checkpoint DIR (a step, or a checkpoint's name)."""
+    from .runtime.checkpoint import checkpoints
+
+    found = [(path, step) for path, step in checkpoints(args.checkpoint)
+             if args.resume in (str(step), os.path.basename(path))]
+    if not found:
+        raise UserError(f"--resume {args.resume}: no such checkpoint in {args.checkpoint}"
+                        + _earlier_hint(args.checkpoint, None))
+    if found[0][1] >= args.steps:
+        raise UserError(f"--resume: the checkpoint {found[0][0]} is at step {found[0][1]}, so --steps {args.steps} "
+                        "leaves nothing to train")
+    return found[0]
+
+
+def _earlier_hint(directory: str, damaged: str | None) -> str:
+    """What a resume may name instead of a damaged checkpoint (or where the latest is unknown)."""
+    from .runtime.checkpoint import checkpoints
+
+    others = [os.path.basename(path) for path, _ in checkpoints(directory) if path != damaged][:3]
+    return f" (checkpoints there: {', '.join(others)}; --resume STEP resumes from one)" if others else ""
+
+
+def _check_checkpoint(path: str, graph, args, devices: int) -> None:
     """The checkpoint's files must be as written (their checksums, .metadata's too) and it must be
     of this model (its every parameter and buffer, by key and shape), said here once rather
     than by every rank (which then load it without hashing it again)."""
@@ -539,7 +566,11 @@ def _check_checkpoint(path: str, graph) -> None:
         verify(path)
         check(path, model_shapes(graph), optional=idle_shapes(graph))
     except ValueError as e:
-        raise UserError(f"--resume: {e}") from None
+        hint = _earlier_hint(os.path.dirname(path), path) if "damaged" in str(e) or "checksum" in str(e) else ""
+        if args.model == "bert-moe" and args.experts is None and "is (" in str(e):  # (a shape differs)
+            hint = (f" (bert-moe's experts are 2 per device unless --experts says: {2 * devices} on these "
+                    f"{devices}; give --experts as the checkpoint's run had them)")
+        raise UserError(f"--resume: {e}{hint}") from None
 
 
 def _calibrated(args, graph, cluster, say):

@@ -496,8 +496,15 @@ class Plan:
                 mine = classes.split_sizes(sh.tensor, sh.dim, ratios) if sh.tensor in graph.tensors else None
                 if mine is not None and list(mine) != list(sh.sizes) and sum(mine) == sum(sh.sizes):
                     # (the same whole: it blamed another model or batch)
-                    raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, but stage {k}'s "
-                                     f"ratios {list(ratios)} split it into {list(mine)}: its ratios or shards were edited")
+                    if pieces is None:
+                        by = f"stage {k}'s ratios {list(ratios)}"
+                        edited = "its ratios or shards were edited"
+                    else:  # (a pipeline stage's pieces: every micro-batch over the stage's devices)
+                        by = (f"stage {k}'s {len(ratios) // len(stage.devices)} micro-batches over its devices at "
+                              f"{list(stage.ratios[0])}")
+                        edited = "its schedule's micro-batches, its ratios or its shards were edited"
+                    raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, but {by} split "
+                                     f"it into {list(mine)}: {edited}")
                 if mine is None or list(mine) != list(sh.sizes):
                     raise ValueError(f"the plan splits {sh.tensor} dim {sh.dim} into {list(sh.sizes)}, this model "
                                      f"{'has no ' + sh.tensor if mine is None else 'into ' + str(list(mine))}: a plan "

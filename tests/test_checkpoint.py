@@ -420,7 +420,11 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
     data.write_bytes(bytes(changed))
 
     for args, error in [(["--checkpoint", directory + "-c", "--resume", "--steps", "8"],
-                         f"--resume: checkpoint {directory}-c/step-00000006 is damaged: {data.name} does not match its checksum"),
+                         f"--resume: checkpoint {directory}-c/step-00000006 is damaged: {data.name} does not match its "
+                         "checksum (checkpoints there: step-00000004, step-00000002; --resume STEP resumes from one)"),
+                        (["--checkpoint", directory + "-c", "--resume", "3", "--steps", "8"],
+                         f"--resume 3: no such checkpoint in {directory}-c (checkpoints there: step-00000006, "
+                         "step-00000004, step-00000002; --resume STEP resumes from one)"),
                         (["--resume"], "--resume needs --checkpoint DIR"),
                         (["--checkpoint", str(tmp_path / "none"), "--resume"], f"--resume: no checkpoint in {tmp_path}/none"),
                         (["--checkpoint", f"{directory}/step-00000006", "--resume"],  # (it said: no checkpoint in it)
@@ -432,6 +436,9 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
         assert main(["train", "--model", "vit", *args]) == 2
         err = capfd.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("hap: error: ") and error in err, err
+    # the latest damaged: an earlier one named (there was no way but editing DIR/latest)
+    out, from_4 = losses("--steps", "6", "--checkpoint", directory + "-c", "--resume", "4")
+    assert f"resuming from {directory}-c/step-00000004 (step 4)" in out and from_4 == {5: straight[5], 6: straight[6]}
 
 
 def test_cli_pipeline_checkpoint_resumes_under_data_parallelism(tmp_path, capfd):

@@ -5,6 +5,8 @@ steps when stdout is not a terminal; memory is shown in a unit that fits."""
 import json
 import re
 
+import pytest
+
 import hap
 from hap.cli import main
 from hap.plan import size_text as _size
@@ -335,3 +337,25 @@ def test_a_plan_that_does_not_fit_the_clusters_memory_is_refused_before_the_rank
     said = capsys.readouterr().err.strip().splitlines()[-1]  # (after progress lines; no rank started)
     assert re.match(rf"^hap: error: --plan {tmp_path / 'p.json'}: out of memory: the plan needs .*B on device \d \(cpu\d\), "
                     r"which has 600.0 KiB$", said), said
+
+
+def test_a_resumed_bert_moe_of_another_expert_count_says_why(monkeypatch):
+    """bert-moe's experts default to 2 per device: a checkpoint of a 2-device run met a model of
+    8 experts on 4 devices, and the error named the shapes alone."""
+    from types import SimpleNamespace
+
+    import hap.runtime.checkpoint as ckpt
+    from hap.cli import UserError, _check_checkpoint
+
+    monkeypatch.setattr(ckpt, "verify", lambda path: None)
+
+    def check(path, shapes, optional=None):
+        raise ValueError("'blocks.1.ffn.w1' is (4, 32, 128) in checkpoint c/step-2 but (8, 32, 128) in the model")
+    monkeypatch.setattr(ckpt, "check", check)
+    graph = SimpleNamespace(nodes=[], tensors={})
+    with pytest.raises(UserError, match=r"^--resume: 'blocks\.1\.ffn\.w1' is .* in the model \(bert-moe's experts are 2 per "
+                                        r"device unless --experts says: 8 on these 4; give --experts as the "
+                                        r"checkpoint's run had them\)$"):
+        _check_checkpoint("c", graph, SimpleNamespace(model="bert-moe", experts=None), 4)
+    with pytest.raises(UserError, match=r"in the model$"):  # --experts given: the shapes say it all
+        _check_checkpoint("c", graph, SimpleNamespace(model="bert-moe", experts=8), 4)

@@ -854,3 +854,19 @@ def test_check_shards_says_in_one_line_which_shard_is_not_this_models():
                       (edited(sizes=[1, 2]), rf"^the plan splits {name} dim 0 into \[1, 2\], this model into \[")):
         with pytest.raises(ValueError, match=says):
             bad.check_shards(graph, classes)
+
+
+def test_a_pipeline_plan_whose_micro_batches_were_edited_says_so():
+    """It blamed stage 0's ratios [0.25, 0.25, 0.25, 0.25] (its pieces), where the file says
+    [1.0] and its schedule's micro-batches were what changed."""
+    from hap.planners import make_plan
+
+    graph = capture(BigMLP(), (torch.randn(12, 256), torch.randint(0, 8, (12,))))
+    pipe = make_plan("pp-exact", graph, load_cluster("local-homo"), PlannerConfig(pipeline_stages=2, micro_batches=2))
+    pipe.check_fits(graph)
+    d = pipe.to_dict()
+    d["schedule"]["micro_batches"] = 4
+    with pytest.raises(ValueError, match=r"^the plan splits \w+ dim 0 into \[6, 6\], but stage 0's 4 micro-batches "
+                                         r"over its devices at \[1\.0\] split it into \[3, 3, 3, 3\]: its schedule's "
+                                         r"micro-batches, its ratios or its shards were edited$"):
+        Plan.from_dict(d).check_fits(graph)

@@ -429,6 +429,17 @@ def latest(directory: str) -> tuple[str, int] | None:
     return os.path.join(directory, name), int(found.group(1))
 
 
+def checkpoints(directory: str) -> list[tuple[str, int]]:
+    """The checkpoints under `directory` (path, step), newest step first: what a resume may name
+    where the latest is damaged (none of them verified here)."""
+    try:
+        names = [n for n in os.listdir(directory) if _NAME.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
+    except OSError:
+        return []
+    found = [(os.path.join(directory, n), int(_NAME.fullmatch(n).group(1))) for n in names]
+    return sorted(found, key=lambda f: (-f[1], f[0]))
+
+
 def metadata(path: str) -> Metadata:
     """The checkpoint's metadata, having checked that every file it lists is there, whole; a
     ValueError naming what is damaged."""
