@@ -217,7 +217,6 @@ def cmd_plan(args) -> int:
 
 def cmd_train(args) -> int:
     import json
-    import os
     import statistics
     import tempfile
 
@@ -441,8 +440,6 @@ def _print_sync_result(result: dict) -> None:
 
 
 def cmd_explain(args) -> int:
-    import os
-
     from .explain import explain
     from .plan import Plan
 
@@ -504,8 +501,6 @@ def _check_straggler_sites(args, graph, plan) -> None:
 
 def _resume_from(args) -> tuple[str, int] | None:
     """The checkpoint --resume continues from and its step (None: train from the start)."""
-    import os
-
     from .runtime.checkpoint import latest
 
     if args.checkpoint is None:
@@ -598,8 +593,6 @@ _REFUSED = "straggler-refused.txt"
 
 def _mitigator(args: dict, dmodel, opt, out_dir: str):
     """The straggler mitigator --straggler and --straggler-schedule ask for (None: neither)."""
-    import os
-
     from .straggler import Mitigator, StragglerConfig, parse_schedule
 
     if args["straggler"] == "none" and args["straggler_schedule"] == "none":
@@ -617,8 +610,6 @@ def _mitigator(args: dict, dmodel, opt, out_dir: str):
 
 
 def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
-    import os
-
     import torch
 
     from .cost.cluster import load_cluster
@@ -770,7 +761,6 @@ class _TrainLoop:
 
     def finish(self, times_path: str, summary: str | None = None) -> None:
         import json
-        import os
 
         if self.progress is not None:
             self.progress.close()
@@ -852,7 +842,6 @@ class _Progress:
 
 def cmd_profile(args) -> int:
     import json
-    import os
     import tempfile
 
     import yaml
@@ -930,8 +919,6 @@ _OUTPUTS = [("plan", "json", "file"), ("train", "trace", "dir"), ("train", "chec
 def _check_outputs(args) -> None:
     """Every output path the command will write can be written (its folder made now), so that a
     run does not end in a traceback after all its work."""
-    import os
-
     for command, name, kind in _OUTPUTS:
         path = getattr(args, name, None) if args.command == command else None
         if path is None:
@@ -985,7 +972,6 @@ def main(argv: list[str] | None = None) -> int:
         print("hap: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (hap plan --listing | head): stop quietly, as a pipe does
-        import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
         return 141
 
