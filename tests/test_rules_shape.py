@@ -328,3 +328,21 @@ def test_an_arange_of_another_length_is_no_row_for_row_index():
     short, full = [n for n in g.nodes if n.op == "aten.index.Tensor"]
     assert not [st for st in strategies_for(short, g) if st.local == "local_positions"]
     assert [(st.inputs, st.outputs) for st in strategies_for(full, g) if st.local == "local_positions"] == [((S(1), R), (S(1),))]
+
+
+def test_a_strategy_pickled_in_another_process_hashes_as_one_made_here():
+    # Strategy remembers its hash; a pickle must not carry it, since another process (a rank,
+    # another PYTHONHASHSEED) hashes the strategy's name differently and memos would miss it.
+    import pickle
+    import subprocess
+    import sys
+
+    from hap.rules import Strategy
+
+    made = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; from hap.placement import R, S; from hap.rules import Strategy; "
+         "sys.stdout.buffer.write(pickle.dumps(Strategy((S(0), R), (S(0),), 'batch')))"],
+        capture_output=True, check=True, env={**__import__("os").environ, "PYTHONHASHSEED": "7"}).stdout
+    loaded, here = pickle.loads(made), Strategy((S(0), R), (S(0),), "batch")
+    assert loaded == here and hash(loaded) == hash(here)
+    assert {here: 1}[loaded] == 1

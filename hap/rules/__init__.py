@@ -17,7 +17,7 @@ One file per op family, each rule with its algebraic law as a comment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..ir import Graph, Node, TensorRef, node_signature
@@ -36,6 +36,18 @@ class Strategy:
     """What the strategy is called in listings: 'batch', 'column', 'row', 'heads', 'vocab', ..."""
     local: str | None = None
     """A local implementation variant (see hap.rules.local), or None to run the op as is."""
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # computed once: the planner's memos hash strategies many thousand times a plan
+        object.__setattr__(self, "_hash", hash((self.inputs, self.outputs, self.name, self.local)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt, not restored: another process hashes strings with another seed
+        return Strategy, (self.inputs, self.outputs, self.name, self.local)
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))

@@ -90,7 +90,7 @@ from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
-from .program import Estimate, Load, MoveStep, NumericShares, Step, kept_as, move_price, price_node, replay
+from .program import Estimate, Load, MoveStep, NumericShares, Step, kept_as, memory_terms, move_price, price_node, replay
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -310,6 +310,8 @@ class Frame:
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
         self._replayed: dict[tuple, Estimate] = {}
+        self._terms: dict[tuple, list] = {}  # program -> its memory_terms
+        self._shares: dict[tuple, NumericShares] = {}  # share signature -> its NumericShares
         self._priced: list[tuple[Sequence[Sequence[float]], list, list]] = []  # ratios priced, and their prices
         # per option of each price class, per move of each move class: the (granule count,
         # segment) shares its price reads
@@ -329,10 +331,23 @@ class Frame:
     def replay(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> Estimate:
         """program.replay, once per program and share signature (ratios that round alike price
         alike): the planner prices its candidates, and each search its incumbents, through it."""
-        key = (tuple(program), self.cost.share_signature(ratios))
-        found = self._replayed.get(key)
+        steps, sig = tuple(program), self.cost.share_signature(ratios)
+        found = self._replayed.get((steps, sig))
         if found is None:
-            found = self._replayed[key] = replay(program, self.cost, self.segment_of, ratios)
+            terms = self._terms.get(steps)
+            if terms is None:  # what a program keeps in memory is alike under any ratios
+                terms = self._terms[steps] = memory_terms(program, self.cost, self.segment_of)
+            found = self._replayed[(steps, sig)] = replay(program, self.cost, self.segment_of, ratios,
+                                                          alg=self.shares(ratios), terms=terms)
+        return found
+
+    def shares(self, ratios: Sequence[Sequence[float]]) -> NumericShares:
+        """NumericShares of `ratios`, one per share signature: what one program priced at the
+        ratios (a node, a move), every other finds priced."""
+        sig = self.cost.share_signature(ratios)
+        found = self._shares.get(sig)
+        if found is None:
+            found = self._shares[sig] = NumericShares(self.cost, [list(r) for r in ratios])
         return found
 
     def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
@@ -341,7 +356,7 @@ class Frame:
         key = self.cost.share_signature(ratios)
         found = self._prices.get(key)
         if found is None:
-            cost, alg = self.cost, NumericShares(self.cost, ratios)
+            cost, alg = self.cost, self.shares(ratios)
             # A price reads the shares of a few granule counts only (noted at the first ratios
             # priced): where none of those rounds differently from the nearest ratios priced
             # already (the fewest shares changed: a balanced round's ratios are near its input's),
@@ -469,7 +484,7 @@ class _Space:
                        for c, prices in enumerate(moves)]
         self.core = _core.Space(frame.core, options, allowed, move_prices)
         if frame.seg_start:  # every sharded placement of a tensor live at a segment start can be re-split there
-            alg = NumericShares(cost, ratios)
+            alg = frame.shares(ratios)
             for k in sorted(frame.seg_start):
                 for t in frame.live[k]:
                     name = frame.names[t]

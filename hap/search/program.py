@@ -137,6 +137,7 @@ class NumericShares:
     def __init__(self, cost: CostModel, ratios: Ratios, continuous: bool = False):
         self.cost, self.ratios, self.continuous = cost, ratios, continuous
         self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes
+        self.moved: dict[tuple, tuple[float, float]] = {}  # move_price by (tensor, move, segments)
         self._of: dict[tuple[int, int], Sequence[float]] = {}  # (granule count, segment) -> shares
         self._top: dict[tuple[int, int], float] = {}  # (granule count, segment) -> the largest share
         self.read: set[tuple[int, int]] | None = None  # when a set: the (granule count, segment)s `of` is asked for
@@ -197,6 +198,17 @@ def move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_ds
 
     Collectives on a shard are priced by the largest share involved; a grouped all-gather
     (one broadcast per device holding rows) by how many devices hold rows."""
+    memo = getattr(alg, "moved", None)  # (NumericShares remembers; the LP's algebra does not)
+    if memo is not None and alg.read is None:  # (while `read` notes dependencies, price afresh)
+        key = (tensor, mv, seg_src, seg_dst)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _move_price(cost, alg, tensor, mv, seg_src, seg_dst)
+        return found
+    return _move_price(cost, alg, tensor, mv, seg_src, seg_dst)
+
+
+def _move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_dst: int):
     if mv.name == "rebalance" and alg.same_split(tensor, mv.src.dim, seg_src, seg_dst):
         return 0.0, 0.0  # both segments split the tensor alike: nothing moves (collectives.resplit)
     nbytes = cost.graph.tensors[tensor].nbytes
@@ -378,12 +390,15 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
 
 
 def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
-           continuous: bool = False) -> Estimate:
+           continuous: bool = False, alg: NumericShares | None = None, terms: list | None = None) -> Estimate:
     """Price a program: stages, overlapped gradient sync and memory under `ratios` (integer
-    shard sizes; continuous=True: the ratios themselves, as the LP sees them)."""
-    w = walk(program, cost, segment_of, NumericShares(cost, ratios, continuous))
+    shard sizes; continuous=True: the ratios themselves, as the LP sees them). A caller pricing
+    many programs passes `alg`, NumericShares of these ratios that remembers what it priced,
+    and the program's `memory_terms` where it has them."""
+    assert alg is None or alg.continuous == continuous  # (ratios of its share signature)
+    w = walk(program, cost, segment_of, alg or NumericShares(cost, ratios, continuous))
     return Estimate(seconds=w.total + cost.step_overhead, stages=w.stages, grad_sync=w.exposed_sync,
-                    memory=memory(program, cost, segment_of, ratios), buckets=w.buckets, stage_of=w.stage_of,
+                    memory=memory(program, cost, segment_of, ratios, terms), buckets=w.buckets, stage_of=w.stage_of,
                     step_collectives=cost.step_overhead)
 
 
@@ -504,12 +519,14 @@ def memory_terms(program: Sequence[Step], cost: CostModel, segment_of: Sequence[
     return terms
 
 
-def memory(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios) -> list[float]:
-    """Bytes per GPU on each device: weights, gradients, optimizer states, buffers and activations."""
+def memory(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
+           terms: list | None = None) -> list[float]:
+    """Bytes per GPU on each device: weights, gradients, optimizer states, buffers and activations
+    (`terms`: the program's memory_terms, where the caller has them)."""
     m = cost.m
     by_layout: dict[tuple, float] = {}  # (shares or None for whole, whole per GPU) -> bytes
     held = set()
-    for name, p, seg, nbytes, whole_per_gpu in memory_terms(program, cost, segment_of):
+    for name, p, seg, nbytes, whole_per_gpu in terms if terms is not None else memory_terms(program, cost, segment_of):
         local = cost.shares(name, p.dim, ratios[seg]) if p is not None and p.is_shard else None
         if (name, p, local, whole_per_gpu) in held:  # a re-split into the sizes it has is the same tensor (resplit)
             continue
