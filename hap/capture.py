@@ -9,6 +9,12 @@ mode) are inlined, in-place ops become out-of-place ones, and every buffer the m
 ops such as linear, conv2d, layer_norm and scaled_dot_product_attention stay whole. Inlining
 drops a no-grad region's grad mode, so its tensor inputs are detached first.
 
+A view that merges leading dims into rows only to run linear layers on them and split the rows
+back (nn.MultiheadAttention's output projection: (T, B, H, hd) -> (T*B, d) -> linear ->
+(T, B, d)) keeps the dims instead ((T, B, d) -> linear -> (T, B, d): the same numbers). Merged
+with the sequence outside, the batch's rows are not one block of each device's rows, so every
+split of the batch would have had to gather there.
+
 FLOPs come from torch.utils.flop_counter: every node is run once on meta tensors under
 FlopCounterMode for the forward, and once more through autograd for the backward of exactly
 the inputs that need a gradient. Nodes with equal signatures (identical layers) share that
@@ -363,6 +369,41 @@ def _copy_as_clone(graph: torch.fx.Graph, fx: torch.fx.Node) -> None:
     graph.erase_node(fx)
 
 
+def _unmerge_rows(fx: torch.fx.Node) -> bool:
+    """Where `fx` views x (a0, ..., ak-1, rest) as (a0 * ... * ak-1, c) only for linear layers
+    on those rows, whose result a view splits back to (a0, ..., ak-1, c'), keep the leading dims
+    throughout (the module docstring): linear runs on any leading dims alike. Returns whether
+    it rewrote."""
+    if fx.op != "call_function" or fx.target is not torch.ops.aten.view.default:
+        return False
+    x, out = fx.args[0].meta.get("val"), fx.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() != 2:
+        return False
+    k, rows = 0, 1
+    while k < x.dim() and rows < out.shape[0]:
+        rows, k = rows * x.shape[k], k + 1
+    if k < 2 or rows != out.shape[0]:
+        return False  # not a merge of leading dims (one dim: nothing merged)
+    lead, chain, cur = tuple(x.shape[:k]), [], fx
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if not (user.op == "call_function" and user.target is torch.ops.aten.linear.default
+                and user.args[0] is cur and cur not in user.args[1:]):
+            break
+        chain.append(user)
+        cur = user
+    end = next(iter(cur.users)) if len(cur.users) == 1 else None
+    if (not chain or end is None or end.op != "call_function" or end.target is not torch.ops.aten.view.default
+            or end.args[0] is not cur or tuple(end.meta["val"].shape) != lead + (cur.meta["val"].shape[1],)):
+        return False
+    with out.fake_mode:
+        fx.args = (fx.args[0], [*lead, out.shape[1]])
+        fx.meta["val"] = x.view(*lead, out.shape[1])
+        for node in chain:  # (T*B, c) -> (T, B, c): contiguous rows, one reshape away
+            node.meta["val"] = node.meta["val"].view(*lead, node.meta["val"].shape[1])
+    return True
+
+
 def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, val, like: torch.fx.Node) -> torch.fx.Node:
     node = graph.call_function(op, args, kwargs)
     node.meta.update(like.meta)
@@ -426,7 +467,8 @@ def _functional(ep: ExportedProgram) -> ExportedProgram:
     copies = [fx for fx in ep.graph.nodes if fx.op == "call_function" and fx.target is torch.ops.aten.copy.default]
     for fx in copies:
         _copy_as_clone(ep.graph, fx)
-    if copies:
+    merges = [fx for fx in list(ep.graph.nodes) if _unmerge_rows(fx)]
+    if copies or merges:
         ep.graph_module.recompile()
     left = [fx for fx in ep.graph.nodes if fx.op == "call_function" and is_higher_order_op(fx.target)]
     left += [fx for fx in ep.graph.nodes if fx.op == "get_attr"]  # a submodule no op of ours calls

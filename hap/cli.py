@@ -281,7 +281,8 @@ def cmd_train(args) -> int:
         path = os.path.join(tmp, "plan.json")
         result.to_json(path)
         whose = planner if args.plan is not None else f"{planner}'s plan"
-        say(f"training {args.steps} steps with {whose} on {cluster.size} local processes")
+        steps = f"{args.steps} steps" if resume is None else f"steps {resume[1] + 1}-{args.steps}"
+        say(f"training {steps} with {whose} on {cluster.size} local processes")
         if straggling is not None:
             say(straggling)
         try:
@@ -347,7 +348,8 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
     over estimated ratio then speak of this run. A plan that does not fit a device's memory
     there is refused, as the planners refuse one."""
     from .ir import size_text
-    from .planner import priced
+    from .planner import baselines_on, priced
+    from .search.astar import SearchError
 
     try:
         here = priced(graph, cluster, dataclasses.replace(plan, cluster=cluster.to_dict(),
@@ -363,6 +365,12 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
     if made_for != cluster.name:
         say(f"--plan {path} was made for cluster {made_for!r}; priced on {cluster.name!r}: "
             f"{new * 1e3:.2f} ms per iteration (it said {old * 1e3:.2f} ms)")
+        if here.baselines:  # (priced on the cluster it was made for: the summary's "hap is Nx" would be of that one)
+            try:
+                here = dataclasses.replace(here, baselines=baselines_on(graph, cluster, list(here.baselines), config))
+            except (ValueError, SearchError) as e:
+                say(f"  its baselines are left out: they could not be planned on {cluster.name!r} ({e})")
+                here = dataclasses.replace(here, baselines={})
     elif not math.isclose(old, new, rel_tol=1e-6):
         said, again = _distinct_ms(old, new)
         say(f"--plan {path} says {said} ms per iteration, priced again {again} ms "
@@ -410,7 +418,8 @@ def cmd_sync(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     _print_sync_result(result)
-    print(f"wrote {args.out}/result.json, {args.out}/plan.json (hap train --plan {args.out}/plan.json)")
+    result_file, plan_file = os.path.join(args.out, "result.json"), os.path.join(args.out, "plan.json")
+    print(f"wrote {result_file}, {plan_file} (hap train --plan {plan_file})")
     return 0
 
 
@@ -547,8 +556,9 @@ def _earlier_hint(directory: str, damaged: str | None) -> str:
     """What a resume may name instead of a damaged checkpoint (or where the latest is unknown)."""
     from .runtime.checkpoint import checkpoints
 
-    others = [os.path.basename(path) for path, _ in checkpoints(directory) if path != damaged][:3]
-    return f" (checkpoints there: {', '.join(others)}; --resume STEP resumes from one)" if others else ""
+    others = [os.path.basename(path) for path, _ in checkpoints(directory) if path != damaged]
+    more = f" and {len(others) - 3} earlier" if len(others) > 3 else ""
+    return f" (checkpoints there: {', '.join(others[:3])}{more}; --resume STEP resumes from one)" if others else ""
 
 
 def _check_checkpoint(path: str, graph, args, devices: int) -> None:

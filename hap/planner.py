@@ -429,6 +429,20 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
     return _plan_at(graph, cluster, [list(start)], config, lambda search, rs: _baseline_program(search, rs, restriction), winner)
 
 
+def baselines_on(graph: Graph, cluster: Cluster, names: Sequence[str], config: PlannerConfig | None = None) -> dict:
+    """The baseline families `names` (as Plan.baselines names them: dp_ev, dp_cp, tp, ep)
+    planned and priced on `cluster`, recorded as plan() records them: for a plan taken to
+    another cluster, whose baselines were priced on the one it was made for."""
+    capacity = [d.memory for d in cluster.devices]
+    out = {}
+    for name in names:
+        p = baseline_plan(graph, cluster, name.replace("_", "-"), config)
+        out[name] = {"seconds": p.estimated_iteration_seconds, "memory_bytes": list(p.memory_bytes),
+                     "ratios": list(p.ratios[0]), "breakdown": dict(p.breakdown),
+                     "fits": all(m <= c for m, c in zip(p.memory_bytes, capacity))}
+    return out
+
+
 def plan_for_layout(graph: Graph, cluster: Cluster, ratios: Sequence[float] | Sequence[Sequence[float]],
                     kept: dict[str, Placement], config: PlannerConfig | None = None,
                     segment_of: Sequence[int] | None = None) -> Plan:

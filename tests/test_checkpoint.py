@@ -404,6 +404,7 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
     assert f"checkpoint at step 2: {directory}/step-00000002" in out and "checkpoint at step 4" in out
     out, resumed = losses("--steps", "6", "--checkpoint", directory, "--resume", "--cluster", "local-4")  # 2 -> 4 ranks
     assert sorted(resumed) == [5, 6] and "checkpoint at step 6" in out
+    assert "training steps 5-6 with" in out  # (it said "training 6 steps")
     _, straight = losses("--steps", "6")
     assert resumed == {5: straight[5], 6: straight[6]}
     for suffix in ("-a", "-b"):  # a given --lr replaces the checkpoint's (it was silently ignored)

@@ -217,6 +217,13 @@ def test_a_plan_file_is_priced_on_the_cluster_it_trains_on(tmp_path, capfd):
                       r"\(it said ([\d.]+) ms\)", out)
     assert found and float(found[1]) > 2 * float(found[2])
     assert f"estimated iteration {float(found[1]):.1f} ms" in out
+    # and its baselines are local's (they were local-homo's: "hap is 2.65x" over DP-EV where local says 1.35x)
+    assert main(["plan", *small, "--cluster", "local", "--quiet", "--json", str(tmp_path / "here.json")]) == 0
+    here = json.loads((tmp_path / "here.json").read_text())["baselines"]
+    capfd.readouterr()
+    shown = dict(re.findall(r"^  (dp_ev|dp_cp|tp) +([\d.]+) ms", out, re.M))
+    assert shown.keys() == {"dp_ev", "dp_cp", "tp"}
+    assert all(float(shown[k]) == round(here[k]["seconds"] * 1e3, 1) for k in shown), (shown, here)
 
 
 def test_profile_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):

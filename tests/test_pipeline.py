@@ -275,7 +275,31 @@ def _t5_setup():
     return zoo.build("t5", STEPS)
 
 
-SETUPS = {"repeated-bias": _repeated_bias_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+class SeqFirstEncoder(torch.nn.Module):
+    """nn.TransformerEncoder with the sequence first (batch_first=False: the batch is dim 1
+    inside), as nn.Transformer's default: its attention merges (T, B) into rows for the output
+    projection, which capture keeps apart (capture._unmerge_rows)."""
+
+    def __init__(self, vocab=20, d=12, heads=3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        layer = torch.nn.TransformerEncoderLayer(d, heads, 24, dropout=0.0)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids, labels):
+        h = self.encoder(self.emb(ids).transpose(0, 1))  # [T, B, d]
+        return torch.nn.functional.cross_entropy(self.head(h.transpose(0, 1)).flatten(0, 1), labels.flatten())
+
+
+def _seq_first_setup():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return SeqFirstEncoder(), [(torch.randint(0, 20, (10, 5), generator=gen), torch.randint(0, 20, (10, 5), generator=gen))
+                               for _ in range(STEPS)]
+
+
+SETUPS = {"repeated-bias": _repeated_bias_setup, "seq-first": _seq_first_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
           "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
@@ -289,6 +313,17 @@ def test_two_stage_pipeline_with_uneven_data_parallel_stage_trains_like_one_devi
     n = len(capture(model, batches[0]).nodes)
     reports = run_ranks(pipelined, 3, tmp_path, "vit", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 3, schedule)
     _like_one_device(reports, _vit_setup, schedule)
+
+
+def test_torch_transformer_encoder_with_the_sequence_first_trains_in_a_pipeline_like_one_device(tmp_path):
+    # its data-parallel program needs no collective (the pipeline planners refused it: "data
+    # parallelism cannot run this model without moving activations"); stage 0 on ranks 0 and 1
+    # at 60/40, 10 rows in 2 micro-batches of 5, each split 3/2
+    from hap.capture import capture
+    model, batches = _seq_first_setup()
+    n = len(capture(model, batches[0]).nodes)
+    reports = run_ranks(pipelined, 3, tmp_path, "seq-first", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, "1f1b")
+    _like_one_device(reports, _seq_first_setup)
 
 
 def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):
