@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hap.capture import capture, graph_from_exported
 from hap.ir import Graph, Node, Tensor, TensorRef
-from hap.placement import P, R, S
+from hap.placement import D, P, R, S
 from hap.rules import strategies_for
 from hap.rules.check import check_strategy
 from hap.rules.local import substitute
@@ -469,3 +469,43 @@ def test_ops_of_library_models_that_forced_gathers():
     mask = torch.rand(4, 1, 5, 6) > 0.5
     found = _check_op(aten.__and__.Tensor, mask, torch.rand(4, 3, 5, 6) > 0.3)
     assert named(found, "dim0") and named(found, "dim3") and not named(found, "partial")
+
+
+def test_ops_of_torch_layers_that_forced_gathers():
+    """torch.nn layers whose op had no rule, so data parallelism gathered activations there and
+    the pipelines refused the model: LSTM, GRU and RNN, InstanceNorm, PixelShuffle and
+    PixelUnshuffle, ChannelShuffle, PReLU, Bilinear, Unfold and Fold, CosineSimilarity."""
+    x = _param(5, 4, 6)  # [B, T, F]
+    for batch_first, layers in ((True, 1), (False, 2)):
+        lstm = nn.LSTM(6, 3, num_layers=layers, batch_first=batch_first)
+        params = [p.detach().clone().requires_grad_() for p in lstm._flat_weights]
+        h = [_param(layers, 5 if batch_first else 4, 3) for _ in range(2)]  # [layers, B, H]
+        found = _check_op(aten.lstm.input, x, h, params, True, layers, 0.0, True, False, batch_first)
+        b = 0 if batch_first else 1
+        assert [st.inputs[:3] + st.outputs for st in found if st.name == "batch"] == [(S(b), S(1), S(1), S(b), S(1), S(1))]
+    gru = nn.GRU(6, 3, num_layers=2)
+    params = [p.detach().clone().requires_grad_() for p in gru._flat_weights]
+    found = _check_op(aten.gru.input, x, _param(2, 4, 3), params, True, 2, 0.0, True, False, False)
+    assert named(found, "batch", outputs=(S(1), S(1)))
+    found = _check_op(aten.gru.input, x, _param(2, 4, 3), params, True, 2, 0.5, True, False, False)
+    assert not named(found, "batch")  # dropout between the layers draws over the whole batch
+    rnn = nn.RNN(6, 3)
+    params = [p.detach().clone().requires_grad_() for p in rnn._flat_weights]
+    assert named(_check_op(aten.rnn_tanh.input, x, _param(1, 5, 3), params, True, 1, 0.0, True, False, True), "batch")
+    img, w, b = _param(4, 3, 5, 6), _param(3), _param(3)
+    found = _check_op(aten.instance_norm.default, img, w, b, None, None, True, 0.1, 1e-5, False)
+    assert named(found, "batch", (S(0), R, R)) and named(found, "channel", (S(1), S(0), S(0)))
+    found = _check_op(aten.instance_norm.default, img, None, None, torch.zeros(3), torch.ones(3), True, 0.1, 1e-5, False)
+    assert not named(found, "batch")  # running statistics average the whole batch
+    assert named(_check_op(aten.pixel_shuffle.default, _param(3, 8, 2, 3), 2), "batch")
+    assert named(_check_op(aten.pixel_unshuffle.default, _param(3, 2, 4, 6), 2), "batch")
+    assert {st.inputs for st in _check_op(aten.channel_shuffle.default, _param(3, 6, 2, 5), 2)} == {(S(0),), (S(2),), (S(3),), (R,), (D,)}
+    found = _check_op(aten.prelu.default, _param(4, 3, 5), _param(3))
+    assert named(found, "channel", (S(1), S(0))) and named(found, "batch", (S(0), R))
+    assert named(_check_op(aten.prelu.default, _param(4, 3), _param(1)), "channel", (S(1), R))
+    found = _check_op(aten.bilinear.default, _param(4, 5, 3), _param(4, 5, 2), _param(6, 3, 2), _param(6))
+    assert named(found, "batch", (S(0), S(0), R, R)) and named(found, "out-feature", (R, R, S(0), S(0)), (S(2),))
+    assert named(_check_op(aten.im2col.default, _param(3, 2, 5, 5), [2, 2], [1, 1], [0, 0], [1, 1]), "batch")
+    assert named(_check_op(aten.col2im.default, _param(3, 8, 16), [5, 5], [2, 2], [1, 1], [0, 0], [1, 1]), "batch")
+    found = _check_op(aten.cosine_similarity.default, _param(4, 5, 3), _param(4, 5, 3), 1)
+    assert {(st.inputs, st.outputs) for st in found} >= {((S(0), S(0)), (S(0),)), ((S(2), S(2)), (S(1),))}

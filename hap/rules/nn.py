@@ -104,6 +104,20 @@ def group_norm(node: Node, graph: Graph) -> list[Strategy]:
     return [_along(node, 0, "batch")] if ndim(graph, node.inputs[0]) >= 2 else []
 
 
+@register("aten.instance_norm.default")
+def instance_norm(node: Node, graph: Graph) -> list[Strategy]:
+    # Statistics per (sample, channel) over the spatial dims: samples and channels are
+    # independent, weight and bias per channel. Running statistics, where the op keeps them,
+    # average the whole batch's (and are updated in place): then nothing is offered.
+    if ndim(graph, node.inputs[0]) < 3 or (arg(node, 3, "running_mean") is not None and arg(node, 5, "use_input_stats")):
+        return []
+    params = len(node.inputs) - 1  # the affine weight and bias, where given (running statistics: not in training)
+    found = [Strategy((S(0),) + (R,) * params, (S(0),), "batch")]
+    if arg(node, 3, "running_mean") is None:  # channels: weight and bias split with them
+        found.append(Strategy((S(1),) + (S(0),) * params, (S(1),), "channel"))
+    return found
+
+
 @register("aten.native_group_norm.default")
 def native_group_norm(node: Node, graph: Graph) -> list[Strategy]:
     # As group_norm; the op also takes the batch size N, which becomes the local one.
@@ -395,6 +409,79 @@ def resize(node: Node, graph: Graph) -> list[Strategy]:
     lead = ndim(graph, node.inputs[0]) - _RESIZES[node.op]
     names = ("batch", "channel") if lead == 2 else ("channel",)
     return [_along(node, d, _dim_name(d, names)) for d in range(lead)] + [Strategy((P,), (P,), "partial")]
+
+
+@register("aten.pixel_shuffle.default", "aten.pixel_unshuffle.default", "aten.im2col.default", "aten.col2im.default")
+def plane_rearrange(node: Node, graph: Graph) -> list[Strategy]:
+    # Each sample's (channel, height, width) block is rearranged on its own (pixel shuffles,
+    # unfold's and fold's patch columns): the dims before it split alike. (The channel dims
+    # mix with the kernel or upscale factor: not offered.)
+    trailing = {"aten.im2col.default": 3, "aten.col2im.default": 2}.get(node.op, 3)
+    lead = ndim(graph, node.inputs[0]) - trailing
+    return [_along(node, d, _dim_name(d)) for d in range(max(lead, 0))]
+
+
+@register("aten.channel_shuffle.default", "aten.native_channel_shuffle.default")
+def channel_shuffle(node: Node, graph: Graph) -> list[Strategy]:
+    # out[n, c', ...] = x[n, perm(c'), ...]: the channels permute within each position, every
+    # other dim (batch, spatial) is independent.
+    return [_along(node, d, _dim_name(d)) for d in range(ndim(graph, node.inputs[0])) if d != 1]
+
+
+@register("aten.prelu.default", "aten._prelu_kernel.default")
+def prelu(node: Node, graph: Graph) -> list[Strategy]:
+    # prelu(x, a) = max(0, x) + a[c] * min(0, x), elementwise, with a per channel (dim 1) or one
+    # number: any dim splits with a whole, the channel dim with a split alike where a has one per
+    # channel.
+    rank, per_channel = ndim(graph, node.inputs[0]), math.prod(shape_of(graph, node.inputs[1])) > 1
+    return [Strategy((S(d), S(0) if d == 1 and per_channel else R), (S(d),), _dim_name(d, ("batch", "channel")))
+            for d in range(rank)]
+
+
+@register("aten.bilinear.default")
+def bilinear(node: Node, graph: Graph) -> list[Strategy]:
+    # out[.., o] = sum_ij x1[.., i] W[o, i, j] x2[.., j] + b[o]: positions (every dim but the
+    # features) are independent; W's rows and b give the output features.
+    rank, bias = ndim(graph, node.inputs[0]), len(node.inputs) > 3
+    if shape_of(graph, node.inputs[0])[:-1] != shape_of(graph, node.inputs[1])[:-1]:
+        return []
+    found = [Strategy((S(d), S(d), R) + ((R,) if bias else ()), (S(d),), _dim_name(d)) for d in range(rank - 1)]
+    found.append(Strategy((R, R, S(0)) + ((S(0),) if bias else ()), (S(rank - 1),), "out-feature"))
+    return found
+
+
+@register("aten.cosine_similarity.default")
+def cosine_similarity(node: Node, graph: Graph) -> list[Strategy]:
+    # cos(x1, x2)[..] = <x1, x2> / max(|x1| |x2|, eps) along `dim`, which the output drops:
+    # every other dim is independent (equal shapes only: broadcasting is not offered).
+    a, b = (shape_of(graph, t) for t in node.inputs[:2]) if len(node.inputs) == 2 else (None, None)
+    if a is None or a != b:
+        return []
+    k = norm_dim(arg(node, 2, "dim", 1), len(a))
+    return [Strategy((S(d), S(d)), (S(d if d < k else d - 1),), _dim_name(d)) for d in range(len(a)) if d != k]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recurrent layers.
+
+_RNNS = {"aten.lstm.input": 2, "aten.gru.input": 1, "aten.rnn_tanh.input": 1, "aten.rnn_relu.input": 1}  # op -> states
+
+
+@register(*_RNNS)
+def recurrent(node: Node, graph: Graph) -> list[Strategy]:
+    # h_t = cell(x_t, h_{t-1}; W) per sample: samples are independent, the weights shared.
+    #   input [B, T, F] (batch_first) or [T, B, F], states [layers * directions, B, H] -> output
+    #   like the input, final states like the states; the weights whole (gradients summed).
+    # Not offered with dropout between layers in training (a draw over the whole batch) or for an
+    # unbatched (2-dim) input.
+    layers, dropout, train, batch_first = (arg(node, i, n) for i, n in ((4, "num_layers"), (5, "dropout"),
+                                                                        (6, "train"), (8, "batch_first")))
+    if ndim(graph, node.inputs[0]) != 3 or (dropout and train and layers > 1):
+        return []
+    states = _RNNS[node.op]
+    b = 0 if batch_first else 1
+    ins = (S(b),) + (S(1),) * states + (R,) * (len(node.inputs) - 1 - states)
+    return [Strategy(ins, (S(b),) + (S(1),) * (len(node.outputs) - 1), "batch")]
 
 
 # ---------------------------------------------------------------------------------------------
