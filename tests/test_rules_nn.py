@@ -483,6 +483,10 @@ def test_ops_of_torch_layers_that_forced_gathers():
         found = _check_op(aten.lstm.input, x, h, params, True, layers, 0.0, True, False, batch_first)
         b = 0 if batch_first else 1
         assert [st.inputs[:3] + st.outputs for st in found if st.name == "batch"] == [(S(b), S(1), S(1), S(b), S(1), S(1))]
+    lstm = nn.LSTM(6, 4, proj_size=2, batch_first=True)  # h0 [1, B, 2], c0 [1, B, 4]
+    params = [p.detach().clone().requires_grad_() for p in lstm._flat_weights]
+    found = _check_op(aten.lstm.input, x, [_param(1, 5, 2), _param(1, 5, 4)], params, True, 1, 0.0, True, False, True)
+    assert named(found, "batch")
     gru = nn.GRU(6, 3, num_layers=2)
     params = [p.detach().clone().requires_grad_() for p in gru._flat_weights]
     found = _check_op(aten.gru.input, x, _param(2, 4, 3), params, True, 2, 0.0, True, False, False)
@@ -503,6 +507,8 @@ def test_ops_of_torch_layers_that_forced_gathers():
     found = _check_op(aten.prelu.default, _param(4, 3, 5), _param(3))
     assert named(found, "channel", (S(1), S(0))) and named(found, "batch", (S(0), R))
     assert named(_check_op(aten.prelu.default, _param(4, 3), _param(1)), "channel", (S(1), R))
+    found = _check_op(aten._prelu_kernel.default, _param(4, 3, 5), _param(1, 3, 1))  # (a core-ATen graph's)
+    assert named(found, "channel", (S(1), S(1))) and named(found, "batch", (S(0), R))
     found = _check_op(aten.bilinear.default, _param(4, 5, 3), _param(4, 5, 2), _param(6, 3, 2), _param(6))
     assert named(found, "batch", (S(0), S(0), R, R)) and named(found, "out-feature", (R, R, S(0), S(0)), (S(2),))
     assert named(_check_op(aten.im2col.default, _param(3, 2, 5, 5), [2, 2], [1, 1], [0, 0], [1, 1]), "batch")

@@ -428,7 +428,7 @@ def channel_shuffle(node: Node, graph: Graph) -> list[Strategy]:
     return [_along(node, d, _dim_name(d)) for d in range(ndim(graph, node.inputs[0])) if d != 1]
 
 
-@register("aten.prelu.default", "aten._prelu_kernel.default")
+@register("aten.prelu.default")
 def prelu(node: Node, graph: Graph) -> list[Strategy]:
     # prelu(x, a) = max(0, x) + a[c] * min(0, x), elementwise, with a per channel (dim 1) or one
     # number: any dim splits with a whole, the channel dim with a split alike where a has one per
@@ -436,6 +436,16 @@ def prelu(node: Node, graph: Graph) -> list[Strategy]:
     rank, per_channel = ndim(graph, node.inputs[0]), math.prod(shape_of(graph, node.inputs[1])) > 1
     return [Strategy((S(d), S(0) if d == 1 and per_channel else R), (S(d),), _dim_name(d, ("batch", "channel")))
             for d in range(rank)]
+
+
+@register("aten._prelu_kernel.default")
+def prelu_kernel(node: Node, graph: Graph) -> list[Strategy]:
+    # As prelu, with a already shaped to broadcast against x ([1, C, 1, ...] in a core-ATen
+    # graph): a splits with x on every dim where it is longer than 1.
+    x, a = (shape_of(graph, t) for t in node.inputs)
+    if len(a) != len(x):
+        return []
+    return [Strategy((S(d), S(d) if a[d] > 1 else R), (S(d),), _dim_name(d, ("batch", "channel"))) for d in range(len(x))]
 
 
 @register("aten.bilinear.default")
