@@ -369,12 +369,15 @@ def _copy_as_clone(graph: torch.fx.Graph, fx: torch.fx.Node) -> None:
     graph.erase_node(fx)
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)  # (a view of a fresh copy: _unsafe_view)
+
+
 def _unmerge_rows(fx: torch.fx.Node) -> bool:
     """Where `fx` views x (a0, ..., ak-1, rest) as (a0 * ... * ak-1, c) only for linear layers
     on those rows, whose result a view splits back to (a0, ..., ak-1, c'), keep the leading dims
     throughout (the module docstring): linear runs on any leading dims alike. Returns whether
     it rewrote."""
-    if fx.op != "call_function" or fx.target is not torch.ops.aten.view.default:
+    if fx.op != "call_function" or fx.target not in _VIEWS:
         return False
     x, out = fx.args[0].meta.get("val"), fx.meta.get("val")
     if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() != 2:
@@ -393,7 +396,7 @@ def _unmerge_rows(fx: torch.fx.Node) -> bool:
         chain.append(user)
         cur = user
     end = next(iter(cur.users)) if len(cur.users) == 1 else None
-    if (not chain or end is None or end.op != "call_function" or end.target is not torch.ops.aten.view.default
+    if (not chain or end is None or end.op != "call_function" or end.target not in _VIEWS
             or end.args[0] is not cur or tuple(end.meta["val"].shape) != lead + (cur.meta["val"].shape[1],)):
         return False
     with out.fake_mode:

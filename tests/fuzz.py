@@ -11,13 +11,16 @@ sequence first or batch first; an LSTM, GRU or RNN, one or two layers, one or tw
 random speeds and bandwidth, a plan (hap's own for that cluster, or Megatron, TP or DP at
 uneven shares; for --pipeline pp-exact's K stages and M micro-batches, GPipe or 1F1B) and a
 loop (clipping, accumulation over two half batches, an eval pass, a shorter last batch, a
-state-dict round trip). Three steps of SGD on the ranks must give one device's losses (and
+state-dict round trip), and dropout at 0.1 or 0.3 in half the cases (both sides draw from one
+generator state). Three steps of SGD on the ranks must give one device's losses (and
 gradient norms) and state. One line per seed: ok, FAIL with what differed, or the one-line
 refusal a plan met (BatchNorm with several micro-batches is refused, rightly).
 
 tests/test_fuzz.py runs a few fixed seeds in CI. Adam is left out there: it turns gradients
 that are zero up to rounding (a bias before BatchNorm, a dead ReLU unit) into steps of the
-learning rate, so rounding alone moves parameters by 1e-3.
+learning rate, so rounding alone moves parameters by 1e-3. Widths are 4 and more: a LayerNorm
+over 2 features is so ill-conditioned that float32 rounding grew about 1000x a step (a torch
+decoder of width 2 with dropout: 1e-3 apart in 3 steps; in float64 within 6e-11, so rounding).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Block(nn.Module):
 
     def __init__(self, d: int, hidden: int, heads: int, kind: str, rng: random.Random):
         super().__init__()
-        self.kind, self.norm = kind, nn.LayerNorm(d)
+        self.kind, self.norm, self.drop = kind, nn.LayerNorm(d), nn.Dropout(0.0)  # (p: the case's)
         if kind == "attn":
             self.attn = nn.MultiheadAttention(d, heads, batch_first=True, bias=rng.random() < 0.7)
         elif kind == "mlp":
@@ -69,7 +72,7 @@ class Block(nn.Module):
             y = self.fc2(self.act(self.fc1(y)))
         else:
             y = self.down(F.silu(self.gate(y)) * self.up(y))
-        return x + y
+        return x + self.drop(y)
 
 
 class TokenModel(nn.Module):
@@ -182,6 +185,8 @@ class Case:
     schedule: str = "1f1b"
     loop: dict = dataclasses.field(default_factory=dict)
     """clip, accumulate, evaluate, shorter, reload: the training loop's habits."""
+    dropout: float = 0.0
+    """Every dropout's rate (nn.Dropout, attention's, a recurrent layer's between layers)."""
     text: str = ""
 
 
@@ -189,7 +194,7 @@ def _model(rng: random.Random, batch: int, kind: str | None):
     kind = kind or rng.choice(["token", "token", "vector", "conv", "torch", "recurrent"])
     if kind == "token":
         heads = rng.choice([1, 2, 3])
-        d, vocab, seq = heads * rng.choice([2, 4, 5]), rng.choice([11, 17, 23, 32]), rng.choice([3, 5, 7])
+        d, vocab, seq = heads * rng.choice([4, 5, 6]), rng.choice([11, 17, 23, 32]), rng.choice([3, 5, 7])
         kinds = [rng.choice(["attn", "mlp", "glu"]) for _ in range(rng.randint(1, 3))]
         model = TokenModel(vocab, d, rng.choice([7, 12, 20]), heads, kinds, rng.random() < 0.5, rng)
         make = lambda: (torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq)))  # noqa: E731
@@ -212,7 +217,7 @@ def _model(rng: random.Random, batch: int, kind: str | None):
         text = f"{cell} {layers} layers{' bidirectional' if bidirectional else ''}"
     else:
         heads = rng.choice([1, 2, 3])
-        d, vocab, seq = heads * rng.choice([2, 4]), rng.choice([11, 17]), rng.choice([3, 5])
+        d, vocab, seq = heads * rng.choice([4, 6]), rng.choice([11, 17]), rng.choice([3, 5])
         batch_first, norm_first, decoder = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.4
         model = TorchTransformer(vocab, d, heads, rng.choice([8, 14]), batch_first, norm_first,
                                  rng.choice(["relu", "gelu"]), decoder, rng.randint(1, 2))
@@ -239,14 +244,30 @@ def make_case(seed: int, pipeline: bool = False, kind: str | None = None) -> Cas
         stages, micro = rng.randint(2, world), rng.choice([1, 2, 3, 4])
         schedule = rng.choice(["gpipe", "1f1b"])
         loop = {"clip": loop["clip"]}  # (the other habits are hap.HAP's)
-        return Case(seed=seed, model=model, batches=batches, world=world, speeds=speeds, bandwidth=bandwidth,
+        case = Case(seed=seed, model=model, batches=batches, world=world, speeds=speeds, bandwidth=bandwidth,
                     family="pp-exact", ratios=ratios, stages=stages, micro_batches=micro, schedule=schedule, loop=loop,
                     text=f"{text}, batch {batch}, {world} ranks, {stages} stages x {micro} micro-batches {schedule}")
-    family = rng.choice(["hap", "hap", "megatron", "tp", "dp-cp"])
-    return Case(seed=seed, model=model, batches=batches, world=world, speeds=speeds, bandwidth=bandwidth, family=family,
-                ratios=ratios, loop=loop, text=f"{text}, batch {batch}, {world} ranks, {family}"
-                + ("" if family in ("hap", "dp-cp") else f" at {ratios}")
-                + "".join(f", {k}" for k, on in loop.items() if on))
+    else:
+        family = rng.choice(["hap", "hap", "megatron", "tp", "dp-cp"])
+        case = Case(seed=seed, model=model, batches=batches, world=world, speeds=speeds, bandwidth=bandwidth,
+                    family=family, ratios=ratios, loop=loop, text=f"{text}, batch {batch}, {world} ranks, {family}"
+                    + ("" if family in ("hap", "dp-cp") else f" at {ratios}")
+                    + "".join(f", {k}" for k, on in loop.items() if on))
+    case.dropout = rng.choice([0.0, 0.0, 0.1, 0.3])  # (drawn last: the cases without it stay as they were)
+    if case.dropout:
+        _set_dropout(model, case.dropout)
+        case.text += f", dropout {case.dropout}"
+    return case
+
+
+def _set_dropout(model: nn.Module, p: float) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+        elif isinstance(m, nn.MultiheadAttention):
+            m.dropout = p  # (attention's own, on its weights)
+        elif isinstance(m, nn.RNNBase) and m.num_layers > 1:
+            m.dropout = p
 
 
 def case_cluster(case: Case):
@@ -289,8 +310,9 @@ def train_hap(case: Case, adam: bool = False) -> list[str]:
             batch = tuple(t[: max(2, t.shape[0] - 3)] for t in batch)
         parts = [tuple(t[: len(t) // 2] for t in batch), tuple(t[len(t) // 2:] for t in batch)] \
             if case.loop["accumulate"] else [batch]
-        seen = []  # (loss, norm) of hap's model, then of the reference
+        seen, drawn = [], torch.get_rng_state()  # (loss, norm) of hap's model, then of the reference
         for model, opt in pairs:
+            torch.set_rng_state(drawn)  # dropout: both draw from the same state, as one device would
             loss = 0.0
             for part in parts:
                 part_loss = model(*part) / len(parts)
@@ -337,11 +359,13 @@ def train_pipeline(case: Case, adam: bool = False) -> list[str]:
     params = list(pipe.parameters())
     opt, ref_opt = (_optimizer(params, adam) if params else None), _optimizer(reference.parameters(), adam)
     for step, batch in enumerate(case.batches):
+        drawn = torch.get_rng_state()
         loss = pipe.train_step(*batch)
         norm = pipe.clip_grad_norm_(0.5) if case.loop["clip"] else torch.zeros(())
         if opt is not None:
             opt.step()
             opt.zero_grad()
+        torch.set_rng_state(drawn)  # dropout: the reference draws from the state the pipeline drew from
         want = reference(*batch)
         want.backward()
         want_norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5) if case.loop["clip"] else torch.zeros(())

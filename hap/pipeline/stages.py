@@ -98,6 +98,9 @@ def data_parallel_obstacle(graph: Graph) -> str | None:
     return None
 
 
+_RECURRENT = ("aten.lstm.input", "aten.gru.input", "aten.rnn_tanh.input", "aten.rnn_relu.input")
+
+
 def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int | None = None) -> None:
     """ValueError, in one line, where micro-batches would change the mathematics (with
     micro_batches None: whatever their count). (Random ops do not: the runtime draws each node's
@@ -108,8 +111,9 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
 
     drawn = next((n for n in graph.nodes if drawn_replicated(n)), None)
     if drawn is not None:
-        raise ValueError(f"{drawn.name} ({drawn.op}) draws random numbers from its input's values: a pipeline draws "
-                         "every node's numbers whole before the step; train this model with hap.HAP")
+        inside = "its dropout between layers inside the op" if drawn.op in _RECURRENT else "from its input's values"
+        raise ValueError(f"{drawn.name} ({drawn.op}) draws random numbers {inside}: a pipeline draws every node's "
+                         "numbers whole before the step; train this model with hap.HAP")
     why = whole_batch_reason(graph, program)
     if why is not None and micro_batches is not None and micro_batches > 1:
         raise ValueError(f"{why}: a pipeline runs it exactly with 1 micro-batch only, not {micro_batches}")

@@ -311,8 +311,11 @@ def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict,
     q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
     if a.get("enable_gqa"):
         raise NotImplementedError(f"{node.name}: grouped-query attention with dropout has no runtime yet")
-    scale = a.get("scale") or q.shape[-1] ** -0.5
-    scores = q @ k.transpose(-2, -1) * scale  # [.., L, S]
+    # scaled as torch's math path scales (q and k each by the root of the scale), so that a
+    # device's rows round as one device's do (q @ k^T * scale differs in the last bits, which
+    # small models' training amplified past 1e-3 within 3 steps)
+    root = math.sqrt(a.get("scale") or 1.0 / math.sqrt(q.shape[-1]))
+    scores = (q * root) @ (k.transpose(-2, -1) * root)  # [.., L, S]
     if a.get("is_causal"):
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
