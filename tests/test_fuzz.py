@@ -16,7 +16,7 @@ HAP = {2: [0, 1, 3, 5, 6, 11, 23, 27, 28, 33, 54], 3: [9, 12, 18, 21, 26, 59]}
 # seed 5's BatchNorm with 2 micro-batches, seed 27's GRU with dropout between its layers
 PIPELINE = {2: [6, 14, 15, 40, 46], 3: [0, 5, 7, 11, 16, 24, 27, 28, 33]}
 REFUSED = {5: "a pipeline runs it exactly with 1 micro-batch only, not 2",
-           27: "gru (aten.gru.input) draws random numbers its dropout between layers inside the op: a pipeline"}
+           27: "gru (aten.gru.input) draws random numbers for its dropout between layers, inside the op: a pipeline"}
 
 
 def _check(reports, seeds, pipeline=False, refused=None):

@@ -111,7 +111,7 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
 
     drawn = next((n for n in graph.nodes if drawn_replicated(n)), None)
     if drawn is not None:
-        inside = "its dropout between layers inside the op" if drawn.op in _RECURRENT else "from its input's values"
+        inside = "for its dropout between layers, inside the op" if drawn.op in _RECURRENT else "from its input's values"
         raise ValueError(f"{drawn.name} ({drawn.op}) draws random numbers {inside}: a pipeline draws every node's "
                          "numbers whole before the step; train this model with hap.HAP")
     why = whole_batch_reason(graph, program)
