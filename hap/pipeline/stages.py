@@ -98,9 +98,6 @@ def data_parallel_obstacle(graph: Graph) -> str | None:
     return None
 
 
-_RECURRENT = ("aten.lstm.input", "aten.gru.input", "aten.rnn_tanh.input", "aten.rnn_relu.input")
-
-
 def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int | None = None) -> None:
     """ValueError, in one line, where micro-batches would change the mathematics (with
     micro_batches None: whatever their count). (Random ops do not: the runtime draws each node's
@@ -108,10 +105,11 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
     rows; but for a node whose draws depend on its input's values, bernoulli of probabilities,
     which cannot be drawn before the step: refused.)"""
     from ..rules.local import drawn_replicated
+    from ..rules.nn import RECURRENT_STATES
 
     drawn = next((n for n in graph.nodes if drawn_replicated(n)), None)
     if drawn is not None:
-        inside = "for its dropout between layers, inside the op" if drawn.op in _RECURRENT else "from its input's values"
+        inside = "for its dropout between layers, inside the op" if drawn.op in RECURRENT_STATES else "from its input's values"
         raise ValueError(f"{drawn.name} ({drawn.op}) draws random numbers {inside}: a pipeline draws every node's "
                          "numbers whole before the step; train this model with hap.HAP")
     why = whole_batch_reason(graph, program)

@@ -474,10 +474,11 @@ def cosine_similarity(node: Node, graph: Graph) -> list[Strategy]:
 # ---------------------------------------------------------------------------------------------
 # Recurrent layers.
 
-_RNNS = {"aten.lstm.input": 2, "aten.gru.input": 1, "aten.rnn_tanh.input": 1, "aten.rnn_relu.input": 1}  # op -> states
+RECURRENT_STATES = {"aten.lstm.input": 2, "aten.gru.input": 1, "aten.rnn_tanh.input": 1, "aten.rnn_relu.input": 1}
+"""The recurrent layers' ops, and how many state tensors (h, c) each takes."""
 
 
-@register(*_RNNS)
+@register(*RECURRENT_STATES)
 def recurrent(node: Node, graph: Graph) -> list[Strategy]:
     # h_t = cell(x_t, h_{t-1}; W) per sample: samples are independent, the weights shared.
     #   input [B, T, F] (batch_first) or [T, B, F], states [layers * directions, B, H] -> output
@@ -488,7 +489,7 @@ def recurrent(node: Node, graph: Graph) -> list[Strategy]:
                                                                         (6, "train"), (8, "batch_first")))
     if ndim(graph, node.inputs[0]) != 3 or (dropout and train and layers > 1):
         return []
-    states = _RNNS[node.op]
+    states = RECURRENT_STATES[node.op]
     b = 0 if batch_first else 1
     ins = (S(b),) + (S(1),) * states + (R,) * (len(node.inputs) - 1 - states)
     return [Strategy(ins, (S(b),) + (S(1),) * (len(node.outputs) - 1), "batch")]
