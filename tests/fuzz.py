@@ -3,11 +3,13 @@
     OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz.py --seeds 0:100              # hap.HAP
     OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz.py --seeds 0:60 --pipeline     # hap.Pipeline
     OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz.py --seeds 0:60 --adam         # Adam too (eps 1e-3)
+    OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz.py --seeds 0:40 --kind bags    # nn.EmbeddingBag tables
 
 A seed makes one case: a small model of odd sizes (a token model of attention, MLP and GLU
 blocks with or without a tied head; an MLP with or without BatchNorm; a CNN with BatchNorm,
 InstanceNorm or GroupNorm and ReLU or PReLU; torch's own Transformer encoder or decoder,
-sequence first or batch first; an LSTM, GRU or RNN, one or two layers, one or two ways), a cluster of 2-4 devices of
+sequence first or batch first; an LSTM, GRU or RNN, one or two layers, one or two ways; with
+--kind bags only, nn.EmbeddingBag tables of sum, mean or max bags), a cluster of 2-4 devices of
 random speeds and bandwidth, a plan (hap's own for that cluster, or Megatron, TP or DP at
 uneven shares; for --pipeline pp-exact's K stages and M micro-batches, GPipe or 1F1B) and a
 loop (clipping, accumulation over two half batches, an eval pass, a shorter last batch, a
@@ -166,6 +168,23 @@ class TorchTransformer(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), target.flatten())
 
 
+class BagModel(nn.Module):
+    """nn.EmbeddingBag tables (sum, mean or max; a padding id; per-sample weights for a sum) over
+    fixed-size bags, concatenated into an MLP."""
+
+    def __init__(self, vocab, d, hidden, classes, tables, rng):
+        super().__init__()
+        self.modes = [rng.choice(["sum", "mean", "max"]) for _ in range(tables)]
+        self.weighted = [mode == "sum" and rng.random() < 0.5 for mode in self.modes]
+        self.bags = nn.ModuleList(nn.EmbeddingBag(vocab, d, mode=mode, padding_idx=rng.choice([None, 0]))
+                                  for mode in self.modes)
+        self.mlp = nn.Sequential(nn.Linear(tables * d, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, ids, weights, y):  # [B, L], [B, L], [B]
+        h = torch.cat([bag(ids, per_sample_weights=weights if w else None) for bag, w in zip(self.bags, self.weighted)], 1)
+        return F.cross_entropy(self.mlp(h), y)  # h: [B, tables * d]
+
+
 # -- cases ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(kw_only=True)
@@ -215,6 +234,12 @@ def _model(rng: random.Random, batch: int, kind: str | None):
         model = RecurrentModel(vocab, rng.choice([4, 6]), rng.choice([3, 5]), cell, layers, bidirectional, classes)
         make = lambda: (torch.randint(0, vocab, (batch, seq)), torch.randint(0, classes, (batch,)))  # noqa: E731
         text = f"{cell} {layers} layers{' bidirectional' if bidirectional else ''}"
+    elif kind == "bags":  # (only asked for: the default kinds' seeds stay as they were)
+        vocab, size, classes = rng.choice([11, 17, 32]), rng.choice([1, 3, 4]), rng.choice([3, 5])
+        model = BagModel(vocab, rng.choice([4, 6]), rng.choice([7, 12]), classes, rng.randint(1, 3), rng)
+        make = lambda: (torch.randint(0, vocab, (batch, size)), torch.rand(batch, size),  # noqa: E731
+                        torch.randint(0, classes, (batch,)))
+        text = f"bags of {size} {'/'.join(m + ('-weighted' if w else '') for m, w in zip(model.modes, model.weighted))}"
     else:
         heads = rng.choice([1, 2, 3])
         d, vocab, seq = heads * rng.choice([4, 6]), rng.choice([11, 17]), rng.choice([3, 5])
@@ -402,7 +427,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="0:20", help="FIRST:END (END excluded)")
     ap.add_argument("--pipeline", action="store_true", help="hap.Pipeline under pp-exact plans")
     ap.add_argument("--adam", action="store_true", help="Adam (eps 1e-3) instead of SGD with momentum")
-    ap.add_argument("--kind", choices=["token", "vector", "conv", "torch", "recurrent"], help="only this kind of model")
+    ap.add_argument("--kind", choices=["token", "vector", "conv", "torch", "recurrent", "bags"],
+                    help="only this kind of model (bags: only when asked for)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     first, end = map(int, args.seeds.split(":"))

@@ -1,8 +1,9 @@
 """Distributed training equals single-device training, model by model, on real gloo ranks.
 
 Every built-in model at its small size (vit, vgg19, bert, bert-moe; dropout off: dropout is
-tested on its own) and three models built only from torch.nn library modules
-(nn.TransformerEncoder, a Conv2d/MaxPool2d/Linear CNN, nn.MultiheadAttention cross-attention)
+tested on its own) and four models built only from torch.nn library modules
+(nn.TransformerEncoder, a Conv2d/MaxPool2d/Linear CNN, nn.MultiheadAttention cross-attention,
+nn.EmbeddingBag tables)
 train on 2 ranks (ratios 0.5/0.5 and 0.8/0.2) and on 3 ranks (1/3 each and 0.55/0.3/0.15)
 under programs of five families that force different collectives (see PROGRAMS and
 `restriction`), run on hap's Executor, and under the plan hap.plan makes for a skewed
@@ -43,6 +44,7 @@ from hap.models import MODELS, resolve
 from hap.placement import R, S
 from hap.planner import _dp, _params_only, _tp, segment_graph
 from hap.rules import strategy_table
+from hap.rules.nn import EMBEDDING_BAG
 from hap.rules.units import ShardClasses
 from hap.runtime.collectives import Comm, all_reduce
 from hap.runtime.executor import Executor, leaf_values
@@ -119,7 +121,30 @@ class CrossAttention(nn.Module):
                 torch.randint(0, 4, (batch,), generator=gen))
 
 
-LIBRARY = {"nn-transformer": EncoderClassifier, "nn-cnn": SmallCNN, "nn-cross-attention": CrossAttention}
+class BagRecommender(nn.Module):
+    """A recommendation model: nn.EmbeddingBag tables (sum with a padding id, max, mean) over fixed-size
+    bags of ids, dense features through nn.Linear, an MLP over both, a click loss."""
+
+    def __init__(self, vocab=40, d=8):
+        super().__init__()
+        self.items = nn.EmbeddingBag(vocab, d, mode="sum", padding_idx=0)
+        self.tags = nn.EmbeddingBag(vocab, d, mode="max")
+        self.words = nn.EmbeddingBag(vocab, d, mode="mean")
+        self.dense = nn.Linear(5, d)
+        self.mlp = nn.Sequential(nn.Linear(4 * d, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, items, tags, dense, clicks):
+        h = torch.cat([self.items(items), self.tags(tags), self.words(tags), self.dense(dense)], 1)  # [B, 4d]
+        return F.binary_cross_entropy_with_logits(self.mlp(h).squeeze(1), clicks)
+
+    @staticmethod
+    def inputs(batch, gen):
+        return (torch.randint(0, 40, (batch, 6), generator=gen), torch.randint(0, 40, (batch, 3), generator=gen),
+                torch.randn(batch, 5, generator=gen), torch.randint(0, 2, (batch,), generator=gen).float())
+
+
+LIBRARY = {"nn-transformer": EncoderClassifier, "nn-cnn": SmallCNN, "nn-cross-attention": CrossAttention,
+           "nn-bags": BagRecommender}
 BUILT_IN = ["vit", "vgg19", "bert", "bert-moe", "ncf"]
 # SGD with momentum, or Adam where no gradient is zero in theory: Adam turns the rounding noise
 # of such a gradient (attention's key bias) into full-size steps (see test_module.py).
@@ -346,8 +371,9 @@ def worker(rank, world):
                 report["failures"].append(f"{what}: the program plans {sorted(missing)} but the ranks never ran it")
             steps = programs[i] if isinstance(programs[i], list) else programs[i].steps(graph)
             moves = sorted({ms.move.name for st in steps for ms in st.moves})
+            bags = sorted({st.strategy.name for st in steps if graph.nodes[st.node].op in EMBEDDING_BAG})
             report["cases"].append({"model": model_name, "program": family, "which": which, "ratios": list(ratios),
-                                    "moves": moves,
+                                    "moves": moves, "bags": bags,
                                     "planned": sorted(planned), "ran": sorted(ran), "param_loads": loads})
             report["seconds"][what] = time.perf_counter() - t0
     return report
@@ -437,6 +463,13 @@ def test_training_equals_one_device(world, runs):
     for c in cases:
         if c["program"] == "hap":
             assert c["ratios"][-1] < c["ratios"][0], c
+
+
+def test_embedding_bags_split_each_way(runs):
+    """The nn-bags cases run nn.EmbeddingBag split by its bags (with the batch), its features
+    and its vocabulary (partial sums), not only whole."""
+    ran = {name for world in (2, 3) for c in runs(world)[0]["cases"] if c["model"] == "nn-bags" for name in c["bags"]}
+    assert {"bags", "hidden", "vocab"} <= ran, ran
 
 
 def test_every_collective_kind_is_used(runs):

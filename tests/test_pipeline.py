@@ -299,7 +299,14 @@ def _seq_first_setup():
                                for _ in range(STEPS)]
 
 
-SETUPS = {"repeated-bias": _repeated_bias_setup, "seq-first": _seq_first_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+def _bags_setup():
+    from test_equivalence import BagRecommender
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return BagRecommender(), [BagRecommender.inputs(10, gen) for _ in range(STEPS)]
+
+
+SETUPS = {"bags": _bags_setup, "repeated-bias": _repeated_bias_setup, "seq-first": _seq_first_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
           "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
@@ -324,6 +331,18 @@ def test_torch_transformer_encoder_with_the_sequence_first_trains_in_a_pipeline_
     n = len(capture(model, batches[0]).nodes)
     reports = run_ranks(pipelined, 3, tmp_path, "seq-first", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, "1f1b")
     _like_one_device(reports, _seq_first_setup)
+
+
+def test_embedding_bags_split_their_bags_in_a_pipeline_like_one_device(tmp_path):
+    # nn.EmbeddingBag's bags split with the batch (each device's rows of a micro-batch look up
+    # their own bags: offsets counted from the piece's first id); stage 0 (the tables) on ranks
+    # 0 and 1 at 60/40, 10 rows in 2 micro-batches of 5, each split 3/2
+    from hap.capture import capture
+    model, batches = _bags_setup()
+    graph = capture(model, batches[0])
+    cut = next(k for k, n in enumerate(graph.nodes) if n.op == "aten.cat.default") + 1
+    reports = run_ranks(pipelined, 3, tmp_path, "bags", [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, "gpipe")
+    _like_one_device(reports, _bags_setup)
 
 
 def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):

@@ -1,6 +1,7 @@
 """hap profile: the line fits it rests on, the emulation it measures, and the cluster file it
 writes (which the planner must read back)."""
 
+import dataclasses
 import json
 import time
 
@@ -84,6 +85,19 @@ def test_cluster_file_reads_op_overhead_and_rejects_bad_slowdown():
     with pytest.raises(ClusterError, match="network.emulate must be true or false"):
         cluster_from_dict({"devices": [{"flops": 1e10, "memory": "1GiB", "count": 2}],
                            "network": {"bandwidth": "1GB/s", "emulate": "yes"}})
+
+
+def test_a_slowdown_under_one_is_refused_by_every_rank():
+    """A cluster built in Python (not from a file) with a device faster than the machine: the
+    executor of that device's rank alone refused it, and the other ranks waited for it in a
+    collective until the timeout. Every rank now refuses any device's, before any collective."""
+    with pytest.raises(ClusterError, match=r"got \(1.0, 0.6\)"):
+        local_cluster((1.0, 0.6), "mine")
+    fast = dataclasses.replace(local_cluster((1.0, 2.0), "mine"), devices=(local_cluster((1.0,), "x").devices[0],
+                               dataclasses.replace(local_cluster((1.0,), "x").devices[0], name="cpu1", slowdown=0.6)))
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match=r"device 1 \(cpu1\) of cluster 'mine': slowdown must be at least 1"):
+            Emulation.for_rank(fast, rank)
 
 
 def profile_worker(rank, world, cluster_spec=None):

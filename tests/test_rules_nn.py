@@ -341,6 +341,41 @@ def test_embedding_variants():
     assert {st.name for st in freq} == {"hidden", "replicated", "duplicated"}  # counts span the whole batch
 
 
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False), ("max", False)])
+def test_embedding_bag_splits_its_bags_features_and_vocabulary(mode, weighted):
+    """nn.EmbeddingBag had no rule: every op after it ran duplicated, whole on every device.
+    Given [B, L] ids (bags of L: export flattens them and makes the offsets), its bags split
+    with the batch; its table splits on features, and for sum and mean on rows (partial
+    sums). Checked numerically at uneven ratios, forward and backward, with padding ids and,
+    for sum, per-sample weights."""
+
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(VOCAB, 6, mode=mode, padding_idx=None if plain else 2)
+
+        def forward(self, ids, weights):
+            return self.bag(ids, per_sample_weights=weights if weighted else None).square().mean()
+
+    plain = mode == "sum" and not weighted  # (in float32 torch then keeps no offset2bag: [0])
+    ids = torch.tensor([[0, 3, 9, 2], [5, 2, 2, 2], [2, 2, 8, 4], [7, 7, 1, 0], [6, 2, 9, 9]])  # [B=5, L=4]
+    model, inputs = Bags().float(), (ids, torch.rand(5, 4, dtype=torch.float32))
+    graph = capture(model, inputs)
+    [op] = {n.op for n in graph.nodes if "embedding_bag" in n.op}
+    found = check_ops(graph, graph_values(graph, model, inputs), {op})[op]
+    assert named(found, "bags", outputs=(S(0), R if plain else S(0), S(0), S(0)))  # offset2bag: every id's bag
+    assert named(found, "hidden") and named(found, "vocab") == (mode != "max")
+    # offsets given as data may cut the ids anywhere: no bag split then
+    mode_code = {"sum": 0, "mean": 1, "max": 2}[mode]
+    flat, offsets = ids.flatten(), torch.tensor([0, 3, 3, 11, 12])
+    psw = torch.rand(20) if weighted else None
+    found = _check_op(aten.embedding_bag.padding_idx, _param(VOCAB, 6), flat, offsets, False, mode_code, False, psw, False, 2)
+    assert {st.name for st in found} == {"hidden", "replicated", "duplicated"} | ({"vocab"} if mode != "max" else set())
+    found = _check_op(aten._embedding_bag.default, _param(VOCAB, 6), flat, torch.tensor([0, 3, 3, 11, 12, 20]), False,
+                      mode_code, False, psw, True, -1)  # the last offset included: 5 bags
+    assert named(found, "hidden")
+
+
 @pytest.mark.parametrize("case", ["gqa", "mask4d", "flash_cpu", "math"])
 def test_attention_variants(case):
     q, kv = _param(3, 4, 5, 2), _param(3, 4, 6, 2)

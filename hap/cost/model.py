@@ -35,7 +35,7 @@ from typing import Callable, Literal, Sequence
 from ..ir import Graph, Node, chunk_of
 from ..rules import Strategy
 from ..rules.local import is_random, variant_collectives
-from ..rules.nn import sparse_gradient_rows, starts_early
+from ..rules.nn import LOOKUPS, sparse_gradient_rows, starts_early
 from ..rules.units import ShardClasses
 from .cluster import Cluster
 
@@ -223,14 +223,14 @@ class CostModel:
         """Forward and backward seconds per device that parameter `name`, held whole, costs
         node `node` whatever the node's share of the batch (a shard of it costs its fraction): a
         matmul reads the whole weight in the forward, and in the backward reads it again and
-        writes its whole gradient; an embedding reads only the rows it looks up (its output,
+        writes its whole gradient; an embedding (or a bag of them) reads only the rows it looks up (its output,
         priced with the work) but writes a dense gradient as large as the table, and none when
         its gradient is sparse. Zero where node times are measured: they include it."""
         found = self._param_seconds.get((node.index, name))
         if found is not None:
             return found
         t = self.graph.tensors[name]
-        lookup = node.op == "aten.embedding.default"
+        lookup = node.op in LOOKUPS
         passes_fwd = 0 if lookup or self.timing is not None else 1
         needs_bwd = any(self.graph.tensors[x].requires_grad for x in node.inputs) and self.timing is None
         writes_grad = t.requires_grad and name not in self.sparse_rows

@@ -288,6 +288,99 @@ def _vocab_parallel(node, st, args, kwargs, ctx, graph):
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
+EMBEDDING_BAG = ("aten.embedding_bag.padding_idx", "aten.embedding_bag.default", "aten._embedding_bag.default",
+                 "aten._embedding_bag_forward_only.default")
+BAG_SUM, BAG_MEAN, BAG_MAX = 0, 1, 2  # embedding_bag's `mode`
+LOOKUPS = frozenset({"aten.embedding.default", *EMBEDDING_BAG})
+"""Ops that read only the rows of their table that they look up (the cost model prices so)."""
+
+
+@register(*EMBEDDING_BAG)
+def embedding_bag(node: Node, graph: Graph) -> list[Strategy]:
+    # out[b, h] = reduce_{i in bag b} psw[i] * W[ids[i], h], bag b = ids[offsets[b]:offsets[b+1]];
+    # outputs (out, offset2bag, bag_size, max_indices), the last three from the ids alone.
+    #   hidden: W sharded on h, every bag reduced per feature:  out S(1), max_indices [B, H] S(1).
+    #   bags:   fixed-size bags (nn.EmbeddingBag given [B, L] ids: export flattens them and makes
+    #           offsets = arange(0, B*L, L)), so B bags split at bag boundaries split the ids into
+    #           whole bags: ids S(0) and out S(0) in one shard class (L ids per row). Offsets
+    #           given as data may cut the ids anywhere: not split.
+    #   vocab:  W sharded on rows (sum and mean): each device reduces the ids it holds, the
+    #           others weighted 0, a mean's over the whole bag's count:  out P.
+    #   sparse gradients: not synchronized for a bag (only aten.embedding's): replicated.
+    if arg(node, 5, "sparse", False):
+        return []
+    mode, freq = arg(node, 4, "mode", BAG_SUM), arg(node, 3, "scale_grad_by_freq", False)
+    weighted = arg(node, 6, "per_sample_weights", None) is not None
+    rest = (R,) * (len(node.inputs) - 1)
+    big = (S(1),) if mode == BAG_MAX else (R,)  # max_indices: [B, H] in max mode, [B] otherwise
+    found = [Strategy((S(1), *rest), (S(1), R, R, *big), "hidden")]
+    if _fixed_bags(node, graph) and not freq:  # (an id's count over the whole batch scales its gradient)
+        o2b = S(0) if shape_of(graph, node.outputs[1])[0] else R  # offset2bag: every id's bag, [0] where not kept
+        found.append(Strategy((R, S(0), R) + ((S(0),) if weighted else ()), (S(0), o2b, S(0), S(0)), "bags", "bag_rows"))
+    if mode != BAG_MAX and not freq:
+        found.append(Strategy((S(0), *rest), (P, R, R, R), "vocab", "bag_vocab_parallel"))
+    return found
+
+
+def _fixed_bags(node: Node, graph: Graph) -> int | None:
+    """L where the bags are the ids' consecutive runs of L (offsets made by arange(0, N, L) for
+    N = L * bags ids, the last offset not included), else None."""
+    ids, offsets = (graph.tensors[t] for t in node.inputs[1:3])
+    if len(ids.shape) != 1 or arg(node, 7, "include_last_offset", False) or offsets.producer < 0:
+        return None
+    made = graph.nodes[offsets.producer]
+    if made.op != "aten.arange.start_step" or len(made.args) < 3 or not all(type(a) is int for a in made.args[:3]):
+        return None
+    start, end, step = made.args[:3]
+    n = ids.shape[0]
+    return step if start == 0 and end == n and step > 0 and n % step == 0 and offsets.shape[0] == n // step else None
+
+
+@variant("bag_rows")
+def _bag_rows(node, st, args, kwargs, ctx, graph):
+    """This device's whole bags: its ids' runs of L, offsets counted from its first id, and
+    offset2bag (the bag of every id) numbered as the whole batch numbers them."""
+    size = _fixed_bags(node, graph)
+    assert size is not None, f"{node.name}: bags split without fixed-size bags"
+    ids = args[1]
+    first = ctx.offset(node.inputs[1], 0) // size  # this device's first bag
+    offsets = args[2][first:first + ids.shape[0] // size] - first * size
+    out = node.target(*args[:2], offsets, *args[3:], **kwargs)
+    o2b = out[1] + first if st.outputs[1].is_shard else out[1]
+    return (out[0], o2b, *out[2:])
+
+
+@variant("bag_vocab_parallel")
+def _bag_vocab_parallel(node, st, args, kwargs, ctx, graph):
+    """Sum or mean of the ids this device's rows hold, every other id weighted 0 (a mean's
+    weights over the whole bag's count): the devices' outputs add up to the whole bag's. The
+    ids' outputs (offset2bag, bag_size, max_indices) are the whole op's, from a table of no
+    columns."""
+    weight, ids, offsets = args[:3]
+    psw = args[6] if len(args) > 6 else kwargs.get("per_sample_weights")
+    pad = arg(node, 8, "padding_idx", None)
+    pad = None if pad is None or pad < 0 else pad
+    last = arg(node, 7, "include_last_offset", False)
+    whole = node.target(weight.new_empty((graph.tensors[node.inputs[0]].shape[0], 0)), *args[1:], **kwargs)
+    lo, rows = ctx.offset(node.inputs[0], 0), weight.shape[0]
+    if rows == 0:  # an idle device: zeros, tied to W so that the backward reaches this node here too
+        return (weight.new_zeros((offsets.shape[0] - last, weight.shape[1])) + weight.sum() * 0, *whole[1:])
+    local = ids - lo
+    inside = (local >= 0) & (local < rows)
+    counted = ids != pad if pad is not None else torch.ones_like(inside)
+    scale = (inside & counted).to(weight.dtype)
+    if psw is not None:
+        scale = scale * psw
+    if arg(node, 4, "mode", BAG_SUM) == BAG_MEAN:  # over the bag's ids but the padding ones
+        starts = offsets[:-1] if last else offsets
+        bag = torch.bucketize(torch.arange(ids.shape[0], device=ids.device), starts, right=True) - 1
+        count = torch.zeros(starts.shape[0], dtype=weight.dtype, device=ids.device).index_add_(0, bag, counted.to(weight.dtype))
+        scale = scale / count.clamp(min=1)[bag]
+    out = torch.ops.aten._embedding_bag.default(weight, torch.where(inside, local, 0), offsets, False, BAG_SUM, False,
+                                                scale, last, -1)[0]
+    return (out, *whole[1:])
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention.
 

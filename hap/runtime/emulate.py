@@ -40,6 +40,11 @@ class Emulation:
 
     @classmethod
     def for_rank(cls, cluster: Cluster, rank: int) -> "Emulation":
+        # every rank checks every device: a rank refusing its own alone left the others waiting
+        slow = next((j for j, d in enumerate(cluster.devices) if not d.slowdown >= 1), None)
+        if slow is not None:
+            raise ValueError(f"device {slow} ({cluster.devices[slow].name}) of cluster {cluster.name!r}: slowdown must be "
+                             f"at least 1 (it stretches this machine's speed), got {cluster.devices[slow].slowdown:g}")
         links = None
         if cluster.emulated_network is not None:
             links = uniform(cluster.size, *cluster.emulated_network)
