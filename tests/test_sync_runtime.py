@@ -345,12 +345,13 @@ def test_powersgd_of_a_bfloat16_parameter_orthonormalizes_in_float32(tmp_path):
 # -- sparse gradients ------------------------------------------------------------------------------
 
 class Rec(nn.Module):
-    """Two embedding tables with sparse gradients (ids repeat within a batch) and a dense scorer."""
+    """Two embedding tables with sparse gradients (ids repeat within a batch) and a dense scorer:
+    one id per row, and a bag of two items per row (nn.EmbeddingBag, its bags split with the batch)."""
 
     def __init__(self):
         super().__init__()
         self.users = nn.Embedding(50, 6, sparse=True)
-        self.items = nn.Embedding(30, 4, sparse=True)
+        self.items = nn.EmbeddingBag(30, 4, mode="sum", sparse=True)
         self.score = nn.Linear(10, 1)
 
     def forward(self, users, items, clicked):
@@ -362,7 +363,7 @@ def rec_data():
     torch.manual_seed(0)
     model = Rec()
     gen = torch.Generator().manual_seed(1)
-    return model, [(torch.randint(0, 12, (20,), generator=gen), torch.randint(0, 30, (20,), generator=gen),
+    return model, [(torch.randint(0, 12, (20,), generator=gen), torch.randint(0, 30, (20, 2), generator=gen),
                     torch.randint(0, 2, (20,), generator=gen).float()) for _ in range(STEPS)]
 
 

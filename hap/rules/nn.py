@@ -259,16 +259,18 @@ def embedding(node: Node, graph: Graph) -> list[Strategy]:
 
 
 def sparse_gradient_rows(graph: Graph) -> dict[str, int]:
-    """Parameters whose gradient is sparse (looked up by aten.embedding with sparse=True, used
-    nowhere else), with the most rows their gradients hold in a step on all devices together:
-    one per id looked up, at most the table's rows. Any other use makes the gradient dense."""
+    """Parameters whose gradient is sparse (looked up by aten.embedding or a bag of embeddings
+    with sparse=True, used nowhere else), with the most rows their gradients hold in a step on
+    all devices together: one per id looked up, at most the table's rows. Any other use makes
+    the gradient dense."""
     out: dict[str, int] = {}
     for name in graph.params:
         t = graph.tensors[name]
         uses = [graph.nodes[k] for k in t.consumers]
         if not t.requires_grad or not uses or len(t.shape) != 2:
             continue
-        if all(n.op == "aten.embedding.default" and n.inputs[0] == name and arg(n, 4, "sparse", False) for n in uses):
+        if all(n.inputs[0] == name and (n.op == "aten.embedding.default" and arg(n, 4, "sparse", False)
+                                        or n.op in EMBEDDING_BAG and arg(n, 5, "sparse", False)) for n in uses):
             out[name] = min(t.shape[0], sum(graph.tensors[n.inputs[1]].numel for n in uses))
     return out
 
@@ -306,18 +308,18 @@ def embedding_bag(node: Node, graph: Graph) -> list[Strategy]:
     #           given as data may cut the ids anywhere: not split.
     #   vocab:  W sharded on rows (sum and mean): each device reduces the ids it holds, the
     #           others weighted 0, a mean's over the whole bag's count:  out P.
-    #   sparse gradients: not synchronized for a bag (only aten.embedding's): replicated.
-    if arg(node, 5, "sparse", False):
-        return []
+    #   sparse gradients: W whole and the bags split (each device's gradient holds the rows of its
+    #           ids, summed over devices as (index, row) pairs), as aten.embedding's.
     mode, freq = arg(node, 4, "mode", BAG_SUM), arg(node, 3, "scale_grad_by_freq", False)
     weighted = arg(node, 6, "per_sample_weights", None) is not None
     rest = (R,) * (len(node.inputs) - 1)
     big = (S(1),) if mode == BAG_MAX else (R,)  # max_indices: [B, H] in max mode, [B] otherwise
-    found = [Strategy((S(1), *rest), (S(1), R, R, *big), "hidden")]
+    sparse = arg(node, 5, "sparse", False)
+    found = [] if sparse else [Strategy((S(1), *rest), (S(1), R, R, *big), "hidden")]
     if _fixed_bags(node, graph) and not freq:  # (an id's count over the whole batch scales its gradient)
         o2b = S(0) if shape_of(graph, node.outputs[1])[0] else R  # offset2bag: every id's bag, [0] where not kept
         found.append(Strategy((R, S(0), R) + ((S(0),) if weighted else ()), (S(0), o2b, S(0), S(0)), "bags", "bag_rows"))
-    if mode != BAG_MAX and not freq:
+    if mode != BAG_MAX and not freq and not sparse:
         found.append(Strategy((S(0), *rest), (P, R, R, R), "vocab", "bag_vocab_parallel"))
     return found
 

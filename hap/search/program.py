@@ -28,6 +28,7 @@ from ..cost.model import CostModel
 from ..ir import Graph
 from ..placement import P, R, Placement
 from ..rules import Strategy
+from ..rules.nn import LOOKUPS
 from .moves import Move
 
 Ratios = Sequence[Sequence[float]]  # [segment][device]
@@ -409,7 +410,7 @@ def sparse_looked_up(program: Sequence[Step], cost: CostModel, segment_of: Seque
     graph, out = cost.graph, {}
     for step in program:
         node = graph.nodes[step.node]
-        if node.op != "aten.embedding.default" or node.inputs[0] not in cost.sparse_rows:
+        if node.op not in LOOKUPS or node.inputs[0] not in cost.sparse_rows:
             continue
         ids, placed = node.inputs[1], step.strategy.inputs[1]
         n = graph.tensors[ids].numel
