@@ -374,6 +374,17 @@ def wrong_checkpoints(rank, world, directory):
         except ValueError as e:
             errors[name] = str(e)
         errors[name + " untouched"] = all(torch.equal(v, before[k]) for k, v in other.full_state_dict().items())
+    # each rank its own directory or step (DDP's `if rank == 0` habits gone half way): refused on
+    # every rank, before anything is written (rank 0 alone committed its directory, which then
+    # lacked rank 1's part; a load gave every rank rank 0's checkpoint)
+    for name, call in {"own directory": lambda: checkpoint.save(dmodel, opt, os.path.join(directory, f"r{rank}"), 1),
+                       "own step": lambda: checkpoint.save(dmodel, opt, directory, 1 + rank),
+                       "own load": lambda: checkpoint.load(dmodel, opt, os.path.join(directory, f"r{rank}"))}.items():
+        try:
+            call()
+        except ValueError as e:
+            errors[name] = str(e)
+    errors["left"] = sorted(os.listdir(directory))
     return errors
 
 
@@ -387,6 +398,12 @@ def test_checkpoint_of_another_model_is_an_error(tmp_path):
         assert got["deeper"] == (f"checkpoint {path} has no 'out.weight', which the model needs "
                                  "(a checkpoint of another model?)")
         assert got["wider untouched"] and got["deeper untouched"]
+        mine, other = os.path.abspath(os.path.join(directory, "r0")), os.path.abspath(os.path.join(directory, "r1"))
+        assert got["own directory"] == (f"checkpoint save: the ranks were given different directories (rank 0: {mine}, "
+                                        f"rank 1: {other}); a checkpoint is one directory on a filesystem every rank shares")
+        assert got["own step"] == "checkpoint save: the ranks were given different steps (rank 0: 1, rank 1: 2)"
+        assert got["own load"].startswith("checkpoint load: the ranks were given different directories (rank 0: ")
+        assert [n for n in got["left"] if n != ".commits"] == ["latest", "step-00000000", "step-00000000.1"]  # nothing new
 
 
 def test_cli_resumes_where_it_stopped(tmp_path, capfd):

@@ -14,13 +14,16 @@ from gloo import still_running
 from hap.runtime.launch import RankFailed, spawn
 
 
-def all_reduce_unless(rank, fault_rank, fault, pid_dir):
+def all_reduce_unless(rank, fault_rank, fault, pid_dir, async_op=False):
     with open(os.path.join(pid_dir, str(rank)), "w") as f:
         f.write(str(os.getpid()))
     if rank == fault_rank:
         fault()
     t = torch.ones(2)
-    dist.all_reduce(t)
+    if async_op:  # waited on here, as hap's bucketed gradient sync waits: gloo's own words time out
+        dist.all_reduce(t, async_op=True).wait()
+    else:
+        dist.all_reduce(t)
     assert t.tolist() == [dist.get_world_size()] * 2
 
 
@@ -40,11 +43,11 @@ def sleep_long():
     time.sleep(30)
 
 
-def run(tmp_path, world, fault_rank, fault, timeout_s):
+def run(tmp_path, world, fault_rank, fault, timeout_s, async_op=False):
     """spawn's error (None if it returned), seconds taken; asserts no rank process is left."""
     start = time.monotonic()
     try:
-        spawn(all_reduce_unless, world, args=(fault_rank, fault, str(tmp_path)), timeout_s=timeout_s)
+        spawn(all_reduce_unless, world, args=(fault_rank, fault, str(tmp_path), async_op), timeout_s=timeout_s)
         error = None
     except RankFailed as e:
         error = e
@@ -76,8 +79,9 @@ def test_a_rank_that_dies_ends_the_run(tmp_path, fault, how):
     assert took < 20
 
 
-def test_a_collective_that_times_out_ends_the_run(tmp_path):
-    error, took = run(tmp_path, 2, 1, sleep_long, 3)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_collective_that_times_out_ends_the_run(tmp_path, async_op):
+    error, took = run(tmp_path, 2, 1, sleep_long, 3, async_op)
     assert str(error).splitlines()[0] == \
         "rank 0: collective timed out after 3 s waiting for rank 1 (stuck, slow, or in a different collective)"
     assert "all_reduce" in str(error)  # rank 0's traceback: where it waited

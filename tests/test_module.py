@@ -83,14 +83,17 @@ def test_hap_trains_vit_like_one_device(tmp_path):
 
 
 class _Head(torch.nn.Module):
-    def __init__(self, width: int, extra: bool = False):
+    def __init__(self, width: int, extra: bool = False, act: bool = False):
         super().__init__()
         self.lin = torch.nn.Linear(8, width)
+        self.act = act
         if extra:
             self.extra = torch.nn.Linear(width, width)
 
     def forward(self, x, y):
         h = self.lin(x)
+        if self.act:
+            h = torch.relu(h)
         if hasattr(self, "extra"):
             h = self.extra(h)
         return torch.nn.functional.cross_entropy(h, y)
@@ -110,7 +113,8 @@ def wrap_unlike(rank, world, how):
     the same model with example inputs of other rows ("rows"): every rank's one-line error."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-    model = _Head(5 if how == "width" and rank == 1 else 4, extra=how == "extra" and rank == 1)
+    model = _Head(5 if how == "width" and rank == 1 else 4, extra=how == "extra" and rank == 1,
+                  act=how == "activation" and rank == 1)
     if how == "rows" and rank == 1:
         x, y = x[:6], y[:6]
     try:
@@ -123,18 +127,25 @@ def wrap_unlike(rank, world, how):
 @pytest.mark.parametrize("how,leaf", [
     ("width", "its leaf 0 is lin.weight (param (5, 8) float32), rank 0's lin.weight (param (4, 8) float32)"),
     ("extra", "its leaf 2 is extra.weight (param (4, 4) float32), rank 0's"),
-    ("rows", "its leaf 2 is x (input (6, 8) float32), rank 0's x (input (8, 8) float32)")])
+    ("rows", "its leaf 2 is x (input (6, 8) float32), rank 0's x (input (8, 8) float32)"),
+    ("activation", None)])
 def test_ranks_that_wrap_other_models_or_inputs_are_refused(how, leaf, tmp_path):
     """Rank 1 wrapping a wider layer trained on rank 0's plan and values, silently (its own
     model's state kept apart); one layer more failed in the executor (IndexError); example
-    inputs of other rows waited for the collective timeout. DDP refuses such ranks; so does hap."""
+    inputs of other rows waited for the collective timeout; an activation of its own (the same
+    parameters) was "plan does not match the model: node relu not in the graph". DDP refuses
+    such ranks; so does hap."""
     for rank, got in enumerate(run_ranks(wrap_unlike, 2, tmp_path, how)):
-        assert got["error"].startswith("rank 1's model or example inputs differ from rank 0's: " + leaf), (rank, got)
+        if leaf is None:
+            assert got["error"] == ("rank 1's model differs from rank 0's: its node 1 is aten.relu.default, rank 0's "
+                                    "aten.cross_entropy_loss.default (every rank wraps the same model)"), (rank, got)
+        else:
+            assert got["error"].startswith("rank 1's model or example inputs differ from rank 0's: " + leaf), (rank, got)
 
 
-def _steps(dmodel, x, y, steps):
+def _steps(dmodel, x, y, steps, lr=0.1):
     """Up to `steps` SGD steps; the step of the first ValueError and its message, or (steps, None)."""
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=lr)
     for step in range(steps):
         try:
             opt.zero_grad()
@@ -153,7 +164,7 @@ def written_after_wrapping(rank, world):
     other = [_Head(8, extra=True).state_dict() for _ in range(2)]  # (the same on both ranks: seeded)
     out = {}
     for case in ("own-seed", "own-seed-tp", "own-seed-part-losses", "same-seed", "reset-tp", "reset", "load-rank-0",
-                 "load-unlike", "load-alike"):
+                 "load-unlike", "load-alike", "own-lr"):
         torch.manual_seed(0)
         model = _Head(8, extra=True)
         planner = "megatron" if case.endswith("-tp") else "dp-cp"  # (megatron: the weights and lin.bias sharded)
@@ -175,8 +186,11 @@ def written_after_wrapping(rank, world):
             except ValueError as e:
                 out[case] = str(e)
             continue
-        else:  # a step, then a state dict loaded
-            _steps(dmodel, x, y, 1)
+        elif case == "own-lr":  # each rank's optimizer its own learning rate: the copies held whole train apart
+            out[case] = _steps(dmodel, x, y, 6, lr=0.1 * (1 + rank))
+            continue
+        else:  # steps, then a state dict loaded (4: the next two sums are no spot checks, spot_check_due)
+            _steps(dmodel, x, y, 4)
             if case != "load-rank-0" or rank == 0:
                 dmodel.load_state_dict(other[rank if case == "load-unlike" else 0])
         out[case] = _steps(dmodel, x, y, 3)
@@ -209,6 +223,9 @@ def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_p
                                          "parts as they were)"]
         assert got["load-unlike"][0] == 1 and re.match(diverged.format(r"lin\.weight"), got["load-unlike"][1]), got
         assert got["load-alike"] == [3, None]
+        # found at the next spot check (the 2nd step; then the 4th, 8th, ...), not never
+        assert got["own-lr"][0] == 1 and re.match(diverged.format(r"lin\.weight"), got["own-lr"][1]), got
+        assert got["own-lr"][1].endswith("a scheduler stepped on some ranks only): set them alike on every rank")
 
 
 def train_from_own_seeds(rank, world):

@@ -44,7 +44,7 @@ from ..runtime.executor import leaf_values
 from ..runtime import wire
 from ..runtime.mirror import MirrorsModel
 from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, held_by_original, rank_comm, wrapped_state,
-                              spread_gradients, state_keys, sum_step, watch_wrapped)
+                              spot_check_due, spread_gradients, state_keys, sum_step, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -168,6 +168,7 @@ class Pipeline(MirrorsModel):
         self._step_check: StepCheck | None = None  # the last step's, where a GPU's verdict is read later
         self._loaded = False  # load_state_dict since the last step (on every rank, or a ValueError)
         self._compare_alike = True  # at the next step: each parameter on the ranks holding it (an initialization)
+        self._sums = 0  # the loss's sums over ranks so far (spot_check_due)
         self._every_param = sorted(n for n in whole if graph.tensors[n].kind == "param")  # every stage's
 
     # -- routes --------------------------------------------------------------------------------
@@ -273,7 +274,9 @@ class Pipeline(MirrorsModel):
             self._share_rng(self._rng_after)
         # the loss's sum over ranks, with the step's checks (hap.HAP's forward)
         loaded, self._loaded = self._loaded, False
-        alike = [(self.graph.tensors[n].target, self.params.get(n)) for n in self._every_param] if self._compare_alike else ()
+        self._sums += 1
+        due = self._compare_alike or spot_check_due(self._sums)
+        alike = [(self.graph.tensors[n].target, self.params.get(n)) for n in self._every_param] if due else ()
         total, _, check = sum_step(loss, torch.zeros(0, dtype=torch.float64), batch, changed, self.comm, loaded, alike)
         total = total.to(loss.dtype)
         self._step_check = check.now_or_later()

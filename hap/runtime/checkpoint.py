@@ -229,6 +229,7 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     comm = dmodel.comm
+    _same_on_every_rank("checkpoint save", {"directories": os.path.abspath(directory), "steps": step}, comm)
     staging = os.path.join(directory, f".tmp-step-{step:08d}")
     items = {f"model/{k}": v for k, v in state_dict(dmodel).items()}
     kind, groups = _model_groups(dmodel, opt)
@@ -269,6 +270,18 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     return box[0]
 
 
+def _same_on_every_rank(what: str, args: dict[str, Any], comm) -> None:
+    """A ValueError on every rank where the ranks were given different `args` (a directory of
+    each rank's own: rank 0 alone commits a save, and every rank loads what rank 0 resolved)."""
+    every = gather_or_refuse(args, None, comm)
+    for key, mine in every[0].items():
+        other = next((r for r, a in enumerate(every) if a[key] != mine), None)
+        if other is not None:
+            shared = "; a checkpoint is one directory on a filesystem every rank shares" if key == "directories" else ""
+            raise ValueError(f"{what}: the ranks were given different {key} (rank 0: {mine}, rank {other}: "
+                             f"{every[other][key]}){shared}")
+
+
 def _pickled(extra: Any) -> bytes:
     try:
         return pickle.dumps(extra)
@@ -287,6 +300,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
     could be another), so its files are not hashed again; every rank passes the same value
     (verify is a collective)."""
     comm, ex, graph = dmodel.comm, dmodel.executor, dmodel.graph
+    _same_on_every_rank("checkpoint load", {"directories": os.path.abspath(directory), "verified flags": verified}, comm)
     box: list = [None]
     if comm.rank == 0:
         try:

@@ -333,8 +333,10 @@ def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: 
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     in_dist = tb is not None and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(dist.__file__))
+    # (a collective hap waits on itself, work.wait() on an async handle, times out in gloo's words)
+    in_collective = in_dist or "gloo/transport" in str(e)
     peers = [str(r) for r in range(world) if r != rank]
-    if not (in_dist and "timed out" in str(e).lower()):
+    if not (in_collective and "timed out" in str(e).lower()):
         headline = f"rank {rank} failed: " + "".join(traceback.format_exception_only(e)).strip().splitlines()[0]
     elif not dist.is_initialized():
         headline = f"rank {rank}: timed out after {timeout_s:g} s setting up the process group (a peer is slow to start)"
@@ -344,7 +346,7 @@ def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: 
     else:
         headline = f"rank {rank}: collective timed out after {timeout_s:g} s waiting for a peer: one of ranks " \
                    f"{', '.join(peers)} is stuck, slow, or in a different collective (gloo does not say which)"
-    report = {"time": time.monotonic(), "own": not in_dist, "headline": headline, "traceback": traceback.format_exc()}
+    report = {"time": time.monotonic(), "own": not in_collective, "headline": headline, "traceback": traceback.format_exc()}
     path = os.path.join(reports, f"{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)

@@ -90,6 +90,7 @@ class HAP(MirrorsModel):
         self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
         self._step_check: StepCheck | None = None  # the last forward's, where a GPU's verdict is read later
         self._compare_alike = True  # at the next step: what the ranks hold whole (an initialization after wrapping)
+        self._sums = 0  # the loss's sums over ranks so far (spot_check_due)
         self._loaded = False  # load_state_dict since the last step (on every rank, or a ValueError)
         example_inputs = example_tuple(example_inputs)
         meta = any(p.is_meta for p in model.parameters())
@@ -166,7 +167,8 @@ class HAP(MirrorsModel):
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
         ex, presliced = self._executor_for(batch, part) if self.training else self._evaluator_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
-        alike = self._alike() if self._compare_alike else ()
+        self._sums += self.global_loss
+        alike = self._alike() if self._compare_alike or self.global_loss and spot_check_due(self._sums) else ()
         loaded, self._loaded = self._loaded, False
         if not self.global_loss:
             if alike:
@@ -943,7 +945,17 @@ def held_apart(summed: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
 DIVERGED = ("{label!r} differs between the ranks, which hold it whole and must hold it alike: it was written after "
             "wrapping with each rank's own values (an initialization through dmodel.modules(), each rank drawing "
             "its own numbers) or loaded differently on each rank: initialize the model before wrapping it, or load "
-            "the same weights on every rank with dmodel.load_state_dict(...)")
+            "the same weights on every rank with dmodel.load_state_dict(...); or each rank's optimizer trained it apart "
+            "(a learning rate or optimizer of each rank's own, a scheduler stepped on some ranks only): set them alike "
+            "on every rank")
+
+
+def spot_check_due(sums: int) -> bool:
+    """Whether the `sums`-th loss sum (1, 2, ...) also compares what the ranks hold whole: the
+    1st, 2nd, 4th, 8th, ... and every 1024th. Copies trained apart (each rank's optimizer set
+    otherwise) are then found within twice the steps they had, at a fingerprint's cost on few
+    steps; the ranks count alike, so they add the fingerprints to the sum alike."""
+    return sums & (sums - 1) == 0 or sums % 1024 == 0
 
 LOADED_ON_SOME = ("load_state_dict ran on {some} of the {world} ranks since the last step: each rank holds its own "
                   "part of the model (hap.HAP's shards, a pipeline's stages) and loads it itself, so every rank calls "
@@ -1285,11 +1297,19 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph) -> Plan:
     if not box[0].lstrip().startswith("{"):
         raise ValueError(f"rank 0 could not plan: {box[0]}")
     agreed = Plan.from_json(box[0])
-    told = every_rank((plan.digest if plan is not None else agreed.digest, graph_leaves(graph)), comm)
-    digests, leaves = zip(*told)
+    told = every_rank((plan.digest if plan is not None else agreed.digest, graph_leaves(graph),
+                       [n.op for n in graph.nodes]), comm)
+    digests, leaves, ops = zip(*told)
     unlike = unlike_rank_0(leaves)
     if unlike:
         raise ValueError(_leaves_differ(leaves[unlike[0]], leaves[0], unlike[0]))
+    unlike = unlike_rank_0(ops)
+    if unlike:  # the same parameters and inputs, another computation (an activation of its own, say)
+        r = unlike[0]
+        at = next((k for k, (a, b) in enumerate(zip(ops[r], ops[0])) if a != b), min(len(ops[r]), len(ops[0])))
+        said = [f"{o[at]}" if at < len(o) else "nothing" for o in (ops[r], ops[0])]
+        raise ValueError(f"rank {r}'s model differs from rank 0's: its node {at} is {said[0]}, rank 0's {said[1]} "
+                         "(every rank wraps the same model)")
     bad = unlike_rank_0(digests)
     if bad:
         raise ValueError(f"ranks {bad} were given a plan (digest {digests[bad[0]]}) other than rank 0's ({digests[0]})")
