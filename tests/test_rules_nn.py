@@ -374,6 +374,11 @@ def test_embedding_bag_splits_its_bags_features_and_vocabulary(mode, weighted):
     found = _check_op(aten._embedding_bag.default, _param(VOCAB, 6), flat, torch.tensor([0, 3, 3, 11, 12, 20]), False,
                       mode_code, False, psw, True, -1)  # the last offset included: 5 bags
     assert named(found, "hidden")
+    # F.embedding_bag(..., padding_idx=-1): this overload's -1 is the last row (id 9, which
+    # the ids hold), where _embedding_bag's -1 is none
+    found = _check_op(aten.embedding_bag.padding_idx, _param(VOCAB, 6), flat, offsets, False, mode_code, False, psw,
+                      False, -1)
+    assert named(found, "hidden") and named(found, "vocab") == (mode != "max")
     if mode == "max":  # (torch: "max mode does not support sparse weights")
         return
     # a sparse gradient is synchronized whole (its (index, row) pairs): the table is not split

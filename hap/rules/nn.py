@@ -360,10 +360,13 @@ def _bag_vocab_parallel(node, st, args, kwargs, ctx, graph):
     columns."""
     weight, ids, offsets = args[:3]
     psw = args[6] if len(args) > 6 else kwargs.get("per_sample_weights")
+    rows_whole = graph.tensors[node.inputs[0]].shape[0]
     pad = arg(node, 8, "padding_idx", None)
+    if pad is not None and pad < 0 and node.op == "aten.embedding_bag.padding_idx":
+        pad += rows_whole  # (this overload counts a negative id from the end; the others read it as none)
     pad = None if pad is None or pad < 0 else pad
     last = arg(node, 7, "include_last_offset", False)
-    whole = node.target(weight.new_empty((graph.tensors[node.inputs[0]].shape[0], 0)), *args[1:], **kwargs)
+    whole = node.target(weight.new_empty((rows_whole, 0)), *args[1:], **kwargs)
     lo, rows = ctx.offset(node.inputs[0], 0), weight.shape[0]
     if rows == 0:  # an idle device: zeros, tied to W so that the backward reaches this node here too
         return (weight.new_zeros((offsets.shape[0] - last, weight.shape[1])) + weight.sum() * 0, *whole[1:])

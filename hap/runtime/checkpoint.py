@@ -224,12 +224,12 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     """Write a checkpoint of the model (and optimizer) at `step` to directory/step-<step> and
     make it the latest; returns its path. A collective: every rank calls it. `extra`: any
     picklable object (rank 0's is kept). keep: how many checkpoints to keep (the newest; None: all)."""
+    comm = dmodel.comm  # (agreed first: a rank refusing alone left the others waiting)
+    _same_on_every_rank("checkpoint save", {"directories": os.path.abspath(directory), "steps": step, "keeps": keep}, comm)
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    comm = dmodel.comm
-    _same_on_every_rank("checkpoint save", {"directories": os.path.abspath(directory), "steps": step}, comm)
     staging = os.path.join(directory, f".tmp-step-{step:08d}")
     items = {f"model/{k}": v for k, v in state_dict(dmodel).items()}
     kind, groups = _model_groups(dmodel, opt)

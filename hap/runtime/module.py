@@ -168,7 +168,8 @@ class HAP(MirrorsModel):
         ex, presliced = self._executor_for(batch, part) if self.training else self._evaluator_for(batch, part)
         part = ex.forward(values, presliced)  # this rank's part of the loss
         self._sums += self.global_loss
-        alike = self._alike() if self._compare_alike or self.global_loss and spot_check_due(self._sums) else ()
+        spot = not self._compare_alike and self.global_loss and spot_check_due(self._sums)
+        alike = self._alike() if self._compare_alike else self._alike(synced_only=True) if spot else ()
         loaded, self._loaded = self._loaded, False
         if not self.global_loss:
             if alike:
@@ -196,15 +197,19 @@ class HAP(MirrorsModel):
         check.verify()
         self._compare_alike = False
 
-    def _alike(self) -> list[tuple[str, torch.Tensor]]:
+    def _alike(self, synced_only: bool = False) -> list[tuple[str, torch.Tensor]]:
         """(state-dict key, tensor) of every parameter and buffer every rank holds whole, for
-        sum_step to compare."""
+        sum_step to compare; synced_only: the parameters whose gradients the ranks sum (the same
+        update on every rank, bit for bit: a spot check's, where a tensor each rank computes
+        itself, a GPU's atomics in its gradient, may drift apart by rounding over many steps)."""
         if self.comm.world == 1:
             return []
         ex, tensors = self.executor, self.graph.tensors
-        params = [(tensors[name].target, p) for name, p in ex.params.items() if not ex.stored[name][0].is_shard]
-        buffers = [(tensors[name].target, b) for name, b in ex.buffers.items()
-                   if name in ex.stored and not ex.stored[name][0].is_shard]
+        synced = {e.param for e in self.plan.sync} if synced_only else None
+        params = [(tensors[name].target, p) for name, p in ex.params.items()
+                  if not ex.stored[name][0].is_shard and (synced is None or name in synced)]
+        buffers = [] if synced_only else [(tensors[name].target, b) for name, b in ex.buffers.items()
+                                          if name in ex.stored and not ex.stored[name][0].is_shard]
         return params + buffers
 
     def _follow_original(self) -> str | None:
