@@ -223,9 +223,9 @@ class CostModel:
         """Forward and backward seconds per device that parameter `name`, held whole, costs
         node `node` whatever the node's share of the batch (a shard of it costs its fraction): a
         matmul reads the whole weight in the forward, and in the backward reads it again and
-        writes its whole gradient; an embedding (or a bag of them) reads only the rows it looks up (its output,
-        priced with the work) but writes a dense gradient as large as the table, and none when
-        its gradient is sparse. Zero where node times are measured: they include it."""
+        writes its whole gradient; an embedding (or a bag of them) reads only the rows it looks
+        up (its output, priced with the work) but writes a dense gradient as large as the table,
+        and none when its gradient is sparse. Zero where node times are measured: they include it."""
         found = self._param_seconds.get((node.index, name))
         if found is not None:
             return found

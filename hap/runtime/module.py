@@ -956,11 +956,13 @@ DIVERGED = ("{label!r} differs between the ranks, which hold it whole and must h
 
 
 def spot_check_due(sums: int) -> bool:
-    """Whether the `sums`-th loss sum (1, 2, ...) also compares what the ranks hold whole: the
-    1st, 2nd, 4th, 8th, ... and every 1024th. Copies trained apart (each rank's optimizer set
-    otherwise) are then found within twice the steps they had, at a fingerprint's cost on few
-    steps; the ranks count alike, so they add the fingerprints to the sum alike."""
+    """Whether the `sums`-th loss sum (1, 2, ...) also compares the parameters the ranks hold
+    whole and sum the gradients of: the 1st, 2nd, 4th, 8th, ... and every 1024th. Copies
+    trained apart (each rank's optimizer set otherwise) are then found within twice the steps
+    they had, at a fingerprint's cost on few steps; the ranks count alike, so they add the
+    fingerprints to the sum alike."""
     return sums & (sums - 1) == 0 or sums % 1024 == 0
+
 
 LOADED_ON_SOME = ("load_state_dict ran on {some} of the {world} ranks since the last step: each rank holds its own "
                   "part of the model (hap.HAP's shards, a pipeline's stages) and loads it itself, so every rank calls "
