@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .._torch import ShardedTensor, quiet_sharded_tensors, sharded_tensor
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
-from .module import group_settings, wrapped_state
+from .module import group_settings, unlike_rank_0, wrapped_state
 
 POINTER = "latest"
 CHECKSUMS = "checksums.json"
@@ -275,11 +275,11 @@ def _same_on_every_rank(what: str, args: dict[str, Any], comm) -> None:
     each rank's own: rank 0 alone commits a save, and every rank loads what rank 0 resolved)."""
     every = gather_or_refuse(args, None, comm)
     for key, mine in every[0].items():
-        other = next((r for r, a in enumerate(every) if a[key] != mine), None)
-        if other is not None:
+        unlike = unlike_rank_0([a[key] for a in every])
+        if unlike:
             shared = "; a checkpoint is one directory on a filesystem every rank shares" if key == "directories" else ""
-            raise ValueError(f"{what}: the ranks were given different {key} (rank 0: {mine}, rank {other}: "
-                             f"{every[other][key]}){shared}")
+            raise ValueError(f"{what}: the ranks were given different {key} (rank 0: {mine}, rank {unlike[0]}: "
+                             f"{every[unlike[0]][key]}){shared}")
 
 
 def _pickled(extra: Any) -> bytes:

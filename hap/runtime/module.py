@@ -1313,7 +1313,7 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph) -> Plan:
     unlike = unlike_rank_0(ops)
     if unlike:  # the same parameters and inputs, another computation (an activation of its own, say)
         r = unlike[0]
-        at = next((k for k, (a, b) in enumerate(zip(ops[r], ops[0])) if a != b), min(len(ops[r]), len(ops[0])))
+        at = _first_unlike(ops[r], ops[0])
         said = [f"{o[at]}" if at < len(o) else "nothing" for o in (ops[r], ops[0])]
         raise ValueError(f"rank {r}'s model differs from rank 0's: its node {at} is {said[0]}, rank 0's {said[1]} "
                          "(every rank wraps the same model)")
@@ -1332,9 +1332,14 @@ def graph_leaves(graph: Graph) -> list[tuple]:
             if t.kind in ("param", "buffer", "input")]
 
 
+def _first_unlike(theirs: Sequence, ours: Sequence) -> int:
+    """The first index where two lists differ (the shorter one's length where one extends the other)."""
+    return next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+
+
 def _leaves_differ(theirs: list[tuple], ours: list[tuple], rank: int) -> str:
     """The first leaf where rank `rank`'s capture differs from rank 0's, in one line."""
-    at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    at = _first_unlike(theirs, ours)
 
     def said(leaves):
         return f"{leaves[at][0]} ({leaves[at][1]} {leaves[at][2]} {leaves[at][3]})" if at < len(leaves) else "nothing"
