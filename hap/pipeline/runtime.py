@@ -41,7 +41,7 @@ from ..runtime.checkpoint import sync_idle
 from ..runtime.collectives import Comm, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
-from ..runtime import wire
+from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
 from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, held_by_original, rank_comm, wrapped_state,
                               spot_check_due, spread_gradients, state_keys, sum_step, watch_wrapped)
@@ -63,6 +63,7 @@ class _Transfer:
 
 
 class Pipeline(MirrorsModel):
+    @ledger.called("hap.Pipeline(model, ...) (wrapping the model)")
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
                  comm: Comm | None = None):
         super().__init__()
@@ -243,6 +244,10 @@ class Pipeline(MirrorsModel):
             if tuple(x.shape) != tuple(self.graph.tensors[name].shape):
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}; the pipeline was planned for "
                                  f"{tuple(self.graph.tensors[name].shape)}")
+        with ledger.call("a training step, pipe.train_step(...)", now=True):  # (its first messages: a stage's peers)
+            return self._train_step(batch, changed)
+
+    def _train_step(self, batch: tuple[torch.Tensor, ...], changed: str | None) -> torch.Tensor:
         t0 = time.perf_counter()
         self._computed = 0.0
         # gradients of an earlier train_step (accumulation) are summed already: set aside, added back after this sum
@@ -568,6 +573,7 @@ class Pipeline(MirrorsModel):
         either loads under the other, any plan)."""
         return self._stage_state
 
+    @ledger.called("pipe.full_state_dict()")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (each
         stage's first device contributes its parameters). A collective: every rank gets it."""

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .._torch import ShardedTensor, quiet_sharded_tensors, sharded_tensor
+from . import ledger
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
 from .module import group_settings, unlike_rank_0, wrapped_state
@@ -219,6 +220,7 @@ def optimizer_state_dict(dmodel, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+@ledger.called("checkpoint.save(dmodel, ...)")
 def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, extra: Any = None,
          keep: int | None = None) -> str:
     """Write a checkpoint of the model (and optimizer) at `step` to directory/step-<step> and
@@ -289,6 +291,7 @@ def _pickled(extra: Any) -> bytes:
         raise ValueError(f"extra does not pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+@ledger.called("checkpoint.load(dmodel, ...)")
 def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bool = False) -> tuple[int, Any]:
     """Load the latest checkpoint under `directory` (or the checkpoint `directory` itself) into
     the model's parameters and buffers, the optimizer (if given: its state and hyper-parameters)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..placement import R
 from ..search.moves import AG_GROUPED, Move
-from . import wire
+from . import ledger, wire
 from .emulate import Emulation
 
 Gather = Literal["padded", "grouped"]
@@ -252,6 +252,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def every_rank(value, comm: Comm) -> list:
     """Every rank's `value`, in rank order (a small collective: all_gather_object)."""
     out: list = [None] * comm.world
+    ledger.talking(comm.group)
     dist.all_gather_object(out, value, group=comm.group)
     return out
 

@@ -15,6 +15,7 @@ RankFailed; its first line names the rank that caused it, its traceback (if any)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
+
+from . import ledger
 
 
 class RankFailed(RuntimeError):
@@ -85,6 +88,7 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, 
         raise ValueError(f"nccl needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} CUDA devices "
                          f"(gloo lets ranks share a GPU)")
     with tempfile.TemporaryDirectory(prefix="hap-ranks-") as reports:
+        ledger.Slots.create(os.path.join(reports, LEDGER), world)
         store = rendezvous(timeout_s)  # (served until spawn returns)
         # start_ranks starts them (each dies with this process); the joining is ours: torch's
         # ProcessContext.join blames whichever failure it sees first (often a peer's "Connection
@@ -284,10 +288,15 @@ def _failure(procs: list, gone: set[int], reports: str) -> RankFailed:
         how = f"exit code {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
     except ValueError:
         how = f"signal {-code}"
-    return RankFailed(f"rank {rank} died {'with' if code > 0 else 'from'} {how}", rank)
+    headline = f"rank {rank} died {'with' if code > 0 else 'from'} {how}"
+    why = ledger.parted(ledger.read_all(os.path.join(reports, LEDGER)))  # (gloo aborts a rank at a mismatch)
+    return RankFailed(f"{why} ({headline})" if why else headline, rank)
 
 
 _TIMEOUT: timedelta | None = None
+
+LEDGER = "ledger"
+"""The file, among the ranks' reports, of every rank's latest calls (ledger.Slots)."""
 
 
 def collective_timeout() -> timedelta | None:
@@ -308,8 +317,12 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        ledger.keep(rank, os.path.join(reports, LEDGER))
         join_group(backend, rank, world, port, timeout_s)
+        if world > 1:
+            ledger.watch(functools.partial(_end_parted, rank, reports))
         fn(rank, *args)
+        ledger.returned()  # (a peer still in a call learns it: they parted)
         dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()
     except BaseException as e:
@@ -325,6 +338,14 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _end_parted(rank: int, reports: str, message: str, stack: str) -> None:
+    """End this rank, its ledger having found that it and a peer parted (the parent ends the rest)."""
+    _write_report(rank, reports, message, stack, own=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: str) -> None:
@@ -346,7 +367,14 @@ def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: 
     else:
         headline = f"rank {rank}: collective timed out after {timeout_s:g} s waiting for a peer: one of ranks " \
                    f"{', '.join(peers)} is stuck, slow, or in a different collective (gloo does not say which)"
-    report = {"time": time.monotonic(), "own": not in_collective, "headline": headline, "traceback": traceback.format_exc()}
+    every = ledger.read_all(os.path.join(reports, LEDGER))
+    if in_collective and "timed out" in str(e).lower() and dist.is_initialized() and any(every.values()):
+        headline += f"; the ranks' last calls to all: {ledger.whereabouts(every)}"  # (none: not in hap's calls)
+    _write_report(rank, reports, headline, traceback.format_exc(), own=not in_collective)
+
+
+def _write_report(rank: int, reports: str, headline: str, trace: str, own: bool) -> None:
+    report = {"time": time.monotonic(), "own": own, "headline": headline, "traceback": trace}
     path = os.path.join(reports, f"{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)

@@ -43,7 +43,7 @@ from ..rules.local import is_random
 from ..rules.units import ShardClasses
 from ..search.astar import SearchError
 from .collectives import Comm, WaitClock, all_reduce, broadcast, every_rank, gather_or_refuse, global_rank
-from . import wire
+from . import ledger, wire
 from .emulate import Emulation
 from .executor import Executor, leaf_values, model_state, per_element
 from .gradsync import GradSync, Groups
@@ -58,6 +58,7 @@ after being dropped)."""
 
 
 class HAP(MirrorsModel):
+    @ledger.called("hap.HAP(model, ...) (wrapping the model)")
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan | None = None,
                  config: PlannerConfig | None = None, comm: Comm | None = None,
                  init: Callable[[nn.Module], None] | None = None, global_loss: bool = True):
@@ -151,6 +152,11 @@ class HAP(MirrorsModel):
         if named:
             raise TypeError(f"hap.HAP takes the model's inputs by position, in the order of the example inputs "
                             f"(got {', '.join(map(repr, named))} by name)")
+        with ledger.call("a training forward, dmodel(...)" if self.training else
+                         "an evaluation forward, dmodel(...) in eval mode"):
+            return self._forward(batch, part)
+
+    def _forward(self, batch: tuple[torch.Tensor, ...], part: bool | None) -> torch.Tensor:
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()
@@ -245,6 +251,7 @@ class HAP(MirrorsModel):
         under torch.no_grad holds none), for reshard to let its graph go."""
         if loss.grad_fn is not None:
             self._losses = [ref for ref in self._losses if ref() is not None] + [weakref.ref(loss)]
+            loss.register_hook(_backward_begins)  # (every rank backpropagates every step: its gradient sync)
 
     def input_slices(self) -> list[tuple[int, int, int] | None]:
         """Per model input, the rows this rank needs: (dim, start, length) of the global batch, or
@@ -278,6 +285,8 @@ class HAP(MirrorsModel):
         # Not the planned batch: this rank's part, or a global batch of another shape (a last,
         # smaller batch), which may be the same shape. The ranks decide together, from every
         # rank's shapes, so that all run the same collectives next.
+        ledger.rename("a training forward, dmodel(...), of inputs not of the planned batch's shapes (a part, or "
+                      "another batch)")
         seen = every_rank(key, self.comm)
         parts = part is None and all(k == self._part_shapes(r) for r, k in enumerate(seen))
         if parts and len(set(seen)) == 1:
@@ -407,6 +416,7 @@ class HAP(MirrorsModel):
         return [(p.grad, self.executor.stored[name][0].is_shard or self.comm.rank == 0)
                 for name, p in self.shards.items() if p.grad is not None], None
 
+    @ledger.called("dmodel.reshard(...)")
     def reshard(self, ratios: Sequence[float] | Sequence[Sequence[float]],
                 optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ()) -> int:
         """Between steps, give every rank a new share of the work: parameters, buffers and each
@@ -455,6 +465,7 @@ class HAP(MirrorsModel):
                                  "training loop) is still alive, and its graph holds the parameters at their old "
                                  "shapes: release it before reshard (del it, or keep loss.item())") from None
 
+    @ledger.called("dmodel.resync(...)")
     def resync(self, sync) -> None:
         """Synchronize gradients by other sync entries (plan.SyncEntry: a strategy of
         hap.sync) from the next backward on; the plan says so from then on. A collective: every
@@ -481,10 +492,12 @@ class HAP(MirrorsModel):
             plan = priced(self.graph, self.cluster, dataclasses.replace(plan, search={**plan.search, "sync": "resync"}))
         self.plan = plan
 
+    @ledger.called("dmodel.full_parameters()")
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole, by the model's names (a collective: all ranks call it)."""
         return {self.graph.tensors[name].target: self.executor.whole(name, p.detach()) for name, p in self.shards.items()}
 
+    @ledger.called("dmodel.full_state_dict()")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict, whole, under the keys of `model.state_dict()` (a tied
         parameter under each of its names): it loads into the original model, which then
@@ -512,6 +525,7 @@ def clip_by_global_norm(counted: Sequence[torch.Tensor], grads: Sequence[torch.T
     return total
 
 
+@ledger.called("clip_grad_norm_ (dmodel's or torch's)")
 def clip_spread_(owner: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     """clip_by_global_norm of a wrapper's gradients (`owner.spread_grads()`, over `owner.comm`):
     the clip_grad_norm_ of hap.HAP and hap.Pipeline."""
@@ -557,6 +571,7 @@ def spread_gradients(owner: nn.Module) -> None:
     route_grad_scaler(_agree_found_inf)
 
 
+@ledger.called("a GradScaler's step")
 def _agree_found_inf(optimizer: torch.optim.Optimizer, found: list[torch.Tensor]) -> None:
     """A plain torch.amp.GradScaler's inf flags of `optimizer` summed over the ranks of the spread
     wrapper whose parameters it steps, so that every rank skips a step one rank's shard
@@ -571,6 +586,7 @@ def _agree_found_inf(optimizer: torch.optim.Optimizer, found: list[torch.Tensor]
         f.fill_(float(total[0]))
 
 
+@ledger.called("clip_grad_norm_ (dmodel's or torch's)")
 def _spread_norm(grads: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor | None:
     """The norm torch.nn.utils.clip_grad_norm_ clips `grads` by where they are a spread
     wrapper's (spread_gradients), else None (torch's own)."""
@@ -631,6 +647,7 @@ def watch_wrapped(model: nn.Module) -> None:
     _watch_optimizers({})
 
 
+@ledger.called("an optimizer's first step, optimizer.step()")
 def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     """A ValueError after the first step of an optimizer over a wrapped model's own parameters
     (see watch_wrapped), or of one that holds a sharded parameter and whose state is not per
@@ -877,6 +894,12 @@ def _runs(plan: Plan, graph) -> bool:
 
 FINGERPRINT_POINTS = 1024
 """Elements of each input given whole that its fingerprint reads (evenly spaced)."""
+
+def _backward_begins(grad: torch.Tensor) -> None:
+    """A hook on a returned loss: a backward through it begins (ledger.py: on one rank alone,
+    its gradient sync pairs with another call's collectives)."""
+    ledger.mark("a backward through dmodel's loss")
+
 
 DIFFERENT_BATCHES = ("the ranks were given different batches (each its own sample, as DistributedSampler gives DDP): "
                      "give every rank the same global batch, or each rank its part of it (dmodel.local_batch(*batch), "
@@ -1298,6 +1321,7 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph) -> Plan:
         plan = TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
     failed = isinstance(plan, Exception)
     box = [f"{type(plan).__name__}: {plan}" if failed else plan.to_json() if plan is not None else None]
+    ledger.talking(comm.group)
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)
     if failed:
         raise plan

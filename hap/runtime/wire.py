@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import ledger
+
 
 class Staged:
     """A collective run on staged copies: wait() waits for it, then copies each result back to
@@ -87,6 +89,7 @@ def reduce(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
 
 
 def _in_place(collective, t: torch.Tensor, group, async_op: bool, **how):
+    ledger.talking(group)
     dev = staging(group, [t])
     if dev is None:
         return collective(t, group=group, async_op=async_op, **how)
@@ -95,6 +98,7 @@ def _in_place(collective, t: torch.Tensor, group, async_op: bool, **how):
 
 
 def all_gather(outs: list[torch.Tensor], x: torch.Tensor, group=None, async_op: bool = False):
+    ledger.talking(group)
     dev = staging(group, [x, *outs])
     if dev is None:
         return dist.all_gather(outs, x, group=group, async_op=async_op)
@@ -104,6 +108,7 @@ def all_gather(outs: list[torch.Tensor], x: torch.Tensor, group=None, async_op: 
 
 
 def gather(x: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group=None, async_op: bool = False):
+    ledger.talking(group)
     dev = staging(group, [x, *(outs or [])])
     if dev is None:
         return dist.gather(x, outs, dst=dst, group=group, async_op=async_op)
@@ -113,6 +118,7 @@ def gather(x: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group=Non
 
 
 def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, group=None, async_op: bool = False):
+    ledger.talking(group)
     dev = staging(group, [out, *(chunks or [])])
     if dev is None:
         return dist.scatter(out, chunks, src=src, group=group, async_op=async_op)
@@ -123,6 +129,7 @@ def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, grou
 
 
 def reduce_scatter(out: torch.Tensor, parts: list[torch.Tensor], group=None, async_op: bool = False):
+    ledger.talking(group)
     dev = staging(group, [out, *parts])
     if dev is None:
         return dist.reduce_scatter(out, parts, group=group, async_op=async_op)
@@ -133,6 +140,7 @@ def reduce_scatter(out: torch.Tensor, parts: list[torch.Tensor], group=None, asy
 
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
                       group=None, async_op: bool = False):
+    ledger.talking(group)
     dev = staging(group, [out, x])
     if dev is None:
         return dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,

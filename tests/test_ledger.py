@@ -1,0 +1,237 @@
+"""Ranks that part ways in hap's calls (one rank saving a checkpoint, evaluating, clipping, or
+running a step more: DDP's `if rank == 0:` habits) end the run within seconds, both calls
+named, instead of waiting out the collective timeout; asymmetry that is no misuse (a call
+that talks to no one, one rank pausing long) runs on. The ledger's counting is unit-tested
+without a process group."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hap.runtime import ledger
+from hap.runtime.launch import RankFailed, spawn
+
+TIMEOUT_S = 60.0  # a parting the ledger missed would end in "timed out" after this, failing the test
+
+
+# -- the ledger alone ---------------------------------------------------------------------------
+
+@pytest.fixture
+def kept():
+    yield ledger.keep()
+    ledger._LEDGER = None
+
+
+def test_a_call_is_counted_once_at_its_first_collective_and_only_then(kept):
+    with ledger.call("a"):
+        pass  # talked to no one: a rank's own business
+    with ledger.call("b"):
+        ledger.talking()
+        ledger.talking()
+        with ledger.call("inner"):  # part of b
+            ledger.talking()
+    ledger.talking()  # outside any call (a backward's gradient sync)
+    with ledger.call("c", now=True):
+        pass
+    with ledger.call("d"):
+        ledger.rename("d of another shape")
+        ledger.talking()
+        ledger.rename("too late")
+    ledger.returned()
+    assert kept.calls == ((1, "b"), (2, "c"), (3, "d of another shape"), (4, ledger.RETURNED))
+
+
+def test_another_threads_collectives_count_for_nothing(kept):
+    def elsewhere():
+        with ledger.call("x"):
+            ledger.talking()
+    with ledger.call("main"):
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+    assert kept.calls == ()
+
+
+def test_only_the_latest_calls_are_kept(kept):
+    for i in range(ledger.KEPT + 5):
+        with ledger.call(f"c{i}", now=True):
+            pass
+    assert len(kept.calls) == ledger.KEPT and kept.calls[-1] == (ledger.KEPT + 5, f"c{ledger.KEPT + 4}")
+
+
+def test_ranks_part_where_a_number_both_have_names_different_calls():
+    mine = [(3, "fwd"), (4, "clip")]
+    assert ledger.parted({0: [(3, "fwd"), (4, "clip"), (5, "fwd")], 1: mine}) is None  # rank 0 one call ahead
+    assert ledger.parted({0: [(1, "wrap"), (2, "fwd")], 1: mine}) is None  # nothing in common
+    said = ledger.parted({0: [(3, "fwd")], 1: mine, 2: [(4, "fwd")]})
+    assert said.startswith("ranks 1 and 2 parted: rank 1's 4th call to all ranks is clip, rank 2's fwd: ")
+    said = ledger.parted({0: [(12, "fwd")], 1: [(12, "save")]})
+    assert said.startswith("ranks 0 and 1 parted: rank 0's 12th call to all ranks is fwd, rank 1's save: ")
+
+
+def test_each_rank_reads_every_ranks_latest_calls_from_the_shared_file(tmp_path):
+    path = str(tmp_path / "ledger")
+    ledger.Slots.create(path, 3)
+    first, second = ledger.Slots(path), ledger.Slots(path)  # (two ranks' maps of it)
+    first.write(2, ((7, "fwd"), (8, "save")))
+    second.write(0, ((1, "wrap"),))
+    second.write(0, ((1, "wrap"), (2, "fwd")))
+    assert ledger.read_all(path) == {0: [(1, "wrap"), (2, "fwd")], 1: [], 2: [(7, "fwd"), (8, "save")]}
+    long = tuple((n, "x" * 1000) for n in range(1, 9))  # more than a slot holds: the latest that fit
+    first.write(1, long)
+    assert second.read(1) == list(long[-4:])
+    assert ledger.whereabouts(ledger.read_all(path)) == ("rank 0: its 2nd, fwd; rank 1: its 8th, " + "x" * 1000 +
+                                                         "; rank 2: its 8th, save")
+
+
+@pytest.mark.parametrize("n, said", [(1, "1st"), (2, "2nd"), (3, "3rd"), (4, "4th"), (11, "11th"), (12, "12th"),
+                                     (13, "13th"), (21, "21st"), (22, "22nd"), (101, "101st"), (111, "111th")])
+def test_ordinals(n, said):
+    assert ledger._ordinal(n) == said
+
+
+# -- ranks that part, and ranks that only seem to ------------------------------------------------
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def wrapped(planner: str):
+    import hap
+    from hap.planner import baseline_plan
+    torch.manual_seed(0)
+    model, cluster = MLP(), hap.load_cluster("local")
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(12, 16, generator=gen), torch.randint(0, 4, (12,), generator=gen))
+    plan = baseline_plan(hap.capture(model, batch), cluster, planner, ratios=[0.6, 0.4])
+    dmodel = hap.HAP(model, cluster, batch, plan=plan)
+    return dmodel, torch.optim.SGD(dmodel.parameters(), lr=0.1), batch
+
+
+def step(dmodel, opt, batch) -> float:
+    loss = dmodel(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def misuse(rank, how, out):
+    from hap.runtime import checkpoint
+    dmodel, opt, batch = wrapped("megatron")  # sharded: full_state_dict, clipping, evaluation all talk
+    step(dmodel, opt, batch)
+    if rank == 0 and how == "save":
+        checkpoint.save(dmodel, opt, out, 1)
+    if rank == 0 and how == "evaluate":
+        dmodel.eval()
+        dmodel(*batch)
+        dmodel.train()
+    if rank == 0 and how == "clip":
+        dmodel.clip_grad_norm_(1.0)
+    if how == "backward":
+        loss = dmodel(*batch)
+        if rank == 0:
+            loss.backward()
+    if rank == 1 and how == "other shape":
+        batch = tuple(x[:10] for x in batch)  # its part of the batch, say, as DistributedSampler's habit gives DDP
+    for _ in range(2 if rank == 1 and how == "a step more" else 1):
+        step(dmodel, opt, batch)
+
+
+# The wrapping is call 1, the first step's forward 2, its backward 3, its optimizer's first
+# step 4 (it agrees on the sharded parameters' optimizer state), then the misuse.
+@pytest.mark.parametrize("how, said", [
+    ("save", "rank 0's 5th call to all ranks is checkpoint.save(dmodel, ...), rank 1's a training forward, "
+             "dmodel(...): "),
+    ("evaluate", "rank 0's 5th call to all ranks is an evaluation forward, dmodel(...) in eval mode, rank 1's a "
+                 "training forward, dmodel(...): "),
+    ("clip", "rank 0's 5th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
+             "dmodel(...): "),
+    ("backward", "rank 0's 6th call to all ranks is a backward through dmodel's loss, rank 1's a training forward, "
+                 "dmodel(...): "),
+    ("a step more", "rank 0's 7th call to all ranks is the return from its function, rank 1's a training forward, "
+                    "dmodel(...): "),
+    ("other shape", "rank 0's 5th call to all ranks is a training forward, dmodel(...), rank 1's a training forward, "
+                    "dmodel(...), of inputs not of the planned batch's shapes (a part, or another batch): "),
+])
+def test_ranks_that_part_end_the_run_naming_both_calls(how, said, tmp_path):
+    with pytest.raises(RankFailed) as caught:
+        spawn(misuse, 2, args=(how, str(tmp_path / "ckpt")), timeout_s=TIMEOUT_S)
+    headline = str(caught.value).splitlines()[0]
+    assert headline.startswith("ranks 0 and 1 parted: " + said), headline
+    assert "habit, meets no partner)" in headline  # (then, where gloo aborted a rank first, its death)
+
+
+def pipeline_state_on_rank_0(rank):
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+    torch.manual_seed(0)
+    model, cluster = MLP(), local_cluster((1.0, 1.0), "local")
+    batch = (torch.randn(12, 16), torch.randint(0, 4, (12,)))
+    graph = capture(model, batch)
+    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
+    pipe = hap.Pipeline(model, cluster, batch, assemble(space, [len(graph.nodes) // 2], [[0], [1]], [[1.0], [1.0]], 2,
+                                                        0.0, {}))
+    pipe.train_step(*batch)
+    if rank == 0:
+        pipe.full_state_dict()
+
+
+def test_a_pipelines_state_gathered_on_rank_0_alone_ends_the_run():
+    with pytest.raises(RankFailed) as caught:
+        spawn(pipeline_state_on_rank_0, 2, timeout_s=TIMEOUT_S)
+    headline = str(caught.value).splitlines()[0]
+    assert headline.startswith("ranks 0 and 1 parted: rank 0's 3rd call to all ranks is pipe.full_state_dict(), "
+                               "rank 1's the return from its function: "), headline
+
+
+def lone_but_harmless(rank, out):
+    """Under data parallelism full_state_dict talks to no one: rank 0 alone may call it, and
+    pause (longer than the ledger waits before it reads its peers) while rank 1 waits."""
+    dmodel, opt, batch = wrapped("dp-cp")
+    losses = [step(dmodel, opt, batch)]
+    if rank == 0:
+        dmodel.full_state_dict()
+        time.sleep(3 * ledger.STILL_S)
+    losses.append(step(dmodel, opt, batch))
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "calls": ledger._LEDGER.calls}, f)
+
+
+def test_a_call_that_talks_to_no_one_and_a_long_pause_are_no_parting(tmp_path):
+    spawn(lone_but_harmless, 2, args=(str(tmp_path),), timeout_s=TIMEOUT_S)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert got[0]["losses"] == got[1]["losses"] and got[0]["losses"][1] < got[0]["losses"][0]
+    assert got[0]["calls"] == got[1]["calls"]  # rank 0's full_state_dict not among them
+    assert [name for _, name in got[0]["calls"]] == ["hap.HAP(model, ...) (wrapping the model)"] + \
+        ["a training forward, dmodel(...)", "a backward through dmodel's loss"] * 2
+
+
+def late(rank):
+    dmodel, opt, batch = wrapped("dp-cp")
+    if rank == 0:
+        time.sleep(10)
+    step(dmodel, opt, batch)
+
+
+def test_a_timeout_says_where_every_rank_was():
+    with pytest.raises(RankFailed) as caught:
+        spawn(late, 2, timeout_s=3)
+    headline = str(caught.value).splitlines()[0]
+    assert headline.startswith("rank 1: collective timed out after 3 s waiting for rank 0"), headline
+    assert headline.endswith("; the ranks' last calls to all: rank 0: its 1st, hap.HAP(model, ...) (wrapping the "
+                             "model); rank 1: its 2nd, a training forward, dmodel(...)")
