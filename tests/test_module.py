@@ -1134,6 +1134,28 @@ def test_ranks_given_different_plans_fail_at_start_up(tmp_path):
         assert "other than rank 0's" in got["error"]
 
 
+def mismatched_settings(rank, world):
+    from hap.capture import capture
+    from hap.planner import baseline_plan
+
+    model, batches = small_vit()
+    cluster = hap.load_cluster("local")
+    plan = baseline_plan(capture(model, batches[0]), cluster, "dp-cp")
+    try:
+        hap.HAP(model, cluster, batches[0], plan=plan, global_loss=rank == 0)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_ranks_given_different_settings_fail_at_start_up(tmp_path):
+    """global_loss=True on rank 0 alone: its loss's all-reduce met rank 1's next collective,
+    and gloo aborted a rank (SIGABRT)."""
+    for got in run_ranks(mismatched_settings, 2, tmp_path):
+        assert got["error"] == "rank 1 was given global_loss=False, rank 0 global_loss=True: every rank wraps the " \
+                               "model alike"
+
+
 def wrong_world(rank, world):
     model, batches = small_vit()
     try:

@@ -95,6 +95,8 @@ def test_a_slowdown_under_one_is_refused_by_every_rank():
     for rank in (0, 1):
         with pytest.raises(ValueError, match=r"device 1 \(cpu1/0.6x\) of cluster 'mine': slowdown must be at least 1"):
             Emulation.for_rank(fast, rank)
+    with pytest.raises(ValueError, match="slowdown must be at least 1, got 0.5"):  # one built directly
+        Emulation(slowdown=0.5)
 
 
 def profile_worker(rank, world, cluster_spec=None):

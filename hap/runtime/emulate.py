@@ -38,6 +38,10 @@ class Emulation:
     wire_free: float = 0.0
     """When (time.perf_counter) this rank's link is done with the collectives started so far."""
 
+    def __post_init__(self):
+        if not self.slowdown >= 1:  # (it stretches this machine's speed: it cannot make it faster)
+            raise ValueError(f"slowdown must be at least 1, got {self.slowdown:g}")
+
     @classmethod
     def for_rank(cls, cluster: Cluster, rank: int) -> "Emulation":
         # every rank checks every device: a rank refusing its own alone left the others waiting

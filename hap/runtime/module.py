@@ -104,7 +104,7 @@ class HAP(MirrorsModel):
                 plan = make_plan(graph, cluster, config)
             except (ValueError, TypeError, SearchError) as e:  # told to the others, waiting for the plan
                 plan = e
-        self.plan = agree_plan(plan, comm, graph)
+        self.plan = agree_plan(plan, comm, graph, {"global_loss": global_loss})
         segment_of = self.plan.segment_of
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.plan.check_shards(graph, classes)  # (this rank's rounding: the same on every rank)
@@ -1312,11 +1312,12 @@ def unlike_rank_0(values: Sequence) -> list[int]:
     return [r for r, v in enumerate(values) if v != values[0]]
 
 
-def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph) -> Plan:
+def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph, settings: dict | None = None) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error, and so
     is rank 0's failure to plan (`plan` an exception there), on every rank, and a rank whose
     model or example inputs (`graph`, its capture) differ from rank 0's (DDP's check: they
-    trained, on rank 0's plan and values, or failed deep in the executor)."""
+    trained, on rank 0's plan and values, or failed deep in the executor), or whose wrapper's
+    `settings` (name -> value: hap.HAP's global_loss) do (they ran different collectives)."""
     if plan is not None and not isinstance(plan, (Plan, Exception)):  # (rank 0's is told to every rank)
         plan = TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
     failed = isinstance(plan, Exception)
@@ -1329,8 +1330,14 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph) -> Plan:
         raise ValueError(f"rank 0 could not plan: {box[0]}")
     agreed = Plan.from_json(box[0])
     told = every_rank((plan.digest if plan is not None else agreed.digest, graph_leaves(graph),
-                       [n.op for n in graph.nodes]), comm)
-    digests, leaves, ops = zip(*told)
+                       [n.op for n in graph.nodes], settings or {}), comm)
+    digests, leaves, ops, given = zip(*told)
+    unlike = unlike_rank_0(given)
+    if unlike:
+        r = unlike[0]
+        name = next(k for k in given[0] if given[r].get(k) != given[0][k])
+        raise ValueError(f"rank {r} was given {name}={given[r].get(name)!r}, rank 0 {name}={given[0][name]!r}: every rank "
+                         "wraps the model alike")
     unlike = unlike_rank_0(leaves)
     if unlike:
         raise ValueError(_leaves_differ(leaves[unlike[0]], leaves[0], unlike[0]))
