@@ -41,7 +41,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._torch import backward_hooks, is_higher_order_op, quiet_fake_tensors
-from .ir import Graph, Node, Tensor, TensorRef, node_signature
+from .ir import VIEW_OPS, Graph, Node, Tensor, TensorRef, node_signature
 
 # Nodes that produce nothing the program needs.
 _SKIPPED_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}
@@ -369,7 +369,8 @@ def _copy_as_clone(graph: torch.fx.Graph, fx: torch.fx.Node) -> None:
     graph.erase_node(fx)
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)  # (a view of a fresh copy: _unsafe_view)
+def _is_view(fx: torch.fx.Node) -> bool:
+    return fx.op == "call_function" and str(fx.target) in VIEW_OPS
 
 
 def _unmerge_rows(fx: torch.fx.Node) -> bool:
@@ -377,7 +378,7 @@ def _unmerge_rows(fx: torch.fx.Node) -> bool:
     on those rows, whose result a view splits back to (a0, ..., ak-1, c'), keep the leading dims
     throughout (the module docstring): linear runs on any leading dims alike. Returns whether
     it rewrote."""
-    if fx.op != "call_function" or fx.target not in _VIEWS:
+    if not _is_view(fx):
         return False
     x, out = fx.args[0].meta.get("val"), fx.meta.get("val")
     if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() != 2:
@@ -396,7 +397,7 @@ def _unmerge_rows(fx: torch.fx.Node) -> bool:
         chain.append(user)
         cur = user
     end = next(iter(cur.users)) if len(cur.users) == 1 else None
-    if (not chain or end is None or end.op != "call_function" or end.target not in _VIEWS
+    if (not chain or end is None or not _is_view(end)
             or end.args[0] is not cur or tuple(end.meta["val"].shape) != lead + (cur.meta["val"].shape[1],)):
         return False
     with out.fake_mode:

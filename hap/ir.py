@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 TensorKind = Literal["input", "param", "buffer", "constant", "activation"]
 
+VIEW_OPS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
+"""The ops that read a tensor at another shape as a view (_unsafe_view: a view of a fresh copy)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TensorRef:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .._torch import schema_arg, schema_names
-from ..ir import Graph, Node, TensorRef
+from ..ir import VIEW_OPS, Graph, Node, TensorRef
 from ..placement import Placement
 from . import RANDOM_OPS, Strategy
 
@@ -131,15 +131,12 @@ def run_node(node: Node, st: Strategy, values: dict[str, torch.Tensor], graph: G
     else:
         # A shard may be a strided slice of its tensor where the whole one was contiguous:
         # views are taken as reshapes (a view where possible, else a copy).
-        target = torch.ops.aten.reshape.default if node.op in _VIEWS else node.target
+        target = torch.ops.aten.reshape.default if node.op in VIEW_OPS else node.target
         try:
             out = target(*args, **kwargs)
         except RuntimeError as e:  # say which node, under which strategy, on which device
             raise RuntimeError(f"{node.name} = {node.op} [{st}] on device {ctx.device}: {e}") from e
     return tuple(out) if isinstance(out, (list, tuple)) else (out,)
-
-
-_VIEWS = {"aten.view.default", "aten._unsafe_view.default"}
 
 
 class Made(tuple):
