@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hap.pipeline.rebalance import RebalanceConfig, changed_speeds
+from hap.pipeline.rebalance import RebalanceConfig, changed_speeds, off_plan, planned_busy
 
 from gloo import run_ranks
 from test_module import train
@@ -22,6 +22,40 @@ def test_a_rank_busy_four_times_longer_runs_at_a_quarter_of_its_speed():
     assert changed_speeds([1.0, 0.25], [0.1, 0.4], [0.1, 0.1], 0.25) == pytest.approx([1.0, 1.0])
     # noise within the threshold, either way, changes nothing
     assert changed_speeds([1.0, 0.5], [0.1, 0.2], [0.124, 0.16], 0.25) is None
+
+
+def test_a_rank_off_the_plans_estimate_against_the_others_has_its_speed_from_the_start():
+    # stage 1 planned twice stage 0's work; measured 3x the estimate on both: the plan's scale, no change
+    assert off_plan([1.0, 1.0], [1.0, 2.0], [3.0, 6.0], 0.5) is None
+    # rank 1 six times slower: against the median (of two: their mean) both move, 6x apart
+    speeds = off_plan([1.0, 1.0], [1.0, 2.0], [3.0, 36.0], 0.5)
+    assert speeds[0] / speeds[1] == pytest.approx(6.0) and speeds[1] < 1.0 < speeds[0]
+    # three ranks: the median is a healthy one's; only the slow one moves (4 / 2.2 = 3.6x)
+    assert off_plan([1.0, 1.0, 1.0], [1.0, 1.0, 2.0], [2.0, 2.2, 16.0], 0.5) == pytest.approx([1.0, 1.0, 2.2 / 8.0])
+    # within the estimate's error between stages (0.35 measured): nothing
+    assert off_plan([1.0, 1.0, 1.0], [1.0, 1.0, 2.0], [2.0, 2.6, 5.2], 0.5) is None
+    assert off_plan([1.0, 1.0], [0.0, 0.0], [3.0, 36.0], 0.5) is None  # no estimate: nothing to go by
+    # a stage of the loss alone (planned 0.05 ms, busy 1 ms with the step's fixed costs) is no
+    # measure of its devices' speed: left out, and one rank left is no comparison
+    assert off_plan([1.0, 1.0, 1.0], [2.6, 0.05, 0.05], [8.0, 1.0, 1.0], 0.5) is None
+    assert off_plan([1.0] * 4, [2.0, 2.0, 4.0, 0.05], [6.0, 6.0, 48.0, 1.0], 0.5) == pytest.approx([1.0, 1.0, 0.25, 1.0])
+
+
+def test_the_plans_busy_seconds_are_each_stages_forward_and_backward_per_micro_batch():
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig, baseline_plan
+
+    model, batch = _setup()
+    cluster = local_cluster((1.0, 1.0, 1.0), "local")
+    graph = capture(model, batch)
+    plan = assemble(PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b")), [len(graph.nodes) // 3],
+                    [[0, 1], [2]], [[0.6, 0.4], [1.0]], 3, 0.0, {})
+    line = plan.timeline["pipeline"]
+    first, second = (3 * (line["fwd"][k] + line["bwd"][k]) for k in range(2))
+    assert planned_busy(plan) == pytest.approx([first, first, second]) and min(first, second) > 0
+    assert planned_busy(baseline_plan(graph, cluster, "dp-cp")) == [0.0, 0.0, 0.0]  # one stage: no pipeline estimate
 
 
 def test_config_refuses_what_a_pipeline_cannot_do():
@@ -40,9 +74,9 @@ def _setup():
     return model, batch
 
 
-def rebalanced(rank, world, chi, memory=None):
+def rebalanced(rank, world, chi, memory=None, start=3):
     """Train STEPS steps of a 2-stage pipeline cut in the middle, rank 1 `chi` times slower from
-    step 3 on, under the rebalance policy (devices of `memory` bytes, where given, for the
+    step `start` on, under the rebalance policy (devices of `memory` bytes, where given, for the
     planner)."""
     import dataclasses
 
@@ -67,7 +101,7 @@ def rebalanced(rank, world, chi, memory=None):
     def make(params):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
-    config = RebalanceConfig(schedule=parse_schedule(f"persistent:chi={chi},rank=1,start=3", world), window=2)
+    config = RebalanceConfig(schedule=parse_schedule(f"persistent:chi={chi},rank=1,start={start}", world), window=2)
     reb = Rebalancer(pipe, make(list(pipe.parameters())), batch, config, make)
     losses, moves, detected = [], [], None
     for it in range(STEPS):
@@ -104,6 +138,22 @@ def test_a_persistent_straggler_recuts_the_pipeline_and_training_stays_exact(tmp
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
+
+
+def test_a_straggler_slow_from_the_start_is_found_by_the_plans_estimate(tmp_path):
+    """Rank 1 6x slower from step 0: its first window is its reference, so no later window
+    was ever off it and the pipeline kept its cut for good. The first window is now held
+    against the plan's estimate (relative to the other rank's): rank 1 is found slow there,
+    and the pipeline re-cut, exactly."""
+    reports = run_ranks(rebalanced, 2, tmp_path, 6.0, None, 0)
+    model, batch = _setup()
+    losses = train(model, [batch] * STEPS)
+    for got in reports:
+        assert got["detected"] is not None and got["detected"][1] < 0.5 * got["detected"][0], got["detected"]
+        assert len(got["moves"]) == 1, got["moves"]
+        (_, before_1), (_, after_1) = got["cuts"]
+        assert after_1[1] - after_1[0] < before_1[1] - before_1[0], got["cuts"]  # the slow rank's stage shrank
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_no_pipeline_fitting_at_the_new_speeds_keeps_the_current_one(tmp_path):

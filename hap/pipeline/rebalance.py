@@ -13,7 +13,11 @@ Detection: every step the ranks all-gather their busy seconds (Pipeline.last_ste
 forward and backward, an emulated device's sleep included, waiting not). A rank's reference is
 the median of its first `window` steps under the current plan; when the median of its last
 `window` steps is off it by more than `threshold`, its relative speed is divided by that
-ratio and the references start again.
+ratio and the references start again. A device slow from the start (before any reference)
+is found at the first window by the plan's own estimate: each rank's busy seconds over the
+plan's (its stage's forward and backward, M micro-batches), relative to the median rank's,
+off by more than `start_threshold` (the estimate's own error between stages, op overheads
+priced low on small stages, was within 0.35 on this CPU: off_plan).
 
 Decision, the same on every rank: rank 0 runs pp-exact (the plan's stage count, micro-batches
 and schedule) on the cluster at those speeds (planner.slowed_cluster) and prices the current
@@ -60,6 +64,9 @@ class RebalanceConfig:
     """Steps whose median busy time is compared with the reference (and makes it)."""
     threshold: float = 0.25
     """A rank's speed is re-measured when its busy time moved by more than this fraction."""
+    start_threshold: float = 0.5
+    """At the first window of the run's plan: a rank's busy time off the plan's estimate, relative
+    to the other ranks', by more than this fraction is a device slow (or fast) from the start."""
     gain: float = 0.10
     """A new plan must be estimated faster than the current one by this fraction."""
     directory: str | None = None
@@ -67,7 +74,7 @@ class RebalanceConfig:
 
     def __post_init__(self):
         check_fields(self, policy=one_of("none", "rebalance"), window=whole(1), threshold=number(0, above=True),
-                     gain=number(0))
+                     start_threshold=number(0, above=True), gain=number(0))
 
 
 def changed_speeds(speeds: Sequence[float], reference: Sequence[float], recent: Sequence[float],
@@ -78,6 +85,41 @@ def changed_speeds(speeds: Sequence[float], reference: Sequence[float], recent: 
     if all(abs(r - 1.0) <= threshold for r in ratios):
         return None
     return [s / r if abs(r - 1.0) > threshold else s for s, r in zip(speeds, ratios)]
+
+
+def off_plan(speeds: Sequence[float], planned: Sequence[float], measured: Sequence[float],
+             threshold: float) -> list[float] | None:
+    """New relative speeds where a rank's busy seconds over the plan's estimate of them
+    (`planned`), relative to the median rank's, are off by more than `threshold`, else None.
+    The plan's absolute scale cancels: only how the ranks compare counts. Ranks planned less
+    than SUBSTANTIAL of the busiest's are left out (a stage of the loss alone, estimated at
+    0.05 ms, is busy with the step's fixed costs: 20x its estimate on a healthy run), and at
+    least two must remain."""
+    top = max(planned, default=0.0)
+    counted = [i for i, (p, m) in enumerate(zip(planned, measured)) if top > 0 and p >= SUBSTANTIAL * top and m > 0]
+    if len(counted) < 2:
+        return None
+    scale = statistics.median(measured[i] / planned[i] for i in counted)
+    relative = [measured[i] / planned[i] / scale if i in counted else 1.0 for i in range(len(planned))]
+    return changed_speeds(speeds, [1.0] * len(speeds), relative, threshold)
+
+
+SUBSTANTIAL = 0.25
+"""off_plan compares the ranks planned at least this fraction of the busiest rank's seconds."""
+
+
+def planned_busy(plan: Plan) -> list[float]:
+    """Each rank's busy seconds per step as the plan estimates them: its stage's forward and
+    backward per micro-batch (the stage's devices split each in proportion to their speeds:
+    alike), times the micro-batches; 0 where the plan holds no estimate."""
+    out = [0.0] * len(plan.devices)
+    line = (plan.timeline or {}).get("pipeline")
+    if not line or plan.schedule is None:
+        return out
+    for k, stage in enumerate(plan.stages):
+        for d in stage.devices:
+            out[d] = plan.schedule.micro_batches * (line["fwd"][k] + line["bwd"][k])
+    return out
 
 
 class Rebalancer:
@@ -98,6 +140,7 @@ class Rebalancer:
         self._first_cost: float | None = None
         self.iteration = 0
         self._fresh = True
+        self._planned = planned_busy(pipe.plan)  # (the run's first plan only: later ones are made at measured speeds)
 
     def begin_step(self, iteration: int) -> None:
         self.iteration = iteration
@@ -123,6 +166,14 @@ class Rebalancer:
         window = self.config.window
         if self.reference is None and len(self.busy) >= window:
             self.reference = _medians(self.busy[-window:])
+            speeds = off_plan(self.speeds, self._planned, self.reference, self.config.start_threshold) \
+                if self._planned is not None else None
+            self._planned = None
+            if speeds is not None:  # slow (or fast) from the start: no reference of its own to be off
+                self.speeds, self.reference, self.busy = speeds, None, []
+                record["speeds"] = list(speeds)
+                if self.config.policy == "rebalance":
+                    self._replan()
         elif self.reference is not None and len(self.busy) >= 2 * window:
             speeds = changed_speeds(self.speeds, self.reference, _medians(self.busy[-window:]), self.config.threshold)
             if speeds is not None:
