@@ -11,6 +11,9 @@ RankFailed; its first line names the rank that caused it, its traceback (if any)
     RankFailed: rank 1 died with exit code 3
     RankFailed: rank 1 died from signal SIGKILL
     RankFailed: rank 0: collective timed out after 3 s waiting for rank 1 (stuck, slow, or in a different collective)
+    RankFailed: ranks 0 and 1 parted: rank 0's 5th call to all ranks is checkpoint.save(dmodel, ...), rank 1's ...
+
+The last: ranks whose calls to all ranks went different ways (ledger.py), found within a second.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ the call runs on staged copies (host memory for gloo's messages, the current GPU
 the results are copied back (on wait(), for asynchronous ones). So ranks that share a GPU
 (fewer GPUs than ranks: NCCL refuses two ranks on one GPU) run the same program over gloo as
 ranks with a GPU each over NCCL. Where nothing disagrees each function is torch.distributed's.
+Each collective (not a message) first tells this rank's ledger (ledger.talking): the call it is
+in talks to all ranks.
 
     work = wire.irecv(buf, src, tag=3)  # buf: a CUDA tensor, the default group: gloo
     work.wait()                         # buf now holds the message
