@@ -5,7 +5,9 @@ API does it, so that a torch upgrade that moves one breaks one file. (Checked wi
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import sys
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -13,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_unflatten  # noqa: F401 (the model's return structure: no public pytree module)
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+SYMBOLIC_SHAPES_LOGGER = "torch.fx.experimental.symbolic_shapes"
 """The logger torch's fake tensors write a failing op's whole traceback to, before export raises."""
 
 
@@ -194,12 +197,33 @@ def quiet_sharded_tensors():
 
 
 @contextlib.contextmanager
+def without_partial_graph():
+    """torch.export prints the partial graph of a trace that failed to stderr as it raises
+    (torch/export/_trace.py: dozens of lines; the capture error names the line in one): what
+    else the block writes to stderr is passed on, after it."""
+    written = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(written):
+            yield
+    except Exception as e:
+        partial = getattr(e, "partial_fx_graph", None)
+        text = written.getvalue()
+        sys.stderr.write(text.replace(f"{partial}\n", "") if partial is not None else text)  # (once per wrapper level)
+        raise
+    sys.stderr.write(written.getvalue())
+
+
+@contextlib.contextmanager
 def quiet_fake_tensors():
-    """torch's fake tensors' log of a failing op's traceback silenced."""
-    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    """torch's logs of a failing trace silenced: fake tensors' traceback of a failing op, and
+    symbolic shapes' graph dump where a branch on a tensor's value stops export (the capture
+    error says it in one line)."""
+    loggers = [logging.getLogger(name) for name in (FAKE_TENSOR_LOGGER, SYMBOLIC_SHAPES_LOGGER)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -40,7 +40,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._torch import backward_hooks, is_higher_order_op, quiet_fake_tensors
+from ._torch import backward_hooks, is_higher_order_op, quiet_fake_tensors, without_partial_graph
 from .ir import VIEW_OPS, Graph, Node, Tensor, TensorRef, node_signature
 
 # Nodes that produce nothing the program needs.
@@ -91,7 +91,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     lost: list[str] = []
     try:
         with warnings.catch_warnings(), _unsupported_calls(lost), _HostDraws() as draws, quiet_fake_tensors(), \
-                _without_autocast():
+                _without_autocast(), without_partial_graph():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, example_inputs)
             if lost:
@@ -423,6 +423,11 @@ def _first_line(e: Exception) -> str:
     first = text.splitlines()[0] if text else type(e).__name__
     if type(e).__name__ == "DynamicOutputShapeException":  # its message is the op alone
         first = f"the shape of {first}'s output depends on its inputs' values, which torch.export cannot trace"
+    elif "Could not guard on data-dependent expression" in first:  # (torch's words for the symbolic value)
+        first = ("it branches in Python on a tensor's value (data-dependent), which torch.export cannot follow (it "
+                 "traces one path): "
+                 "write the branch with tensor ops (torch.where), or turn it off (a random draw that skips a layer, "
+                 "transformers' LayerDrop, is off at config.layerdrop=0.0)")
     where = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]+(\S[^\n]*))?', text)
     caused = re.search(r"Caused by: \((\S+?):(\d+) in (\S+)\)", text)
     if where:
