@@ -974,8 +974,8 @@ DIVERGED = ("{label!r} differs between the ranks, which hold it whole and must h
             "wrapping with each rank's own values (an initialization through dmodel.modules(), each rank drawing "
             "its own numbers) or loaded differently on each rank: initialize the model before wrapping it, or load "
             "the same weights on every rank with dmodel.load_state_dict(...); or each rank's optimizer trained it apart "
-            "(a learning rate or optimizer of each rank's own, a scheduler stepped on some ranks only): set them alike "
-            "on every rank")
+            "(a learning rate or optimizer of each rank's own, a scheduler stepped on some ranks only, more backward "
+            "passes accumulated into a step on some ranks): set them alike on every rank")
 
 
 def spot_check_due(sums: int) -> bool:
