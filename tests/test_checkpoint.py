@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import io
 import json
+import logging
 import os
 import warnings
 import re
@@ -385,13 +386,23 @@ def wrong_checkpoints(rank, world, directory):
         except ValueError as e:
             errors[name] = str(e)
     errors["left"] = sorted(os.listdir(directory))
+    # each rank its own extra= (its sampler's state, say): saved, rank 0's kept, and rank 0 says so
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hap").addHandler(handler)
+    elsewhere = os.path.join(directory, "extras")
+    checkpoint.save(dmodel, opt, elsewhere, 5, extra={"sampler": rank})
+    logging.getLogger("hap").removeHandler(handler)
+    errors["own extra"] = [checkpoint.load(dmodel, opt, elsewhere), said]
     return errors
 
 
 def test_checkpoint_of_another_model_is_an_error(tmp_path):
     directory = str(tmp_path / "ckpt")
     path = os.path.join(directory, "step-00000000.1")
-    for got in run_ranks(wrong_checkpoints, 2, tmp_path, directory):
+    reports = run_ranks(wrong_checkpoints, 2, tmp_path, directory)
+    for got in reports:
         assert got["again"] == path
         assert got["empty"] == f"no checkpoint in {directory}/empty"
         assert got["wider"] == f"'fc1.weight' is (24, 12) in checkpoint {path} but (16, 12) in the model"
@@ -404,6 +415,12 @@ def test_checkpoint_of_another_model_is_an_error(tmp_path):
         assert got["own step"] == "checkpoint save: the ranks were given different steps (rank 0: 1, rank 1: 2)"
         assert got["own load"].startswith("checkpoint load: the ranks were given different directories (rank 0: ")
         assert [n for n in got["left"] if n != ".commits"] == ["latest", "step-00000000", "step-00000000.1"]  # nothing new
+    for rank, got in enumerate(reports):
+        (step, extra), said = got["own extra"]
+        assert step == 5 and extra == {"sampler": 0}, rank  # rank 0's, on every rank
+        assert said == ([] if rank else [
+            "checkpoint save: ranks [1] were given another extra= than rank 0's: the checkpoint keeps rank 0's alone, "
+            "which every rank's load returns (gather each rank's state into one extra first)"]), (rank, said)
 
 
 def test_cli_resumes_where_it_stopped(tmp_path, capfd):

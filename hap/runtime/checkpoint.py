@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -47,6 +48,8 @@ from . import ledger
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
 from .module import group_settings, unlike_rank_0, wrapped_state
+
+log = logging.getLogger("hap")
 
 POINTER = "latest"
 CHECKSUMS = "checksums.json"
@@ -225,9 +228,10 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
          keep: int | None = None) -> str:
     """Write a checkpoint of the model (and optimizer) at `step` to directory/step-<step> and
     make it the latest; returns its path. A collective: every rank calls it. `extra`: any
-    picklable object (rank 0's is kept). keep: how many checkpoints to keep (the newest; None: all)."""
+    picklable object (rank 0's is kept: another on some rank is a warning). keep: how many checkpoints to keep (the newest; None: all)."""
     comm = dmodel.comm  # (agreed first: a rank refusing alone left the others waiting)
-    _same_on_every_rank("checkpoint save", {"directories": os.path.abspath(directory), "steps": step, "keeps": keep}, comm)
+    _same_on_every_rank("checkpoint save", {"directories": os.path.abspath(directory), "steps": step, "keeps": keep}, comm,
+                        noted={"extra=": _digest(extra)})
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
     if keep is not None and keep < 1:
@@ -272,16 +276,32 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     return box[0]
 
 
-def _same_on_every_rank(what: str, args: dict[str, Any], comm) -> None:
+def _same_on_every_rank(what: str, args: dict[str, Any], comm, noted: dict[str, Any] | None = None) -> None:
     """A ValueError on every rank where the ranks were given different `args` (a directory of
-    each rank's own: rank 0 alone commits a save, and every rank loads what rank 0 resolved)."""
-    every = gather_or_refuse(args, None, comm)
+    each rank's own: rank 0 alone commits a save, and every rank loads what rank 0 resolved);
+    a warning, on rank 0, where they were given different `noted` (an extra= of each rank's
+    own, say its sampler's state: the checkpoint keeps rank 0's)."""
+    every = gather_or_refuse((args, noted or {}), None, comm)
+    for key in every[0][1]:
+        unlike = unlike_rank_0([n[key] for _, n in every])
+        if unlike and comm.rank == 0:
+            log.warning("%s: ranks %s were given another %s than rank 0's: the checkpoint keeps rank 0's alone, which "
+                        "every rank's load returns (gather each rank's state into one extra first)", what, unlike, key)
+    every = [a for a, _ in every]
     for key, mine in every[0].items():
         unlike = unlike_rank_0([a[key] for a in every])
         if unlike:
             shared = "; a checkpoint is one directory on a filesystem every rank shares" if key == "directories" else ""
             raise ValueError(f"{what}: the ranks were given different {key} (rank 0: {mine}, rank {unlike[0]}: "
                              f"{every[unlike[0]][key]}){shared}")
+
+
+def _digest(extra: Any) -> str:
+    """What tells two extras apart: their pickle's SHA-256 (or why it does not pickle)."""
+    try:
+        return hashlib.sha256(pickle.dumps(extra)).hexdigest()
+    except Exception as e:  # (the save refuses it later, on every rank)
+        return f"{type(e).__name__}: {e}"
 
 
 def _pickled(extra: Any) -> bytes:
