@@ -1142,19 +1142,29 @@ def mismatched_settings(rank, world):
     model, batches = small_vit()
     cluster = hap.load_cluster("local")
     plan = baseline_plan(capture(model, batches[0]), cluster, "dp-cp")
+    errors = {}
     try:
         hap.HAP(model, cluster, batches[0], plan=plan, global_loss=rank == 0)
     except ValueError as e:
-        return {"error": str(e)}
-    return {"error": None}
+        errors["global_loss"] = str(e)
+    mine = hap.cost.cluster.local_cluster((1.0, 3.0 if rank == 0 else 1.0), "local")  # rank 1 emulates no slowdown
+    try:
+        hap.HAP(model, mine, batches[0], plan=plan)
+    except ValueError as e:
+        errors["cluster"] = str(e)
+    return errors
 
 
 def test_ranks_given_different_settings_fail_at_start_up(tmp_path):
     """global_loss=True on rank 0 alone: its loss's all-reduce met rank 1's next collective,
-    and gloo aborted a rank (SIGABRT)."""
+    and gloo aborted a rank (SIGABRT). A cluster of each rank's own: rank 1 emulated none of
+    the slowdown the plan was made for, silently."""
     for got in run_ranks(mismatched_settings, 2, tmp_path):
-        assert got["error"] == "rank 1 was given global_loss=False, rank 0 global_loss=True: every rank wraps the " \
-                               "model alike"
+        assert got["global_loss"] == "rank 1 was given global_loss=False, rank 0 global_loss=True: every rank wraps " \
+                                     "the model alike"
+        mine, rank_0 = re.match(r"^rank 1 was given the cluster '(.*)', rank 0 the cluster '(.*)': every rank wraps "
+                                r"the model alike$", got["cluster"]).groups()
+        assert ", 1 x cpu1 (1 GPU" in mine and ", 1 x cpu1/3x (1 GPU" in rank_0, got
 
 
 def wrong_world(rank, world):

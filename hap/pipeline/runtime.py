@@ -43,8 +43,8 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, held_by_original, rank_comm, wrapped_state,
-                              spot_check_due, spread_gradients, state_keys, sum_step, watch_wrapped)
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, cluster_setting,
+                              held_by_original, rank_comm, wrapped_state, spot_check_due, spread_gradients, state_keys, sum_step, watch_wrapped)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -84,7 +84,7 @@ class Pipeline(MirrorsModel):
             plan = TypeError("hap.Pipeline needs a pipeline Plan (hap.planners.make_plan('pp-exact', graph, cluster, "
                              "config), or hap.Plan.from_json of one), got None")
         self.graph = graph = capture(model, example_tuple(example_inputs))
-        self.plan = plan = agree_plan(plan, comm, graph)
+        self.plan = plan = agree_plan(plan, comm, graph, cluster_setting(cluster))
         if len(plan.stages) < 2 or plan.schedule is None:
             raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")
         self._state_keys = state_keys(model, graph)

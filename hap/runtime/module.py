@@ -21,11 +21,12 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import math
 import weakref
 import zlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,8 @@ class HAP(MirrorsModel):
                 plan = make_plan(graph, cluster, config)
             except (ValueError, TypeError, SearchError) as e:  # told to the others, waiting for the plan
                 plan = e
-        self.plan = agree_plan(plan, comm, graph, {"global_loss": global_loss})
+        self.plan = agree_plan(plan, comm, graph, {"global_loss": (f"global_loss={global_loss}", global_loss),
+                                                   **cluster_setting(cluster)})
         segment_of = self.plan.segment_of
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.plan.check_shards(graph, classes)  # (this rank's rounding: the same on every rank)
@@ -1312,12 +1314,20 @@ def unlike_rank_0(values: Sequence) -> list[int]:
     return [r for r, v in enumerate(values) if v != values[0]]
 
 
-def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph, settings: dict | None = None) -> Plan:
+def cluster_setting(cluster: Cluster) -> dict[str, tuple[str, str]]:
+    """The cluster as a wrapper's setting (agree_plan): shown as it describes itself, compared
+    as its whole spec. A rank given another (a slowdown of its own) emulated other speeds and
+    links than the plan was made for, silently."""
+    return {"cluster": (f"the cluster {cluster.describe()!r}", json.dumps(cluster.to_dict(), sort_keys=True))}
+
+
+def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph,
+               settings: dict[str, tuple[str, Any]] | None = None) -> Plan:
     """Rank 0's plan on every rank; a rank that was given a different plan is an error, and so
     is rank 0's failure to plan (`plan` an exception there), on every rank, and a rank whose
     model or example inputs (`graph`, its capture) differ from rank 0's (DDP's check: they
     trained, on rank 0's plan and values, or failed deep in the executor), or whose wrapper's
-    `settings` (name -> value: hap.HAP's global_loss) do (they ran different collectives)."""
+    `settings` do (name -> (as shown, as compared): hap.HAP's global_loss, the cluster)."""
     if plan is not None and not isinstance(plan, (Plan, Exception)):  # (rank 0's is told to every rank)
         plan = TypeError(f"plan must be a hap Plan (hap.Plan.from_json(path) reads a file), got {type(plan).__name__}")
     failed = isinstance(plan, Exception)
@@ -1332,12 +1342,12 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph, settings
     told = every_rank((plan.digest if plan is not None else agreed.digest, graph_leaves(graph),
                        [n.op for n in graph.nodes], settings or {}), comm)
     digests, leaves, ops, given = zip(*told)
-    unlike = unlike_rank_0(given)
+    unlike = unlike_rank_0([{k: v[1] for k, v in g.items()} for g in given])
     if unlike:
         r = unlike[0]
-        name = next(k for k in given[0] if given[r].get(k) != given[0][k])
-        raise ValueError(f"rank {r} was given {name}={given[r].get(name)!r}, rank 0 {name}={given[0][name]!r}: every rank "
-                         "wraps the model alike")
+        name = next(k for k in given[0] if given[r][k][1] != given[0][k][1])
+        raise ValueError(f"rank {r} was given {given[r][name][0]}, rank 0 {given[0][name][0]}: every rank wraps the "
+                         "model alike")
     unlike = unlike_rank_0(leaves)
     if unlike:
         raise ValueError(_leaves_differ(leaves[unlike[0]], leaves[0], unlike[0]))
