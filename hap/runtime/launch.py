@@ -370,9 +370,10 @@ def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: 
     else:
         headline = f"rank {rank}: collective timed out after {timeout_s:g} s waiting for a peer: one of ranks " \
                    f"{', '.join(peers)} is stuck, slow, or in a different collective (gloo does not say which)"
-    every = ledger.read_all(os.path.join(reports, LEDGER))
-    if in_collective and "timed out" in str(e).lower() and dist.is_initialized() and any(every.values()):
-        headline += f"; the ranks' last calls to all: {ledger.whereabouts(every)}"  # (none: not in hap's calls)
+    if in_collective and "timed out" in str(e).lower() and dist.is_initialized():
+        every = ledger.read_all(os.path.join(reports, LEDGER))
+        if any(every.values()):  # (none: the ranks were not in hap's calls)
+            headline += f"; the ranks' last calls to all: {ledger.whereabouts(every)}"
     _write_report(rank, reports, headline, traceback.format_exc(), own=not in_collective)
 
 
