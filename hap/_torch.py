@@ -227,3 +227,16 @@ def quiet_fake_tensors():
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+# -- distributed ---------------------------------------------------------------------------------
+
+def default_store():
+    """The default process group's store (None: none found), where ranks that hap's launcher did
+    not start keep their ledger (runtime/ledger.py). No public accessor: torch's own
+    collectives' setup reads it the same way."""
+    try:
+        from torch.distributed import distributed_c10d
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None

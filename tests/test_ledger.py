@@ -6,6 +6,8 @@ without a process group."""
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -235,3 +237,73 @@ def test_a_timeout_says_where_every_rank_was():
     assert headline.startswith("rank 1: collective timed out after 3 s waiting for rank 0"), headline
     assert headline.endswith("; the ranks' last calls to all: rank 0: its 1st, hap.HAP(model, ...) (wrapping the "
                              "model); rank 1: its 2nd, a training forward, dmodel(...)")
+
+
+# -- ranks torchrun started (a store ledger) -----------------------------------------------------
+
+def torchrun(case: str, out, env: dict | None = None) -> subprocess.CompletedProcess:
+    """tests/torchrun_ranks.py CASE on 2 ranks; a run the ledger left waiting fails the test at
+    TIMEOUT_S (the ranks' collective timeout is 10 minutes)."""
+    script = os.path.join(os.path.dirname(__file__), "torchrun_ranks.py")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, case, str(out)]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun ends its ranks (each in a session of its own) on SIGTERM
+            proc.communicate(timeout=30)
+            raise
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+def test_ranks_torchrun_started_that_part_end_naming_both_calls(tmp_path):
+    run = torchrun("save", tmp_path)
+    assert run.returncode != 0
+    said = [line for line in run.stderr.splitlines() if "parted" in line]
+    assert said and "hap: rank 0: ranks 0 and 1 parted: rank 0's 5th call to all ranks is checkpoint.save(dmodel, " \
+                    "...), rank 1's a training forward, dmodel(...): " in said[0], run.stderr[-3000:]
+    assert not (tmp_path / "0.json").exists() and not (tmp_path / "1.json").exists()
+
+
+def test_ranks_torchrun_started_that_pause_run_on(tmp_path):
+    run = torchrun("healthy", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert got[0]["losses"] == got[1]["losses"]
+    assert got[0]["calls"] == got[1]["calls"]  # a store ledger was kept, alike on both
+    assert [name for _, name in got[0]["calls"]] == ["hap.HAP(model, ...) (wrapping the model)"] + \
+        ["a training forward, dmodel(...)", "a backward through dmodel's loss", "an optimizer's first step, optimizer.step()",
+         "a training forward, dmodel(...)", "a backward through dmodel's loss"]
+
+
+def test_the_store_ledger_is_off_with_HAP_LEDGER_0(tmp_path):
+    run = torchrun("healthy", tmp_path, {"HAP_LEDGER": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "0.json").read_text())["calls"] is None
+
+
+def test_store_slots_read_only_what_their_ledger_wrote():
+    store = torch.distributed.HashStore()
+    first, later = ledger.StoreSlots(store, 2, "hap-ledger/1/"), ledger.StoreSlots(store, 2, "hap-ledger/2/")
+    assert first.read(1) == []  # nothing written yet: no wait
+    first.write(1, ((1, "wrap"), (2, "fwd")))
+    assert first.read(1) == [(1, "wrap"), (2, "fwd")] and later.read(1) == []
+    assert first.read_every() == {0: [], 1: [(1, "wrap"), (2, "fwd")]}
+    first.write(0, ((1, "wrap"),))  # every rank written: one round trip
+    assert first.read_every() == {0: [(1, "wrap")], 1: [(1, "wrap"), (2, "fwd")]}
+
+
+@pytest.mark.parametrize("error, said", [(None, "the end of its process"),
+                                         (KeyError("x"), "the end of its process on KeyError: 'x'")])
+def test_a_store_ledgers_rank_names_its_end(error, said, monkeypatch):
+    """(Under NCCL a peer's end does not end a collective waiting for it: the ledger does.)"""
+    slots = ledger.StoreSlots(torch.distributed.HashStore(), 2, "hap-ledger/1/")
+    kept = ledger.Ledger(1, slots, group=object())
+    kept.add("fwd")
+    monkeypatch.setattr(ledger, "_LEDGER", kept)
+    monkeypatch.setattr(sys, "last_value", error, raising=False)
+    ledger._process_ends()
+    assert slots.read(1) == [(1, "fwd"), (2, said)]
+    ledger._process_ends()  # once only
+    assert len(slots.read(1)) == 2

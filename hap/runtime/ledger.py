@@ -17,16 +17,26 @@ once the rank has made no new call for STILL_S: two ranks whose n-th calls diffe
 whatever either does next, and the rank ends the run with both calls named. spawn reads the
 slots too, for a rank that died (a gloo abort), and a timeout's report says where each rank was.
 
+Ranks started otherwise (torchrun, or the user's own init_process_group, on one machine or
+several) keep their ledger in the default process group's store instead, from their first call
+on (`StoreSlots`): a store write is a round trip, so the watching thread writes its rank's calls
+there only once the rank is still, and a rank that ends names its process's end. The rank that
+finds two ranks parted prints both calls and ends its process (torchrun's summary shows the
+message), where torch's default collective timeout under torchrun is 30 minutes. HAP_LEDGER=0 in
+the environment keeps no such ledger.
+
     with ledger.call("dmodel.full_state_dict()"):   # counted at its first collective
         ...
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import mmap
+import os
 import struct
 import sys
 import threading
@@ -35,6 +45,8 @@ import traceback
 from typing import Callable
 
 import torch.distributed as dist
+
+from .. import _torch
 
 KEPT = 16
 """How many of its latest calls a rank keeps in its slot: peers further apart are not compared."""
@@ -46,6 +58,9 @@ STILL_S = 1.0
 """How long a rank makes no new call before it reads its peers' calls: a step's calls go by
 faster in a healthy run, which then reads nothing."""
 
+STORE_STILL_MAX_S = 16.0
+"""The longest a store ledger's rank, still since, waits between reads of its peers' calls."""
+
 TICK_S = 0.25
 """How often the watching thread looks at its own rank's calls."""
 
@@ -56,6 +71,9 @@ _HEADER = struct.Struct("<II")  # (sequence: odd while being written, length of 
 
 class Slots:
     """Every rank's slot of the shared file (`path`, world x SLOT bytes: `create` makes it)."""
+
+    eager = True
+    """Each call is written as it is counted (a write to memory): spawn reads a dead rank's."""
 
     def __init__(self, path: str):
         with open(path, "r+b") as f:
@@ -89,12 +107,47 @@ class Slots:
             time.sleep(0.001)
         return []  # (a writer stopped half way: it died mid-write)
 
+    def read_every(self) -> dict[int, list[tuple[int, str]]]:
+        return {r: self.read(r) for r in range(self.world)}
+
+
+class StoreSlots:
+    """Every rank's latest calls in a process group's store, under `prefix` (one per ledger:
+    keys of an earlier process group in the same store are not read)."""
+
+    eager = False
+    """Written by the watching thread when its rank is still (a store write is a round trip)."""
+
+    def __init__(self, store, world: int, prefix: str):
+        self.store, self.world = dist.PrefixStore(prefix, store), world
+
+    def write(self, rank: int, calls: tuple[tuple[int, str], ...]) -> None:
+        self.store.set(str(rank), json.dumps(calls))
+
+    def read(self, rank: int) -> list[tuple[int, str]]:
+        """Rank `rank`'s latest calls (none written: [], without waiting as store.get would)."""
+        if not self.store.check([str(rank)]):
+            return []
+        return [tuple(c) for c in json.loads(self.store.get(str(rank)))]
+
+    def read_every(self) -> dict[int, list[tuple[int, str]]]:
+        """Every rank's latest calls, in one round trip once all have written."""
+        keys = [str(r) for r in range(self.world)]
+        if not self.store.check(keys):
+            return {r: self.read(r) for r in range(self.world)}
+        return {r: [tuple(c) for c in json.loads(v)] for r, v in enumerate(self.store.multi_get(keys))}
+
 
 class Ledger:
     """This rank's calls: (number, name) of the latest KEPT, newest last, also in its slot."""
 
-    def __init__(self, rank: int = 0, slots: Slots | None = None):
+    def __init__(self, rank: int = 0, slots: Slots | StoreSlots | None = None, group=None):
         self.rank, self.slots = rank, slots
+        self.group = group
+        """The default process group whose store keeps the calls (StoreSlots), else None."""
+        self.published: tuple[tuple[int, str], ...] = ()
+        """The calls last written to a store."""
+        self.stopped = threading.Event()
         self.calls: tuple[tuple[int, str], ...] = ()
         self.count = 0
         self.pending: str | None = None
@@ -106,12 +159,25 @@ class Ledger:
     def add(self, name: str) -> None:
         self.count += 1
         self.calls = (self.calls + ((self.count, name),))[-KEPT:]  # (a new tuple: the watcher reads it whole)
-        if self.slots is not None:
+        if self.slots is not None and self.slots.eager:
             self.slots.write(self.rank, self.calls)
+
+    def publish(self) -> None:
+        """Write the calls to a store, where they changed since last written."""
+        calls = self.calls
+        if self.slots is not None and not self.slots.eager and calls != self.published:
+            self.slots.write(self.rank, calls)
+            self.published = calls
 
 
 _LEDGER: Ledger | None = None
-"""This rank's ledger (spawn's ranks); None: not kept."""
+"""This rank's ledger (spawn's ranks, or one in the default process group's store); None: not kept."""
+
+_STARTED_FOR: object = None
+"""The default process group a store ledger was last tried for (once per group)."""
+
+_GENERATION = 0
+"""Store ledgers started by this process: each writes under its own prefix."""
 
 
 def keep(rank: int = 0, path: str | None = None) -> Ledger:
@@ -122,12 +188,78 @@ def keep(rank: int = 0, path: str | None = None) -> Ledger:
     return _LEDGER
 
 
+def _store_ledger() -> Ledger | None:
+    """The ledger of a rank spawn did not start, kept in the default process group's store from
+    the rank's first call on: started once per process group (a group made again, a ledger
+    again), watched by a thread; None where there is no group of several ranks, or HAP_LEDGER=0."""
+    global _LEDGER, _STARTED_FOR, _GENERATION
+    ledger = _LEDGER
+    if ledger is not None and ledger.group is None:  # spawn's, or one kept in this process alone
+        return ledger
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if ledger is not None and ledger.group is world:
+        return ledger
+    if world is None or world is _STARTED_FOR:
+        return None
+    if ledger is not None:  # (its group was destroyed: a new one counts afresh)
+        ledger.stopped.set()
+        _LEDGER = None
+    _STARTED_FOR = world
+    if dist.get_world_size() < 2 or os.environ.get("HAP_LEDGER", "1") == "0":
+        return None
+    store = _torch.default_store()
+    if store is None:
+        return None
+    _GENERATION += 1
+    _LEDGER = ledger = Ledger(dist.get_rank(), StoreSlots(store, dist.get_world_size(), f"hap-ledger/{_GENERATION}/"),
+                              group=world)
+    watch(functools.partial(_end_process, ledger.rank))
+    return ledger
+
+
+@atexit.register
+def _process_ends() -> None:
+    """A store ledger's rank names its end (a peer still in a call learns it: they parted); an
+    uncaught exception is named with it."""
+    ledger = _LEDGER
+    if ledger is None or ledger.group is None or ledger.stopped.is_set():
+        return
+    ledger.stopped.set()
+    error = getattr(sys, "last_value", None)
+    ending = "the end of its process" + (f" on {type(error).__name__}: {error}" if error is not None else "")
+    ledger.add(ending.splitlines()[0])  # (a message of several lines: its first)
+    try:
+        ledger.publish()
+    except Exception:  # (the store's host ended first: no peer is left to tell)
+        pass
+
+
+def _end_process(rank: int, message: str, stack: str) -> None:
+    """End this rank, its store ledger having found that it and a peer parted: the message on
+    stderr (and in torchrun's error file, which its summary shows), then the process's end, as
+    torch's watchdog ends a rank whose collective failed."""
+    print(f"hap: rank {rank}: {message}\n\nrank {rank}'s main thread was at:\n{stack}", file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+            try:
+                raise RuntimeError(message)
+            except RuntimeError as e:  # (raised: the file's traceback ends with the message)
+                ErrorHandler().record_exception(e)
+        except Exception:
+            pass
+    sys.stdout.flush()
+    os._exit(1)
+
+
 @contextlib.contextmanager
 def call(name: str, now: bool = False):
     """The block is one of the calls ranks make alike: counted at its first collective over all
     ranks, or at once (`now`: a block that always issues one, whose first collectives are with
     some ranks only, a pipeline's sends). Calls within a call are part of it."""
     ledger = _LEDGER
+    if ledger is None or ledger.group is not None:
+        ledger = _store_ledger()
     if ledger is None or ledger.current is not None or threading.get_ident() != ledger.thread:
         yield
         return
@@ -207,8 +339,7 @@ def parted(every: dict[int, list[tuple[int, str]]]) -> str | None:
 
 def read_all(path: str) -> dict[int, list[tuple[int, str]]]:
     """Every rank's latest calls, from the shared file at `path` (spawn's view after a failure)."""
-    slots = Slots(path)
-    return {r: slots.read(r) for r in range(slots.world)}
+    return Slots(path).read_every()
 
 
 def whereabouts(every: dict[int, list[tuple[int, str]]]) -> str:
@@ -225,19 +356,28 @@ def watch(end: Callable[[str, str], None]) -> None:
     assert ledger is not None and ledger.slots is not None
 
     def run():
-        seen, since = ledger.calls, time.monotonic()
-        while True:
-            time.sleep(TICK_S)
+        seen, since, still = ledger.calls, time.monotonic(), STILL_S
+        while not ledger.stopped.wait(TICK_S):
             if ledger.calls != seen:
-                seen, since = ledger.calls, time.monotonic()
+                seen, since, still = ledger.calls, time.monotonic(), STILL_S
                 continue
-            if time.monotonic() - since < STILL_S:
+            if time.monotonic() - since < still:
                 continue
-            every = {r: ledger.slots.read(r) for r in range(ledger.slots.world)}
+            try:
+                ledger.publish()
+                every = ledger.slots.read_every()
+            except Exception:  # (a store whose host has ended: no one left to compare with)
+                return
+            if ledger.stopped.is_set() or (ledger.group is not None and dist.group.WORLD is not ledger.group):
+                return  # (its process group was destroyed: a new one keeps a ledger of its own)
             message = parted(every)
             if message is not None:
                 end(message, _main_stack(ledger.thread))
-            since = time.monotonic()  # (read again STILL_S later)
+            # read again STILL_S later; a store ledger's rank still longer reads ever less often
+            # (up to STORE_STILL_MAX_S: every rank of a large world still reads the store's host)
+            since = time.monotonic()
+            if not ledger.slots.eager:
+                still = min(2 * still, STORE_STILL_MAX_S)
 
     threading.Thread(target=run, daemon=True, name="hap-ledger").start()
 
