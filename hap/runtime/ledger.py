@@ -304,10 +304,11 @@ def talking(group=None) -> None:
 
 
 def mark(name: str) -> None:
-    """A call that is one moment, not a block (a backward begins), counted at once: where no
-    call is open, on the rank's own thread (a GPU's backward runs on the device's: not counted)."""
+    """A call that is one moment, not a block (a backward begins), counted at once where the
+    rank's own thread has no call open, on whichever thread it happens: a GPU's backward runs on
+    the device's autograd thread while the rank's waits for it. (Not yet run on a GPU.)"""
     ledger = _LEDGER
-    if ledger is not None and ledger.current is None and threading.get_ident() == ledger.thread:
+    if ledger is not None and ledger.current is None:
         ledger.add(name)
 
 
