@@ -130,8 +130,8 @@ def wrapped(planner: str):
     model, cluster = MLP(), hap.load_cluster("local")
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randn(12, 16, generator=gen), torch.randint(0, 4, (12,), generator=gen))
-    plan = baseline_plan(hap.capture(model, batch), cluster, planner, ratios=[0.6, 0.4])
-    dmodel = hap.HAP(model, cluster, batch, plan=plan)
+    plan = None if planner is None else baseline_plan(hap.capture(model, batch), cluster, planner, ratios=[0.6, 0.4])
+    dmodel = hap.HAP(model, cluster, batch, plan=plan)  # (None: hap's plan, duplicated computation alone)
     return dmodel, torch.optim.SGD(dmodel.parameters(), lr=0.1), batch
 
 
@@ -145,8 +145,12 @@ def step(dmodel, opt, batch) -> float:
 
 def misuse(rank, how, out):
     from hap.runtime import checkpoint
-    dmodel, opt, batch = wrapped("megatron")  # sharded: full_state_dict, clipping, evaluation all talk
+    # sharded: full_state_dict, clipping, evaluation all talk; or duplicated computation alone
+    # (no gradient summed, nothing sharded: a clip of its gradients talks all the same)
+    dmodel, opt, batch = wrapped(None if how == "clip duplicated" else "megatron")
     step(dmodel, opt, batch)
+    if rank == 0 and how == "clip duplicated":
+        torch.nn.utils.clip_grad_norm_(dmodel.parameters(), 0.01)
     if rank == 0 and how == "save":
         checkpoint.save(dmodel, opt, out, 1)
     if rank == 0 and how == "evaluate":
@@ -174,6 +178,8 @@ def misuse(rank, how, out):
                  "training forward, dmodel(...): "),
     ("clip", "rank 0's 5th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
              "dmodel(...): "),
+    ("clip duplicated", "rank 0's 4th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a "
+                        "training forward, dmodel(...): "),
     ("backward", "rank 0's 6th call to all ranks is a backward through dmodel's loss, rank 1's a training forward, "
                  "dmodel(...): "),
     ("a step more", "rank 0's 7th call to all ranks is the return from its function, rank 1's a training forward, "

@@ -136,7 +136,12 @@ class HAP(MirrorsModel):
                           comm)
         self.train(model.training)  # the model's mode, as DDP keeps it (a model fine-tuned in eval mode)
         watch_wrapped(model)
-        if any(ex.stored[name][0].is_shard for name in ex.params):
+        # gradients not alike on every rank (shards), or alike but not synced (duplicated
+        # computation: a clip on one rank alone trains that rank's copies apart unseen): torch's
+        # clip_grad_norm_ of them is a collective, so a clip on some ranks alone is a parting
+        synced = {e.param for e in self.plan.sync}
+        if comm.world > 1 and any(ex.stored[name][0].is_shard or (name not in synced and p.requires_grad)
+                                  for name, p in ex.params.items()):
             spread_gradients(self)
         self._wrapped = WrappedWatch.of(model, graph, ex.params, functools.partial(_held_part, ex))
 
@@ -218,7 +223,8 @@ class HAP(MirrorsModel):
                   if not ex.stored[name][0].is_shard and (synced is None or name in synced)]
         buffers = [] if synced_only else [(tensors[name].target, b) for name, b in ex.buffers.items()
                                           if name in ex.stored and not ex.stored[name][0].is_shard]
-        return params + buffers
+        # the optimizers' settings first: where they differ, the copies below differ for it
+        return [(OPTIMIZER_SETTINGS, optimizer_settings(self.parameters()))] + params + buffers
 
     def _follow_original(self) -> str | None:
         """model.train() or model.eval() on the model hap.HAP wrapped, since the last forward, is
@@ -629,6 +635,50 @@ _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = weakref
 _watching = False
 
 
+_STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+"""Every live optimizer that has stepped: the spot checks compare the settings of those stepping
+a wrapper's parameters (optimizer_settings)."""
+
+IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+"""Optimizer settings that choose how the update is computed, not what it is: not compared."""
+
+
+def optimizer_settings(params) -> torch.Tensor:
+    """A digest of the settings (learning rate, momentum, betas, weight decay, maximize, ...) and
+    class of every optimizer that has stepped any of `params`, one number per parameter group,
+    sorted: alike on ranks whose optimizers are set alike, in whatever order they were made,
+    and some number apart where any setting differs, however little (a digest, not the numbers,
+    whose sum would hide a small learning rate's difference). Each rank's optimizers step the
+    parameters every rank holds whole with the same update only where these are alike."""
+    held = {id(p) for p in params}
+    digests = []
+    for opt in list(_STEPPED):
+        if not any(id(p) in held for group in opt.param_groups for p in group["params"]):
+            continue
+        for group in opt.param_groups:
+            settings = [(key, _plain(group[key])) for key in sorted(group_settings(group)) if key not in IMPLEMENTATION_FLAGS]
+            digests.append(float(zlib.crc32(repr((type(opt).__qualname__, settings)).encode())))
+    return torch.tensor(sorted(digests), dtype=torch.float64)
+
+
+def _plain(value):
+    """A setting as plain Python values, alike on ranks set alike: numbers (by repr, exactly),
+    strings and None as they are, tuples (betas) item by item, a small tensor (a capturable
+    learning rate) by its values, not its device; anything else by its type alone (its repr may
+    hold an address of its rank's own)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return tuple(value.detach().cpu().reshape(-1).tolist()) if value.numel() <= 16 else tuple(value.shape)
+    return type(value).__qualname__
+
+
+def _note_stepped(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    _STEPPED.add(opt)
+
+
 def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]], comm: Comm | None = None) -> None:
     """From now on, after every torch optimizer's step, refuse state that spans one of these
     sharded parameters, shared by the ranks of `comm` (checkpoint and reshard refuse it too; see
@@ -639,6 +689,7 @@ def _watch_optimizers(sharded: dict[int, tuple[torch.Tensor, str]], comm: Comm |
     if not _watching:
         register_optimizer_step_pre_hook(_check_whose_state)
         register_optimizer_step_post_hook(_check_optimizer_state)
+        register_optimizer_step_post_hook(_note_stepped)
         _watching = True
 
 
@@ -976,8 +1027,16 @@ DIVERGED = ("{label!r} differs between the ranks, which hold it whole and must h
             "wrapping with each rank's own values (an initialization through dmodel.modules(), each rank drawing "
             "its own numbers) or loaded differently on each rank: initialize the model before wrapping it, or load "
             "the same weights on every rank with dmodel.load_state_dict(...); or each rank's optimizer trained it apart "
-            "(a learning rate or optimizer of each rank's own, a scheduler stepped on some ranks only, more backward "
-            "passes accumulated into a step on some ranks): set them alike on every rank")
+            "(a learning rate or optimizer of each rank's own, a scheduler stepped on some ranks only, a gradient clip "
+            "or more backward passes accumulated into a step on some ranks): set them alike on every rank")
+
+OPTIMIZER_SETTINGS = "the settings of the optimizers stepping dmodel's parameters"
+"""The label of the spot checks' fingerprint of optimizer_settings."""
+
+SETTINGS_DIFFER = ("the optimizers stepping dmodel's parameters differ between the ranks in their settings (a "
+                   "learning rate, momentum or weight decay of each rank's own, a scheduler stepped on some ranks "
+                   "only, another optimizer on some rank): each rank would train its copies of the parameters every "
+                   "rank holds whole apart from the others'; set them alike on every rank")
 
 
 def spot_check_due(sums: int) -> bool:
@@ -1037,7 +1096,7 @@ class StepCheck:
             raise ValueError(LOADED_ON_SOME.format(some=round(loaded), world=self.world))
         for label, off in zip(self.alike, apart):
             if off:
-                raise ValueError(DIVERGED.format(label=label))
+                raise ValueError(SETTINGS_DIFFER if label == OPTIMIZER_SETTINGS else DIVERGED.format(label=label))
         self.loaded_everywhere = loaded > 0
 
     def compare_next(self, due: bool) -> bool:
