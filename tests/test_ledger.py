@@ -176,7 +176,7 @@ def misuse(rank, how, out):
              "dmodel(...): "),
     ("evaluate", "rank 0's 5th call to all ranks is an evaluation forward, dmodel(...) in eval mode, rank 1's a "
                  "training forward, dmodel(...): "),
-    ("clip", "rank 0's 5th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
+    ("clip", "rank 0's 7th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
              "dmodel(...): "),
     ("clip duplicated", "rank 0's 4th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a "
                         "training forward, dmodel(...): "),
@@ -286,6 +286,23 @@ def test_ranks_torchrun_started_that_part_end_naming_both_calls(tmp_path):
     assert f"hap: rank 0: {said}" in run.stderr or f"hap: rank 1: {said}" in run.stderr, run.stderr[-3000:]
     assert f"RuntimeError: {said}" in run.stderr, run.stderr[-3000:]
     assert not (tmp_path / "0.json").exists() and not (tmp_path / "1.json").exists()
+
+
+@pytest.mark.parametrize("case, said", [
+    ("clip", "rank 0's 7th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
+             "dmodel(...): "),
+    ("a step more", "rank 0's 7th call to all ranks is a training forward, dmodel(...), rank 1's the end of its "
+                    "process: "),
+])
+def test_a_collective_a_peer_left_raises_the_parting_under_torchrun(case, said, tmp_path):
+    """A lone clip of sharded gradients meets the peer's forward: gloo aborts one rank (SIGABRT),
+    the other's collective fails (the connection closed); a rank that ended leaves the one still
+    stepping with the same. The failed call now raises the parting, where the peers' calls
+    show it (they are written to the store as they are counted: a rank that dies in a call has
+    written it), instead of gloo's words alone."""
+    run = torchrun(case, tmp_path)
+    assert run.returncode != 0
+    assert f"RuntimeError: ranks 0 and 1 parted: {said}" in run.stderr, run.stderr[-3000:]
 
 
 def test_ranks_torchrun_started_that_pause_run_on(tmp_path):

@@ -2,9 +2,12 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/torchrun_ranks.py CASE OUT
 
-CASE: "healthy" (rank 0 pauses longer than the ledger waits, then both go on), or "save" (rank
-0 alone saves a checkpoint after the first step, DDP's habit). Each rank writes OUT/<rank>.json
-(its losses) when it gets to the end. The collective timeout is 10 minutes: the test's own
+CASE: "healthy" (rank 0 pauses longer than the ledger waits, then both go on), "save" (rank 0
+alone saves a checkpoint after the first step, DDP's habit), "clip" (rank 0 alone clips the
+gradients of the second of three steps: gloo aborts a rank that meets another collective than
+its own) or
+"a step more" (rank 0 runs a third step after rank 1 has ended). Each rank writes
+OUT/<rank>.json (its losses) when it gets to the end. The collective timeout is 10 minutes: the test's own
 timeout ends a run whose ranks the ledger left waiting.
 """
 
@@ -45,9 +48,11 @@ def main(case: str, out: str) -> None:
     dmodel = hap.HAP(model, cluster, batch, plan=plan)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
     losses = []
-    for i in range(2):
+    for i in range(3 if case == "clip" or (case == "a step more" and rank == 0) else 2):
         loss = dmodel(*batch)
         loss.backward()
+        if i == 1 and rank == 0 and case == "clip":
+            torch.nn.utils.clip_grad_norm_(dmodel.parameters(), 0.01)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

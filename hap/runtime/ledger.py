@@ -19,11 +19,12 @@ slots too, for a rank that died (a gloo abort), and a timeout's report says wher
 
 Ranks started otherwise (torchrun, or the user's own init_process_group, on one machine or
 several) keep their ledger in the default process group's store instead, from their first call
-on (`StoreSlots`): a store write is a round trip, so the watching thread writes its rank's calls
-there only once the rank is still, and a rank that ends names its process's end. The rank that
-finds two ranks parted prints both calls and ends its process (torchrun's summary shows the
-message), where torch's default collective timeout under torchrun is 30 minutes. HAP_LEDGER=0 in
-the environment keeps no such ledger.
+on (`StoreSlots`: each call written as it is counted, a store round trip), and a rank that ends
+names its process's end there. The rank that finds two ranks parted prints both calls and ends
+its process (torchrun's summary shows the message), where torch's default collective timeout
+under torchrun is 30 minutes; a call of such a rank that fails in a collective because a peer
+died or left (gloo aborts a rank that meets another collective than its own) raises the parting
+instead, where the peers' calls show one. HAP_LEDGER=0 in the environment keeps no such ledger.
 
     with ledger.call("dmodel.full_state_dict()"):   # counted at its first collective
         ...
@@ -72,9 +73,6 @@ _HEADER = struct.Struct("<II")  # (sequence: odd while being written, length of 
 class Slots:
     """Every rank's slot of the shared file (`path`, world x SLOT bytes: `create` makes it)."""
 
-    eager = True
-    """Each call is written as it is counted (a write to memory): spawn reads a dead rank's."""
-
     def __init__(self, path: str):
         with open(path, "r+b") as f:
             self.map = mmap.mmap(f.fileno(), 0)
@@ -115,14 +113,14 @@ class StoreSlots:
     """Every rank's latest calls in a process group's store, under `prefix` (one per ledger:
     keys of an earlier process group in the same store are not read)."""
 
-    eager = False
-    """Written by the watching thread when its rank is still (a store write is a round trip)."""
-
     def __init__(self, store, world: int, prefix: str):
         self.store, self.world = dist.PrefixStore(prefix, store), world
 
     def write(self, rank: int, calls: tuple[tuple[int, str], ...]) -> None:
-        self.store.set(str(rank), json.dumps(calls))
+        try:
+            self.store.set(str(rank), json.dumps(calls))
+        except Exception:  # (the store's host has ended: no peer is left to tell)
+            pass
 
     def read(self, rank: int) -> list[tuple[int, str]]:
         """Rank `rank`'s latest calls (none written: [], without waiting as store.get would)."""
@@ -145,8 +143,6 @@ class Ledger:
         self.rank, self.slots = rank, slots
         self.group = group
         """The default process group whose store keeps the calls (StoreSlots), else None."""
-        self.published: tuple[tuple[int, str], ...] = ()
-        """The calls last written to a store."""
         self.stopped = threading.Event()
         self.calls: tuple[tuple[int, str], ...] = ()
         self.count = 0
@@ -159,15 +155,8 @@ class Ledger:
     def add(self, name: str) -> None:
         self.count += 1
         self.calls = (self.calls + ((self.count, name),))[-KEPT:]  # (a new tuple: the watcher reads it whole)
-        if self.slots is not None and self.slots.eager:
+        if self.slots is not None:  # (before the call's collective: a peer reads it if this rank dies in it)
             self.slots.write(self.rank, self.calls)
-
-    def publish(self) -> None:
-        """Write the calls to a store, where they changed since last written."""
-        calls = self.calls
-        if self.slots is not None and not self.slots.eager and calls != self.published:
-            self.slots.write(self.rank, calls)
-            self.published = calls
 
 
 _LEDGER: Ledger | None = None
@@ -228,10 +217,6 @@ def _process_ends() -> None:
     error = getattr(sys, "last_value", None)
     ending = "the end of its process" + (f" on {type(error).__name__}: {error}" if error is not None else "")
     ledger.add(ending.splitlines()[0])  # (a message of several lines: its first)
-    try:
-        ledger.publish()
-    except Exception:  # (the store's host ended first: no peer is left to tell)
-        pass
 
 
 def _end_process(rank: int, message: str, stack: str) -> None:
@@ -268,8 +253,35 @@ def call(name: str, now: bool = False):
         talking()
     try:
         yield
+    except Exception as e:
+        why = _parting_behind(ledger, e)
+        if why is not None:
+            raise RuntimeError(why) from e
+        raise
     finally:
         ledger.current = ledger.pending = None
+
+
+FAILED_WAIT_S = 3.0
+"""How long a store ledger's rank whose collective failed waits for its peers' calls to show a
+parting (a peer that left writes its end as it exits)."""
+
+
+def _parting_behind(ledger: Ledger, error: Exception) -> str | None:
+    """Where a store ledger's call failed in a collective because a peer died or left (gloo:
+    the connection closed, or a timeout), the parting the ranks' calls show within
+    FAILED_WAIT_S, else None. (spawn's launcher explains its ranks' failures itself.)"""
+    if ledger.group is None or not (isinstance(error, dist.DistError) or "gloo" in str(error)):
+        return None
+    deadline = time.monotonic() + FAILED_WAIT_S
+    while True:
+        try:
+            why = parted(ledger.slots.read_every())
+        except Exception:  # (the store's host has ended)
+            return None
+        if why is not None or time.monotonic() > deadline:
+            return why
+        time.sleep(0.1)
 
 
 def called(name: str, now: bool = False):
@@ -365,7 +377,6 @@ def watch(end: Callable[[str, str], None]) -> None:
             if time.monotonic() - since < still:
                 continue
             try:
-                ledger.publish()
                 every = ledger.slots.read_every()
             except Exception:  # (a store whose host has ended: no one left to compare with)
                 return
@@ -377,7 +388,7 @@ def watch(end: Callable[[str, str], None]) -> None:
             # read again STILL_S later; a store ledger's rank still longer reads ever less often
             # (up to STORE_STILL_MAX_S: every rank of a large world still reads the store's host)
             since = time.monotonic()
-            if not ledger.slots.eager:
+            if ledger.group is not None:
                 still = min(2 * still, STORE_STILL_MAX_S)
 
     threading.Thread(target=run, daemon=True, name="hap-ledger").start()
