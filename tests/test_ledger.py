@@ -176,7 +176,7 @@ def misuse(rank, how, out):
              "dmodel(...): "),
     ("evaluate", "rank 0's 5th call to all ranks is an evaluation forward, dmodel(...) in eval mode, rank 1's a "
                  "training forward, dmodel(...): "),
-    ("clip", "rank 0's 7th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
+    ("clip", "rank 0's 5th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a training forward, "
              "dmodel(...): "),
     ("clip duplicated", "rank 0's 4th call to all ranks is clip_grad_norm_ (dmodel's or torch's), rank 1's a "
                         "training forward, dmodel(...): "),
