@@ -293,3 +293,32 @@ def test_a_function_the_ranks_cannot_import_is_refused_in_one_line(tmp_path):
         assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
             f"RuntimeError: say is defined in {where}, which the ranks do not import as they start: define it in a "
             "module they can import"), run.stderr
+
+
+@pytest.mark.parametrize("body, said", [
+    ('if __name__ == "__main__":\n    def work(rank):\n        pass\n    spawn(work, 2)',
+     'work is defined under `if __name__ == "__main__":` in train.py, which each rank skips as it imports the script: '
+     'define it above that block'),
+    ('def main():\n    def work(rank):\n        pass\n    spawn(work, 2)\n\n\nif __name__ == "__main__":\n    main()',
+     "main.<locals>.work, defined inside a function, cannot be sent to the ranks (each finds its function by module "
+     "and name): define it at the top level of a module"),
+    ('if __name__ == "__main__":\n    spawn(lambda rank: None, 2)',
+     "a lambda cannot be sent to the ranks (each finds its function by module and name): define it at the top level "
+     "of a module"),
+    # defined above the guard and again under it: the ranks find the first (not refused)
+    ('def work(rank):\n    say(rank)\n\n\nif __name__ == "__main__":\n    def work(rank):\n        say(rank)\n'
+     '    spawn(work, 2)', None)])
+def test_a_rank_function_a_rank_importing_the_script_cannot_find_is_refused_in_one_line(body, said, tmp_path):
+    """Defined under the script's main guard (each rank died unpickling it: "Can't get
+    attribute 'work' on <module '__mp_main__'>", 17 lines, then "rank 0 died with exit code 1"),
+    inside a function or as a lambda (31 lines of "Can't pickle local object")."""
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(SCRIPT.format(call=body))
+    run = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if said is None:
+        assert run.returncode == 0 and {"rank 0", "rank 1"} <= set(run.stdout.splitlines()), run.stderr
+    else:
+        assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == f"RuntimeError: {said}", run.stderr

@@ -164,9 +164,17 @@ def check_main_guard() -> None:
 
 
 def check_importable(fn: Callable) -> None:
-    """A RuntimeError, in one line, where the ranks could not find `fn`: defined in a __main__
-    they do not import as they start (python -m package's __main__.py, python -c, a notebook).
-    Each rank died unpickling it ("Can't get attribute"), then "rank 0 died with exit code 1"."""
+    """A RuntimeError, in one line, where the ranks could not find `fn`: a lambda or a function
+    defined inside another (pickled by name, "Can't pickle local object", a 31-line traceback);
+    defined in a __main__ they do not import as they start (python -m package's __main__.py,
+    python -c, a notebook), or under the script's `if __name__ == "__main__":`, which a rank
+    importing the script skips (each rank died unpickling it, "Can't get attribute", then
+    "rank 0 died with exit code 1")."""
+    name = str(getattr(fn, "__qualname__", fn))  # (a functools.partial has none: its function is pickled by value)
+    if hasattr(fn, "__qualname__") and ("<lambda>" in name or "<locals>" in name):
+        what = "a lambda" if name.endswith("<lambda>") else f"{name}, defined inside a function,"
+        raise RuntimeError(f"{what} cannot be sent to the ranks (each finds its function by module and name): define "
+                           "it at the top level of a module")
     if getattr(fn, "__module__", None) != "__main__":
         return
     main = sys.modules.get("__main__")
@@ -175,10 +183,50 @@ def check_importable(fn: Callable) -> None:
         where = f"{spec.name} (python -m {spec.parent})"
     elif getattr(main, "__file__", None) is None:
         where = "a __main__ with no file (python -c, an interactive session, a notebook)"
-    else:
-        return  # a script: each rank imports it again as __mp_main__
-    raise RuntimeError(f"{getattr(fn, '__qualname__', fn)!s} is defined in {where}, which the ranks do not import as "
+    else:  # a script: each rank imports it again as __mp_main__, skipping its main guard
+        if _only_under_main_guard(main.__file__, name):
+            raise RuntimeError(f'{name} is defined under `if __name__ == "__main__":` in '
+                               f"{os.path.basename(main.__file__)}, which each rank skips as it imports the script: "
+                               "define it above that block")
+        return
+    raise RuntimeError(f"{name} is defined in {where}, which the ranks do not import as "
                        "they start: define it in a module they can import")
+
+
+def _only_under_main_guard(path: str, name: str) -> bool:
+    """Whether the script at `path` binds `name` (a def, class, assignment or import) only
+    inside `if __name__ == "__main__":` blocks (False where it cannot be read)."""
+    import ast
+    try:
+        with tokenize.open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    guarded, outside = False, False
+
+    def visit(statements, under_guard: bool) -> None:
+        nonlocal guarded, outside
+        for node in statements:
+            bound = set()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                bound.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+                if any(a.name == "*" for a in node.names):
+                    outside = True  # (a star import may bind it: not refused)
+            if name in bound:
+                guarded, outside = guarded or under_guard, outside or not under_guard
+            for field in ("body", "orelse", "finalbody", "handlers"):  # blocks at the top level: if, try, with, for
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    inner = getattr(node, field, None)
+                    if isinstance(inner, list):
+                        visit(inner, under_guard or (_is_main_guard(node) and field == "body"))
+
+    visit(tree.body, False)
+    return guarded and not outside
 
 
 def _is_main_guard(node) -> bool:
