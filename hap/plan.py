@@ -265,6 +265,10 @@ class Plan:
         if not isinstance(d, dict):
             raise ValueError(f"malformed plan: a JSON object is expected, not a {type(d).__name__}")
         version = d.get("version")
+        if "version" not in d:  # (a cluster file or another JSON given for a plan)
+            raise ValueError(f"not a hap plan: a plan (what `hap plan --out` writes) has a \"version\" field, this "
+                             f"object has {', '.join(map(repr, list(d)[:4])) or 'no fields'}"
+                             f"{' ...' if len(d) > 4 else ''}")
         if isinstance(version, bool):  # (True == 1)
             raise ValueError(f"plan format version {version!r} is not {FORMAT_VERSION}")
         if version == 1:

@@ -1275,7 +1275,8 @@ def rank_comm(cluster: Cluster, comm: Comm | None, who: str) -> Comm:
         raise RuntimeError(f"{who} needs torch.distributed initialized first (or use hap.runtime.launch.spawn)")
     comm = comm or Comm.default()
     if cluster.size != comm.world:
-        raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} ranks are running")
+        raise ValueError(f"cluster {cluster.name!r} has {cluster.size} devices but {comm.world} "
+                         f"{'rank is' if comm.world == 1 else 'ranks are'} running")
     return comm
 
 
@@ -1421,7 +1422,8 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph,
     if bad:
         raise ValueError(f"ranks {bad} were given a plan (digest {digests[bad[0]]}) other than rank 0's ({digests[0]})")
     if len(agreed.devices) != comm.world:
-        raise ValueError(f"the plan is for {len(agreed.devices)} devices but {comm.world} ranks are running")
+        raise ValueError(f"the plan is for {len(agreed.devices)} devices but {comm.world} "
+                         f"{'rank is' if comm.world == 1 else 'ranks are'} running")
     return agreed
 
 
