@@ -13,11 +13,10 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from hap.runtime import ledger
 from hap.runtime.launch import RankFailed, spawn
+from torchrun_ranks import MLP  # (the torchrun tests' model too)
 
 TIMEOUT_S = 60.0  # a parting the ledger missed would end in "timed out" after this, failing the test
 
@@ -113,15 +112,6 @@ def test_ordinals(n, said):
 
 
 # -- ranks that part, and ranks that only seem to ------------------------------------------------
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
-
-    def forward(self, x, y):
-        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
-
 
 def wrapped(planner: str):
     import hap

@@ -22,6 +22,7 @@ from hap.models import vit
 from hap.placement import D
 from hap.planner import baseline_plan
 from hap.runtime.module import SETTINGS_DIFFER, optimizer_settings
+from torchrun_ranks import MLP
 
 STEPS = 2
 
@@ -229,15 +230,6 @@ def test_parameters_written_unlike_on_the_ranks_after_wrapping_are_refused(tmp_p
         assert got["own-lr"] == [1, SETTINGS_DIFFER], got
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
-
-    def forward(self, x, y):
-        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
-
-
 def duplicated_trained_apart(rank, world):
     """A plan of duplicated computation alone (every rank computes every node whole, so no
     gradient is summed: the planner's choice for this MLP on `local`), each case a misuse that
@@ -247,7 +239,7 @@ def duplicated_trained_apart(rank, world):
     out = {}
     for case in ("own-lr", "scheduler-on-rank-0", "alike-in-another-order"):
         torch.manual_seed(0)
-        dmodel = hap.HAP(_MLP(), hap.load_cluster("local"), (x, y))
+        dmodel = hap.HAP(MLP(), hap.load_cluster("local"), (x, y))
         held = {name: dmodel.executor.stored[name][0] for name in dmodel.executor.params}
         assert not dmodel.plan.sync and set(held.values()) == {D}, held
         first, second = dmodel.fc1.parameters(), dmodel.fc2.parameters()
