@@ -336,3 +336,43 @@ def test_a_store_ledgers_rank_names_its_end(error, said, monkeypatch):
     assert slots.read(1) == [(1, "fwd"), (2, said)]
     ledger._process_ends()  # once only
     assert len(slots.read(1)) == 2
+
+
+OWN_LAUNCHER = """\
+import datetime, socket, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+sys.path.insert(0, {tests!r})
+
+
+def work(rank, port):
+    import hap
+    from hap.runtime import ledger
+    from torchrun_ranks import MLP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    batch = (torch.randn(12, 16), torch.randint(0, 4, (12,)))
+    dmodel = hap.HAP(MLP(), hap.load_cluster("local"), batch)
+    dmodel(*batch).backward()
+    print(f"rank {{rank}} ledger {{ledger._LEDGER}}", flush=True)
+    dist.destroy_process_group()
+    if rank == 1:
+        time.sleep(3)  # still, after rank 0 (the store's host) has ended
+
+
+if __name__ == "__main__":
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.spawn(work, args=(port,), nprocs=2)
+"""
+
+
+def test_ranks_of_the_users_own_launcher_keep_no_ledger_and_end_quietly(tmp_path):
+    """Their store lives in rank 0's process: a store ledger there printed torch's broken-pipe
+    warnings (with 20 frames of C++) as a healthy run ended, rank 1 reading it after rank 0 left."""
+    (tmp_path / "own.py").write_text(OWN_LAUNCHER.format(tests=os.path.dirname(__file__)))
+    run = subprocess.run([sys.executable, "own.py"], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(run.stdout.split("\n")[:2]) == ["rank 0 ledger None", "rank 1 ledger None"], run.stdout
+    assert "TCPStore" not in run.stderr and "Broken pipe" not in run.stderr, run.stderr[-3000:]

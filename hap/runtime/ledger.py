@@ -17,14 +17,17 @@ once the rank has made no new call for STILL_S: two ranks whose n-th calls diffe
 whatever either does next, and the rank ends the run with both calls named. spawn reads the
 slots too, for a rank that died (a gloo abort), and a timeout's report says where each rank was.
 
-Ranks started otherwise (torchrun, or the user's own init_process_group, on one machine or
-several) keep their ledger in the default process group's store instead, from their first call
-on (`StoreSlots`: each call written as it is counted, a store round trip), and a rank that ends
-names its process's end there. The rank that finds two ranks parted prints both calls and ends
-its process (torchrun's summary shows the message), where torch's default collective timeout
-under torchrun is 30 minutes; a call of such a rank that fails in a collective because a peer
-died or left (gloo aborts a rank that meets another collective than its own) raises the parting
-instead, where the peers' calls show one. HAP_LEDGER=0 in the environment keeps no such ledger.
+Ranks that torchrun started (on one machine or several) keep their ledger in the default
+process group's store instead, torchrun's agent's, which outlives every rank, from their first
+call on (`StoreSlots`: each call written as it is counted, a store round trip), and a rank that
+ends names its process's end there. The rank that finds two ranks parted prints both calls and
+ends its process (torchrun's summary shows the message), where torch's default collective
+timeout under torchrun is 30 minutes; a call of such a rank that fails in a collective because a
+peer died or left (gloo aborts a rank that meets another collective than its own) raises the
+parting instead, where the peers' calls show one. HAP_LEDGER=0 in the environment keeps no such
+ledger. Ranks of the user's own launcher keep none: the store of their init_process_group lives
+in rank 0's process and ends with it, and a peer writing to it or reading it then printed
+torch's warnings of a broken pipe as a healthy run ended.
 
     with ledger.call("dmodel.full_state_dict()"):   # counted at its first collective
         ...
@@ -178,9 +181,10 @@ def keep(rank: int = 0, path: str | None = None) -> Ledger:
 
 
 def _store_ledger() -> Ledger | None:
-    """The ledger of a rank spawn did not start, kept in the default process group's store from
-    the rank's first call on: started once per process group (a group made again, a ledger
-    again), watched by a thread; None where there is no group of several ranks, or HAP_LEDGER=0."""
+    """The ledger of a rank torchrun started, kept in the default process group's store (its
+    agent's) from the rank's first call on: started once per process group (a group made again,
+    a ledger again), watched by a thread; None where there is no group of several ranks, the
+    store is not torchrun's agent's, or HAP_LEDGER=0."""
     global _LEDGER, _STARTED_FOR, _GENERATION
     ledger = _LEDGER
     if ledger is not None and ledger.group is None:  # spawn's, or one kept in this process alone
@@ -194,14 +198,16 @@ def _store_ledger() -> Ledger | None:
         ledger.stopped.set()
         _LEDGER = None
     _STARTED_FOR = world
-    if dist.get_world_size() < 2 or os.environ.get("HAP_LEDGER", "1") == "0":
+    if dist.get_world_size() < 2 or os.environ.get("HAP_LEDGER", "1") == "0" or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = _torch.default_store()
     if store is None:
         return None
-    _GENERATION += 1
-    _LEDGER = ledger = Ledger(dist.get_rank(), StoreSlots(store, dist.get_world_size(), f"hap-ledger/{_GENERATION}/"),
-                              group=world)
+    _GENERATION += 1  # (and torchrun's attempt: a restarted run's ranks count afresh)
+    run, attempt = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    prefix = f"hap-ledger/{run}/{attempt}/{_GENERATION}/"
+    _LEDGER = ledger = Ledger(dist.get_rank(), StoreSlots(store, dist.get_world_size(), prefix), group=world)
     watch(functools.partial(_end_process, ledger.rank))
     return ledger
 
@@ -376,12 +382,14 @@ def watch(end: Callable[[str, str], None]) -> None:
                 continue
             if time.monotonic() - since < still:
                 continue
+            if ledger.group is not None and dist.group.WORLD is not ledger.group:
+                return  # (its process group was destroyed: a new one keeps a ledger of its own)
             try:
                 every = ledger.slots.read_every()
             except Exception:  # (a store whose host has ended: no one left to compare with)
                 return
-            if ledger.stopped.is_set() or (ledger.group is not None and dist.group.WORLD is not ledger.group):
-                return  # (its process group was destroyed: a new one keeps a ledger of its own)
+            if ledger.stopped.is_set():
+                return
             message = parted(every)
             if message is not None:
                 end(message, _main_stack(ledger.thread))
