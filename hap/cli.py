@@ -713,7 +713,10 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
         speeds = ", ".join(f"{s:.2f}" for s in reb.speeds)
         summary = (f"pipeline straggler {reb.config.policy}: measured relative speeds {speeds}; re-planned and "
                    f"moved {len(moves)} time{'s' if len(moves) != 1 else ''}"
-                   + (f" (after step{'s' if len(moves) > 1 else ''} {', '.join(map(str, moves))})" if moves else ""))
+                   + (f" (after step{'s' if len(moves) > 1 else ''} {', '.join(map(str, moves))})" if moves else "")
+                   + ("; a speed present from the start could not be told (the plan gives one rank alone work enough "
+                      "to time, the other stages the loss alone): only a slowdown that begins later is found"
+                      if reb.start_untold else ""))
     run.finish(times_path, summary)
 
 

@@ -732,7 +732,7 @@ def _check_steps(graph: Graph, program: list[Step], table) -> None:
         node = graph.nodes[step.node]
         if step.strategy not in table[step.node]:
             raise ValueError(f"the plan runs {node.name} ({node.op}) as {step.strategy}, which its rules do not give "
-                             "(a hand-edited plan?)")
+                             "(a plan made for another model, or hand-edited?)")
         for ms in step.moves:
             mv = ms.move
             if mv != rebalance(mv.src) and mv not in moves_between(mv.src, mv.dst, graph.tensors[ms.tensor].requires_grad):

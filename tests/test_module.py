@@ -277,6 +277,40 @@ def test_copies_of_duplicated_computation_trained_apart_are_refused(tmp_path):
         assert got["alike-in-another-order"] == [10, None]
 
 
+class _NoBias(MLP):
+    def __init__(self):
+        super().__init__()
+        self.fc2 = torch.nn.Linear(32, 4, bias=False)
+
+
+def another_models_plan(rank, world):
+    """hap.HAP and hap.Pipeline given a plan of another model (its last layer without a bias):
+    each one's message, or "accepted"."""
+    from hap.planners import make_plan
+    torch.manual_seed(0)
+    batch = (torch.randn(12, 16), torch.randint(0, 4, (12,)))
+    cluster = hap.load_cluster("local")
+    said = {}
+    for wrapper, planner, config in ((hap.HAP, "astar", None),
+                                     (hap.Pipeline, "pp-exact", hap.PlannerConfig(pipeline_stages=2))):
+        plan = make_plan(planner, hap.capture(_NoBias(), batch), cluster, config)
+        try:
+            wrapper(MLP(), cluster, batch, plan)
+            said[wrapper.__name__] = "accepted"
+        except ValueError as e:
+            said[wrapper.__name__] = str(e)
+    return said
+
+
+def test_a_plan_of_another_model_is_refused_at_wrapping(tmp_path):
+    """It was accepted, and the first step failed inside the executor with a bare KeyError:
+    'p_fc2_bias' (rules/local.py), on hap.HAP and hap.Pipeline alike."""
+    for said in run_ranks(another_models_plan, 2, tmp_path):
+        for name in ("HAP", "Pipeline"):
+            assert said[name].startswith("the plan runs linear_1 (aten.linear.default) as ") and said[name].endswith(
+                ", which its rules do not give (a plan made for another model, or hand-edited?)"), said
+
+
 def test_optimizer_settings_are_alike_only_for_optimizers_set_alike():
     from hap.runtime.module import _watch_optimizers
     _watch_optimizers({})  # (as hap.HAP does: optimizers are noted at their steps from then on)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hap.pipeline.rebalance import RebalanceConfig, changed_speeds, off_plan, planned_busy
+from hap.pipeline.rebalance import RebalanceConfig, changed_speeds, comparable, off_plan, planned_busy
 
 from gloo import run_ranks
 from test_module import train
@@ -39,6 +39,11 @@ def test_a_rank_off_the_plans_estimate_against_the_others_has_its_speed_from_the
     # measure of its devices' speed: left out, and one rank left is no comparison
     assert off_plan([1.0, 1.0, 1.0], [2.6, 0.05, 0.05], [8.0, 1.0, 1.0], 0.5) is None
     assert off_plan([1.0] * 4, [2.0, 2.0, 4.0, 0.05], [6.0, 6.0, 48.0, 1.0], 0.5) == pytest.approx([1.0, 1.0, 0.25, 1.0])
+    # which ranks are compared: where fewer than two, the run's summary says a speed from the
+    # start could not be told (it printed "measured relative speeds 1.00, 1.00" for a rank 8x slower)
+    assert comparable([2.6, 0.05, 0.05], [8.0, 1.0, 1.0]) == [0]
+    assert comparable([2.0, 2.0, 4.0, 0.05], [6.0, 6.0, 48.0, 1.0]) == [0, 1, 2]
+    assert comparable([2.0, 2.0], [6.0, 0.0]) == [0]  # (a rank not busy at all: no measure)
 
 
 def test_the_plans_busy_seconds_are_each_stages_forward_and_backward_per_micro_batch():
@@ -189,6 +194,7 @@ def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd, tmp_path):
     assert f" to {_layout(traced)} (estimated {traced.estimated_iteration_seconds * 1e3:.1f} ms)" in moved[0], moved
     summary = [line for line in out.splitlines() if line.startswith("pipeline straggler rebalance: ")]
     assert len(summary) == 1 and "moved 1 time (after step" in summary[0], out
+    assert "could not be told" not in summary[0]  # (both stages carry work: compared from the start)
     assert main([*PIPE, "--steps", "2", "--straggler", "zero-pri"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hap: error: --straggler zero-pri prunes or migrates") and "rebalance" in err[-1], err

@@ -95,8 +95,7 @@ def off_plan(speeds: Sequence[float], planned: Sequence[float], measured: Sequen
     than SUBSTANTIAL of the busiest's are left out (a stage of the loss alone, estimated at
     0.05 ms, is busy with the step's fixed costs: 20x its estimate on a healthy run), and at
     least two must remain."""
-    top = max(planned, default=0.0)
-    counted = [i for i, (p, m) in enumerate(zip(planned, measured)) if top > 0 and p >= SUBSTANTIAL * top and m > 0]
+    counted = comparable(planned, measured)
     if len(counted) < 2:
         return None
     scale = statistics.median(measured[i] / planned[i] for i in counted)
@@ -106,6 +105,12 @@ def off_plan(speeds: Sequence[float], planned: Sequence[float], measured: Sequen
 
 SUBSTANTIAL = 0.25
 """off_plan compares the ranks planned at least this fraction of the busiest rank's seconds."""
+
+
+def comparable(planned: Sequence[float], measured: Sequence[float]) -> list[int]:
+    """The ranks off_plan compares: planned at least SUBSTANTIAL of the busiest's seconds, and busy."""
+    top = max(planned, default=0.0)
+    return [i for i, (p, m) in enumerate(zip(planned, measured)) if top > 0 and p >= SUBSTANTIAL * top and m > 0]
 
 
 def planned_busy(plan: Plan) -> list[float]:
@@ -141,6 +146,9 @@ class Rebalancer:
         self.iteration = 0
         self._fresh = True
         self._planned = planned_busy(pipe.plan)  # (the run's first plan only: later ones are made at measured speeds)
+        self.start_untold = False
+        """Whether a speed present from the start could not be told: fewer than two ranks carry
+        enough planned work to compare (the other stages the loss alone)."""
 
     def begin_step(self, iteration: int) -> None:
         self.iteration = iteration
@@ -168,6 +176,7 @@ class Rebalancer:
             self.reference = _medians(self.busy[-window:])
             speeds = off_plan(self.speeds, self._planned, self.reference, self.config.start_threshold) \
                 if self._planned is not None else None
+            self.start_untold = self._planned is not None and len(comparable(self._planned, self.reference)) < 2
             self._planned = None
             if speeds is not None:  # slow (or fast) from the start: no reference of its own to be off
                 self.speeds, self.reference, self.busy = speeds, None, []

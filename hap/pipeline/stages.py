@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Graph
-from ..placement import R, Placement, S
+from ..placement import P, R, Placement, S
 from ..rules.nn import sums_in_pass
 from ..rules.units import ShardClasses, round_sizes
 from ..search.program import Step
@@ -119,8 +119,10 @@ def check_pipelinable(graph: Graph, program: Sequence[Step], micro_batches: int 
               for name, p in zip(graph.nodes[step.node].outputs, step.strategy.outputs)}
     for buf, new in graph.buffer_updates.items():
         if new in placed and not (placed[new] == R or placed[new].kind == "D"):
-            raise ValueError(f"the program computes buffer {graph.tensors[buf].target or buf}'s new value in "
-                             f"{placed[new]}: a pipeline stage keeps its buffers whole")
+            how = "as partial sums over the devices" if placed[new] == P else f"split on dim {placed[new].dim}"
+            raise ValueError(f"the program computes buffer {graph.tensors[buf].target or buf}'s new value {how} "
+                             f"({placed[new]}), and a pipeline stage keeps its buffers whole on each device: train "
+                             "this model with hap.HAP")
     for step in program:
         for ms in step.moves:
             if ms.move.communicates:

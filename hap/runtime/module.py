@@ -1424,6 +1424,9 @@ def agree_plan(plan: Plan | Exception | None, comm: Comm, graph: Graph,
     if len(agreed.devices) != comm.world:
         raise ValueError(f"the plan is for {len(agreed.devices)} devices but {comm.world} "
                          f"{'rank is' if comm.world == 1 else 'ranks are'} running")
+    # a plan of another model (a layer without its bias) failed at the first step with a bare
+    # KeyError; every rank checks the same plan against the same graph, so every rank refuses it
+    agreed.check_fits(graph)
     return agreed
 
 
