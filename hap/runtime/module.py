@@ -656,7 +656,8 @@ def optimizer_settings(params) -> torch.Tensor:
         if not any(id(p) in held for group in opt.param_groups for p in group["params"]):
             continue
         for group in opt.param_groups:
-            settings = [(key, _plain(group[key])) for key in sorted(group_settings(group)) if key not in IMPLEMENTATION_FLAGS]
+            settings = [(key, _plain(group[key])) for key in sorted(group_settings(group))
+                        if key not in IMPLEMENTATION_FLAGS]
             digests.append(float(zlib.crc32(repr((type(opt).__qualname__, settings)).encode())))
     return torch.tensor(sorted(digests), dtype=torch.float64)
 
