@@ -374,5 +374,6 @@ def test_ranks_of_the_users_own_launcher_keep_no_ledger_and_end_quietly(tmp_path
     run = subprocess.run([sys.executable, "own.py"], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert sorted(run.stdout.split("\n")[:2]) == ["rank 0 ledger None", "rank 1 ledger None"], run.stdout
+    # (the two ranks' lines may interleave)
+    assert "rank 0 ledger None" in run.stdout and "rank 1 ledger None" in run.stdout, run.stdout
     assert "TCPStore" not in run.stderr and "Broken pipe" not in run.stderr, run.stderr[-3000:]
