@@ -251,11 +251,13 @@ def test_a_timeout_says_where_every_rank_was():
 
 # -- ranks torchrun started (a store ledger) -----------------------------------------------------
 
-def torchrun(case: str, out, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(case: str, out, env: dict | None = None, monitor_s: float = 0.1) -> subprocess.CompletedProcess:
     """tests/torchrun_ranks.py CASE on 2 ranks; a run the ledger left waiting fails the test at
-    TIMEOUT_S (the ranks' collective timeout is 10 minutes)."""
+    TIMEOUT_S (the ranks' collective timeout is 10 minutes). monitor_s: how often torchrun looks
+    for a failed rank, to end the others (its default 0.1 s)."""
     script = os.path.join(os.path.dirname(__file__), "torchrun_ranks.py")
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, case, str(out)]
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--monitor-interval", str(monitor_s), script, case, str(out)]
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}) as proc:
         try:
@@ -289,8 +291,10 @@ def test_a_collective_a_peer_left_raises_the_parting_under_torchrun(case, said, 
     the other's collective fails (the connection closed); a rank that ended leaves the one still
     stepping with the same. The failed call now raises the parting, where the peers' calls
     show it (they are written to the store as they are counted: a rank that dies in a call has
-    written it), instead of gloo's words alone."""
-    run = torchrun(case, tmp_path)
+    written it), instead of gloo's words alone. (Where gloo aborted a rank, torchrun ends the
+    others within its monitor interval, 0.1 s by default: on a loaded machine the survivor was
+    once ended before it said so. Here torchrun looks every 2 s.)"""
+    run = torchrun(case, tmp_path, monitor_s=2.0)
     assert run.returncode != 0
     assert f"RuntimeError: ranks 0 and 1 parted: {said}" in run.stderr, run.stderr[-3000:]
 
