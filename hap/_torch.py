@@ -232,9 +232,9 @@ def quiet_fake_tensors():
 # -- distributed ---------------------------------------------------------------------------------
 
 def default_store():
-    """The default process group's store (None: none found), where ranks that hap's launcher did
-    not start keep their ledger (runtime/ledger.py). No public accessor: torch's own
-    collectives' setup reads it the same way."""
+    """The default process group's store (None: none found), where ranks that torchrun started
+    keep their ledger (runtime/ledger.py). No public accessor: torch's own collectives' setup
+    reads it the same way."""
     try:
         from torch.distributed import distributed_c10d
         return distributed_c10d._get_default_store()
