@@ -151,10 +151,8 @@ def check_main_guard() -> None:
     if frame is None:
         return  # not called from the script's top level (a test runner's, a module's)
     line = frame.f_lineno
-    try:
-        with tokenize.open(path) as f:  # (in the script's own encoding)
-            tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _script_tree(path)
+    if tree is None:
         return
     if not any(_is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno)
                for node in ast.walk(tree)):
@@ -193,14 +191,22 @@ def check_importable(fn: Callable) -> None:
                        "they start: define it in a module they can import")
 
 
+def _script_tree(path: str):
+    """The script at `path` parsed (in its own encoding), or None where it cannot be read."""
+    import ast
+    try:
+        with tokenize.open(path) as f:
+            return ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
 def _only_under_main_guard(path: str, name: str) -> bool:
     """Whether the script at `path` binds `name` (a def, class, assignment or import) only
     inside `if __name__ == "__main__":` blocks (False where it cannot be read)."""
     import ast
-    try:
-        with tokenize.open(path) as f:
-            tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _script_tree(path)
+    if tree is None:
         return False
     guarded, outside = False, False
 
@@ -219,11 +225,12 @@ def _only_under_main_guard(path: str, name: str) -> bool:
                     outside = True  # (a star import may bind it: not refused)
             if name in bound:
                 guarded, outside = guarded or under_guard, outside or not under_guard
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue  # (its body binds names of its own)
             for field in ("body", "orelse", "finalbody", "handlers"):  # blocks at the top level: if, try, with, for
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    inner = getattr(node, field, None)
-                    if isinstance(inner, list):
-                        visit(inner, under_guard or (_is_main_guard(node) and field == "body"))
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    visit(inner, under_guard or (_is_main_guard(node) and field == "body"))
 
     visit(tree.body, False)
     return guarded and not outside
