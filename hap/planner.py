@@ -97,20 +97,31 @@ class PlannerConfig:
         return self.schedule or "1f1b"
 
 
-def _dp() -> Restriction:
+def batched_inputs(graph: Graph) -> frozenset[str]:
+    """The data inputs that carry the batch on dim 0: those whose leading size is the first
+    input's (the model's first argument holds the batch, where masks of another size may
+    outnumber it). The others (a class-weight vector, a mask of one row) are whole on every
+    device under data parallelism."""
+    lead = [graph.tensors[name].shape[:1] for name in graph.inputs if graph.tensors[name].shape]
+    return frozenset(name for name in graph.inputs if lead and graph.tensors[name].shape[:1] == lead[0])
+
+
+def _dp(graph: Graph) -> Restriction:
+    batched = batched_inputs(graph)
+
     def allow_load(kind, name, p):
         if kind == "param":
             return p.kind == "R"
         if kind == "input":
-            return p.kind == "S" and p.dim == 0
+            return p.kind == "S" and p.dim == 0 if name in batched else p.kind == "R"
         return p.kind == "R"
 
     return Restriction(name="data parallelism", allow_load=allow_load, allow_move=lambda mv: not mv.communicates)
 
 
-def _ep(experts) -> Restriction:
+def _ep(graph: Graph) -> Restriction:
     """Expert parallelism: expert weights sharded on the expert dim (dim 0), every other
-    parameter replicated, inputs split on the batch; the only collective on activations is
+    parameter replicated, inputs split on the batch (batched_inputs); the only collective on activations is
     all-to-all (dispatching tokens to the experts' devices and back).
 
     With even ratios and E experts not a multiple of the device count the integer shards
@@ -118,13 +129,13 @@ def _ep(experts) -> Restriction:
     Systems built on even expert parallelism cannot do that: they pad E up to a multiple of
     the device count, which this does not model (benchmarks/paper.py prices the padded model).
     """
-    experts = frozenset(experts)
+    experts, batched = frozenset(graph.experts), batched_inputs(graph)
 
     def allow_load(kind, name, p):
         if kind == "param":
             return (p.kind == "S" and p.dim == 0) if name in experts else p.kind == "R"
         if kind == "input":
-            return p.kind == "S" and p.dim == 0
+            return p.kind == "S" and p.dim == 0 if name in batched else p.kind == "R"
         return p.kind == "R"
 
     return Restriction(name="expert parallelism", allow_load=allow_load,
@@ -133,10 +144,10 @@ def _ep(experts) -> Restriction:
 
 def _baselines(graph: Graph, cluster: Cluster):
     """(name, restriction, ratios) of every baseline family that applies to the graph."""
-    dp = _dp()
+    dp = _dp(graph)
     out = [("dp_ev", dp, cluster.even()), ("dp_cp", dp, cluster.compute_proportional()), ("tp", _tp(), cluster.even())]
     if graph.experts:
-        out.append(("ep", _ep(graph.experts), cluster.even()))
+        out.append(("ep", _ep(graph), cluster.even()))
     return out
 
 

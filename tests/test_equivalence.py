@@ -183,7 +183,7 @@ def restriction(family: str, graph) -> Restriction:
     -batch: and the data split on the batch, so activations change layout (all-to-all);
     -grouped: uneven shards gathered by broadcasts only, never by the padded all-gather."""
     if family == "dp":
-        return Restriction(name=family, allow_load=_params_only(_dp()))
+        return Restriction(name=family, allow_load=_params_only(_dp(graph)))
     if family == "tp":
         return _tp()
     batch = "-batch" in family

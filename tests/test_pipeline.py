@@ -306,7 +306,25 @@ def _bags_setup():
     return BagRecommender(), [BagRecommender.inputs(10, gen) for _ in range(STEPS)]
 
 
-SETUPS = {"bags": _bags_setup, "repeated-bias": _repeated_bias_setup, "seq-first": _seq_first_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
+class WeightedClasses(torch.nn.Module):
+    """Cross-entropy with a class-weight vector given as an input: a data input without the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x, y, class_weight):
+        return torch.nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y, weight=class_weight)
+
+
+def _class_weight_setup():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return WeightedClasses(), [(torch.randn(10, 8, generator=gen), torch.randint(0, 5, (10,), generator=gen),
+                                torch.rand(5, generator=gen) + 0.5) for _ in range(STEPS)]
+
+
+SETUPS = {"bags": _bags_setup, "class-weight": _class_weight_setup, "repeated-bias": _repeated_bias_setup, "seq-first": _seq_first_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
           "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
@@ -343,6 +361,21 @@ def test_embedding_bags_split_their_bags_in_a_pipeline_like_one_device(tmp_path)
     cut = next(k for k, n in enumerate(graph.nodes) if n.op == "aten.cat.default") + 1
     reports = run_ranks(pipelined, 3, tmp_path, "bags", [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, "gpipe")
     _like_one_device(reports, _bags_setup)
+
+
+def test_an_input_without_the_batch_is_whole_on_every_device_of_a_pipeline(tmp_path):
+    # the class weights (5 values, for 10 rows) are whole on every piece, the rows split: stage
+    # 0 on ranks 0 and 1 at 60/40, 2 micro-batches of 5 rows, each split 3/2. (Data
+    # parallelism had split every input on dim 0, and the pipeline planners refused the model
+    # naming cross_entropy_loss.) The weighted mean's denominator is the whole batch's.
+    from hap.capture import capture
+    from hap.planner import batched_inputs
+    model, batches = _class_weight_setup()
+    graph = capture(model, batches[0])
+    assert batched_inputs(graph) == {"x", "y"}
+    cut = next(k for k, n in enumerate(graph.nodes) if n.op == "aten.relu.default") + 1
+    reports = run_ranks(pipelined, 3, tmp_path, "class-weight", [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, "1f1b")
+    _like_one_device(reports, _class_weight_setup)
 
 
 def test_three_stages_on_four_ranks_1f1b_uneven_micro_batches(tmp_path):

@@ -141,7 +141,7 @@ def test_a_tensor_split_at_another_segments_ratios_is_refused(graph):
 
     seg = segment_graph(graph, 2)  # data parallel in both segments, at other shares
     planned = _plan_at(graph, load_cluster("local"), [[0.75, 0.25], [0.4, 0.6]], None,
-                       lambda search, rs: search(rs, _dp()), "dp", seg)
+                       lambda search, rs: search(rs, _dp(graph)), "dp", seg)
     planned.check_fits(graph)  # as planned: re-split where segment 1 starts
     stage = planned.stages[0]
     program = [dataclasses.replace(ins, moves=tuple(m for m in ins.moves if m.name != "rebalance")) for ins in stage.program]
@@ -331,7 +331,7 @@ def test_two_segments_keep_both_shard_sizes(graph):
     cost = CostModel(graph, load_cluster("local"), classes)
     seg = segment_graph(graph, 2)
     ratios = [[0.75, 0.25], [0.4, 0.6]]
-    program = synthesize(graph, strategies, cost, seg, ratios, _dp()).program  # the batch split in both
+    program = synthesize(graph, strategies, cost, seg, ratios, _dp(graph)).program  # the batch split in both
     shards = {(sh.tensor, sh.dim, sh.segment): list(sh.sizes) for sh in shard_sizes(program, graph, classes, seg, ratios)}
     assert shards[(graph.inputs[0], 0, 0)] == [24, 8]
     # fc1's output is made in segment 0 and re-split (rebalanced) for segment 1: both sizes kept
@@ -798,7 +798,7 @@ def test_a_resplit_into_the_same_sizes_is_counted_in_memory_once(graph):
     cluster = load_cluster("local")
     seg = segment_graph(graph, 2)
     planned = _plan_at(graph, cluster, [[0.75, 0.25], [0.4, 0.6]], None,
-                       lambda search, rs: search(rs, _dp()), "dp", seg)
+                       lambda search, rs: search(rs, _dp(graph)), "dp", seg)
     program = planned.steps(graph)
     bare = [dataclasses.replace(step, moves=tuple(m for m in step.moves if m.move.name != "rebalance")) for step in program]
     assert bare != program

@@ -240,10 +240,10 @@ def test_a_restricted_search_ignores_incumbents_outside_its_family(graphs):
     strategies, cost, seg = setup(graph, make_cluster((3e9, 1e9), 1e5))
     ratios = [(0.6, 0.4)]
     free = synthesize(graph, strategies, cost, seg, ratios).program
-    dp = synthesize(graph, strategies, cost, seg, ratios, _dp())
-    assert not _dp().admits(free, graph) and replay(free, cost, seg, ratios).seconds < dp.cost
-    found = synthesize(graph, strategies, cost, seg, ratios, _dp(), incumbents=[free])
-    assert _dp().admits(found.program, graph) and found.cost == pytest.approx(dp.cost, rel=1e-12)
+    dp = synthesize(graph, strategies, cost, seg, ratios, _dp(graph))
+    assert not _dp(graph).admits(free, graph) and replay(free, cost, seg, ratios).seconds < dp.cost
+    found = synthesize(graph, strategies, cost, seg, ratios, _dp(graph), incumbents=[free])
+    assert _dp(graph).admits(found.program, graph) and found.cost == pytest.approx(dp.cost, rel=1e-12)
 
 
 def test_width_applies_only_after_the_exhaustive_budget(graphs):
