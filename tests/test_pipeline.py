@@ -1103,7 +1103,7 @@ def test_dqn_places_its_cuts_on_the_screened_device_layout():
     import dataclasses
     tiny = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=1e3) for d in cluster.devices))
     for find in (lambda: dqn_plan(graph, tiny, config, episodes=5, budget_s=10), lambda: exact_plan(graph, tiny, config)):
-        with pytest.raises(ValueError, match=r"fits the devices' memory: device 0 \(cpu0/4x, 1000 B\) needs at "
+        with pytest.raises(ValueError, match=r"fits the devices' memory[^:]*: device 0 \(cpu0/4x, 1000 B\) needs at "
                                              r"least [0-9.]+ MiB for any stage of 4 micro-batches"):
             find()
 
@@ -1132,6 +1132,38 @@ def test_the_dqn_polishes_cuts_that_do_not_fit_into_one_that_does():
     exact = exact_partition(table).seconds
     assert res.seconds == pytest.approx(exact, rel=1e-12) and res.raw_seconds == res.greedy_seconds == math.inf
     assert infer_cuts(table, beam=1)[1] == pytest.approx(exact, rel=1e-12)
+
+
+def test_a_dqn_that_met_no_fitting_cut_plans_the_most_frugal_cut_where_it_fits(monkeypatch):
+    """Where the DQN (and its polish) met no cut that fits memory but one exists, the plan is
+    the cut whose fullest device needs the least of its memory (the planner said no pipeline
+    fits); where none exists, the error names that cut's bytes."""
+    import dataclasses
+
+    from hap.automap import pipeline as automap_pipeline
+    from hap.automap.pipeline import dqn_plan, screened_table, search_cuts
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.models import build
+    from hap.pipeline.plan import PipelineSpace
+    from hap.planner import PlannerConfig
+    base = local_cluster((4.0, 1.0, 1.0, 1.0), "fast-and-slow")
+    cluster = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, memory=400 * 1024) for d in base.devices))
+    model, inputs = build("vit", scale="small", device="meta")
+    graph, config = capture(model, inputs), PlannerConfig(pipeline_stages=4, micro_batches=4)
+    table = screened_table(PipelineSpace(graph, cluster, config), 4, 4)
+    fill, cuts, _, _ = table.most_frugal()
+    assert fill <= 1.0
+    monkeypatch.setattr(automap_pipeline, "search_cuts", lambda *a, **k: dataclasses.replace(
+        search_cuts(*a, **k), seconds=math.inf))
+    plan = dqn_plan(graph, cluster, config, episodes=0, budget_s=10)
+    assert plan.search["most_frugal_cut"] and [st.nodes[0] for st in plan.stages[1:]] == [table.positions[c] for c in cuts]
+    assert plan.estimated_iteration_seconds == pytest.approx(table.objective(cuts), rel=1e-9)
+    tight = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=d.memory * fill * 0.999)
+                                                       for d in cluster.devices))
+    with pytest.raises(ValueError, match=r"^no pipeline the DQN met fits the devices' memory, nor any cut of the 1 "
+                                         r"layout it tried: (the most frugal, 4 stages .* needs|device \d .* needs at least)"):
+        dqn_plan(graph, tight, config, episodes=0, budget_s=10)
 
 
 def test_exact_partition_equals_brute_force(vit_space):
@@ -1194,7 +1226,21 @@ def test_memory_that_does_not_fit_is_never_chosen(vit_space):
     pricer = PipelinePricer(CostModel(vit_space.graph, snug, vit_space.classes), vit_space.program)
     table = StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b")
     assert table.short == []
-    with pytest.raises(ValueError, match=r"each device fits some stage of 4 micro-batches, but no 2 stages that cover"):
+    # the error names the cut whose fullest device needs the least of its memory (the message
+    # said "each device fits some stage", no bytes): every cut's, by brute force
+    Q = len(table.positions)
+
+    def fullest(cut):
+        bounds = [0, cut, Q - 1]
+        return max(table.fill[k, a, b] for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+    fill, cuts, device, need = table.most_frugal()
+    assert fill == min(fullest(c) for c in range(1, Q - 1)) == fullest(cuts[0]) > 1.0
+    assert need == pytest.approx(fill * snug.devices[device].memory, rel=1e-12)
+    name = snug.devices[device].name
+    with pytest.raises(ValueError, match=rf"^no cut into 2 stages fits the devices' memory: the most frugal, 2 stages on "
+                                         rf"groups 4/4 cut at node {table.positions[cuts[0]]} with 4 micro-batches, "
+                                         rf"needs [0-9.]+ [KMG]iB on device {device} \({name}\), which has [0-9.]+ [KMG]iB$"):
         exact_partition(table)
 
 

@@ -16,6 +16,7 @@ the best plan found during exploration, too).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..plan import Plan
 from ..planner import PlannerConfig
-from ..pipeline.partition import StageTable, polish, shortfall
+from ..pipeline.partition import StageTable, nearest_to_fit, polish, shortfall
 from ..pipeline.plan import PipelineSpace
 from .dqn import Agent, DQNConfig
 
@@ -207,9 +208,10 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
     choices = [(K, M) for K in space.stage_counts() for M in space.micro_batch_counts(K)]  # (none: stage_counts says why)
-    best = None
+    best, tables, frugal = None, [], False
     for K, M in choices:
         table = screened_table(space, K, M)
+        tables.append(table)
         budget = (budget_s - (time.perf_counter() - t0)) / (len(choices) - choices.index((K, M)))
         res = search_cuts(table, episodes, budget)
         sizes = "/".join(str(len(g)) for g in table.groups)
@@ -219,13 +221,24 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
         if best is None or res.seconds < best[0].seconds:
             best = (res, K, M, table)
     res, K, M, table = best
-    groups = table.groups
     if not math.isfinite(res.seconds):
-        raise ValueError(f"no pipeline of {K} stages the DQN met fits the devices' memory" + shortfall(table))
+        # no cut the DQN met fits: the one that needs the least of its fullest device's memory
+        # is the plan where it fits, else what the error names
+        table = nearest_to_fit(tables)
+        fill, cuts_pos, _, _ = table.most_frugal()
+        if fill > 1.0:
+            raise ValueError(f"no pipeline the DQN met fits the devices' memory, nor any cut of the {len(tables)} "
+                             f"layout{'s' if len(tables) > 1 else ''} it tried" + shortfall(table))
+        K, M, frugal = len(table.groups), table.M, True
+        res = dataclasses.replace(res, cuts=tuple(int(table.positions[c]) for c in cuts_pos),
+                                  seconds=table.objective(cuts_pos))
+        if progress:
+            progress(f"dqn: no cut it met fits memory; the most frugal cut does (K={K} M={M}): {res.seconds * 1e3:.2f} ms")
+    groups = table.groups
     return space.plan(res.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "dqn", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
                        "exhaustive": False, "episodes": res.episodes, "greedy_seconds": _finite(res.greedy_seconds),
-                       "unpolished_seconds": _finite(res.raw_seconds)}, groups)
+                       "unpolished_seconds": _finite(res.raw_seconds), "most_frugal_cut": frugal}, groups)
 
 
 def _finite(seconds: float) -> float | None:

@@ -148,6 +148,9 @@ class StageTable:
         self.least: dict[int, float] = {}
         """Device -> the least memory (bytes) it needs as a device of its stage (the first stage
         starts at the model's first node, the last ends at its last)."""
+        self.fill = np.full((K, Q, Q), np.inf)
+        """[k, a, b]: the largest fraction of its memory a device of stage k from a to b needs."""
+        self._fullest = np.zeros((K, Q, Q, 2))  # [k, a, b]: (that device, its bytes)
         least = self.least
         for k, g in enumerate(groups):
             # [a, b]: stage from position a to position b (exclusive)
@@ -159,6 +162,8 @@ class StageTable:
             for a in range(Q):
                 for b in range(a + 1, Q):
                     mem = pricer.memory(int(pos[a]), int(pos[b]) - 1, g, ratios[k], M, live)
+                    i, x = max(zip(g, mem), key=lambda ix: ix[1] / capacity[ix[0]])
+                    self.fill[k, a, b], self._fullest[k, a, b] = x / capacity[i], (i, x)
                     if (k > 0 or a == 0) and (k < K - 1 or b == Q - 1):  # a stage k could be
                         for i, x in zip(g, mem):
                             least[i] = min(least.get(i, x), x)
@@ -171,6 +176,26 @@ class StageTable:
         """Intervals (position j to j + 1) holding a use of a trained parameter that nodes in
         other intervals use too: which stages these fall in decides which stages share it."""
         self._shared: dict[tuple[int, ...], np.ndarray] = {}
+
+    def most_frugal(self) -> tuple[float, tuple[int, ...], int, float]:
+        """The cut whose fullest device needs the least fraction of its memory, for errors where
+        no cut fits: (that fraction, the cut's positions, the device, its bytes). A minimax
+        dynamic program over (stages placed, position)."""
+        K, Q = self.fill.shape[:2]
+        best, back = self.fill[0, 0], []  # best[b]: the least fullest fraction of stages 0..k ending at b
+        for k in range(1, K):
+            through = np.maximum(best[:, None], self.fill[k])  # [a, b]
+            back.append(through.argmin(axis=0))
+            best = through.min(axis=0)
+        cuts, b = [], Q - 1
+        for k in range(K - 1, 0, -1):
+            b = int(back[k - 1][b])
+            cuts.append(b)
+        cuts.reverse()
+        bounds = [0, *cuts, Q - 1]
+        k = max(range(K), key=lambda k: self.fill[k, bounds[k], bounds[k + 1]])
+        device, need = self._fullest[k, bounds[k], bounds[k + 1]]
+        return float(best[Q - 1]), tuple(cuts), int(device), float(need)
 
     def _shared_intervals(self) -> list[int]:
         out: set[int] = set()
@@ -243,6 +268,10 @@ class StageTable:
         return iteration_seconds(t, s, self.M, self.pricer.step_collectives)
 
 
+class NoCutFits(ValueError):
+    """No cut of a stage table fits the devices' memory."""
+
+
 SIGNATURES = 256
 """The most signatures (StageTable.signatures) exact_partition searches one by one."""
 
@@ -263,7 +292,7 @@ def exact_partition(table: StageTable) -> Partition:
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     if best is None:
-        raise ValueError(f"no cut into {len(table.groups)} stages fits the devices' memory" + shortfall(table))
+        raise NoCutFits(f"no cut into {len(table.groups)} stages fits the devices' memory" + shortfall(table))
     cuts_pos, seconds = best[1], table.objective(best[1])
     if not exact:
         cuts_pos, seconds = polish(table, cuts_pos)
@@ -315,13 +344,24 @@ def _search(table, extra: np.ndarray, ok: np.ndarray | None) -> tuple[tuple[floa
 
 def shortfall(table: StageTable) -> str:
     """Why no cut of `table` fits memory, in words (to follow "no cut ... fits the devices'
-    memory"): the first device that no stage it could hold fits, or that each fits some stage."""
-    if not table.short:
-        return f" (each device fits some stage of {table.M} micro-batches, but no {len(table.groups)} stages that cover the model)"
-    i, need, capacity = table.short[0]
-    name = table.pricer.cost.cluster.devices[i].name
-    return (f": device {i} ({name}, {size_text(capacity)}) needs at least {size_text(need)} for any stage "
-            f"of {table.M} micro-batches it could hold")
+    memory"): the first device that no stage it could hold fits, or else what the most frugal
+    cut (StageTable.most_frugal) needs on its fullest device."""
+    devices = table.pricer.cost.cluster.devices
+    if table.short:
+        i, need, capacity = table.short[0]
+        return (f": device {i} ({devices[i].name}, {size_text(capacity)}) needs at least {size_text(need)} for any "
+                f"stage of {table.M} micro-batches it could hold")
+    _, cuts, i, need = table.most_frugal()
+    at = ", ".join(str(int(table.positions[c])) for c in cuts)
+    return (f": the most frugal, {len(table.groups)} stages on groups {'/'.join(str(len(g)) for g in table.groups)} "
+            f"cut at node{'s' if len(cuts) > 1 else ''} {at} with {table.M} micro-batches, needs "
+            f"{size_text(need)} on device {i} ({devices[i].name}), which has {size_text(devices[i].memory)}")
+
+
+def nearest_to_fit(tables: Sequence[StageTable]) -> StageTable:
+    """Of tables none of whose cuts fits memory, the one whose most frugal cut comes nearest:
+    the one an error names."""
+    return min(tables, key=lambda table: table.most_frugal()[0])
 
 
 def polish(table: StageTable, cuts_pos: Sequence[int], reach: int = 16) -> tuple[tuple[int, ...], float]:

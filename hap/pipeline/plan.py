@@ -18,7 +18,7 @@ from ..planner import PlannerConfig, baseline_plan
 from ..rules import has_rule, strategy_table
 from ..rules.units import ShardClasses
 from ..search.program import MoveStep, Step
-from .partition import StageTable, exact_partition, group_layouts, pivots, speed_ratios
+from .partition import NoCutFits, StageTable, exact_partition, group_layouts, nearest_to_fit, pivots, shortfall, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
 from .stages import (batch_granules, check_pipelinable, crossings, data_parallel_obstacle, micro_batch_granules,
                      piece_ratios, stage_of_nodes, stage_ranges, whole_batch_reason)
@@ -221,24 +221,30 @@ def exact_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = No
     every way to group the devices."""
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
-    best, unfit, tried, exact = None, None, 0, True
+    best, unfit, tried, exact = None, [], 0, True
     for K in space.stage_counts():
         for groups in space.layouts(K):
             tried += 1
             sizes = "/".join(str(len(g)) for g in groups)
             for M in space.micro_batch_counts(K):
+                table = space.table(K, M, groups)
                 try:
-                    part = exact_partition(space.table(K, M, groups))
-                except ValueError as e:  # no cut of this layout fits memory; another may
-                    unfit = e
+                    part = exact_partition(table)
+                except NoCutFits:  # another layout's may
+                    unfit.append(table)
                     continue
                 exact = exact and part.exact
                 if progress:
                     progress(f"pp-exact: K={K} groups {sizes} M={M}: {part.seconds * 1e3:.2f} ms")
                 if best is None or part.seconds < best[0].seconds:
                     best = (part, K, M, groups)
+    if best is None and not unfit:
+        raise ValueError(f"{graph.model_name} cannot be cut into a pipeline on {cluster.size} devices")
+    if best is None and len(unfit) > 1:
+        raise NoCutFits(f"no pipeline fits the devices' memory in any of the {len(unfit)} layouts and micro-batch "
+                        "counts tried" + shortfall(nearest_to_fit(unfit)))
     if best is None:
-        raise unfit or ValueError(f"{graph.model_name} cannot be cut into a pipeline on {cluster.size} devices")
+        raise NoCutFits(f"no cut into {len(unfit[0].groups)} stages fits the devices' memory" + shortfall(unfit[0]))
     part, K, M, groups = best
     return space.plan(part.cuts, K, M, time.perf_counter() - t0,
                       {"planner": "pp-exact", "winner": f"pipeline K={K} M={M} groups {[len(g) for g in groups]}",
