@@ -220,6 +220,45 @@ def test_the_ranks_end_with_the_process_that_started_them(tmp_path, interrupt):
     assert still_running(ranks) == []
 
 
+def write_how_ctrl_c_is_met(rank, out_dir):
+    handler = signal.getsignal(signal.SIGINT)
+    said = "interrupted" if handler is signal.default_int_handler else "ignored" if handler == signal.SIG_IGN else repr(handler)
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(said)
+
+
+def _ignores_sigint(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+@pytest.mark.parametrize("interrupt", ["handled", "ignored"])
+def test_the_forkserver_ignores_ctrl_c_from_its_start_and_the_ranks_meet_it_as_the_launcher(tmp_path, interrupt):
+    """A Ctrl-C in the first seconds of `hap train` reaches the forkserver while it imports hap:
+    it printed a 50-line KeyboardInterrupt traceback (it ignores SIGINT only once its imports are
+    done). It now starts ignoring SIGINT; each rank meets SIGINT as its launcher does."""
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    # the server is started as start_ranks starts it, and interrupted at once, in its imports
+    script.write_text("import os, signal, sys\nfrom multiprocessing import forkserver\nimport torch.multiprocessing as mp\n"
+                      "from hap.runtime import launch\nfrom test_launch import write_how_ctrl_c_is_met, _ignores_sigint\n"
+                      "if __name__ == '__main__':\n    mp.set_forkserver_preload(['hap'])\n"
+                      "    launch._start_server_deaf_to_ctrl_c()\n    server = forkserver._forkserver._forkserver_pid\n"
+                      "    print(_ignores_sigint(server))\n    os.kill(server, signal.SIGINT)\n"
+                      "    launch.spawn(write_how_ctrl_c_is_met, 2, args=(sys.argv[1],))\n"
+                      "    print(forkserver._forkserver._forkserver_pid == server)\n")
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if interrupt == "ignored" else None
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], preexec_fn=ignore, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"] and "KeyboardInterrupt" not in done.stderr, done.stderr
+    expected = "interrupted" if interrupt == "handled" else "ignored"
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [expected] * 2
+
+
 def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
     """Two runs starting together once took the same port: a port was found free, released, and
     bound by rank 0 later (EADDRINUSE). The parent now serves the store on the port the OS gave

@@ -118,6 +118,8 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
     check_main_guard()
     mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
     launched = (os.getpid(), _Launcher(), fn, args)
+    if _START == "forkserver":
+        _start_server_deaf_to_ctrl_c()
     try:
         return mp.start_processes(_as_launched, args=launched, nprocs=world, join=False, start_method=_START).processes
     except ChildProcessError:  # (raised before any rank started)
@@ -128,6 +130,22 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
 
 
 _START = "forkserver"
+
+
+def _start_server_deaf_to_ctrl_c() -> None:
+    """Start multiprocessing's forkserver, where it is not running, with SIGINT ignored, which it
+    keeps across its exec. It ignores SIGINT once it has imported hap, but that import takes
+    seconds: a Ctrl-C then (to the terminal's whole process group) printed its 50-line
+    KeyboardInterrupt traceback, or a RecursionError of a half-imported numpy, after
+    `hap: interrupted`. Its ranks take the launcher's handler back (_Launcher.take)."""
+    if threading.current_thread() is not threading.main_thread():  # (signal.signal needs the main thread)
+        return
+    from multiprocessing import forkserver
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def check_main_guard() -> None:
@@ -256,11 +274,12 @@ class _Launcher:
     stderr (the same open files: a log it was redirected to, pytest's capture) and environment.
     A forked rank has the forkserver's, which are the launcher's at the server's start."""
 
-    def __init__(self, stdio: tuple = (), env: dict | None = None):
-        self.stdio, self.env = stdio, env
+    def __init__(self, stdio: tuple = (), env: dict | None = None, ctrl_c: bool = True):
+        self.stdio, self.env, self.ctrl_c = stdio, env, ctrl_c
 
     def __reduce__(self):  # (pickled as the rank starts: the descriptors go with it)
-        return _Launcher, (tuple((fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)), dict(os.environ))
+        return _Launcher, (tuple((fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)), dict(os.environ),
+                           signal.getsignal(signal.SIGINT) != signal.SIG_IGN)
 
     def take(self) -> None:
         for fd, passed in self.stdio:
@@ -269,6 +288,9 @@ class _Launcher:
             os.close(got)
         os.environ.clear()
         os.environ.update(self.env)
+        # a Ctrl-C interrupts the rank where it interrupts the launcher (the forkserver's ignoring
+        # of SIGINT is what a forked rank inherits)
+        signal.signal(signal.SIGINT, signal.default_int_handler if self.ctrl_c else signal.SIG_IGN)
 
 
 def _as_launched(rank: int, launcher: int, state: _Launcher, fn: Callable, args: tuple) -> None:
