@@ -118,9 +118,9 @@ def start_ranks(fn: Callable, args: tuple, world: int) -> list:
     check_main_guard()
     mp.set_forkserver_preload(["hap"])  # (for the server's start: the first call's)
     launched = (os.getpid(), _Launcher(), fn, args)
-    if _START == "forkserver":
-        _start_server_deaf_to_ctrl_c()
     try:
+        if _START == "forkserver":
+            _start_server_deaf_to_ctrl_c()
         return mp.start_processes(_as_launched, args=launched, nprocs=world, join=False, start_method=_START).processes
     except ChildProcessError:  # (raised before any rank started)
         # A process forked from one that ran a forkserver holds that server's record and
