@@ -729,6 +729,18 @@ def test_a_damaged_checkpoint_directory_is_named_in_one_line(tmp_path):
         checkpoint.check(str(step), {"w": (64,)})
 
 
+class CountsItsPickles:
+    """An extra that counts how often it was pickled (a data loader's large state: once a save)."""
+    times = 0
+
+    def __init__(self, values):
+        self.values = values
+
+    def __getstate__(self):
+        CountsItsPickles.times += 1
+        return {"values": self.values}
+
+
 def odd_states(rank, world, directory):
     dmodel = distributed(2, ("sharded", [0.7, 0.3]))
     out = {}
@@ -736,6 +748,9 @@ def odd_states(rank, world, directory):
     dmodel(*batch(0)).backward()
     adam.step()
     adam.zero_grad(set_to_none=True)
+    checkpoint.save(dmodel, adam, directory + "-counted", 1, extra=CountsItsPickles([0, 1, 2]))
+    out["pickles"] = CountsItsPickles.times
+    out["counted"] = checkpoint.load(dmodel, adam, directory + "-counted")[1].values
     checkpoint.save(dmodel, adam, directory, 1, extra=torch.arange(3))  # a bare tensor as extra
     out["extra"] = checkpoint.load(dmodel, adam, directory)[1].tolist()
     # a copy with one byte changed; one saved before checksums (unmarked, without them); one whose are gone
@@ -795,6 +810,7 @@ def test_extra_tensors_optimizer_kinds_and_state_spanning_a_shard(tmp_path):
     directory = str(tmp_path / "ckpt")
     for rank, got in enumerate(run_ranks(odd_states, 2, tmp_path, directory)):
         assert got["extra"] == [0, 1, 2]
+        assert got["counted"] == [0, 1, 2] and got["pickles"] == 1  # rank 0 pickled it twice, to compare and to save
         assert re.fullmatch(rf"checkpoint {directory}-a-byte/step-00000001 is damaged: __\d_0.distcp does not match "
                             "its checksum", got["a byte"]), got["a byte"]
         assert got["no checksums"] == 1  # (a checkpoint saved before checksums loads)

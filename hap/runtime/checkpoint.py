@@ -230,8 +230,9 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
     make it the latest; returns its path. A collective: every rank calls it. `extra`: any
     picklable object (rank 0's is kept: another on some rank is a warning). keep: how many checkpoints to keep (the newest; None: all)."""
     comm = dmodel.comm  # (agreed first: a rank refusing alone left the others waiting)
+    pickled = _pickled(extra)  # (once: a large extra, a data loader's state, is pickled once a save)
     _same_on_every_rank("checkpoint save", {"directories": os.path.abspath(directory), "steps": step, "keeps": keep}, comm,
-                        noted={"extra=": _digest(extra)})
+                        noted={"extra=": hashlib.sha256(pickled).hexdigest() if isinstance(pickled, bytes) else str(pickled)})
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
     if keep is not None and keep < 1:
@@ -245,7 +246,9 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
             items.update(_flat_optimizer({**optimizer_state_dict(dmodel, opt), "param_groups": groups}))
             items["optim/kind"] = kind
         if comm.rank == 0:  # written once; every rank loads rank 0's (extra as bytes: DCP would take a tensor for its own)
-            items.update({"step": step, "extra_pickle": _pickled(extra), "rng": torch.get_rng_state(),
+            if isinstance(pickled, ValueError):
+                raise pickled
+            items.update({"step": step, "extra_pickle": pickled, "rng": torch.get_rng_state(),
                           _CHECKSUMMED: True})  # (a load then requires the checksums: verify)
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
@@ -296,19 +299,13 @@ def _same_on_every_rank(what: str, args: dict[str, Any], comm, noted: dict[str, 
                              f"{every[unlike[0]][key]}){shared}")
 
 
-def _digest(extra: Any) -> str:
-    """What tells two extras apart: their pickle's SHA-256 (or why it does not pickle)."""
-    try:
-        return hashlib.sha256(pickle.dumps(extra)).hexdigest()
-    except Exception as e:  # (the save refuses it later, on every rank)
-        return f"{type(e).__name__}: {e}"
-
-
-def _pickled(extra: Any) -> bytes:
+def _pickled(extra: Any) -> bytes | ValueError:
+    """`extra`'s pickle, or the ValueError that says why it does not pickle (raised by rank 0's
+    save after the ranks agreed; the others note its words, to tell extras apart)."""
     try:
         return pickle.dumps(extra)
     except Exception as e:  # pickle raises about anything (a lambda: PicklingError, AttributeError)
-        raise ValueError(f"extra does not pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        return ValueError(f"extra does not pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
 
 @ledger.called("checkpoint.load(dmodel, ...)")
