@@ -285,6 +285,10 @@ def test_ranks_torchrun_started_that_part_end_naming_both_calls(tmp_path):
              "dmodel(...): "),
     ("a step more", "rank 0's 7th call to all ranks is a training forward, dmodel(...), rank 1's the end of its "
                     "process: "),
+    # outside hap's calls: the backward's collectives (the executor's, the gradient sync) were
+    # told in gloo's words alone
+    ("a backward alone", "rank 0's 6th call to all ranks is a backward through dmodel's loss, rank 1's the end of its "
+                         "process: "),
 ])
 def test_a_collective_a_peer_left_raises_the_parting_under_torchrun(case, said, tmp_path):
     """A lone clip of sharded gradients meets the peer's forward: gloo aborts one rank (SIGABRT),

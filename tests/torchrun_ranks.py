@@ -6,7 +6,8 @@ CASE: "healthy" (rank 0 pauses longer than the ledger waits, then both go on), "
 alone saves a checkpoint after the first step, DDP's habit), "clip" (rank 0 alone clips the
 gradients of the second of three steps: gloo aborts a rank that meets another collective than
 its own) or
-"a step more" (rank 0 runs a third step after rank 1 has ended). Each rank writes
+"a step more" (rank 0 runs a third step after rank 1 has ended) or "a backward alone" (rank 1
+ends after its second forward, while rank 0's backward syncs gradients). Each rank writes
 OUT/<rank>.json (its losses) when it gets to the end. The collective timeout is 10 minutes: the test's own
 timeout ends a run whose ranks the ledger left waiting.
 """
@@ -50,6 +51,8 @@ def main(case: str, out: str) -> None:
     losses = []
     for i in range(3 if case == "clip" or (case == "a step more" and rank == 0) else 2):
         loss = dmodel(*batch)
+        if i == 1 and rank == 1 and case == "a backward alone":
+            sys.exit(0)
         loss.backward()
         if i == 1 and rank == 0 and case == "clip":
             torch.nn.utils.clip_grad_norm_(dmodel.parameters(), 0.01)

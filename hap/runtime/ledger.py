@@ -290,6 +290,23 @@ def _parting_behind(ledger: Ledger, error: Exception) -> str | None:
         time.sleep(0.1)
 
 
+def keeps_store() -> bool:
+    """Whether this rank keeps a store ledger (ranks torchrun started), whose peers' calls can
+    explain a collective's failure."""
+    return _LEDGER is not None and _LEDGER.group is not None
+
+
+def named(error: Exception) -> Exception:
+    """A collective's failure as the parting behind it (a RuntimeError), where a store ledger's
+    calls show one within FAILED_WAIT_S; else `error` itself. For collectives outside any call:
+    a backward's gradient sync and the collectives of the executor's backward."""
+    ledger = _LEDGER
+    if ledger is None or ledger.group is None or ledger.stopped.is_set():
+        return error
+    why = _parting_behind(ledger, error)
+    return error if why is None else RuntimeError(why)
+
+
 def called(name: str, now: bool = False):
     """A decorator: each call of the function is a `call(name, now)`."""
     def wrap(fn):

@@ -47,6 +47,42 @@ class Staged:
         return True
 
 
+class Named:
+    """A collective in flight whose failure at wait() is the parting behind it (ledger.named)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except Exception as e:
+            _raise_named(e)
+
+
+def _raise_named(error: Exception):
+    found = ledger.named(error)
+    if found is error:
+        raise error
+    raise found from error
+
+
+def _run(collective, *args, **kwargs):
+    """collective(*args, **kwargs); under a store ledger (ranks torchrun started) its failure, at
+    the call or at wait(), is the parting behind it: a peer that died or left during a
+    backward's gradient sync was told in gloo's words alone ("Connection closed by peer")."""
+    if not ledger.keeps_store():
+        return collective(*args, **kwargs)
+    try:
+        work = collective(*args, **kwargs)
+    except Exception as e:
+        _raise_named(e)
+    return Named(work) if work is not None else None
+
+
 def staging(group, tensors: Sequence[torch.Tensor | None], message: bool = False) -> torch.device | None:
     """The device a collective (or, `message`, a send or receive) of these tensors must run on
     over this group; None: where they are."""
@@ -94,18 +130,18 @@ def _in_place(collective, t: torch.Tensor, group, async_op: bool, **how):
     ledger.talking(group)
     dev = staging(group, [t])
     if dev is None:
-        return collective(t, group=group, async_op=async_op, **how)
+        return _run(collective, t, group=group, async_op=async_op, **how)
     staged = _copy(t, dev)
-    return _finish(collective(staged, group=group, async_op=async_op, **how), [(t, staged)], async_op)
+    return _finish(_run(collective, staged, group=group, async_op=async_op, **how), [(t, staged)], async_op)
 
 
 def all_gather(outs: list[torch.Tensor], x: torch.Tensor, group=None, async_op: bool = False):
     ledger.talking(group)
     dev = staging(group, [x, *outs])
     if dev is None:
-        return dist.all_gather(outs, x, group=group, async_op=async_op)
+        return _run(dist.all_gather, outs, x, group=group, async_op=async_op)
     staged = [_room(o, dev) for o in outs]
-    work = dist.all_gather(staged, _copy(x, dev), group=group, async_op=async_op)
+    work = _run(dist.all_gather, staged, _copy(x, dev), group=group, async_op=async_op)
     return _finish(work, list(zip(outs, staged)), async_op)
 
 
@@ -113,9 +149,9 @@ def gather(x: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group=Non
     ledger.talking(group)
     dev = staging(group, [x, *(outs or [])])
     if dev is None:
-        return dist.gather(x, outs, dst=dst, group=group, async_op=async_op)
+        return _run(dist.gather, x, outs, dst=dst, group=group, async_op=async_op)
     staged = [_room(o, dev) for o in outs] if outs is not None else None
-    work = dist.gather(_copy(x, dev), staged, dst=dst, group=group, async_op=async_op)
+    work = _run(dist.gather, _copy(x, dev), staged, dst=dst, group=group, async_op=async_op)
     return _finish(work, list(zip(outs, staged)) if outs is not None else [], async_op)
 
 
@@ -123,10 +159,10 @@ def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, grou
     ledger.talking(group)
     dev = staging(group, [out, *(chunks or [])])
     if dev is None:
-        return dist.scatter(out, chunks, src=src, group=group, async_op=async_op)
+        return _run(dist.scatter, out, chunks, src=src, group=group, async_op=async_op)
     staged = _room(out, dev)
-    work = dist.scatter(staged, [_copy(c, dev) for c in chunks] if chunks is not None else None, src=src,
-                        group=group, async_op=async_op)
+    work = _run(dist.scatter, staged, [_copy(c, dev) for c in chunks] if chunks is not None else None, src=src,
+                group=group, async_op=async_op)
     return _finish(work, [(out, staged)], async_op)
 
 
@@ -134,9 +170,9 @@ def reduce_scatter(out: torch.Tensor, parts: list[torch.Tensor], group=None, asy
     ledger.talking(group)
     dev = staging(group, [out, *parts])
     if dev is None:
-        return dist.reduce_scatter(out, parts, group=group, async_op=async_op)
+        return _run(dist.reduce_scatter, out, parts, group=group, async_op=async_op)
     staged = _room(out, dev)
-    work = dist.reduce_scatter(staged, [_copy(p, dev) for p in parts], group=group, async_op=async_op)
+    work = _run(dist.reduce_scatter, staged, [_copy(p, dev) for p in parts], group=group, async_op=async_op)
     return _finish(work, [(out, staged)], async_op)
 
 
@@ -145,25 +181,25 @@ def all_to_all_single(out: torch.Tensor, x: torch.Tensor, output_split_sizes: li
     ledger.talking(group)
     dev = staging(group, [out, x])
     if dev is None:
-        return dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,
-                                      input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+        return _run(dist.all_to_all_single, out, x, output_split_sizes=output_split_sizes,
+                    input_split_sizes=input_split_sizes, group=group, async_op=async_op)
     staged = _room(out, dev)
-    work = dist.all_to_all_single(staged, _copy(x, dev), output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+    work = _run(dist.all_to_all_single, staged, _copy(x, dev), output_split_sizes=output_split_sizes,
+                input_split_sizes=input_split_sizes, group=group, async_op=async_op)
     return _finish(work, [(out, staged)], async_op)
 
 
 def isend(x: torch.Tensor, dst: int, tag: int = 0, group=None):
     dev = staging(group, [x], message=True)
     if dev is None:
-        return dist.isend(x, dst, group=group, tag=tag)
+        return _run(dist.isend, x, dst, group=group, tag=tag)
     staged = _copy(x, dev)
-    return Staged(dist.isend(staged, dst, group=group, tag=tag), [], keep=staged)
+    return Staged(_run(dist.isend, staged, dst, group=group, tag=tag), [], keep=staged)
 
 
 def irecv(buf: torch.Tensor, src: int, tag: int = 0, group=None):
     dev = staging(group, [buf], message=True)
     if dev is None:
-        return dist.irecv(buf, src, group=group, tag=tag)
+        return _run(dist.irecv, buf, src, group=group, tag=tag)
     staged = _room(buf, dev)
-    return Staged(dist.irecv(staged, src, group=group, tag=tag), [(buf, staged)])
+    return Staged(_run(dist.irecv, staged, src, group=group, tag=tag), [(buf, staged)])
