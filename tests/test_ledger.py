@@ -90,6 +90,45 @@ def test_ranks_part_where_a_number_both_have_names_different_calls():
     assert said.startswith("ranks 0 and 1 parted: rank 0's 12th call to all ranks is fwd, rank 1's save: ")
 
 
+def test_a_rank_in_a_collective_of_its_own_behind_a_peers_call_is_named():
+    # rank 1 has made 4 calls and waits in a barrier of its own; rank 0 is in its 5th
+    every = {0: [(4, "bwd"), (5, "fwd")], 1: [(3, "fwd"), (4, "bwd")], 2: [(4, "bwd")]}
+    said = ledger.waits_outside(every, 1, "barrier")
+    assert said.startswith("ranks 0 and 1 parted: rank 0's 5th call to all ranks is fwd, while rank 1 waits in "
+                           "torch.distributed's barrier(...) outside hap's calls: ")
+    assert ledger.waits_outside(every, 0, "all_reduce") is None  # no peer ahead of rank 0: its own, on every rank
+    assert ledger.waits_outside({0: [], 1: [(1, "wrap")]}, 0, "barrier").startswith(
+        "ranks 1 and 0 parted: rank 1's 1st call to all ranks is wrap, ")  # (no call made yet)
+    said = ledger.aborted_behind(every, 2)
+    assert said.startswith("rank 2 was aborted between hap's calls (it had made 4), while rank 0's 5th call to all "
+                           "ranks is fwd: ")
+    assert ledger.aborted_behind(every, 0) is None
+
+
+def lone_collective(rank, which):
+    import torch.distributed as dist
+    dmodel, opt, batch = wrapped("megatron")
+    step(dmodel, opt, batch)
+    if rank == 1:
+        dist.barrier() if which == "barrier" else dist.all_reduce(torch.ones(3))
+    step(dmodel, opt, batch)
+
+
+@pytest.mark.parametrize("which", ["barrier", "all_reduce"])
+def test_a_collective_of_the_users_own_on_one_rank_ends_the_run_naming_it(which):
+    """rank 1 alone makes a collective of its own between two steps: a lone barrier waited out
+    the collective timeout (its peer waits in the next step's forward); a lone all_reduce meets
+    the forward's collective and gloo aborts rank 1, which was told as a bare SIGABRT."""
+    with pytest.raises(RankFailed) as caught:
+        spawn(lone_collective, 2, args=(which,), timeout_s=TIMEOUT_S)
+    headline = str(caught.value).splitlines()[0]
+    waits = ("ranks 0 and 1 parted: rank 0's 5th call to all ranks is a training forward, dmodel(...), while rank 1 "
+             "waits in torch.distributed's barrier(...) outside hap's calls: ")
+    aborted = ("rank 1 was aborted between hap's calls (it had made 4), while rank 0's 5th call to all ranks is a "
+               "training forward, dmodel(...): ")
+    assert headline.startswith(waits if which == "barrier" else aborted), headline
+
+
 def test_each_rank_reads_every_ranks_latest_calls_from_the_shared_file(tmp_path):
     path = str(tmp_path / "ledger")
     ledger.Slots.create(path, 3)

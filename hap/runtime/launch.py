@@ -369,7 +369,10 @@ def _failure(procs: list, gone: set[int], reports: str) -> RankFailed:
     except ValueError:
         how = f"signal {-code}"
     headline = f"rank {rank} died {'with' if code > 0 else 'from'} {how}"
-    why = ledger.parted(ledger.read_all(os.path.join(reports, LEDGER)))  # (gloo aborts a rank at a mismatch)
+    every = ledger.read_all(os.path.join(reports, LEDGER))
+    why = ledger.parted(every)  # (gloo aborts a rank at a mismatch)
+    if why is None and code == -signal.SIGABRT:
+        why = ledger.aborted_behind(every, rank)
     return RankFailed(f"{why} ({headline})" if why else headline, rank)
 
 

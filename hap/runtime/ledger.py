@@ -373,6 +373,53 @@ def parted(every: dict[int, list[tuple[int, str]]]) -> str | None:
     return None
 
 
+def waits_outside(every: dict[int, list[tuple[int, str]]], me: int, collective: str) -> str | None:
+    """The one-line message where rank `me` waits in torch.distributed's `collective` over all
+    ranks, outside hap's calls, while a peer has made a call that `me` has not (the peer waits
+    in it for `me`: the user's own collective made on some ranks alone, a lone `dist.barrier()`);
+    None where no peer is ahead."""
+    mine = every.get(me, [])
+    made = mine[-1][0] if mine else 0
+    for r, calls in sorted(every.items()):
+        ahead = [(n, name) for n, name in calls if n > made]
+        if r != me and ahead:
+            n, name = ahead[0]
+            return (f"ranks {r} and {me} parted: rank {r}'s {_ordinal(n)} call to all ranks is {name}, while rank {me} "
+                    f"waits in torch.distributed's {collective}(...) outside hap's calls: a collective of your own made "
+                    "on some ranks alone meets no partner (every rank makes it, or none; hap's calls too)")
+    return None
+
+
+def aborted_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | None:
+    """Where gloo aborted `rank` (SIGABRT: its collective met another) outside hap's calls while a
+    peer was in a call that `rank` had not made: what that says, in one line; else None."""
+    mine = every.get(rank, [])
+    made = mine[-1][0] if mine else 0
+    for r, calls in sorted(every.items()):
+        ahead = [(n, name) for n, name in calls if n > made]
+        if r != rank and ahead:
+            n, name = ahead[0]
+            return (f"rank {rank} was aborted between hap's calls (it had made {made}), while rank {r}'s "
+                    f"{_ordinal(n)} call to all ranks is {name}: gloo aborts a rank whose collective meets another, "
+                    f"so rank {rank} likely made a collective of your own that not every rank made")
+    return None
+
+
+def collective_waited_in(ident: int) -> str | None:
+    """The torch.distributed collective over all ranks (its default group) that the thread
+    `ident` waits in, by its outermost frame in distributed_c10d.py; None where it waits in none."""
+    frame, found = sys._current_frames().get(ident), None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")) and code.co_name != "wrapper":
+            found = frame  # (walking outwards: the last is the user's call)
+        frame = frame.f_back
+    if found is None:
+        return None
+    group = found.f_locals.get("group")
+    return found.f_code.co_name if group is None or group is dist.group.WORLD else None
+
+
 def read_all(path: str) -> dict[int, list[tuple[int, str]]]:
     """Every rank's latest calls, from the shared file at `path` (spawn's view after a failure)."""
     return Slots(path).read_every()
@@ -408,6 +455,10 @@ def watch(end: Callable[[str, str], None]) -> None:
             if ledger.stopped.is_set():
                 return
             message = parted(every)
+            if message is None and ledger.current is None:  # outside hap's calls: in a collective of the user's?
+                collective = collective_waited_in(ledger.thread)
+                if collective is not None:
+                    message = waits_outside(every, ledger.rank, collective)
             if message is not None:
                 end(message, _main_stack(ledger.thread))
             # read again STILL_S later; a store ledger's rank still longer reads ever less often
