@@ -1050,6 +1050,41 @@ def test_group_layouts_are_consecutive_and_nearest_to_equal_speed_first():
         group_layouts(speeds, 9)
 
 
+def test_pp_exact_groups_devices_listed_apart_as_if_listed_together():
+    """Fast and slow devices listed alternately (slowdowns 1, 6, 1, 6): groups of consecutive
+    ranks never put the two fast ones in one stage. Layouts in order of speed do (stage 0 on
+    ranks 0 and 2), and the exact pipeline is then the one of the same devices listed fast,
+    fast, slow, slow: 7% faster than the best of consecutive groups (16.43 against 17.60 s
+    estimated, at 3 stages)."""
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.models import build
+    from hap.pipeline.partition import exact_partition, group_layouts
+    from hap.pipeline.plan import PipelineSpace, exact_plan
+    from hap.planner import PlannerConfig
+    model, inputs = build("vit", layers=4, devices=4, device="meta")
+    graph, config = capture(model, inputs), PlannerConfig(pipeline_stages=3)
+    apart, together = local_cluster((1.0, 6.0, 1.0, 6.0), "apart"), local_cluster((1.0, 1.0, 6.0, 6.0), "together")
+    space = PipelineSpace(graph, apart, config)
+    assert group_layouts([1.0, 1 / 6, 1.0, 1 / 6], 3) == space.layouts(3)[:len(group_layouts([1.0, 1 / 6, 1.0, 1 / 6], 3))]
+    plan = exact_plan(graph, apart, config)
+    assert [st.devices for st in plan.stages] == [[0, 2], [1], [3]]
+    assert plan.estimated_iteration_seconds == pytest.approx(exact_plan(graph, together, config).estimated_iteration_seconds,
+                                                             rel=1e-9)
+    consecutive = min(exact_partition(space.table(3, M, groups)).seconds
+                      for groups in group_layouts([1.0, 1 / 6, 1.0, 1 / 6], 3) for M in space.micro_batch_counts(3))
+    assert plan.estimated_iteration_seconds < consecutive * 0.95
+
+
+def test_a_stage_on_ranks_listed_apart_trains_like_one_device(tmp_path):
+    # stage 0 on ranks 0 and 2 (60/40), stage 1 on ranks 1 and 3: groups need not be consecutive
+    from hap.capture import capture
+    model, batches = _vit_setup()
+    n = len(capture(model, batches[0]).nodes)
+    reports = run_ranks(pipelined, 4, tmp_path, "vit", [n // 2], [[0, 2], [1, 3]], [[0.6, 0.4], [0.5, 0.5]], 3, "1f1b")
+    _like_one_device(reports, _vit_setup)
+
+
 def test_pp_exact_gives_a_fast_device_a_group_of_its_own_and_runs_any_stage_count():
     """On one fast device and three slow ones, two stages of one and three devices beat two
     of two (the exact cut of each layout, compared); three stages on four devices are planned

@@ -4,7 +4,9 @@
   only batch-split or replicated tensors cross, thinned to at most `limit` evenly by compute
   (the paper's coarsening to 128).
 - Device groups: K groups of consecutive ranks (`group_layouts`: equal sizes where K divides
-  the devices, and the groups nearest to equal total speed); the cut also adapts to a group's
+  the devices, and the groups nearest to equal total speed), in rank order and, where the
+  ranks are not in order of speed, in order of speed too (`device_layouts`: two fast GPUs
+  listed apart may share a stage); the cut also adapts to a group's
   speed (a fast group takes a longer stage), and inside a group the devices split each
   micro-batch in proportion to their speed.
 - exact_partition: the cuts minimizing PipelinePricer's L over all choices of K - 1 pivots,
@@ -76,6 +78,22 @@ def group_layouts(speeds: Sequence[float], stages: int, limit: int = 6) -> list[
     found = _nearest_layouts(list(speeds), stages, max(0, limit - (equal is not None)), skip)
     layouts = [[list(range(a, a + size)) for a, size in zip(np.cumsum((0, *sizes[:-1])), sizes)] for sizes in found]
     return (([equal] if equal else []) + layouts)[:limit]
+
+
+def device_layouts(speeds: Sequence[float], stages: int, limit: int = 6) -> list[list[list[int]]]:
+    """group_layouts of the ranks in their order and, where that is not an order of speed, of the
+    ranks in order of speed (fastest first) too, each group's ranks ascending, a layout found
+    twice once: the devices of a cluster listed fast, slow, fast, slow may pair the fast ones."""
+    found = group_layouts(speeds, stages, limit)
+    m = len(speeds)
+    if all(a >= b for a, b in zip(speeds, speeds[1:])) or all(a <= b for a, b in zip(speeds, speeds[1:])):
+        return found  # (consecutive groups in order of speed are the rank order's, or its reverse's)
+    order = sorted(range(m), key=lambda i: -speeds[i])
+    for layout in group_layouts([speeds[i] for i in order], stages, limit):
+        mapped = [sorted(order[i] for i in group) for group in layout]
+        if mapped not in found:
+            found.append(mapped)
+    return found
 
 
 def _nearest_layouts(speeds: list[float], K: int, count: int, skip: tuple[int, ...] | None) -> list[tuple[int, ...]]:
@@ -423,5 +441,5 @@ def brute_force(table: StageTable) -> tuple[tuple[int, ...], float]:
     return best
 
 
-__all__ = ["pivots", "equal_groups", "group_layouts", "speed_ratios", "StageTable", "exact_partition", "Partition", "polish", "brute_force",
+__all__ = ["pivots", "equal_groups", "group_layouts", "device_layouts", "speed_ratios", "StageTable", "exact_partition", "Partition", "polish", "brute_force",
            "stage_of_nodes", "crossings"]

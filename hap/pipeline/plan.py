@@ -18,7 +18,7 @@ from ..planner import PlannerConfig, baseline_plan
 from ..rules import has_rule, strategy_table
 from ..rules.units import ShardClasses
 from ..search.program import MoveStep, Step
-from .partition import NoCutFits, StageTable, exact_partition, group_layouts, nearest_to_fit, pivots, shortfall, speed_ratios
+from .partition import NoCutFits, StageTable, device_layouts, exact_partition, nearest_to_fit, pivots, shortfall, speed_ratios
 from .price import PipelineEstimate, PipelinePricer
 from .stages import (batch_granules, check_pipelinable, crossings, data_parallel_obstacle, micro_batch_granules,
                      piece_ratios, stage_of_nodes, stage_ranges, whole_batch_reason)
@@ -69,9 +69,9 @@ class PipelineSpace:
         return [k for k in sorted({2, 4, 8, min(n, 8)}) if 2 <= k <= most]
 
     def layouts(self, K: int) -> list[list[list[int]]]:
-        """The device groups the pipeline planners try for K stages (partition.group_layouts):
+        """The device groups the pipeline planners try for K stages (partition.device_layouts):
         pp-exact every one, the DQN the one it screens (automap.pipeline.screened_table)."""
-        return group_layouts([1.0 / x for x in self.cost.inv_speed], K)
+        return device_layouts([1.0 / x for x in self.cost.inv_speed], K)
 
     def micro_batch_counts(self, K: int) -> list[int]:
         M = self.config.micro_batches
