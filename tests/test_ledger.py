@@ -103,22 +103,32 @@ def test_a_rank_in_a_collective_of_its_own_behind_a_peers_call_is_named():
     assert said.startswith("rank 2 was aborted between hap's calls (it had made 4), while rank 0's 5th call to all "
                            "ranks is fwd: ")
     assert ledger.aborted_behind(every, 0) is None
+    said = ledger.left_behind(every, 0)
+    assert said.startswith("rank 0's 5th call to all ranks, fwd, lost rank 1, which had made 4 and left between hap's "
+                           "calls (dist.destroy_process_group() or the end of its process, on some ranks alone): ")
+    assert ledger.left_behind(every, 1) is None  # no peer behind rank 1
 
 
 def lone_collective(rank, which):
     import torch.distributed as dist
     dmodel, opt, batch = wrapped("megatron")
     step(dmodel, opt, batch)
+    if rank == 1 and which == "destroy":
+        dist.destroy_process_group()  # (early stopping on one rank)
+        time.sleep(3.0)
+        return
     if rank == 1:
         dist.barrier() if which == "barrier" else dist.all_reduce(torch.ones(3))
     step(dmodel, opt, batch)
 
 
-@pytest.mark.parametrize("which", ["barrier", "all_reduce"])
+@pytest.mark.parametrize("which", ["barrier", "all_reduce", "destroy"])
 def test_a_collective_of_the_users_own_on_one_rank_ends_the_run_naming_it(which):
     """rank 1 alone makes a collective of its own between two steps: a lone barrier waited out
     the collective timeout (its peer waits in the next step's forward); a lone all_reduce meets
-    the forward's collective and gloo aborts rank 1, which was told as a bare SIGABRT."""
+    the forward's collective and gloo aborts rank 1, which was told as a bare SIGABRT; rank 1
+    destroying its process group (stopping early) left rank 0 with gloo's "Connection reset by
+    peer" alone."""
     with pytest.raises(RankFailed) as caught:
         spawn(lone_collective, 2, args=(which,), timeout_s=TIMEOUT_S)
     headline = str(caught.value).splitlines()[0]
@@ -126,7 +136,9 @@ def test_a_collective_of_the_users_own_on_one_rank_ends_the_run_naming_it(which)
              "waits in torch.distributed's barrier(...) outside hap's calls: ")
     aborted = ("rank 1 was aborted between hap's calls (it had made 4), while rank 0's 5th call to all ranks is a "
                "training forward, dmodel(...): ")
-    assert headline.startswith(waits if which == "barrier" else aborted), headline
+    left = ("rank 0 failed: rank 0's 5th call to all ranks, a training forward, dmodel(...), lost rank 1, which had made "
+            "4 and left between hap's calls ")
+    assert headline.startswith({"barrier": waits, "all_reduce": aborted, "destroy": left}[which]), headline
 
 
 def test_each_rank_reads_every_ranks_latest_calls_from_the_shared_file(tmp_path):

@@ -442,6 +442,11 @@ def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: 
     peers = [str(r) for r in range(world) if r != rank]
     if not (in_collective and "timed out" in str(e).lower()):
         headline = f"rank {rank} failed: " + "".join(traceback.format_exception_only(e)).strip().splitlines()[0]
+        if in_collective and dist.is_initialized():  # a peer that left: gloo's "Connection reset by peer" alone
+            every = ledger.read_all(os.path.join(reports, LEDGER))
+            why = ledger.parted(every) or ledger.left_behind(every, rank)
+            if why is not None:
+                headline = f"rank {rank} failed: {why}"
     elif not dist.is_initialized():
         headline = f"rank {rank}: timed out after {timeout_s:g} s setting up the process group (a peer is slow to start)"
     elif len(peers) == 1:

@@ -405,6 +405,23 @@ def aborted_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | 
     return None
 
 
+def left_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | None:
+    """Where `rank`'s collective lost its connection while a peer had made fewer calls (the peer
+    left between hap's calls: its process group destroyed, or its process ended, on some ranks
+    alone): what that says, in one line; else None."""
+    mine = every.get(rank, [])
+    if not mine:
+        return None
+    n, name = mine[-1]
+    for r, calls in sorted(every.items()):
+        made = calls[-1][0] if calls else 0
+        if r != rank and made < n:
+            return (f"rank {rank}'s {_ordinal(n)} call to all ranks, {name}, lost rank {r}, which had made {made} and left "
+                    "between hap's calls (dist.destroy_process_group() or the end of its process, on some ranks "
+                    "alone): every rank makes hap's collective calls alike and in the same order")
+    return None
+
+
 def collective_waited_in(ident: int) -> str | None:
     """The torch.distributed collective over all ranks (its default group) that the thread
     `ident` waits in, by its outermost frame in distributed_c10d.py; None where it waits in none."""
