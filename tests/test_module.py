@@ -1368,12 +1368,15 @@ def overflowing():
     return Overflowing(), [(torch.randn(10, 16, generator=gen), torch.randint(0, 8, (10,), generator=gen)) for _ in range(2)]
 
 
-def scaled_on_ranks(rank, world, scaler):
-    model, batches = overflowing()
+SCALING = {"init_scale": 1e36}
+GROWING = {"init_scale": 1e38, "growth_interval": 1}  # 2e38, then 4e38 is past float32's largest
+
+
+def scaled_on_ranks(rank, world, scaler, how=SCALING):
+    model, batches = overflowing() if how is SCALING else growing()
     dmodel = skewed(model, batches[0], "megatron")
     fused = scaler.endswith("fused")  # the optimizer unscales itself: the scaler only checks for infs
-    scaler = dmodel.grad_scaler(init_scale=1e36) if scaler.startswith("hap") else \
-        torch.amp.GradScaler("cpu", init_scale=1e36)
+    scaler = dmodel.grad_scaler(**how) if scaler.startswith("hap") else torch.amp.GradScaler("cpu", **how)
     scales = scaled_steps(dmodel, dmodel.parameters(), batches, scaler, fused)
     return {"scales": scales, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
 
@@ -1391,6 +1394,36 @@ def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(sca
         for name, p in model.named_parameters():
             assert torch.equal(torch.tensor(got["params"][name]), p.detach()), name
 
+
+
+class SmallLoss(Overflowing):
+    """A loss of about 0.02: at a scale of 2e38 neither it nor its gradients overflow."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        return super().forward(x, y) * 0.01
+
+
+def growing():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return SmallLoss(), [(torch.randn(10, 16, generator=gen), torch.randint(0, 8, (10,), generator=gen)) for _ in range(3)]
+
+
+def test_the_grad_scaler_grows_its_scale_as_one_devices_does(tmp_path):
+    """dmodel.grad_scaler() was torch's ShardedGradScaler, whose CPU update has no finite
+    check: its scale grew to inf where one device's stops at 2e38, and every later step was
+    skipped (the weights never moved again)."""
+    model, batches = growing()
+    scales = scaled_steps(model, model.parameters(), batches, torch.amp.GradScaler("cpu", **GROWING))
+    assert scales == pytest.approx([2e38] * 3, rel=1e-6)
+    for got in run_ranks(scaled_on_ranks, 2, tmp_path, "hap", GROWING):
+        assert got["scales"] == scales
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(got["params"][name]), p.detach(), rtol=1e-5, atol=1e-7), name
 
 
 def compiled(rank, world):

@@ -401,13 +401,13 @@ class HAP(MirrorsModel):
         torch.set_rng_state(broadcast(torch.get_rng_state(), 0, self.comm))
 
     def grad_scaler(self, **kwargs) -> torch.amp.GradScaler:
-        """A loss scaler for mixed precision (torch.amp.GradScaler's interface and kwargs) that
-        skips a step on every rank when any rank's gradient shard overflows: torch's
-        ShardedGradScaler over this model's ranks. (A plain GradScaler does too, where its
-        optimizer steps this model's parameters: spread_gradients.)"""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        """A loss scaler for mixed precision (torch.amp.GradScaler, its kwargs) on this model's
+        device, which skips a step on every rank when any rank's gradient shard overflows, as any
+        plain GradScaler does whose optimizer steps this model's parameters (spread_gradients).
+        (It was torch's ShardedGradScaler, whose CPU update grows the scale to inf, where one
+        device's stays finite, and then skips every step.)"""
         device = next((p.device.type for p in self.shards.values()), "cpu")
-        return ShardedGradScaler(device, process_group=self.comm.group, **kwargs)
+        return torch.amp.GradScaler(device, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of the global gradient
@@ -583,7 +583,7 @@ def spread_gradients(owner: nn.Module) -> None:
 def _agree_found_inf(optimizer: torch.optim.Optimizer, found: list[torch.Tensor]) -> None:
     """A plain torch.amp.GradScaler's inf flags of `optimizer` summed over the ranks of the spread
     wrapper whose parameters it steps, so that every rank skips a step one rank's shard
-    overflows (a collective; as dmodel.grad_scaler(), torch's ShardedGradScaler, does)."""
+    overflows (a collective; dmodel.grad_scaler() is such a scaler)."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     owner = next((o for o in list(_SPREAD) if any(id(p) in held for p in o.parameters())), None)
     if owner is None:
