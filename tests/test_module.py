@@ -825,6 +825,52 @@ def test_eval_mode_validates_like_one_device(tmp_path, segments):
             assert "part of the planned batch: in eval mode give every rank the whole batch" in got["refused"]
 
 
+class CalibratedInEval(torch.nn.Module):
+    """A calibration layer applied in eval mode alone: the training graph never uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.calib = torch.nn.Linear(12, 24), torch.nn.Linear(24, 5), torch.nn.Linear(5, 5)
+
+    def forward(self, x, y):
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        if not self.training:
+            logits = self.calib(logits)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def calibrated():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return CalibratedInEval(), [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen))
+                                for _ in range(3)]
+
+
+def evaluated_with_calibration(rank, world, planner):
+    model, batches = calibrated()
+    if rank == 1:  # (the wrapping gives every rank rank 0's values, of every parameter)
+        torch.nn.init.zeros_(model.calib.weight)
+    dmodel = skewed(model, batches[0], planner)
+    losses = train(dmodel, batches[:2])
+    dmodel.eval()
+    with torch.no_grad():
+        losses.append(dmodel(*batches[2]).item())
+    return {"losses": losses, "params": sorted(name for name, _ in dmodel.named_parameters())}
+
+
+@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
+def test_a_parameter_used_in_eval_mode_alone_is_whole_on_every_rank(planner, tmp_path):
+    """The first evaluation failed with `no value for leaf p_calib_weight (param)`."""
+    model, batches = calibrated()
+    losses = train(model, batches[:2])
+    model.eval()
+    with torch.no_grad():
+        losses.append(model(*batches[2]).item())
+    for got in run_ranks(evaluated_with_calibration, 2, tmp_path, planner):
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        assert not [name for name in got["params"] if "calib" in name]  # (only what training uses is dmodel's)
+
+
 def trained_in_eval_mode(rank, world):
     model, batches, _ = dropout_bn()
     dmodel = skewed(model.eval(), batches[0])

@@ -37,6 +37,7 @@ from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unfl
 from ..capture import capture, example_tuple
 from ..cost.cluster import Cluster
 from ..ir import Graph
+from ..placement import R
 from ..plan import Plan, shard_sizes
 from ..planner import PlannerConfig, estimate, plan as make_plan, plan_for_layout, priced
 from ..rules import strategies_for, strategy_table
@@ -390,12 +391,25 @@ class HAP(MirrorsModel):
             mode = "" if training else " in eval mode"
             raise ValueError(f"inputs of shape {key}{mode}: the plan for {planned} cannot run them: {e}") from None
         ex.params, ex.buffers, ex.stored, ex.tracing = base.params, base.buffers, base.stored, base.tracing
+        self._add_unplanned_params(ex)
         priced = estimate(graph, self.cluster, plan)
         seconds = priced.seconds if training else priced.forward_seconds  # (eval: a forward, no backward or sync)
         self.shapes.append({"shapes": key, "run": how, "estimated_seconds": seconds, "training": training})
         log.info("hap: inputs of shape %s%s run %s (estimated %.1f ms per %s)", key, "" if training else " in eval mode",
                  how, seconds * 1e3, "step" if training else "forward")
         return ex
+
+    def _add_unplanned_params(self, ex: Executor) -> None:
+        """Parameters that `ex`'s graph uses and the planned one does not (a calibration layer
+        used in eval mode alone: "no value for leaf p_calib_weight"): whole on every rank, the
+        model's own tensors (rank 0's values on every rank since the wrapping)."""
+        extra = [name for name, t in ex.graph.tensors.items() if t.kind == "param" and name not in ex.params]
+        if not extra:
+            return
+        state = model_state(self.model)
+        held = {name: state[ex.graph.tensors[name].target] for name in extra}
+        ex.params = {**ex.params, **held}
+        ex.stored = {**ex.stored, **{name: (R, 0) for name in extra}}
 
     def _sync_rng(self) -> None:
         torch.set_rng_state(broadcast(torch.get_rng_state(), 0, self.comm))
