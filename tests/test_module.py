@@ -855,7 +855,14 @@ def evaluated_with_calibration(rank, world, planner):
     dmodel.eval()
     with torch.no_grad():
         losses.append(dmodel(*batches[2]).item())
-    return {"losses": losses, "params": sorted(name for name, _ in dmodel.named_parameters())}
+    ddp = {}
+    for name in ("no_sync", "module"):  # DDP's, which a bare AttributeError left unexplained
+        try:
+            getattr(dmodel, name)
+        except AttributeError as e:
+            ddp[name] = str(e)
+    return {"losses": losses, "params": sorted(name for name, _ in dmodel.named_parameters()), "ddp": ddp,
+            "fc1": type(dmodel.fc1).__name__}  # (the model's own attributes are reached as before)
 
 
 @pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
@@ -869,6 +876,12 @@ def test_a_parameter_used_in_eval_mode_alone_is_whole_on_every_rank(planner, tmp
     for got in run_ranks(evaluated_with_calibration, 2, tmp_path, planner):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert not [name for name in got["params"] if "calib" in name]  # (only what training uses is dmodel's)
+        assert got["ddp"] == {"no_sync": "hap.HAP has no no_sync (DistributedDataParallel's): gradient accumulation is "
+                                         "exact without it (several backwards, then one optimizer step: each "
+                                         "backward's gradients are summed over the ranks once)",
+                              "module": "hap.HAP has no module (DistributedDataParallel's): the wrapped model is "
+                                        "dmodel.model"}
+        assert got["fc1"] == "Linear"
 
 
 def trained_in_eval_mode(rank, world):

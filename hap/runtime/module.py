@@ -59,6 +59,19 @@ SHAPES_KEPT = 32
 after being dropped)."""
 
 
+_DDP_ONLY = {
+    "no_sync": "gradient accumulation is exact without it (several backwards, then one optimizer step: each "
+               "backward's gradients are summed over the ranks once)",
+    "module": "the wrapped model is dmodel.model",
+    "join": "every rank runs the same steps (give each the same number of batches: a rank running a step more "
+            "ends the run naming both ranks' calls)",
+    "require_backward_grad_sync": "each backward's gradients are summed over the ranks (accumulation is exact)",
+    "register_comm_hook": "how gradients are synchronized is the plan's (its sync entries; `hap sync` searches "
+                          "strategies, compression included)",
+}
+"""DistributedDataParallel's attributes that hap.HAP has not, and why each is not needed."""
+
+
 class HAP(MirrorsModel):
     @ledger.called("hap.HAP(model, ...) (wrapping the model)")
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan | None = None,
@@ -413,6 +426,14 @@ class HAP(MirrorsModel):
 
     def _sync_rng(self) -> None:
         torch.set_rng_state(broadcast(torch.get_rng_state(), 0, self.comm))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _DDP_ONLY:  # (DDP's habits: a bare AttributeError left the user guessing)
+                raise AttributeError(f"hap.HAP has no {name} (DistributedDataParallel's): {_DDP_ONLY[name]}") from None
+            raise
 
     def grad_scaler(self, **kwargs) -> torch.amp.GradScaler:
         """A loss scaler for mixed precision (torch.amp.GradScaler, its kwargs) on this model's
