@@ -423,12 +423,23 @@ def _first_line(e: Exception) -> str:
     first = text.splitlines()[0] if text else type(e).__name__
     if type(e).__name__ == "DynamicOutputShapeException":  # its message is the op alone
         first = f"the shape of {first}'s output depends on its inputs' values, which torch.export cannot trace"
+    elif "Could not guard on data-dependent expression" in first and re.search(r"Size-like symbols: u\d", first):
+        # a size torch only knows from the data (x[mask]), which torch's own code then branches on
+        first = ("a tensor's shape depends on its values (boolean-mask indexing x[mask], nonzero, masked_select, "
+                 "unique), which torch.export cannot trace: keep shapes fixed (multiply by the mask and divide by "
+                 "its sum, or cross_entropy's ignore_index, instead of selecting rows)")
     elif "Could not guard on data-dependent expression" in first:  # (torch's words for the symbolic value)
         first = ("it branches in Python on a tensor's value (data-dependent), which torch.export cannot follow (it "
                  "traces one path): "
                  "write the branch with tensor ops (torch.where), or turn it off (a random draw that skips a layer, "
                  "transformers' LayerDrop, is off at config.layerdrop=0.0)")
+    elif "Could not extract specialized integer from data-dependent expression" in first:
+        first = ("a Python number is taken from a tensor's value (.item(), int(t), or a count kept in a tensor: "
+                 "BatchNorm with momentum=None averages by its num_batches_tracked), which torch.export cannot "
+                 "trace: compute with tensors (BatchNorm: a numeric momentum, 0.1 by default)")
     where = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]+(\S[^\n]*))?', text)
+    if where is None:  # (the model's line, where torch names the library's as the cause)
+        where = re.search(r'Original traceback:\s*File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]+(\S[^\n]*))?', text)
     caused = re.search(r"Caused by: \((\S+?):(\d+) in (\S+)\)", text)
     if where:
         path, line, fn, code = where.groups()

@@ -233,6 +233,25 @@ class LabelIndex(nn.Module):
         return self.lin(x).sum() * 0.0
 
 
+class MaskedRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        logits, keep = self.lin(x), labels >= 0
+        return nn.functional.cross_entropy(logits[keep], labels[keep])
+
+
+class CumulativeNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 5), nn.BatchNorm1d(5, momentum=None)
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.norm(self.lin(x)), labels)
+
+
 class CTC(nn.Module):
     """A speech head's loss: ctc_loss, whose output's shape depends on the target lengths' values."""
 
@@ -250,9 +269,22 @@ def test_where_export_failed_is_named_in_each_of_torchs_forms():
     """torch names the line of a data-dependent branch in a second form ("Caused by: (file:line
     in forward)"), which the one-line error lost; and a ctc_loss fails with its op's name alone
     (DynamicOutputShapeException): the error says why, and the traceback gives the line."""
-    with pytest.raises(CaptureError, match=r"could not capture LabelIndex: .*data-dependent.* \(at test_capture\.py:\d+ "
-                                           r"in forward: if index\.size\(0\) > 0:\)$"):
+    with pytest.raises(CaptureError, match=r"could not capture LabelIndex: a tensor's shape depends on its values "
+                                           r"\(.*nonzero.*\).* \(at test_capture\.py:\d+ in forward: if index\.size\(0\) "
+                                           r"> 0:\)$"):
         capture(LabelIndex(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])))
+    # rows selected by a mask: torch's own nll_loss branches on their count ("Caused by" names
+    # torch's line; the message blamed a branch in Python at torch's line and suggested LayerDrop)
+    with pytest.raises(CaptureError, match=r"could not capture MaskedRows: a tensor's shape depends on its values "
+                                           r"\(boolean-mask indexing x\[mask\].*\(at test_capture\.py:\d+ in forward: "
+                                           r"return nn\.functional\.cross_entropy\(logits\[keep\], labels\[keep\]\)\)$"):
+        capture(MaskedRows(), (torch.randn(4, 8), torch.tensor([0, -1, 2, 3])))
+    # BatchNorm averaging by its count (momentum=None): torch's raw "Could not extract
+    # specialized integer from data-dependent expression u0"
+    with pytest.raises(CaptureError, match=r"could not capture CumulativeNorm: a Python number is taken from a tensor's "
+                                           r"value \(.*BatchNorm with momentum=None.*\), which .*: compute with tensors \(BatchNorm: "
+                                           r"a numeric momentum, 0\.1 by default\) \(at test_capture\.py:\d+ in forward"):
+        capture(CumulativeNorm(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])))
     with pytest.raises(CaptureError, match=r"could not capture CTC: the shape of aten\._ctc_loss\.\w+'s output depends on "
                                            r"its inputs' values, which torch\.export cannot trace \(at test_capture\.py:\d+ "
                                            r"in forward: return nn\.functional\.ctc_loss\("):
