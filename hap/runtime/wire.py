@@ -10,7 +10,9 @@ the results are copied back (on wait(), for asynchronous ones). So ranks that sh
 (fewer GPUs than ranks: NCCL refuses two ranks on one GPU) run the same program over gloo as
 ranks with a GPU each over NCCL. Where nothing disagrees each function is torch.distributed's.
 Each collective (not a message) first tells this rank's ledger (ledger.talking): the call it is
-in talks to all ranks.
+in talks to all ranks. Under a store ledger (ranks torchrun started) a collective's or
+message's failure, at the call or at wait(), is the parting the ranks' calls show, where they
+show one (ledger.named): also outside hap's calls, in a backward.
 
     work = wire.irecv(buf, src, tag=3)  # buf: a CUDA tensor, the default group: gloo
     work.wait()                         # buf now holds the message
