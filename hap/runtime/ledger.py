@@ -373,36 +373,40 @@ def parted(every: dict[int, list[tuple[int, str]]]) -> str | None:
     return None
 
 
-def waits_outside(every: dict[int, list[tuple[int, str]]], me: int, collective: str) -> str | None:
-    """The one-line message where rank `me` waits in torch.distributed's `collective` over all
-    ranks, outside hap's calls, while a peer has made a call that `me` has not (the peer waits
-    in it for `me`: the user's own collective made on some ranks alone, a lone `dist.barrier()`);
-    None where no peer is ahead."""
-    mine = every.get(me, [])
-    made = mine[-1][0] if mine else 0
-    for r, calls in sorted(every.items()):
-        ahead = [(n, name) for n, name in calls if n > made]
-        if r != me and ahead:
-            n, name = ahead[0]
-            return (f"ranks {r} and {me} parted: rank {r}'s {_ordinal(n)} call to all ranks is {name}, while rank {me} "
-                    f"waits in torch.distributed's {collective}(...) outside hap's calls: a collective of your own made "
-                    "on some ranks alone meets no partner (every rank makes it, or none; hap's calls too)")
-    return None
-
-
-def aborted_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | None:
-    """Where gloo aborted `rank` (SIGABRT: its collective met another) outside hap's calls while a
-    peer was in a call that `rank` had not made: what that says, in one line; else None."""
+def _peer_ahead(every: dict[int, list[tuple[int, str]]], rank: int) -> tuple[int, int, int, str] | None:
+    """(calls `rank` made, a peer that made more, the number and name of the first call it made
+    that `rank` has not), or None where no peer is ahead."""
     mine = every.get(rank, [])
     made = mine[-1][0] if mine else 0
     for r, calls in sorted(every.items()):
         ahead = [(n, name) for n, name in calls if n > made]
         if r != rank and ahead:
-            n, name = ahead[0]
-            return (f"rank {rank} was aborted between hap's calls (it had made {made}), while rank {r}'s "
-                    f"{_ordinal(n)} call to all ranks is {name}: gloo aborts a rank whose collective meets another, "
-                    f"so rank {rank} likely made a collective of your own that not every rank made")
+            return made, r, *ahead[0]
     return None
+
+
+def waits_outside(every: dict[int, list[tuple[int, str]]], me: int, collective: str) -> str | None:
+    """The one-line message where rank `me` waits in torch.distributed's `collective` over all
+    ranks, outside hap's calls, while a peer has made a call that `me` has not (the peer waits
+    in it for `me`: the user's own collective made on some ranks alone, a lone `dist.barrier()`);
+    None where no peer is ahead."""
+    found = _peer_ahead(every, me)
+    return None if found is None else (
+        f"ranks {found[1]} and {me} parted: rank {found[1]}'s {_ordinal(found[2])} call to all ranks is {found[3]}, "
+        f"while rank {me} waits in torch.distributed's {collective}(...) outside hap's calls: a collective of your own "
+        "made on some ranks alone meets no partner (every rank makes it, or none; hap's calls too)")
+
+
+def aborted_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | None:
+    """Where gloo aborted `rank` (SIGABRT: its collective met another) outside hap's calls while a
+    peer was in a call that `rank` had not made: what that says, in one line; else None."""
+    found = _peer_ahead(every, rank)
+    if found is None:
+        return None
+    made, r, n, name = found
+    return (f"rank {rank} was aborted between hap's calls (it had made {made}), while rank {r}'s "
+            f"{_ordinal(n)} call to all ranks is {name}: gloo aborts a rank whose collective meets another, "
+            f"so rank {rank} likely made a collective of your own that not every rank made")
 
 
 def left_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | None:
