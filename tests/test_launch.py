@@ -249,8 +249,11 @@ def test_the_forkserver_ignores_ctrl_c_from_its_start_and_the_ranks_meet_it_as_t
                       "    print(_ignores_sigint(server))\n    os.kill(server, signal.SIGINT)\n"
                       "    launch.spawn(write_how_ctrl_c_is_met, 2, args=(sys.argv[1],))\n"
                       "    print(forkserver._forkserver._forkserver_pid == server)\n")
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if interrupt == "ignored" else None
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], preexec_fn=ignore, capture_output=True, text=True,
+    # (the launcher's own SIGINT set either way: a test run in the background ignores it, which
+    # the launcher would inherit)
+    how = signal.SIG_IGN if interrupt == "ignored" else signal.SIG_DFL
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], preexec_fn=lambda: signal.signal(signal.SIGINT, how),
+                          capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                               [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr
