@@ -834,7 +834,7 @@ class CalibratedInEval(torch.nn.Module):
 
     def forward(self, x, y):
         logits = self.fc2(torch.relu(self.fc1(x)))
-        if not self.training:
+        if not self.training or x.shape[0] < 8:  # (in training at a small batch only: refused)
             logits = self.calib(logits)
         return torch.nn.functional.cross_entropy(logits, y)
 
@@ -852,10 +852,15 @@ def evaluated_with_calibration(rank, world, planner):
         torch.nn.init.zeros_(model.calib.weight)
     dmodel = skewed(model, batches[0], planner)
     losses = train(dmodel, batches[:2])
+    try:  # training at a shape whose graph uses calib: its gradient would be this rank's alone
+        dmodel(*[t[:6] for t in batches[2]])
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     dmodel.eval()
     with torch.no_grad():
         losses.append(dmodel(*batches[2]).item())
-    ddp = {}
+    ddp = {"refused": refused}
     for name in ("no_sync", "module"):  # DDP's, which a bare AttributeError left unexplained
         try:
             getattr(dmodel, name)
@@ -876,6 +881,9 @@ def test_a_parameter_used_in_eval_mode_alone_is_whole_on_every_rank(planner, tmp
     for got in run_ranks(evaluated_with_calibration, 2, tmp_path, planner):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert not [name for name in got["params"] if "calib" in name]  # (only what training uses is dmodel's)
+        assert got["ddp"].pop("refused") == (
+            "inputs of shape ((6, 12), (6,)) use parameter calib.weight, which the planned batch's graph does not: hap "
+            "trains the parameters the planned graph uses (plan with a batch that uses it, or use it in eval mode alone)")
         assert got["ddp"] == {"no_sync": "hap.HAP has no no_sync (DistributedDataParallel's): gradient accumulation is "
                                          "exact without it (several backwards, then one optimizer step: each "
                                          "backward's gradients are summed over the ranks once)",

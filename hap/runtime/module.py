@@ -404,7 +404,7 @@ class HAP(MirrorsModel):
             mode = "" if training else " in eval mode"
             raise ValueError(f"inputs of shape {key}{mode}: the plan for {planned} cannot run them: {e}") from None
         ex.params, ex.buffers, ex.stored, ex.tracing = base.params, base.buffers, base.stored, base.tracing
-        self._add_unplanned_params(ex)
+        self._add_unplanned_params(ex, key, training)
         priced = estimate(graph, self.cluster, plan)
         seconds = priced.seconds if training else priced.forward_seconds  # (eval: a forward, no backward or sync)
         self.shapes.append({"shapes": key, "run": how, "estimated_seconds": seconds, "training": training})
@@ -412,13 +412,18 @@ class HAP(MirrorsModel):
                  how, seconds * 1e3, "step" if training else "forward")
         return ex
 
-    def _add_unplanned_params(self, ex: Executor) -> None:
+    def _add_unplanned_params(self, ex: Executor, key: tuple, training: bool) -> None:
         """Parameters that `ex`'s graph uses and the planned one does not (a calibration layer
         used in eval mode alone: "no value for leaf p_calib_weight"): whole on every rank, the
-        model's own tensors (rank 0's values on every rank since the wrapping)."""
+        model's own tensors (rank 0's values on every rank since the wrapping). In training a
+        ValueError: hap trains (and sums the gradients of) what the planned graph uses."""
         extra = [name for name, t in ex.graph.tensors.items() if t.kind == "param" and name not in ex.params]
         if not extra:
             return
+        if training:
+            raise ValueError(f"inputs of shape {key} use parameter {ex.graph.tensors[extra[0]].target}, which the "
+                             f"planned batch's graph does not: hap trains the parameters the planned graph uses (plan "
+                             "with a batch that uses it, or use it in eval mode alone)")
         state = model_state(self.model)
         held = {name: state[ex.graph.tensors[name].target] for name in extra}
         ex.params = {**ex.params, **held}
