@@ -43,7 +43,7 @@ from hap.cost.cluster import load_cluster  # noqa: E402
 from hap.models import build  # noqa: E402
 from hap.pipeline.partition import exact_partition  # noqa: E402
 from hap.pipeline.plan import PipelineSpace  # noqa: E402
-from hap.planner import PlannerConfig  # noqa: E402
+from hap.planner import PlannerConfig, batched_inputs  # noqa: E402
 
 
 def run_case(space: PipelineSpace, K: int, episodes: int, budget: float, online: bool = True) -> dict:
@@ -87,8 +87,9 @@ def run_opp(graph, cluster, episodes: int, budget: float) -> dict:
 def run_adp(graph, devices: int, episodes: int) -> dict:
     env = DataEnvironment(graph, devices)
     found = search_layout(env, episodes)
-    dims = env.batch_dims(found.best)
-    return {"task": "ADP", "batch_dims": dims, "matches_capture": all(d == 0 for d in dims.values()),
+    dims, batched = env.batch_dims(found.best), batched_inputs(graph)  # (the planner's: dim 0 of those that carry it)
+    return {"task": "ADP", "batch_dims": dims,
+            "matches_capture": all(d == (0 if name in batched else None) for name, d in dims.items()),
             "split_tensors": found.split_tensors, "tensors": len(graph.tensors), "dqn_seconds": found.search_seconds}
 
 

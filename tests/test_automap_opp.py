@@ -14,6 +14,7 @@ from hap.automap.opp import (CONFLICT_REWARD, REPLICATE_REWARD, SPLIT_REWARD, Da
 from hap.automap.propagate import WHOLE, Propagation, derivable, layout_name
 from hap.capture import capture
 from hap.cost.cluster import load_cluster
+from hap.planner import batched_inputs
 
 
 class MLP(nn.Module):
@@ -136,7 +137,8 @@ def test_cost_reward_dqn_finds_astars_optimum_and_beats_the_paper_reward(wide):
 def test_adp_finds_the_batch_dims_hap_captures(mlp):
     env = DataEnvironment(mlp, 4)
     found = search_layout(env, episodes=60, seed=0)
-    assert env.batch_dims(found.best) == {"x": 0, "y": 0}  # hap's capture convention: dim 0 of every input
+    assert env.batch_dims(found.best) == {"x": 0, "y": 0}  # the planner's batch inputs, split on dim 0
+    assert batched_inputs(mlp) == {"x", "y"}
     assert found.split_tensors > len(mlp.inputs)
 
 

@@ -21,7 +21,8 @@ when it is exhaustive, no assignment of layouts does better, so it bounds the DQ
 ADP. The parameters stay whole; the search decides, per dimension of every model input, whether
 the data are split on it; the reward is the paper's (no linkage groups). The objective is the
 number of tensors propagation leaves split; `batch_dims` returns what the search found, which
-hap's capture convention (dim 0 of every input) checks.
+the planner's batch inputs (planner.batched_inputs: dim 0 of each input that carries the batch,
+whole the others) check.
 
     env = OperatorEnvironment(graph, cluster, reward="cost")
     found = search_layout(env, episodes=300)      # LayoutResult: layout, seconds, ...
