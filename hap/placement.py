@@ -23,7 +23,7 @@ from the class and the segment's ratios.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,20 +32,28 @@ class Placement:
 
     kind: str  # "S", "R", "D" or "P"
     dim: int = -1  # the sharded tensor dim for kind "S"; -1 otherwise
+    # derived once (the planner's memos hash placements and ask these many thousand times a plan)
+    is_shard: bool = field(default=False, init=False, repr=False, compare=False)
+    code: int = field(default=0, init=False, repr=False, compare=False)
+    """A small int for hashing in the search: R=0, D=1, P=2, S(d)=3+d."""
+
+    def __post_init__(self):
+        shard = self.kind == "S"
+        if not shard and self.kind not in _CODES:
+            raise ValueError(f"not a placement kind: {self.kind!r} (expected 'S', 'R', 'D' or 'P')")
+        object.__setattr__(self, "is_shard", shard)
+        object.__setattr__(self, "code", 3 + self.dim if shard else _CODES[self.kind])
+
+    def __hash__(self) -> int:
+        return self.code
+
+    def __reduce__(self):
+        return Placement, (self.kind, self.dim)
 
     def __repr__(self) -> str:
         return f"S({self.dim})" if self.kind == "S" else self.kind
 
     __str__ = __repr__
-
-    @property
-    def is_shard(self) -> bool:
-        return self.kind == "S"
-
-    @property
-    def code(self) -> int:
-        """A small int for hashing in the search: R=0, D=1, P=2, S(d)=3+d."""
-        return _CODES[self.kind] if self.kind != "S" else 3 + self.dim
 
 
 _CODES = {"R": 0, "D": 1, "P": 2}

@@ -124,10 +124,14 @@ class LPShares:
     Interchangeable devices (equal `device_key`s, equal capacities, idle alike) share one
     share variable: the LP is symmetric under swapping their shares and convex, so the average
     of an optimum over those swaps is an optimum too, and one with equal shares exists. Their
-    constraints then coincide and the LP keeps each once."""
+    constraints then coincide and the LP keeps each once. The walk prices one device of each
+    such set alone (`columns`): the others' expressions are the same."""
 
     def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]], keys: Sequence[tuple]):
         self.lp, self.m, self.idle = lp, m, idle
+        alike = [(keys[j], tuple((s, j) in idle for s in range(segments))) for j in range(m)]
+        self.columns = sorted({key: j for j, key in reversed(list(enumerate(alike)))}.values())
+        """The first device of every interchangeable set (in every segment), in device order."""
         self.B = []  # B[s][j]: the variable of device j's share in segment s
         for s in range(segments):
             var_of: dict[tuple, int] = {}
@@ -210,7 +214,7 @@ def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float
     objective = walk(program, cost, segment_of, alg).total + cost.step_overhead
     if not isinstance(objective, Lin):
         objective = Lin({}, objective)
-    _memory_rows(lp, alg.B, program, cost, segment_of, caps)
+    _memory_rows(lp, alg.B, program, cost, segment_of, caps, alg.columns)
 
     c = np.zeros(lp.n)
     for v, k in objective.terms.items():
@@ -236,19 +240,20 @@ def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float
                          message=words, idle=sorted(idle))
 
 
-def _memory_rows(lp: _Program, B, program, cost: CostModel, segment_of, caps: list[float]) -> None:
-    """memory_j(B) <= capacity_j, from the same terms `program.memory` sums."""
-    m = cost.m
-    mem_rows: list[dict[int, float]] = [dict() for _ in range(m)]
-    mem_const = [0.0] * m
+def _memory_rows(lp: _Program, B, program, cost: CostModel, segment_of, caps: list[float],
+                 columns: Sequence[int]) -> None:
+    """memory_j(B) <= capacity_j, from the same terms `program.memory` sums, for the devices
+    `columns` (LPShares.columns: an interchangeable device's row is the same)."""
+    mem_rows: dict[int, dict[int, float]] = {j: {} for j in columns}
+    mem_const = dict.fromkeys(columns, 0.0)
     for name, p, seg, nbytes, whole in memory_terms(program, cost, segment_of):
-        for j in range(m):
+        for j in columns:
             a = nbytes / (1 if whole else cost.gpus(j))
             if p is not None and p.is_shard:
                 mem_rows[j][B[seg][j]] = mem_rows[j].get(B[seg][j], 0.0) + a
             else:
                 mem_const[j] += a
-    for j in range(m):
+    for j in columns:
         if mem_const[j] > caps[j]:
             dev = cost.cluster.devices[j]
             raise BalanceError(f"out of memory: device {j} ({dev.name}) needs {size_text(mem_const[j])} for the "

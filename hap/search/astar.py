@@ -90,7 +90,8 @@ from ..placement import D, P, R, Placement, from_code
 from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
-from .program import Estimate, Load, MoveStep, NumericShares, Step, kept_as, memory_terms, move_price, price_node, replay
+from .program import (Estimate, Load, MoveStep, NumericShares, Step, kept_as, memory_terms, move_price, move_terms,
+                      node_key, price_node, replay, terms_seconds)
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -286,6 +287,9 @@ class Frame:
                                    for mv in moves_between(from_code(src), dst, tensor.requires_grad)])
                 self.move_tensor.append((name, seg))
             self.move_class[(t, code, seg)] = move_classes[key]
+        # per move class, each move's (forward, backward) collective_terms: priced under every ratios
+        self.move_terms = [[move_terms(cost, name, mv, seg, seg) for _, mv in self.moves[c]]
+                           for c, (name, seg) in enumerate(self.move_tensor)]
         self.sync_rest = _sync_rest(cost)
         bucket = cost.bucket_of
         self.core = _core.Frame(
@@ -365,16 +369,18 @@ class Frame:
             if self._priced:
                 base, changed = min(((p, cost.changed_shares(p[0], ratios)) for p in self._priced),
                                     key=lambda pc: len(pc[1]))
-            options = self._price_rows(
+            nodes = self._price_rows(
                 [[(k, c) for c in self.choices[k]] for k in self.alike_node], None if base is None else base[1],
                 self._option_deps, changed, alg,
-                lambda kc: _core.Price(*price_node(cost, alg, kc[0], kc[1].strategy, kc[1].loads, self.segment_of[kc[0]])))
+                lambda kc: price_node(cost, alg, kc[0], kc[1].strategy, kc[1].loads, self.segment_of[kc[0]]))
+            for k, row in zip(self.alike_node, nodes):  # programs replayed at these ratios find them priced
+                for c, times in zip(self.choices[k], row):
+                    alg.priced.setdefault(node_key(cost, k, c.strategy, c.loads, self.segment_of[k]), times)
             moves = self._price_rows(
-                [[(name, seg, mv) for _, mv in self.moves[m]] for m, (name, seg) in enumerate(self.move_tensor)],
-                None if base is None else base[2], self._move_deps, changed, alg,
-                lambda item: move_price(cost, alg, item[0], item[2], item[1], item[1]))
-            found = self._prices[key] = (options, moves)
-            self._priced.append((tuple(map(tuple, ratios)), options, moves))
+                self.move_terms, None if base is None else base[2], self._move_deps, changed, alg,
+                lambda terms: (terms_seconds(cost, alg, terms[0]), terms_seconds(cost, alg, terms[1])))
+            found = self._prices[key] = ([[_core.Price(*times) for times in row] for row in nodes], moves)
+            self._priced.append((tuple(map(tuple, ratios)), nodes, moves))
         return found
 
     @staticmethod

@@ -142,6 +142,7 @@ class NumericShares:
         self._of: dict[tuple[int, int], Sequence[float]] = {}  # (granule count, segment) -> shares
         self._top: dict[tuple[int, int], float] = {}  # (granule count, segment) -> the largest share
         self.read: set[tuple[int, int]] | None = None  # when a set: the (granule count, segment)s `of` is asked for
+        self.columns: list[int] | None = None  # every device priced (cf. lp.LPShares.columns)
 
     def _key(self, tensor: str, dim: int, seg: int) -> tuple[int, int]:
         """What a tensor dim's shares depend on, noted in `read` when that is a set."""
@@ -174,6 +175,8 @@ class NumericShares:
         return not self.continuous and list(self.of(tensor, dim, seg_a)) == list(self.of(tensor, dim, seg_b))
 
     def largest(self, sharded: Sequence[tuple[str, int, int]]) -> float:
+        if len(sharded) == 1:
+            return self._largest_one(*sharded[0])
         return max(self._largest_one(t, d, s) for t, d, s in sharded)
 
     def _largest_one(self, tensor: str, dim: int, seg: int) -> float:
@@ -212,60 +215,89 @@ def move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_ds
 def _move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_dst: int):
     if mv.name == "rebalance" and alg.same_split(tensor, mv.src.dim, seg_src, seg_dst):
         return 0.0, 0.0  # both segments split the tensor alike: nothing moves (collectives.resplit)
+    fwd, bwd = move_terms(cost, tensor, mv, seg_src, seg_dst)
+    return terms_seconds(cost, alg, fwd), terms_seconds(cost, alg, bwd)
+
+
+def move_terms(cost: CostModel, tensor: str, mv: Move, seg_src: int, seg_dst: int) -> tuple:
+    """A move's forward and backward collectives as `collective_terms` (what move_price prices
+    under any shares; a rebalance between segments split alike is free, which only the shares tell)."""
     nbytes = cost.graph.tensors[tensor].nbytes
-    return (_collective_seconds(cost, alg, tensor, nbytes, mv.fwd, mv.src, mv.dst, seg_src, seg_dst),
-            _collective_seconds(cost, alg, tensor, nbytes, mv.bwd, mv.dst, mv.src, seg_dst, seg_src))
+    return (collective_terms(cost, tensor, nbytes, mv.fwd, mv.src, mv.dst, seg_src, seg_dst),
+            collective_terms(cost, tensor, nbytes, mv.bwd, mv.dst, mv.src, seg_dst, seg_src))
 
 
-def _collective_seconds(cost: CostModel, alg, tensor: str, nbytes: int, kind: str | None, src: Placement,
-                        dst: Placement, seg_src: int, seg_dst: int):
+def collective_terms(cost: CostModel, tensor: str, nbytes: int, kind: str | None, src: Placement,
+                     dst: Placement, seg_src: int, seg_dst: int) -> tuple | None:
+    """What a collective's seconds are made of, whatever the shares (terms_seconds prices them):
+    None (no collective); (None, nbytes, (tensor, dim, seg)): a grouped all-gather, one broadcast
+    per device holding rows of that shard; (const, slope, sharded): const + slope * the largest
+    share of the (tensor, dim, seg)s `sharded` (1 where none: the whole tensor)."""
     if kind is None:
-        return 0.0
+        return None
     if kind == "all_gather_grouped":
         p, s = (src, seg_src) if src.is_shard else (dst, seg_dst)
-        return cost.grouped_gather(nbytes, alg.live(tensor, p.dim, s))
+        return None, nbytes, (tensor, p.dim, s)
     cc = cost.comm(kind, nbytes)
-    sharded = [(tensor, p.dim, s) for p, s in ((src, seg_src), (dst, seg_dst)) if p.is_shard]
-    return cc.const + cc.slope * (alg.largest(sharded) if sharded else 1.0)
+    return cc.const, cc.slope, tuple((tensor, p.dim, s) for p, s in ((src, seg_src), (dst, seg_dst)) if p.is_shard)
+
+
+def terms_seconds(cost: CostModel, alg, terms: tuple | None):
+    """The seconds of a collective's `collective_terms` under the shares `alg`."""
+    if terms is None:
+        return 0.0
+    const, slope, sharded = terms
+    if const is None:
+        return cost.grouped_gather(slope, alg.live(*sharded))
+    return const + slope * (alg.largest(sharded) if sharded else 1.0)
 
 
 def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
     """Forward and backward seconds per device of node k under strategy st: its work at each
     device's share, its fixed cost (a device with no share only keeps books), and a machine's
     internal all-reduce of the gradients of the parameters it uses first (cost.first_used_by)."""
-    key = (cost.node_class[k], st, tuple(ld.placement for ld in loads), seg)
+    key = node_key(cost, k, st, loads, seg)
     found = alg.priced.get(key)
     if found is None:
         found = alg.priced[key] = price_node(cost, alg, k, st, loads, seg)
     return found
 
 
+def node_key(cost: CostModel, k: int, st: Strategy, loads: Sequence[Load], seg: int) -> tuple:
+    """What node_times depend on but the shares: nodes alike (CostModel.node_class) under one
+    strategy, loads placed alike, in one segment, cost the same."""
+    return cost.node_class[k], st, tuple(ld.placement for ld in loads), seg
+
+
 def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
     """node_times without its memo, for callers that price each (node class, strategy) once."""
     graph = cost.graph
     node = graph.nodes[k]
-    fwd, bwd = cost.base_times(node)
+    # the devices priced: every one, or one of each interchangeable set (LPShares.columns)
+    cols = alg.columns
+    pick = (lambda xs: xs) if cols is None else (lambda xs: [xs[j] for j in cols])
+    fwd, bwd = map(pick, cost.base_times(node))
     shard = cost.work_shard(node, st)
     active = None
     if shard is not None:
-        frac = alg.of(shard[0], shard[1], seg)
+        frac = pick(alg.of(shard[0], shard[1], seg))
         fwd = [a * f for a, f in zip(fwd, frac)]
         bwd = [a * f for a, f in zip(bwd, frac)]
-        active = alg.active(shard[0], shard[1], seg)
+        active = alg.active(shard[0], shard[1], seg)  # (every device's: fixed_times reads them all)
     if cost.has_fixed:
-        fixed_fwd, fixed_bwd = cost.fixed_times(node, active)
+        fixed_fwd, fixed_bwd = map(pick, cost.fixed_times(node, active))
         fwd = [a + c for a, c in zip(fwd, fixed_fwd)]
         bwd = [a + c for a, c in zip(bwd, fixed_bwd)]
     if active is not None:
-        fwd = [a + c for a, c in zip(fwd, cost.idle_draw(node, active))]
+        fwd = [a + c for a, c in zip(fwd, pick(cost.idle_draw(node, active)))]
     if cost.timing is None and any(cost.inv_mem_bw):
         whole = []
         for ld in loads:
             if graph.tensors[ld.tensor].kind != "param":
                 continue
             if ld.placement.is_shard:  # each device reads and writes its shard
-                pf, pb = cost.param_seconds(node, ld.tensor)
-                held = alg.of(ld.tensor, ld.placement.dim, seg)
+                pf, pb = map(pick, cost.param_seconds(node, ld.tensor))
+                held = pick(alg.of(ld.tensor, ld.placement.dim, seg))
                 fwd = [a + c * h for a, c, h in zip(fwd, pf, held)]
                 bwd = [a + c * h for a, c, h in zip(bwd, pb, held)]
             else:
@@ -274,8 +306,8 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
             pf, pb = cost.whole_params_seconds(node, tuple(whole))
             if active is not None:
                 pf, pb = [c if a else 0.0 for c, a in zip(pf, active)], [c if a else 0.0 for c, a in zip(pb, active)]
-            fwd = [a + c for a, c in zip(fwd, pf)]
-            bwd = [a + c for a, c in zip(bwd, pb)]
+            fwd = [a + c for a, c in zip(fwd, pick(pf))]
+            bwd = [a + c for a, c in zip(bwd, pick(pb))]
     reduced = cost.reduced_at(k) if any(cost.intra_grad) else ()
     if reduced:  # once per parameter, at its first use (a tied one's uses add up, then one reduce)
         left = set(reduced)
@@ -283,7 +315,7 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
             if ld.tensor in left:
                 left.discard(ld.tensor)
                 local = alg.of(ld.tensor, ld.placement.dim, seg) if ld.placement.is_shard else (1.0,) * cost.m
-                bwd = [b + g * s for b, g, s in zip(bwd, cost.grad_intra(graph.tensors[ld.tensor].nbytes), local)]
+                bwd = [b + g * s for b, g, s in zip(bwd, pick(cost.grad_intra(graph.tensors[ld.tensor].nbytes)), pick(local))]
     return list(fwd), list(bwd)
 
 
@@ -316,7 +348,8 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     0..c, the last bucket ends at W + max_c (S_c - P_c - C_c): the iteration pays
     max(0, that excess) beyond its stages.
     """
-    graph, m, chunk_of, bucket_of = cost.graph, cost.m, cost.chunk_of, cost.bucket_of
+    graph, chunk_of, bucket_of = cost.graph, cost.chunk_of, cost.bucket_of
+    m = cost.m if alg.columns is None else len(alg.columns)  # the devices priced (node_times)
     sync_at: dict[int, float] = {}  # dense gradient bytes all-reduced, by node of first use
     sparse_at: dict[int, list[tuple]] = {}  # sparse gradients' (bytes, seconds), by node of first use
     looked_up = sparse_looked_up(program, cost, segment_of, alg)
