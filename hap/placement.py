@@ -65,9 +65,15 @@ P = Placement("P")
 
 def S(dim: int) -> Placement:
     """Sharded on tensor dim `dim` (non-negative)."""
-    if dim < 0:
-        raise ValueError(f"S(dim) needs a non-negative dim, got {dim}; normalize it first")
-    return Placement("S", dim)
+    found = _SHARDS.get(dim)
+    if found is None:
+        if dim < 0:
+            raise ValueError(f"S(dim) needs a non-negative dim, got {dim}; normalize it first")
+        found = _SHARDS[dim] = Placement("S", dim)
+    return found
+
+
+_SHARDS: dict[int, Placement] = {}  # S(d) made once per d: placements are values, and the rules ask often
 
 
 def from_code(code: int) -> Placement:

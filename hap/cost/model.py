@@ -108,6 +108,8 @@ class CostModel:
         self._granule_counts: list[int] = []
         self._reduced_at: dict[int, frozenset[str]] = {}
         self._signatures: dict[tuple, tuple] = {}
+        self._fixed: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # fixed_times per (node, shares)
+        self._draws: dict[int, bool] = {}  # is_random per node
         self.node_class = self._node_classes()  # nodes alike in op, work and tensors cost alike under any ratios
 
     def reduced_at(self, k: int) -> frozenset[str]:
@@ -259,6 +261,13 @@ class CostModel:
         (one dispatch per pass, on every device, even for an empty shard; and the measured
         fixed part of the node's time where the graph has timings). With `shares` (the node's
         work share per device), a device whose share is 0 pays only `idle` per pass."""
+        key = (node.index, None if shares is None else tuple(map(bool, shares)))
+        found = self._fixed.get(key)
+        if found is None:
+            found = self._fixed[key] = self._fixed_times(node, shares)
+        return found
+
+    def _fixed_times(self, node: Node, shares: Sequence[float] | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
         needs_bwd = any(self.graph.tensors[t].requires_grad for t in node.inputs)
         fwd = bwd = self.overhead
         if self.timing is not None:
@@ -273,7 +282,10 @@ class CostModel:
     def idle_draw(self, node: Node, shares: Sequence[float]) -> tuple[float, ...]:
         """Forward seconds per device of a random node's numbers drawn by a device with no share
         of it: every device draws the whole tensor's (rules/local.py), at its whole forward's price."""
-        if not is_random(node) or all(shares):
+        draws = self._draws.get(node.index)
+        if draws is None:
+            draws = self._draws[node.index] = is_random(node)
+        if not draws or all(shares):
             return (0.0,) * self.m
         return tuple(0.0 if s else f for f, s in zip(self.base_times(node)[0], shares))
 

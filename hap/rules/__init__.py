@@ -157,7 +157,8 @@ def _canonical(st: Strategy, node: Node, graph: Graph, short_shards: bool = Fals
     for name, p in zip(node.inputs, ins):  # one tensor given twice (w @ w) is one value on a device: one placement
         if placed.setdefault(name, p) != p:
             return None
-    return Strategy(tuple(ins), tuple(outs), st.name, st.local)
+    ins, outs = tuple(ins), tuple(outs)
+    return st if ins == st.inputs and outs == st.outputs else Strategy(ins, outs, st.name, st.local)
 
 
 _loaded = False

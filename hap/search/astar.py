@@ -82,7 +82,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ..cost.model import CostModel
 from ..ir import Graph, chunk_cuts  # noqa: F401  (chunk_cuts: part of this module's interface)
@@ -254,6 +254,7 @@ class Frame:
                 choices.append(_Choice(st, loads, tuple(dict.fromkeys(reqs)), outs, cost.variant_comm(node, st),
                                        *self._sync_choice(k, loads)))
             self.choices.append(choices)
+        self.every_choice = [list(range(len(choices))) for choices in self.choices]  # an unrestricted search's `allowed`
         # Moves, by class: tensors alike in bytes, gradient and split granules (every layer's)
         # have the same moves to a placement, priced alike.
         move_classes: dict[tuple, int] = {}
@@ -451,9 +452,8 @@ class Frame:
         return tuple(nodes), tuple(tensors), tuple(rid(t) for t in self.live[hi]), seg_in, hi == len(self.graph.nodes)
 
 
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    """A strategy of a node as the search sees it."""
+class _Choice(NamedTuple):
+    """A strategy of a node as the search sees it (a named tuple: a frame makes hundreds)."""
     strategy: Strategy
     loads: tuple[Load, ...]
     reqs: tuple[tuple[int, int], ...]  # (activation tensor id, placement code) needed
@@ -478,15 +478,18 @@ class _Space:
                     if not restriction.allow_move(mv):
                         raise ValueError(f"restriction {restriction.name!r} forbids the free move {mv.name} (R -> {dst})")
         self.dropped = math.inf
-        self.allowed = allowed = []
-        for k, node in enumerate(graph.nodes):
-            ok = [i for i, c in enumerate(frame.choices[k]) if not restriction or all(
-                restriction.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement) for ld in c.loads)]
-            if not ok:
-                raise SearchError(f"no allowed strategy for node {node.name} ({node.op})" + (f" under {restriction.name}" if restriction else ""))
-            allowed.append(ok)
+        if restriction is None:
+            self.allowed = allowed = frame.every_choice
+        else:
+            self.allowed = allowed = []
+            for k, node in enumerate(graph.nodes):
+                ok = [i for i, c in enumerate(frame.choices[k]) if all(
+                    restriction.allow_load(graph.tensors[ld.tensor].kind, ld.tensor, ld.placement) for ld in c.loads)]
+                if not ok:
+                    raise SearchError(f"no allowed strategy for node {node.name} ({node.op}) under {restriction.name}")
+                allowed.append(ok)
         options, moves = frame.prices(ratios)
-        move_prices = [[(f, b, not restriction or restriction.allow_move(mv)) for (f, b), (_, mv) in zip(prices, frame.moves[c])]
+        move_prices = [[(f, b, restriction is None or restriction.allow_move(mv)) for (f, b), (_, mv) in zip(prices, frame.moves[c])]
                        for c, prices in enumerate(moves)]
         self.core = _core.Space(frame.core, options, allowed, move_prices)
         if frame.seg_start:  # every sharded placement of a tensor live at a segment start can be re-split there

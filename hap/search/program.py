@@ -141,6 +141,7 @@ class NumericShares:
         self.moved: dict[tuple, tuple[float, float]] = {}  # move_price by (tensor, move, segments)
         self._of: dict[tuple[int, int], Sequence[float]] = {}  # (granule count, segment) -> shares
         self._top: dict[tuple[int, int], float] = {}  # (granule count, segment) -> the largest share
+        self._active: dict[tuple[int, int], tuple[bool, ...]] = {}  # (granule count, segment) -> shares > 0
         self.read: set[tuple[int, int]] | None = None  # when a set: the (granule count, segment)s `of` is asked for
         self.columns: list[int] | None = None  # every device priced (cf. lp.LPShares.columns)
 
@@ -161,7 +162,13 @@ class NumericShares:
         return found
 
     def active(self, tensor: str, dim: int, seg: int) -> tuple[bool, ...]:
-        return tuple(s > 0 for s in self.of(tensor, dim, seg))
+        if self.continuous:
+            return tuple(s > 0 for s in self.ratios[seg])
+        key = self._key(tensor, dim, seg)
+        found = self._active.get(key)
+        if found is None:
+            found = self._active[key] = tuple(s > 0 for s in self.of(tensor, dim, seg))
+        return found
 
     def live(self, tensor: str, dim: int, seg: int) -> int:
         return sum(1 for s in self.of(tensor, dim, seg) if s > 0)
@@ -288,7 +295,7 @@ def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
         fixed_fwd, fixed_bwd = map(pick, cost.fixed_times(node, active))
         fwd = [a + c for a, c in zip(fwd, fixed_fwd)]
         bwd = [a + c for a, c in zip(bwd, fixed_bwd)]
-    if active is not None:
+    if active is not None and not all(active):  # (a device with no share of a random node draws its numbers)
         fwd = [a + c for a, c in zip(fwd, pick(cost.idle_draw(node, active)))]
     if cost.timing is None and any(cost.inv_mem_bw):
         whole = []
