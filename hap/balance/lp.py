@@ -31,7 +31,7 @@ import numpy as np
 from ..cost.model import CostModel
 from ..ir import size_text
 from . import _highs
-from ..search.program import Step, memory_terms, walk
+from ..search.program import Step, memory_terms, synced_params, walk
 
 
 class BalanceError(ValueError):
@@ -194,12 +194,14 @@ class LPShares:
 
 
 def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], segments: int,
-            memory_limit: Sequence[float] | None = None) -> BalanceResult:
-    """Optimal ratios per segment for `program`; memory_limit defaults to each GPU's memory."""
+            memory_limit: Sequence[float] | None = None, facts: tuple[list, dict] | None = None) -> BalanceResult:
+    """Optimal ratios per segment for `program`; memory_limit defaults to each GPU's memory.
+    facts: the program's (memory_terms, synced_params), where the caller has them (astar.Frame.facts)."""
     caps = list(memory_limit) if memory_limit is not None else [d.memory for d in cost.cluster.devices]
+    facts = facts or (memory_terms(program, cost, segment_of), synced_params(program, cost.graph, segment_of))
     idle: set[tuple[int, int]] = set()
     for _ in range(cost.m * segments + 1):
-        result = _solve(program, cost, segment_of, segments, caps, idle)
+        result = _solve(program, cost, segment_of, segments, caps, idle, facts)
         now = {(s, j) for s, row in enumerate(result.ratios) for j, x in enumerate(row) if x == 0.0}
         if now <= idle:
             return result
@@ -207,14 +209,16 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
     return result
 
 
-def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float], idle) -> BalanceResult:
+def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float], idle,
+           facts: tuple[list, dict] | None = None) -> BalanceResult:
+    facts = facts or (memory_terms(program, cost, segment_of), synced_params(program, cost.graph, segment_of))
     m = cost.m
     lp = _Program()
     alg = LPShares(lp, m, segments, idle, [(cost.device_key(j), caps[j]) for j in range(m)])
-    objective = walk(program, cost, segment_of, alg).total + cost.step_overhead
+    objective = walk(program, cost, segment_of, alg, facts[1]).total + cost.step_overhead
     if not isinstance(objective, Lin):
         objective = Lin({}, objective)
-    _memory_rows(lp, alg.B, program, cost, segment_of, caps, alg.columns)
+    _memory_rows(lp, alg.B, facts[0], cost, caps, alg.columns)
 
     c = np.zeros(lp.n)
     for v, k in objective.terms.items():
@@ -240,13 +244,12 @@ def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float
                          message=words, idle=sorted(idle))
 
 
-def _memory_rows(lp: _Program, B, program, cost: CostModel, segment_of, caps: list[float],
-                 columns: Sequence[int]) -> None:
-    """memory_j(B) <= capacity_j, from the same terms `program.memory` sums, for the devices
-    `columns` (LPShares.columns: an interchangeable device's row is the same)."""
+def _memory_rows(lp: _Program, B, terms: list, cost: CostModel, caps: list[float], columns: Sequence[int]) -> None:
+    """memory_j(B) <= capacity_j, from the program's memory_terms (what `program.memory` sums),
+    for the devices `columns` (LPShares.columns: an interchangeable device's row is the same)."""
     mem_rows: dict[int, dict[int, float]] = {j: {} for j in columns}
     mem_const = dict.fromkeys(columns, 0.0)
-    for name, p, seg, nbytes, whole in memory_terms(program, cost, segment_of):
+    for name, p, seg, nbytes, whole in terms:
         for j in columns:
             a = nbytes / (1 if whole else cost.gpus(j))
             if p is not None and p.is_shard:

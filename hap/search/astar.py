@@ -91,7 +91,7 @@ from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
 from .program import (Estimate, Load, MoveStep, NumericShares, Step, kept_as, memory_terms, move_price, move_terms,
-                      node_key, price_node, replay, terms_seconds)
+                      node_key, price_node, replay, synced_params, terms_seconds)
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -315,7 +315,7 @@ class Frame:
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
         self._replayed: dict[tuple, Estimate] = {}
-        self._terms: dict[tuple, list] = {}  # program -> its memory_terms
+        self._terms: dict[tuple, tuple[list, dict]] = {}  # program -> its memory_terms and synced_params
         self._shares: dict[tuple, NumericShares] = {}  # share signature -> its NumericShares
         self._priced: list[tuple[Sequence[Sequence[float]], list, list]] = []  # ratios priced, and their prices
         # per option of each price class, per move of each move class: the (granule count,
@@ -339,11 +339,18 @@ class Frame:
         steps, sig = tuple(program), self.cost.share_signature(ratios)
         found = self._replayed.get((steps, sig))
         if found is None:
-            terms = self._terms.get(steps)
-            if terms is None:  # what a program keeps in memory is alike under any ratios
-                terms = self._terms[steps] = memory_terms(program, self.cost, self.segment_of)
+            terms, synced = self.facts(steps)
             found = self._replayed[(steps, sig)] = replay(program, self.cost, self.segment_of, ratios,
-                                                          alg=self.shares(ratios), terms=terms)
+                                                          alg=self.shares(ratios), terms=terms, synced=synced)
+        return found
+
+    def facts(self, program: Sequence[Step]) -> tuple[list, dict[str, int]]:
+        """A program's memory_terms and synced_params, found once: they are alike under any ratios."""
+        steps = tuple(program)
+        found = self._terms.get(steps)
+        if found is None:
+            found = self._terms[steps] = (memory_terms(program, self.cost, self.segment_of),
+                                          synced_params(program, self.graph, self.segment_of))
         return found
 
     def shares(self, ratios: Sequence[Sequence[float]]) -> NumericShares:

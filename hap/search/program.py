@@ -337,7 +337,8 @@ class Walked:
     stage_of: dict[int, int]
 
 
-def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], alg) -> Walked:
+def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], alg,
+         synced: dict[str, int] | None = None) -> Walked:
     """Price a program: the one walk that replay, the load balancer's LP and (step by step,
     astar._Space.expand) the search share.
 
@@ -354,6 +355,8 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     plus the backward of the collectives opening its stage) and S_c the seconds of the buckets
     0..c, the last bucket ends at W + max_c (S_c - P_c - C_c): the iteration pays
     max(0, that excess) beyond its stages.
+
+    synced: the program's `synced_params`, where the caller has them (they do not depend on the shares).
     """
     graph, chunk_of, bucket_of = cost.graph, cost.chunk_of, cost.bucket_of
     m = cost.m if alg.columns is None else len(alg.columns)  # the devices priced (node_times)
@@ -361,7 +364,7 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
     sparse_at: dict[int, list[tuple]] = {}  # sparse gradients' (bytes, seconds), by node of first use
     looked_up = sparse_looked_up(program, cost, segment_of, alg)
     exact = getattr(alg, "continuous", True) is False  # integer shares: numbers, not the LP's expressions
-    for name, node in synced_params(program, graph, segment_of).items():
+    for name, node in (synced if synced is not None else synced_params(program, graph, segment_of)).items():
         if name in cost.sparse_rows:
             sparse_at.setdefault(node, []).append(cost.sparse_sync(name, looked_up[name], exact))
         else:
@@ -431,13 +434,14 @@ def walk(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], al
 
 
 def replay(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], ratios: Ratios,
-           continuous: bool = False, alg: NumericShares | None = None, terms: list | None = None) -> Estimate:
+           continuous: bool = False, alg: NumericShares | None = None, terms: list | None = None,
+           synced: dict[str, int] | None = None) -> Estimate:
     """Price a program: stages, overlapped gradient sync and memory under `ratios` (integer
     shard sizes; continuous=True: the ratios themselves, as the LP sees them). A caller pricing
     many programs passes `alg`, NumericShares of these ratios that remembers what it priced,
-    and the program's `memory_terms` where it has them."""
+    and the program's `memory_terms` and `synced_params` where it has them."""
     assert alg is None or alg.continuous == continuous  # (ratios of its share signature)
-    w = walk(program, cost, segment_of, alg or NumericShares(cost, ratios, continuous))
+    w = walk(program, cost, segment_of, alg or NumericShares(cost, ratios, continuous), synced)
     return Estimate(seconds=w.total + cost.step_overhead, stages=w.stages, grad_sync=w.exposed_sync,
                     memory=memory(program, cost, segment_of, ratios, terms), buckets=w.buckets, stage_of=w.stage_of,
                     step_collectives=cost.step_overhead)
