@@ -273,7 +273,7 @@ def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load]
 def node_key(cost: CostModel, k: int, st: Strategy, loads: Sequence[Load], seg: int) -> tuple:
     """What node_times depend on but the shares: nodes alike (CostModel.node_class) under one
     strategy, loads placed alike, in one segment, cost the same."""
-    return cost.node_class[k], st, tuple(ld.placement for ld in loads), seg
+    return cost.node_class[k], st, tuple([ld.placement for ld in loads]), seg
 
 
 def price_node(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
