@@ -318,6 +318,7 @@ class Frame:
         self._terms: dict[tuple, tuple[list, dict]] = {}  # program -> its memory_terms and synced_params
         self._shares: dict[tuple, NumericShares] = {}  # share signature -> its NumericShares
         self._priced: list[tuple[Sequence[Sequence[float]], list, list]] = []  # ratios priced, and their prices
+        self._move_prices: dict[tuple, list[list[tuple]]] = {}  # (share signature, restriction) -> move_prices
         # per option of each price class, per move of each move class: the (granule count,
         # segment) shares its price reads
         self._option_deps: list[list[frozenset]] = []
@@ -389,6 +390,17 @@ class Frame:
                 lambda terms: (terms_seconds(cost, alg, terms[0]), terms_seconds(cost, alg, terms[1])))
             found = self._prices[key] = ([[_core.Price(*times) for times in row] for row in nodes], moves)
             self._priced.append((tuple(map(tuple, ratios)), nodes, moves))
+        return found
+
+    def move_prices(self, ratios: Sequence[Sequence[float]], restriction: Restriction | None) -> list[list[tuple]]:
+        """Per move class, each move's (forward s, backward s, allowed by `restriction`) under
+        `ratios`, as a search's space takes them: made once per share signature and restriction."""
+        key = (self.cost.share_signature(ratios), restriction)
+        found = self._move_prices.get(key)
+        if found is None:
+            found = self._move_prices[key] = [
+                [(f, b, restriction is None or restriction.allow_move(mv)) for (f, b), (_, mv) in zip(prices, self.moves[c])]
+                for c, prices in enumerate(self.prices(ratios)[1])]
         return found
 
     @staticmethod
@@ -495,10 +507,8 @@ class _Space:
                 if not ok:
                     raise SearchError(f"no allowed strategy for node {node.name} ({node.op}) under {restriction.name}")
                 allowed.append(ok)
-        options, moves = frame.prices(ratios)
-        move_prices = [[(f, b, restriction is None or restriction.allow_move(mv)) for (f, b), (_, mv) in zip(prices, frame.moves[c])]
-                       for c, prices in enumerate(moves)]
-        self.core = _core.Space(frame.core, options, allowed, move_prices)
+        options, _ = frame.prices(ratios)
+        self.core = _core.Space(frame.core, options, allowed, frame.move_prices(ratios, restriction))
         if frame.seg_start:  # every sharded placement of a tensor live at a segment start can be re-split there
             alg = frame.shares(ratios)
             for k in sorted(frame.seg_start):
