@@ -318,7 +318,6 @@ class Frame:
         self._terms: dict[tuple, tuple[list, dict]] = {}  # program -> its memory_terms and synced_params
         self._shares: dict[tuple, NumericShares] = {}  # share signature -> its NumericShares
         self._priced: list[tuple[Sequence[Sequence[float]], list, list]] = []  # ratios priced, and their prices
-        self._move_prices: dict[tuple, list[list[tuple]]] = {}  # (share signature, restriction) -> move_prices
         # per option of each price class, per move of each move class: the (granule count,
         # segment) shares its price reads
         self._option_deps: list[list[frozenset]] = []
@@ -363,9 +362,10 @@ class Frame:
             found = self._shares[sig] = NumericShares(self.cost, [list(r) for r in ratios])
         return found
 
-    def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float]]]]:
+    def prices(self, ratios: Sequence[Sequence[float]]) -> tuple[list, list[list[tuple[float, float, bool]]]]:
         """Per price class the (forward, backward) seconds of each option, and per move class
-        those of each move, under `ratios`: computed once per ratios (per share signature)."""
+        those of each move (and True: allowed where nothing restricts), under `ratios`: computed
+        once per ratios (per share signature)."""
         key = self.cost.share_signature(ratios)
         found = self._prices.get(key)
         if found is None:
@@ -387,21 +387,19 @@ class Frame:
                     alg.priced.setdefault(node_key(cost, k, c.strategy, c.loads, self.segment_of[k]), times)
             moves = self._price_rows(
                 self.move_terms, None if base is None else base[2], self._move_deps, changed, alg,
-                lambda terms: (terms_seconds(cost, alg, terms[0]), terms_seconds(cost, alg, terms[1])))
+                lambda terms: (terms_seconds(cost, alg, terms[0]), terms_seconds(cost, alg, terms[1]), True))
             found = self._prices[key] = ([[_core.Price(*times) for times in row] for row in nodes], moves)
             self._priced.append((tuple(map(tuple, ratios)), nodes, moves))
         return found
 
     def move_prices(self, ratios: Sequence[Sequence[float]], restriction: Restriction | None) -> list[list[tuple]]:
         """Per move class, each move's (forward s, backward s, allowed by `restriction`) under
-        `ratios`, as a search's space takes them: made once per share signature and restriction."""
-        key = (self.cost.share_signature(ratios), restriction)
-        found = self._move_prices.get(key)
-        if found is None:
-            found = self._move_prices[key] = [
-                [(f, b, restriction is None or restriction.allow_move(mv)) for (f, b), (_, mv) in zip(prices, self.moves[c])]
-                for c, prices in enumerate(self.prices(ratios)[1])]
-        return found
+        `ratios`, as a search's space takes them."""
+        moves = self.prices(ratios)[1]
+        if restriction is None:
+            return moves
+        return [[(f, b, restriction.allow_move(mv)) for (f, b, _), (_, mv) in zip(prices, self.moves[c])]
+                for c, prices in enumerate(moves)]
 
     @staticmethod
     def _price_rows(rows: list[list], first: list[list] | None, deps: list[list[frozenset]], changed: set,
