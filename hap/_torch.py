@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import sys
 import warnings
 from typing import Any, Callable, Sequence
@@ -17,6 +18,17 @@ from torch.utils._pytree import tree_unflatten  # noqa: F401 (the model's return
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 SYMBOLIC_SHAPES_LOGGER = "torch.fx.experimental.symbolic_shapes"
 """The logger torch's fake tensors write a failing op's whole traceback to, before export raises."""
+
+
+# -- profiler ------------------------------------------------------------------------------------
+
+def cpu_profiler() -> torch.profiler.profile:
+    """A CPU torch.profiler whose start and stop print nothing. kineto writes "USDT: ...
+    profiler_start" and "profiler_stop" lines to stderr at each, at every log level but the one
+    above all (KINETO_LOG_LEVEL=6, read when a profiler first starts); torch has no public
+    switch. A level the user set is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 # -- autograd ------------------------------------------------------------------------------------

@@ -739,12 +739,12 @@ class _TrainLoop:
     and with --trace a Chrome trace of the last 3 steps and the plan they ran."""
 
     def __init__(self, rank: int, args: dict, start: int, dmodel, opt, start_tracing):
-        import torch
+        from ._torch import cpu_profiler
 
         self.rank, self.args, self.dmodel, self.opt, self.start_tracing = rank, args, dmodel, opt, start_tracing
         self.every = args["checkpoint_every"] or args["steps"]
         self.traced = min(3, args["steps"] - start) if args["trace"] else 0
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if self.traced else None
+        self.profiler = cpu_profiler() if self.traced else None
         self.progress = _Progress(args["steps"], start) if rank == 0 else None
         self.times: list[float] = []
 

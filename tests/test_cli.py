@@ -366,3 +366,19 @@ def test_a_resumed_bert_moe_of_another_expert_count_says_why(monkeypatch):
         _check_checkpoint("c", graph, SimpleNamespace(model="bert-moe", experts=None), 4)
     with pytest.raises(UserError, match=r"in the model$"):  # --experts given: the shapes say it all
         _check_checkpoint("c", graph, SimpleNamespace(model="bert-moe", experts=8), 4)
+
+
+def test_a_trace_prints_no_profiler_lines():
+    # kineto wrote "USDT: ... profiler_start" and "profiler_stop" to every rank's stderr at each
+    # traced run of `hap train --trace`; hap's profiler starts and stops without a line, and records.
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch\nfrom hap._torch import cpu_profiler\np = cpu_profiler()\nwith p:\n"
+              "    torch.ones(3).add(1)\nprint(len(p.events()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) > 0
+    assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
