@@ -963,6 +963,14 @@ def _check_outputs(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (also while the modules below load)
+        print("hap: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from .balance.lp import BalanceError
     from .capture import CaptureError
     from .cost.cluster import ClusterError
@@ -981,9 +989,6 @@ def main(argv: list[str] | None = None) -> int:
     except (RankFailed, TrialsFailed) as e:  # a training or profiling rank failed: its line, then its traceback
         print(f"hap: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("hap: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # the reader went away (hap plan --listing | head): stop quietly, as a pipe does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
         return 141

@@ -382,3 +382,37 @@ def test_a_trace_prints_no_profiler_lines():
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) > 0
     assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
+
+
+def test_the_command_starts_without_torch():
+    # The `hap` command's entry point imports nothing heavy: hap.cli.main is imported inside its
+    # try, so a Ctrl-C while torch loads (about two seconds) ends the command in one line.
+    import pathlib
+    import subprocess
+    import sys
+
+    scripts = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'hap = "hap_command:main"' in scripts
+    done = subprocess.run([sys.executable, "-c", "import sys, hap_command\nprint('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False"], done.stderr
+
+
+@pytest.mark.parametrize("after", [0.6, 1.5])
+def test_ctrl_c_while_the_command_loads_is_one_line(after):
+    # `hap train` interrupted in its first seconds (importing torch and hap) ended in a 40-line
+    # KeyboardInterrupt traceback of the import; it now ends as a later Ctrl-C does.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys\nfrom hap_command import main\nsys.exit(main())",
+                             "train", "--model", "vit", "--cluster", "local", "--steps", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "hap: interrupted", err

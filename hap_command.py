@@ -1,0 +1,21 @@
+"""The `hap` command's entry point, kept outside the hap package.
+
+Importing hap loads torch, about two seconds. A Ctrl-C in those seconds would end the command
+in a traceback of the import. Here it ends as a Ctrl-C does later (hap.cli.main): one line,
+exit status 130.
+"""
+
+import sys
+
+
+def main() -> int:
+    try:
+        from hap.cli import main as hap_main
+    except KeyboardInterrupt:
+        print("hap: interrupted", file=sys.stderr)
+        return 130
+    return hap_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
