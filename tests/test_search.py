@@ -412,3 +412,27 @@ def test_a_plan_states_how_far_its_width_limited_searches_may_be_from_optimal(gr
     narrow = plan(graphs["two_layer"], cluster, PlannerConfig(width=1, width_after=0.0))
     assert not narrow.search["exhaustive"] and 0.0 < narrow.search["gap"] < math.inf
     assert "within" in narrow.summary() and "of that search's optimum" in narrow.summary()
+
+
+@pytest.mark.parametrize("ratios", [(0.5, 0.3, 0.2), (0.45, 0.45, 0.1), (0.2, 0.2, 0.6)])
+def test_frame_prices_every_move_as_move_price(ratios):
+    # The frame prices every move class's moves at once (astar._MoveTable); the walk (replay,
+    # the LP) prices each alone (program.move_price). They must agree to the bit, on a batch of
+    # 7 rows and widths of 20 and 6, whose splits round differently: an all-to-all from S(0)
+    # to S(1) then costs by the larger of two different largest shares.
+    from hap.search.program import NumericShares, move_price
+
+    graph = capture(TwoLayer(), (torch.randn(7, 12),))
+    strategies, cost, segment_of = setup(graph, make_cluster((3e9, 2e9, 1e9), 1e8))
+    frame = Frame(graph, strategies, cost, segment_of)
+    _, moves = frame.prices([list(ratios)])
+    alg = NumericShares(cost, [list(ratios)])
+    both_sharded_apart = 0
+    for c, (name, seg) in enumerate(frame.move_tensor):
+        assert len(moves[c]) == len(frame.moves[c])
+        for (_, mv), (f, b, allowed) in zip(frame.moves[c], moves[c]):
+            assert (f, b, allowed) == (*move_price(cost, alg, name, mv, seg, seg), True), (name, mv)
+            if mv.src.is_shard and mv.dst.is_shard and mv.fwd is not None:
+                tops = {alg.largest([(name, p.dim, seg)]) for p in (mv.src, mv.dst)}
+                both_sharded_apart += len(tops) > 1
+    assert both_sharded_apart > 0  # (the case the larger of two shares decides)

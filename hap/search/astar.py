@@ -84,6 +84,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
+import numpy as np
+
 from ..cost.model import CostModel
 from ..ir import Graph, chunk_cuts  # noqa: F401  (chunk_cuts: part of this module's interface)
 from ..placement import D, P, R, Placement, from_code
@@ -289,8 +291,8 @@ class Frame:
                 self.move_tensor.append((name, seg))
             self.move_class[(t, code, seg)] = move_classes[key]
         # per move class, each move's (forward, backward) collective_terms: priced under every ratios
-        self.move_terms = [[move_terms(cost, name, mv, seg, seg) for _, mv in self.moves[c]]
-                           for c, (name, seg) in enumerate(self.move_tensor)]
+        self.move_table = _MoveTable([[move_terms(cost, name, mv, seg, seg) for _, mv in self.moves[c]]
+                                      for c, (name, seg) in enumerate(self.move_tensor)])
         self.sync_rest = _sync_rest(cost)
         bucket = cost.bucket_of
         self.core = _core.Frame(
@@ -317,11 +319,9 @@ class Frame:
         self._replayed: dict[tuple, Estimate] = {}
         self._terms: dict[tuple, tuple[list, dict]] = {}  # program -> its memory_terms and synced_params
         self._shares: dict[tuple, NumericShares] = {}  # share signature -> its NumericShares
-        self._priced: list[tuple[Sequence[Sequence[float]], list, list]] = []  # ratios priced, and their prices
-        # per option of each price class, per move of each move class: the (granule count,
-        # segment) shares its price reads
+        self._priced: list[tuple[Sequence[Sequence[float]], list]] = []  # ratios priced, and their node prices
+        # per option of each price class: the (granule count, segment) shares its price reads
         self._option_deps: list[list[frozenset]] = []
-        self._move_deps: list[list[frozenset]] = []
 
     @property
     def chunk_class(self) -> dict[int, int]:
@@ -370,10 +370,10 @@ class Frame:
         found = self._prices.get(key)
         if found is None:
             cost, alg = self.cost, self.shares(ratios)
-            # A price reads the shares of a few granule counts only (noted at the first ratios
-            # priced): where none of those rounds differently from the nearest ratios priced
-            # already (the fewest shares changed: a balanced round's ratios are near its input's),
-            # it is that price again.
+            # A node's price reads the shares of a few granule counts only (noted at the first
+            # ratios priced): where none of those rounds differently from the nearest ratios
+            # priced already (the fewest shares changed: a balanced round's ratios are near its
+            # input's), it is that price again. Moves are priced all at once (_MoveTable).
             base, changed = None, set()
             if self._priced:
                 base, changed = min(((p, cost.changed_shares(p[0], ratios)) for p in self._priced),
@@ -385,11 +385,9 @@ class Frame:
             for k, row in zip(self.alike_node, nodes):  # programs replayed at these ratios find them priced
                 for c, times in zip(self.choices[k], row):
                     alg.priced.setdefault(node_key(cost, k, c.strategy, c.loads, self.segment_of[k]), times)
-            moves = self._price_rows(
-                self.move_terms, None if base is None else base[2], self._move_deps, changed, alg,
-                lambda terms: (terms_seconds(cost, alg, terms[0]), terms_seconds(cost, alg, terms[1]), True))
+            moves = self.move_table.prices(cost, alg)
             found = self._prices[key] = ([[_core.Price(*times) for times in row] for row in nodes], moves)
-            self._priced.append((tuple(map(tuple, ratios)), nodes, moves))
+            self._priced.append((tuple(map(tuple, ratios)), nodes))
         return found
 
     def move_prices(self, ratios: Sequence[Sequence[float]], restriction: Restriction | None) -> list[list[tuple]]:
@@ -479,6 +477,46 @@ class _Choice(NamedTuple):
     sync_bytes: float  # gradient bytes this node makes the runtime all-reduce (first use of a parameter kept whole)
     keeps: tuple  # (parameter id, placement code, segment): a shared parameter first loaded sharded
     uses: tuple  # (parameter id, placement code or -1 for several, segment): a later use of a shared parameter
+
+
+class _MoveTable:
+    """Every move class's moves' collective_terms (forward and backward, in class and move
+    order) as arrays, priced under any ratios at once: terms_seconds over all of them, const +
+    slope * the largest share of the (up to two) sharded operands, 1 where none; a grouped
+    all-gather (a price by how many devices hold rows) alone. The same operations in the same
+    order as terms_seconds: the same floats."""
+
+    def __init__(self, rows: Sequence[Sequence[tuple]]):
+        self.counts = [len(row) for row in rows]
+        self.refs: dict[tuple, int] = {}  # (tensor, dim, segment) -> its index in `tops` (0: the whole, 1.0)
+        const, slope, first, second = [], [], [], []
+        self.grouped: list[tuple[int, tuple]] = []  # (flat index, its collective_terms)
+        for row in rows:
+            for pair in row:
+                for terms in pair:
+                    if terms is not None and terms[0] is None:
+                        self.grouped.append((len(const), terms))
+                    linear = terms is not None and terms[0] is not None
+                    ids = [self.refs.setdefault(ref, len(self.refs) + 1) for ref in terms[2]] if linear else []
+                    const.append(terms[0] if linear else 0.0)
+                    slope.append(terms[1] if linear else 0.0)
+                    first.append(ids[0] if ids else 0)
+                    second.append(ids[-1] if ids else 0)
+        self.const, self.slope = np.array(const), np.array(slope)
+        self.first, self.second = np.array(first, dtype=np.intp), np.array(second, dtype=np.intp)
+
+    def prices(self, cost: CostModel, alg: NumericShares) -> list[list[tuple[float, float, bool]]]:
+        """Per move class, each move's (forward s, backward s, True) under the shares `alg`."""
+        tops = np.array([1.0] + [alg.largest([ref]) for ref in self.refs])
+        flat = (self.const + self.slope * np.maximum(tops[self.first], tops[self.second])).tolist()
+        for i, terms in self.grouped:
+            flat[i] = terms_seconds(cost, alg, terms)
+        out, pos = [], 0
+        for n in self.counts:
+            part = flat[pos:pos + 2 * n]
+            out.append(list(zip(part[0::2], part[1::2], itertools.repeat(True))))
+            pos += 2 * n
+        return out
 
 
 class _Space:
