@@ -105,13 +105,14 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
 
         if drawn_replicated(node):  # its draws depend on its inputs' values: one whole draw per device
             found = []
+    facts = _tensor_facts(node, graph)
     for st in found:
-        st = _canonical(st, node, graph, short_shards)
+        st = _canonical(st, node, facts, short_shards)
         if st is not None and (st.inputs, st.outputs) not in seen:
             seen.add((st.inputs, st.outputs))
             out.append(st)
     for st in (_uniform(node, R, "replicated"), _uniform(node, D, "duplicated")):
-        st = _canonical(st, node, graph, short_shards)
+        st = _canonical(st, node, facts, short_shards)
         if (st.inputs, st.outputs) not in seen:
             seen.add((st.inputs, st.outputs))
             out.append(st)
@@ -136,21 +137,30 @@ def _uniform(node: Node, p: Placement, name: str) -> Strategy:
     return Strategy(tuple(p for _ in node.inputs), tuple(p for _ in node.outputs), name)
 
 
-def _canonical(st: Strategy, node: Node, graph: Graph, short_shards: bool = False) -> Strategy | None:
-    """Check shape sanity, write R for D on tensors that carry no gradient, drop impossible ones."""
+def _tensor_facts(node: Node, graph: Graph) -> tuple[list, list]:
+    """Per input and per output of `node`: (name, shape, floating, requires_grad), what
+    _canonical reads of each of the node's strategies."""
+    def facts(name):
+        t = graph.tensors[name]
+        return name, t.shape, t.dtype.startswith(("float", "bfloat", "complex")), t.requires_grad
+    return [facts(x) for x in node.inputs], [facts(x) for x in node.outputs]
+
+
+def _canonical(st: Strategy, node: Node, facts: tuple[list, list], short_shards: bool = False) -> Strategy | None:
+    """Check shape sanity, write R for D on tensors that carry no gradient, drop impossible ones
+    (`facts`: _tensor_facts of the node)."""
     assert len(st.inputs) == len(node.inputs), f"{node.op}: rule gave {len(st.inputs)} input placements for {len(node.inputs)} inputs"
     assert len(st.outputs) == len(node.outputs), f"{node.op}: rule gave {len(st.outputs)} output placements for {len(node.outputs)} outputs"
     ins, outs = [], []
-    for names, places, acc in ((node.inputs, st.inputs, ins), (node.outputs, st.outputs, outs)):
-        for name, p in zip(names, places):
-            t = graph.tensors[name]
-            if p.kind == "S":
-                assert p.dim < len(t.shape), f"{node.op}: S({p.dim}) on rank-{len(t.shape)} tensor {name}"
-                if t.shape[p.dim] < 2 and not short_shards:
+    for tensors, places, acc in ((facts[0], st.inputs, ins), (facts[1], st.outputs, outs)):
+        for (name, shape, floating, requires_grad), p in zip(tensors, places):
+            if p.is_shard:
+                assert p.dim < len(shape), f"{node.op}: S({p.dim}) on rank-{len(shape)} tensor {name}"
+                if shape[p.dim] < 2 and not short_shards:
                     return None  # a length-1 dim is never sharded: the tensor stays whole (and its gradient summed)
-            if p.kind == "P" and not t.dtype.startswith(("float", "bfloat", "complex")):
+            elif p.kind == "P" and not floating:
                 return None  # integer partial sums are not supported
-            if p.kind == "D" and not t.requires_grad:
+            elif p.kind == "D" and not requires_grad:
                 p = R
             acc.append(p)
     placed: dict[str, Placement] = {}
