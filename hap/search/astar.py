@@ -291,8 +291,9 @@ class Frame:
                 self.move_tensor.append((name, seg))
             self.move_class[(t, code, seg)] = move_classes[key]
         # per move class, each move's (forward, backward) collective_terms: priced under every ratios
-        self.move_table = _MoveTable([[move_terms(cost, name, mv, seg, seg) for _, mv in self.moves[c]]
-                                      for c, (name, seg) in enumerate(self.move_tensor)])
+        self.move_table = _MoveTable([[move_terms(cost, name, mv, seg, seg, nbytes) for _, mv in moves]
+                                      for moves, (name, seg) in zip(self.moves, self.move_tensor)
+                                      for nbytes in (graph.tensors[name].nbytes,)])
         self.sync_rest = _sync_rest(cost)
         bucket = cost.bucket_of
         self.core = _core.Frame(

@@ -226,10 +226,11 @@ def _move_price(cost: CostModel, alg, tensor: str, mv: Move, seg_src: int, seg_d
     return terms_seconds(cost, alg, fwd), terms_seconds(cost, alg, bwd)
 
 
-def move_terms(cost: CostModel, tensor: str, mv: Move, seg_src: int, seg_dst: int) -> tuple:
+def move_terms(cost: CostModel, tensor: str, mv: Move, seg_src: int, seg_dst: int, nbytes: int | None = None) -> tuple:
     """A move's forward and backward collectives as `collective_terms` (what move_price prices
-    under any shares; a rebalance between segments split alike is free, which only the shares tell)."""
-    nbytes = cost.graph.tensors[tensor].nbytes
+    under any shares; a rebalance between segments split alike is free, which only the shares
+    tell). nbytes: the tensor's, where the caller has it."""
+    nbytes = cost.graph.tensors[tensor].nbytes if nbytes is None else nbytes
     return (collective_terms(cost, tensor, nbytes, mv.fwd, mv.src, mv.dst, seg_src, seg_dst),
             collective_terms(cost, tensor, nbytes, mv.bwd, mv.dst, mv.src, seg_dst, seg_src))
 
