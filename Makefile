@@ -24,7 +24,7 @@ run: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/hap train --model vgg19 --scale small --hidden 64 --batch 64 --cluster local --calibrate --steps 30
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest --durations=15  # (the slowest tests, to keep the suite under 20 minutes on 2 cores)
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/synthesis_time.py

@@ -407,7 +407,8 @@ def _balanced(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int
     which the planner then prices as a candidate (memory alone cost VGG19's planning 1 ms)."""
     caps = list(capacity)
     facts = frame.facts(program) if frame is not None else None
-    ratios = balance(program, cost, segment_of, g, caps, facts).ratios
+    memo = frame.lp_prices if frame is not None else None
+    ratios = balance(program, cost, segment_of, g, caps, facts, memo).ratios
     for _ in range(tries - 1):
         held = frame.replay(program, ratios).memory if frame is not None else memory(program, cost, segment_of, ratios)
         over = [m - c for m, c in zip(held, capacity)]
@@ -415,7 +416,7 @@ def _balanced(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int
             break
         caps = [cap - o * 1.01 if o > 0 else cap for cap, o in zip(caps, over)]
         try:
-            ratios = balance(program, cost, segment_of, g, caps, facts).ratios
+            ratios = balance(program, cost, segment_of, g, caps, facts, memo).ratios
         except BalanceError:
             break
     return ratios

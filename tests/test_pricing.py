@@ -168,6 +168,27 @@ def test_lp_optimum_is_replay_of_its_ratios(graphs, name, spec, segments, seed):
 
 
 @settings(max_examples=25, deadline=None)
+@given(name=hs.sampled_from(["mlp", "tied", "residual", "sparse"]), spec=clusters, segments=hs.sampled_from([1, 2]),
+       seeds=hs.lists(hs.integers(0, 2**16), min_size=2, max_size=4))
+def test_lps_sharing_node_prices_solve_as_each_alone(graphs, name, spec, segments, seeds):
+    # The planner's LPs share node prices (balance's memo: each layout's share variables are
+    # numbered alike). Every program, balanced after others in one memo, gets the LP it gets
+    # alone: the same objective and ratios. Two equal devices share a variable unless their
+    # memory limits differ: both layouts meet in one memo.
+    graph = graphs[name]
+    _, bandwidth, latency, overhead = spec
+    strategies, cost, segment_of = setting(graph, cluster([2e9, 2e9, 1e9], bandwidth, latency, overhead), segments)
+    memo: dict = {}
+    for seed in seeds:
+        program = random_program(graph, strategies, segment_of, random.Random(seed))
+        for caps in ([2.0**40] * 3, [2.0**40, 2.0**41, 2.0**40]):
+            shared = balance(program, cost, segment_of, segments, caps, memo=memo)
+            alone = balance(program, cost, segment_of, segments, caps)
+            assert shared.objective == alone.objective and shared.ratios == alone.ratios
+    assert len(memo) >= 2  # (both layouts' node prices were kept)
+
+
+@settings(max_examples=25, deadline=None)
 @given(name=hs.sampled_from(["mlp", "tied", "residual", "sparse"]), kinds=hs.lists(hs.sampled_from([1e9, 3e9]), min_size=3, max_size=4),
        bandwidth=hs.floats(5, 11).map(lambda x: 10 ** x), overhead=hs.sampled_from([0.0, 1e-6]),
        segments=hs.sampled_from([1, 2]), seed=hs.integers(0, 2**16))

@@ -127,7 +127,8 @@ class LPShares:
     constraints then coincide and the LP keeps each once. The walk prices one device of each
     such set alone (`columns`): the others' expressions are the same."""
 
-    def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]], keys: Sequence[tuple]):
+    def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]], keys: Sequence[tuple],
+                 memo: dict | None = None):
         self.lp, self.m, self.idle = lp, m, idle
         alike = [(keys[j], tuple((s, j) in idle for s in range(segments))) for j in range(m)]
         self.columns = sorted({key: j for j, key in reversed(list(enumerate(alike)))}.values())
@@ -150,7 +151,11 @@ class LPShares:
                     lp.fixed_zero.add(self.B[s][j])
         self._shares = [[Lin({b: 1.0}) for b in row] for row in self.B]
         self._pairs: dict[tuple[int, int], Lin] = {}
-        self.priced: dict[tuple, tuple] = {}  # node_times of alike nodes (expressions are never changed in place)
+        # node_times of alike nodes (expressions are never changed in place). Node prices read the
+        # share variables alone, numbered alike in every LP of one layout (segments, idle devices,
+        # device keys): the LPs of one `memo` (the planner's, one cost model's) share them.
+        layout = (segments, frozenset(idle), tuple(keys))
+        self.priced: dict[tuple, tuple] = {} if memo is None else memo.setdefault(layout, {})
 
     def of(self, tensor: str, dim: int, seg: int) -> list[Lin]:
         return self._shares[seg]
@@ -194,14 +199,16 @@ class LPShares:
 
 
 def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int], segments: int,
-            memory_limit: Sequence[float] | None = None, facts: tuple[list, dict] | None = None) -> BalanceResult:
+            memory_limit: Sequence[float] | None = None, facts: tuple[list, dict] | None = None,
+            memo: dict | None = None) -> BalanceResult:
     """Optimal ratios per segment for `program`; memory_limit defaults to each GPU's memory.
-    facts: the program's (memory_terms, synced_params), where the caller has them (astar.Frame.facts)."""
+    facts: the program's (memory_terms, synced_params), where the caller has them (astar.Frame.facts);
+    memo: a dict the caller keeps for every LP of one cost model, which then share node prices."""
     caps = list(memory_limit) if memory_limit is not None else [d.memory for d in cost.cluster.devices]
     facts = facts or (memory_terms(program, cost, segment_of), synced_params(program, cost.graph, segment_of))
     idle: set[tuple[int, int]] = set()
     for _ in range(cost.m * segments + 1):
-        result = _solve(program, cost, segment_of, segments, caps, idle, facts)
+        result = _solve(program, cost, segment_of, segments, caps, idle, facts, memo)
         now = {(s, j) for s, row in enumerate(result.ratios) for j, x in enumerate(row) if x == 0.0}
         if now <= idle:
             return result
@@ -210,11 +217,11 @@ def balance(program: Sequence[Step], cost: CostModel, segment_of: Sequence[int],
 
 
 def _solve(program, cost: CostModel, segment_of, segments: int, caps: list[float], idle,
-           facts: tuple[list, dict] | None = None) -> BalanceResult:
+           facts: tuple[list, dict] | None = None, memo: dict | None = None) -> BalanceResult:
     facts = facts or (memory_terms(program, cost, segment_of), synced_params(program, cost.graph, segment_of))
     m = cost.m
     lp = _Program()
-    alg = LPShares(lp, m, segments, idle, [(cost.device_key(j), caps[j]) for j in range(m)])
+    alg = LPShares(lp, m, segments, idle, [(cost.device_key(j), caps[j]) for j in range(m)], memo)
     objective = walk(program, cost, segment_of, alg, facts[1]).total + cost.step_overhead
     if not isinstance(objective, Lin):
         objective = Lin({}, objective)

@@ -323,6 +323,7 @@ class Frame:
         self._priced: list[tuple[Sequence[Sequence[float]], list]] = []  # ratios priced, and their node prices
         # per option of each price class: the (granule count, segment) shares its price reads
         self._option_deps: list[list[frozenset]] = []
+        self.lp_prices: dict = {}  # the planner's LPs' shared node prices (balance.lp.balance's memo)
 
     @property
     def chunk_class(self) -> dict[int, int]:
