@@ -130,9 +130,6 @@ class LPShares:
     def __init__(self, lp: _Program, m: int, segments: int, idle: set[tuple[int, int]], keys: Sequence[tuple],
                  memo: dict | None = None):
         self.lp, self.m, self.idle = lp, m, idle
-        alike = [(keys[j], tuple((s, j) in idle for s in range(segments))) for j in range(m)]
-        self.columns = sorted({key: j for j, key in reversed(list(enumerate(alike)))}.values())
-        """The first device of every interchangeable set (in every segment), in device order."""
         self.B = []  # B[s][j]: the variable of device j's share in segment s
         for s in range(segments):
             var_of: dict[tuple, int] = {}
@@ -143,6 +140,8 @@ class LPShares:
                     var_of[key] = lp.var()
                 row.append(var_of[key])
             self.B.append(row)
+        self.columns = sorted({tuple(row[j] for row in self.B): j for j in reversed(range(m))}.values())
+        """The first device of every interchangeable set (one share variable in every segment), in device order."""
         self.M = [lp.var() for _ in range(segments)]
         for s in range(segments):
             for j in range(m):

@@ -318,7 +318,7 @@ class Frame:
         self.chunk_syncs = {lo: any(cost.first_use_bytes[k] for k in range(lo, hi)) for lo, hi in zip(self.bounds, self.bounds[1:])}
         self._prices: dict[tuple, tuple[list, list]] = {}
         self._replayed: dict[tuple, Estimate] = {}
-        self._terms: dict[tuple, tuple[list, dict]] = {}  # program -> its memory_terms and synced_params
+        self._facts: dict[tuple, tuple[list, dict]] = {}  # program -> its memory_terms and synced_params (facts)
         self._shares: dict[tuple, NumericShares] = {}  # share signature -> its NumericShares
         self._priced: list[tuple[Sequence[Sequence[float]], list]] = []  # ratios priced, and their node prices
         # per option of each price class: the (granule count, segment) shares its price reads
@@ -349,9 +349,9 @@ class Frame:
     def facts(self, program: Sequence[Step]) -> tuple[list, dict[str, int]]:
         """A program's memory_terms and synced_params, found once: they are alike under any ratios."""
         steps = tuple(program)
-        found = self._terms.get(steps)
+        found = self._facts.get(steps)
         if found is None:
-            found = self._terms[steps] = (memory_terms(program, self.cost, self.segment_of),
+            found = self._facts[steps] = (memory_terms(program, self.cost, self.segment_of),
                                           synced_params(program, self.graph, self.segment_of))
         return found
 
