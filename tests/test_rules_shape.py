@@ -346,3 +346,24 @@ def test_a_strategy_pickled_in_another_process_hashes_as_one_made_here():
     loaded, here = pickle.loads(made), Strategy((S(0), R), (S(0),), "batch")
     assert loaded == here and hash(loaded) == hash(here)
     assert {here: 1}[loaded] == 1
+
+
+def test_placements_are_values_whose_kind_is_checked():
+    # Placements keep is_shard and code as fields and hash by their code: equal placements are
+    # equal and hash alike however made (S(d) is made once per d; pickled ones are rebuilt), and
+    # a kind that is none of S, R, D, P, or S of a negative dim, is one line naming it.
+    import copy
+    import pickle
+
+    from hap.placement import Placement, from_code, parse
+
+    assert [p.code for p in (R, D, P, S(0), S(2))] == [0, 1, 2, 3, 5]
+    assert [p.is_shard for p in (R, D, P, S(1))] == [False, False, False, True]
+    for p in (R, D, P, S(0), S(3)):
+        for q in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p), Placement(p.kind, p.dim), from_code(p.code), parse(str(p))):
+            assert q == p and hash(q) == hash(p) and q.code == p.code and q.is_shard == p.is_shard
+    assert S(1) is S(1) and S(1) != S(2) and R != D
+    with pytest.raises(ValueError, match=r"^not a placement kind: 'X' \(expected 'S', 'R', 'D' or 'P'\)$"):
+        Placement("X")
+    with pytest.raises(ValueError, match="non-negative dim, got -1"):
+        S(-1)
