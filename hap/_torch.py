@@ -252,3 +252,25 @@ def default_store():
         return distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+_BACKWARD_CONTEXT = "context"
+"""The thread-local slot torch's backward keeps a copy of the caller's contextvars in while it
+runs (torch/autograd/graph.py, _engine_run_backward)."""
+
+
+def launch_collective(collective: Callable, *args, **kwargs):
+    """collective(*args, **kwargs) with the backward's context out of the thread-local state it
+    captures. A gloo collective keeps a copy of that state, and the backend's worker thread drops
+    the last reference after the work is done: a Python object in it needs the GIL to be freed.
+    When that comes at interpreter exit the worker cannot take the GIL and the process aborts
+    ("terminate called without an active exception"; seen in 1 of about 6 torchrun runs of
+    tests/torchrun_ranks.py). The collective itself runs no Python."""
+    if not torch._C._is_key_in_tls(_BACKWARD_CONTEXT):
+        return collective(*args, **kwargs)
+    context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
+    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
+    try:
+        return collective(*args, **kwargs)
+    finally:
+        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)

@@ -3,9 +3,13 @@ synchronous and asynchronous. On the CPU (here, gloo) nothing is staged; test_gp
 same worker with GPU tensors, where gloo's ranks stage their messages through host memory (and
 NCCL's ranks their host tensors through the GPU)."""
 
+import sys
+import time
+
 import torch
 from gloo import rank_device, run_ranks
 
+from hap._torch import _BACKWARD_CONTEXT as BACKWARD_CONTEXT
 from hap.runtime import wire
 
 
@@ -71,3 +75,36 @@ def test_wire_collectives_on_cpu_ranks(tmp_path):
     reports = run_ranks(wire_worker, 3, tmp_path)
     assert all(not r["failures"] for r in reports), [r["failures"] for r in reports]
     assert all(r["staged"] is None for r in reports)  # gloo takes host tensors: nothing staged
+
+
+
+def backward_worker(rank, world):
+    """A collective launched in a backward (from a gradient hook, as hap's gradient sync does),
+    its work kept past the backward's end."""
+    kept, seen = {}, {}
+    w = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+
+    def hook(p):
+        kept["context"] = torch._C._get_obj_in_tls(BACKWARD_CONTEXT)
+        kept["work"] = wire.all_reduce(p.grad, async_op=True)
+        seen["context kept"] = torch._C._get_obj_in_tls(BACKWARD_CONTEXT) is kept["context"]
+
+    w.register_post_accumulate_grad_hook(hook)
+    (w * w).sum().backward()  # its end takes the context out of the thread-local state
+    kept["work"].wait()
+    with_work = sys.getrefcount(kept["context"])
+    del kept["work"]
+    time.sleep(0.2)  # the backend's worker thread drops its reference to the work too
+    seen["held by the work"] = with_work - sys.getrefcount(kept["context"])
+    seen["grad"] = w.grad.tolist()
+    return seen
+
+
+def test_a_collective_in_a_backward_holds_no_python_object_of_the_backward(tmp_path):
+    """torch's backward keeps the caller's contextvars in thread-local state, which a gloo work
+    copies; the backend's worker thread frees the work, and a Python object in it needs the GIL
+    then: at interpreter exit, that aborted the process (1 in about 6 torchrun runs)."""
+    reports = run_ranks(backward_worker, 2, tmp_path)
+    for r in reports:
+        assert r["held by the work"] == 0 and r["context kept"], r
+        assert r["grad"] == [2.0 * (1 + 2)] * 3  # d(w*w)/dw = 2w, summed over ranks (w = 1, 2)

@@ -20,11 +20,14 @@ show one (ledger.named): also outside hap's calls, in a backward.
 
 from __future__ import annotations
 
+import atexit
+import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._torch import launch_collective
 from . import ledger
 
 
@@ -72,14 +75,33 @@ def _raise_named(error: Exception):
     raise found from error
 
 
+EXIT_SETTLE_S = 0.05
+"""How long a process that ran collectives gives the GIL away at its end (atexit)."""
+_settle_registered = False
+
+
+def _settle_backends() -> None:
+    """Give the GIL away for a moment before the interpreter finalizes. A backend's worker thread
+    frees a finished collective after its caller has moved on; where the caller dropped a tensor
+    the collective still held, freeing it needs the GIL. A worker that asks for the GIL once
+    finalization has begun is ended, and the process aborts ("terminate called without an active
+    exception": seen once in 44 torchrun runs of tests/torchrun_ranks.py after launch_collective
+    took the backward's context out of the works)."""
+    time.sleep(EXIT_SETTLE_S)
+
+
 def _run(collective, *args, **kwargs):
     """collective(*args, **kwargs); under a store ledger (ranks torchrun started) its failure, at
     the call or at wait(), is the parting behind it: a peer that died or left during a
     backward's gradient sync was told in gloo's words alone ("Connection closed by peer")."""
+    global _settle_registered
+    if not _settle_registered:
+        atexit.register(_settle_backends)
+        _settle_registered = True
     if not ledger.keeps_store():
-        return collective(*args, **kwargs)
+        return launch_collective(collective, *args, **kwargs)
     try:
-        work = collective(*args, **kwargs)
+        work = launch_collective(collective, *args, **kwargs)
     except Exception as e:
         _raise_named(e)
     return Named(work) if work is not None else None
