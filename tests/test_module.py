@@ -1191,12 +1191,18 @@ def train_meta(rank, world):
         bad_input = None
     except ValueError as e:
         bad_input = str(e)
+    try:
+        dmodel(x.double())  # captured with float32
+        bad_dtype = None
+    except ValueError as e:
+        bad_dtype = str(e)
     other = dmodel(torch.randn(7, 16, generator=torch.Generator().manual_seed(2))).item()  # a smaller global batch
     dmodel.eval()  # (its buffers, materialized, and its parameters, meta, were captured on two devices: refused)
     with torch.no_grad():
         evaluated = dmodel(x).item()
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
             "meta": all(p.is_meta for p in model.parameters()), "held": held, "bad_input": bad_input,
+            "bad_dtype": bad_dtype,
             "part": dmodel.input_slices()[0], "other": other, "eval": evaluated}
 
 
@@ -1212,6 +1218,8 @@ def test_meta_model_is_materialized_a_module_at_a_time(tmp_path):
     for got in reports:
         rows = got["part"][2] if got["part"] is not None else 10
         assert got["bad_input"] == f"inputs of shape ((7, 16),) are not this rank's part (({rows}, 16),) of the planned batch"
+        assert got["bad_dtype"] == "input 0 (x) is float64, but the model was captured with float32 for it: give " \
+                                   "inputs of the example inputs' dtypes"
         assert got["other"] == pytest.approx(other, rel=1e-5)
         assert got["eval"] == pytest.approx(evaluated, rel=1e-5)
         assert got["meta"]  # the user's model keeps no whole parameter

@@ -189,6 +189,7 @@ class HAP(MirrorsModel):
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        _check_dtypes(batch, self.graph)
         if torch.is_grad_enabled():
             check_trainable(self.shards, self.graph)
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
@@ -1304,6 +1305,18 @@ def _looks(copies: list[tuple[str, torch.Tensor, Callable]]) -> tuple:
 def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's part of parameter `name`'s whole value, the executor's copy of it)."""
     return ex.stored_part(name, whole), ex.params[name]
+
+
+def _check_dtypes(batch: Sequence[torch.Tensor], graph) -> None:
+    """A ValueError naming the first input whose dtype is not the example input's: the training
+    graph was captured for the example's dtypes (and a wrong one would fail deep in the executor
+    in torch's words, or, an integer for another, compute otherwise than the model on one device)."""
+    for i, (name, x) in enumerate(zip(graph.inputs, batch)):
+        want = graph.tensors[name].dtype
+        got = str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else type(x).__name__
+        if got != want:
+            raise ValueError(f"input {i} ({name}) is {got}, but the model was captured with {want} for it: give "
+                             f"inputs of the example inputs' dtypes")
 
 
 def _shapes_of(graph) -> tuple:
