@@ -12,11 +12,22 @@
     loss = pipe.train_step(*batch); opt.step()
 """
 
-from .capture import CaptureError, capture
-from .cost.cluster import Cluster, ClusterError, Device, load_cluster
-from .plan import Plan
-from .planner import PlannerConfig, plan
-from .pipeline.runtime import Pipeline
-from .runtime.module import HAP
+import sys as _sys
+
+try:
+    from .capture import CaptureError, capture
+    from .cost.cluster import Cluster, ClusterError, Device, load_cluster
+    from .plan import Plan
+    from .planner import PlannerConfig, plan
+    from .pipeline.runtime import Pipeline
+    from .runtime.module import HAP
+except KeyboardInterrupt:
+    # `python -m hap` imports this package (torch: seconds) before hap/__main__.py runs: a Ctrl-C
+    # then ends as the hap command's does (hap_command.py), not in the import's traceback
+    _argv = getattr(_sys, "orig_argv", [])
+    if "-m" in _argv[:-1] and _argv[_argv.index("-m") + 1] == "hap":
+        print("hap: interrupted", file=_sys.stderr)
+        raise SystemExit(130) from None
+    raise
 
 __all__ = ["HAP", "Pipeline", "capture", "CaptureError", "plan", "PlannerConfig", "Plan", "Cluster", "Device", "ClusterError", "load_cluster"]

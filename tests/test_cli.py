@@ -398,17 +398,19 @@ def test_the_command_starts_without_torch():
     assert done.stdout.split() == ["False"], done.stderr
 
 
-@pytest.mark.parametrize("after", [0.6, 1.5])
-def test_ctrl_c_while_the_command_loads_is_one_line(after):
-    # `hap train` interrupted in its first seconds (importing torch and hap) ended in a 40-line
-    # KeyboardInterrupt traceback of the import; it now ends as a later Ctrl-C does.
+@pytest.mark.parametrize("after, command", [(0.6, "hap"), (1.5, "hap"), (0.6, "python -m hap")])
+def test_ctrl_c_while_the_command_loads_is_one_line(after, command):
+    # `hap train` (and `python -m hap train`) interrupted in its first seconds (importing torch
+    # and hap) ended in a 40-line KeyboardInterrupt traceback of the import; it now ends as a
+    # later Ctrl-C does.
     import signal
     import subprocess
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", "import sys\nfrom hap_command import main\nsys.exit(main())",
-                             "train", "--model", "vit", "--cluster", "local", "--steps", "3"],
+    start = ["-m", "hap"] if command == "python -m hap" else \
+        ["-c", "import sys\nfrom hap_command import main\nsys.exit(main())"]
+    proc = subprocess.Popen([sys.executable, *start, "train", "--model", "vit", "--cluster", "local", "--steps", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     time.sleep(after)
