@@ -8,12 +8,18 @@ exit status 130.
 import sys
 
 
+def interrupted() -> int:
+    """How the command ends on a Ctrl-C, whenever it comes: one line, exit status 130 (the
+    shell's for SIGINT). hap.cli and the hap package's import (`python -m hap`) end so too."""
+    print("hap: interrupted", file=sys.stderr)
+    return 130
+
+
 def main() -> int:
     try:
         from hap.cli import main as hap_main
     except KeyboardInterrupt:
-        print("hap: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
     return hap_main()
 
 

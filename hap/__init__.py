@@ -26,8 +26,8 @@ except KeyboardInterrupt:
     # then ends as the hap command's does (hap_command.py), not in the import's traceback
     _argv = getattr(_sys, "orig_argv", [])
     if "-m" in _argv[:-1] and _argv[_argv.index("-m") + 1] == "hap":
-        print("hap: interrupted", file=_sys.stderr)
-        raise SystemExit(130) from None
+        from hap_command import interrupted
+        raise SystemExit(interrupted()) from None
     raise
 
 __all__ = ["HAP", "Pipeline", "capture", "CaptureError", "plan", "PlannerConfig", "Plan", "Cluster", "Device", "ClusterError", "load_cluster"]

@@ -966,8 +966,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # (also while the modules below load)
-        print("hap: interrupted", file=sys.stderr)
-        return 130
+        from hap_command import interrupted
+        return interrupted()
 
 
 def _main(argv: list[str] | None) -> int:
