@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -868,6 +869,7 @@ def misused(rank, world):
         except ValueError as e:
             refused.append(str(e))
 
+    refuse(lambda: pipe.train_step(batches[0][0].int(), *batches[0][1:]))  # int32 tokens, captured with int64
     refuse(lambda: pipe.train_step(*batches[rank]))  # each rank its own batch (DistributedSampler)
     model.eval()  # on the model hap wrapped
     refuse(lambda: pipe.train_step(*batches[0]))
@@ -883,11 +885,13 @@ def test_ddp_habits_on_a_pipeline_are_refused(tmp_path):
     wrapped model's mode and weights changed after wrapping were ignored: all silently. A
     weight of the last stage alone is refused on both (by the step's sum)."""
     first, last = (got["refused"] for got in run_ranks(misused, 2, tmp_path))
-    assert [e.split(" (")[0].split(":")[0] for e in last] == [
+    assert re.fullmatch(r"input 0 \(\w+\) is int32, but the model was captured with int64 for it: give inputs of the "
+                        r"example inputs' dtypes", last[0]), last[0]
+    assert [e.split(" (")[0].split(":")[0] for e in last[1:]] == [
         "the ranks were given different batches", "model.eval() was called on the model hap.Pipeline wrapped",
         "norm.weight of the model hap wrapped was changed after wrapping"]
-    assert first[:2] == last[:2]
-    assert first[2].startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
+    assert first[:3] == last[:3]
+    assert first[3].startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
 
 
 def written_unlike(rank, world):

@@ -43,7 +43,8 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, cluster_setting,
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_dtypes, check_trainable, clip_spread_,
+                              cluster_setting,
                               held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys, sum_step,
                               watch_wrapped, wrapped_state)
 from .schedule import stage_order
@@ -229,6 +230,7 @@ class Pipeline(MirrorsModel):
                              "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
+        check_dtypes(batch, self.graph)
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()

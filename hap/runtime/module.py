@@ -189,7 +189,7 @@ class HAP(MirrorsModel):
             self._sync_rng()
         if len(batch) != len(self.graph.inputs):
             raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
-        _check_dtypes(batch, self.graph)
+        check_dtypes(batch, self.graph)
         if torch.is_grad_enabled():
             check_trainable(self.shards, self.graph)
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
@@ -1307,7 +1307,7 @@ def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tens
     return ex.stored_part(name, whole), ex.params[name]
 
 
-def _check_dtypes(batch: Sequence[torch.Tensor], graph) -> None:
+def check_dtypes(batch: Sequence[torch.Tensor], graph) -> None:
     """A ValueError naming the first input whose dtype is not the example input's: the training
     graph was captured for the example's dtypes (and a wrong one would fail deep in the executor
     in torch's words, or, an integer for another, compute otherwise than the model on one device)."""
