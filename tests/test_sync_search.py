@@ -21,7 +21,7 @@ from hap.search.program import replay
 from hap.sync import AutoSyncConfig, autosync, baselines, price
 from hap.sync.sampler import SpaceConfig, _balance_servers, neighbour, sample, similarity
 from hap.sync.select import select
-from hap.sync.simulators import MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
+from hap.sync.simulators import FEATURES, MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
 from hap.sync.strategy import PartSync, SyncStrategy, Variable, Variables, VarSync
 
 torch.set_num_threads(1)
@@ -308,6 +308,23 @@ def test_a_strategy_measured_again_is_no_pair_to_rank():
     assert sorted(pairs(s)) == [(0, 2), (1, 2)]
     assert ranking_accuracy([1.0, 1.0, 2.0], s) == 1.0
     assert pairs(s[:2]) == [] and ranking_accuracy([1.0, 1.0], s[:2]) != ranking_accuracy([1.0, 1.0], s[:2])  # nan
+
+
+@pytest.mark.parametrize("kind", ["linear", "rnn", "gat"])
+def test_a_batch_scores_each_strategy_as_it_alone(kind):
+    """Simulators score a batch at once, each strategy padded to the longest's parts: padding
+    must change no score or embedding (a strategy alone is a batch of one, unpadded)."""
+    rng = random.Random(3)
+    samples = []
+    for k in range(9):
+        n = rng.choice([1, 2, 5, 11])  # lengths 1 and 11 in one batch: the most padding
+        edges = [(i, i + 1) for i in range(n - 1)] + [(rng.randrange(n), rng.randrange(n))]
+        samples.append(Sample("d", torch.randn(n, FEATURES), edges + [(j, i) for i, j in edges], 1.0 + k, f"s{k}"))
+    sim = Simulator(kind, seed=0)
+    together, embedded = sim.scores(samples), sim.embeddings(samples)
+    for s, score, h in zip(samples, together, embedded):
+        assert score == pytest.approx(sim.scores([s])[0], abs=1e-6)
+        assert torch.allclose(h, sim.embeddings([s])[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["linear", "rnn", "gat"])

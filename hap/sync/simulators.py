@@ -103,13 +103,60 @@ def _slowest_bandwidth(cost: CostModel) -> float:
 
 # -- the three simulators ----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Padded:
+    """Samples as one batch, each padded to the longest's parts: every simulator scores a batch
+    at once (a sample alone is a batch of one, with no padding)."""
+    x: torch.Tensor
+    """[B, N, FEATURES]: each sample's parts, zeros after its last."""
+    lengths: torch.Tensor
+    """[B]: each sample's number of parts (int64, on the CPU, as pack_padded_sequence takes it)."""
+    adjacency: torch.Tensor
+    """[B, N, N] bool: the GAT's edges and every node's self-loop (a padded node's alone: it
+    attends to itself, so no softmax row is empty, and no part attends to it)."""
+    reversed_index: torch.Tensor
+    """[B, N]: position i of each sample read backwards (its parts last to first, then padding)."""
+
+    @staticmethod
+    def of(samples: Sequence[Sample]) -> "Padded":
+        lengths = torch.tensor([s.x.shape[0] for s in samples], dtype=torch.int64)
+        if len(samples) == 0 or int(lengths.min()) == 0:
+            raise ValueError("a simulator scores strategies of at least one synchronized part each")
+        b, n = len(samples), int(lengths.max())
+        x = torch.zeros(b, n, FEATURES)
+        adjacency = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)
+        for i, s in enumerate(samples):
+            x[i, :s.x.shape[0]] = s.x
+            if s.edges:
+                edge = torch.tensor(s.edges)
+                adjacency[i, edge[:, 0], edge[:, 1]] = True
+        at = torch.arange(n).expand(b, n)
+        back = lengths.unsqueeze(1) - 1 - at
+        return Padded(x, lengths, adjacency, torch.where(back >= 0, back, at))
+
+    def rows(self, index: Sequence[int]) -> "Padded":
+        """The batch of these samples alone (padded as before)."""
+        i = torch.tensor(index, dtype=torch.int64)
+        return Padded(self.x[i], self.lengths[i], self.adjacency[i], self.reversed_index[i])
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, N, 1]: 1.0 at a part, 0.0 at padding."""
+        return (torch.arange(self.x.shape[1]) < self.lengths.unsqueeze(1)).unsqueeze(-1).to(self.x.dtype)
+
+    def mean(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, D]: the mean of h [B, N, D] over each sample's parts."""
+        return (h * self.mask).sum(1) / self.lengths.unsqueeze(1).to(h.dtype)
+
+
 class Linear(nn.Module):
     def __init__(self):
         super().__init__()
         self.out = nn.Linear(2 * FEATURES, 1)
 
-    def forward(self, x: torch.Tensor, edges) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.cat([x.mean(0), x.max(0).values])  # [2F]
+    def forward(self, batch: Padded) -> tuple[torch.Tensor, torch.Tensor]:
+        top = batch.x.masked_fill(batch.mask == 0, float("-inf")).max(1).values  # [B, F]
+        h = torch.cat([batch.mean(batch.x), top], -1)  # [B, 2F]
         return self.out(h).squeeze(-1), h
 
 
@@ -121,12 +168,17 @@ class RNN(nn.Module):
         self.bwd = nn.LSTM(hidden, hidden, batch_first=True)
         self.out = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))  # MLP_o
 
-    def forward(self, x: torch.Tensor, edges) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.inp(x).unsqueeze(0)  # [1, parts, H]
-        _, (h_fwd, _) = self.fwd(z)  # in backprop order
-        _, (h_bwd, _) = self.bwd(z.flip(1))  # and reversed
-        h = torch.cat([h_fwd[-1, 0], h_bwd[-1, 0]])  # [2H]
+    def forward(self, batch: Padded) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.inp(batch.x)  # [B, N, H]
+        back = z.gather(1, batch.reversed_index.unsqueeze(-1).expand_as(z))  # each sample's parts reversed
+        _, (h_fwd, _) = self.fwd(_packed(z, batch.lengths))  # in backprop order, to each sample's last part
+        _, (h_bwd, _) = self.bwd(_packed(back, batch.lengths))  # and reversed
+        h = torch.cat([h_fwd[-1], h_bwd[-1]], -1)  # [B, 2H]
         return self.out(h).squeeze(-1), h
+
+
+def _packed(z: torch.Tensor, lengths: torch.Tensor):
+    return nn.utils.rnn.pack_padded_sequence(z, lengths, batch_first=True, enforce_sorted=False)
 
 
 class GATLayer(nn.Module):
@@ -141,13 +193,13 @@ class GATLayer(nn.Module):
         self.a_dst = nn.Parameter(torch.randn(heads, dim_out) * 0.1)
 
     def forward(self, x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        wh = self.w(x).view(n, self.heads, self.dim)  # [N, heads, D]
-        scores = (wh * self.a_dst).sum(-1).unsqueeze(1) + (wh * self.a_src).sum(-1).unsqueeze(0)  # [N(i), N(j), heads]
+        b, n = x.shape[:2]
+        wh = self.w(x).view(b, n, self.heads, self.dim)  # [B, N, heads, D]
+        scores = (wh * self.a_dst).sum(-1).unsqueeze(2) + (wh * self.a_src).sum(-1).unsqueeze(1)  # [B, N(i), N(j), heads]
         scores = nn.functional.leaky_relu(scores, 0.2).masked_fill(~adjacency.unsqueeze(-1), float("-inf"))
-        alpha = torch.softmax(scores, dim=1)  # over j
-        out = torch.einsum("ijh,jhd->ihd", alpha, wh)  # [N, heads, D]
-        return nn.functional.elu(out.reshape(n, self.heads * self.dim))
+        alpha = torch.softmax(scores, dim=2)  # over j
+        out = torch.einsum("bijh,bjhd->bihd", alpha, wh)  # [B, N, heads, D]
+        return nn.functional.elu(out.reshape(b, n, self.heads * self.dim))
 
 
 class GAT(nn.Module):
@@ -157,13 +209,8 @@ class GAT(nn.Module):
         self.g2 = GATLayer(hidden * heads, hidden, heads)
         self.q = nn.Linear(hidden * heads, 1)
 
-    def forward(self, x: torch.Tensor, edges) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.shape[0]
-        adjacency = torch.eye(n, dtype=torch.bool)
-        if edges:
-            idx = torch.tensor(edges)
-            adjacency[idx[:, 0], idx[:, 1]] = True
-        h = self.g2(self.g1(x, adjacency), adjacency).mean(0)  # Eq. 9: the mean over parts
+    def forward(self, batch: Padded) -> tuple[torch.Tensor, torch.Tensor]:
+        h = batch.mean(self.g2(self.g1(batch.x, batch.adjacency), batch.adjacency))  # Eq. 9: the mean over parts
         return self.q(h).squeeze(-1), h
 
 
@@ -206,11 +253,11 @@ class Simulator:
 
     def scores(self, samples: Sequence[Sample]) -> list[float]:
         with torch.no_grad():
-            return [self.net(s.x, s.edges)[0].item() for s in samples]
+            return [x for chunk in _chunks(samples) for x in self.net(Padded.of(chunk))[0].tolist()]
 
     def embeddings(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         with torch.no_grad():
-            return [self.net(s.x, s.edges)[1] for s in samples]
+            return [h for chunk in _chunks(samples) for h in self.net(Padded.of(chunk))[1]]
 
     def train(self, samples: Sequence[Sample], epochs: int = 60, batch: int = 64, pairs_per_epoch: int = 256) -> float:
         """Fit on the samples' ranking pairs, each epoch on at most `pairs_per_epoch` of them
@@ -219,6 +266,7 @@ class Simulator:
         every = pairs(samples)
         if not every:
             return float("nan")
+        padded = Padded.of(samples)
         opt = torch.optim.Adam(self.net.parameters(), lr=1e-3)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[int(0.4 * epochs), int(0.8 * epochs)], gamma=0.3)
         rng = random.Random(self.seed)
@@ -229,8 +277,11 @@ class Simulator:
             for start in range(0, len(ranked), batch):
                 chunk = ranked[start:start + batch]
                 need = sorted({i for pair in chunk for i in pair})
-                score = {i: self.net(samples[i].x, samples[i].edges)[0] for i in need}
-                loss = torch.stack([nn.functional.softplus(score[a] - score[b]) for a, b in chunk]).mean()
+                at = {i: k for k, i in enumerate(need)}
+                score = self.net(padded.rows(need))[0]  # [len(need)]
+                faster = torch.tensor([at[a] for a, _ in chunk])
+                slower = torch.tensor([at[b] for _, b in chunk])
+                loss = nn.functional.softplus(score[faster] - score[slower]).mean()
                 opt.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(self.net.parameters(), 0.25)
@@ -239,6 +290,14 @@ class Simulator:
             sched.step()
             last = sum(losses) / len(losses)
         return last
+
+
+SCORED_AT_ONCE = 64
+"""Samples a simulator scores in one batch (a GAT's attention is [batch, parts, parts, heads])."""
+
+
+def _chunks(samples: Sequence[Sample]) -> list[Sequence[Sample]]:
+    return [samples[i:i + SCORED_AT_ONCE] for i in range(0, len(samples), SCORED_AT_ONCE)]
 
 
 def ranking_accuracy(scores: Sequence[float], samples: Sequence[Sample]) -> float:
