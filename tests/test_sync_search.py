@@ -21,7 +21,8 @@ from hap.search.program import replay
 from hap.sync import AutoSyncConfig, autosync, baselines, price
 from hap.sync.sampler import SpaceConfig, _balance_servers, neighbour, sample, similarity
 from hap.sync.select import select
-from hap.sync.simulators import FEATURES, MARGIN, Domain, Sample, Simulator, features, pairs, ranking_accuracy
+from hap.sync.simulators import (FEATURES, MARGIN, Domain, Padded, Sample, Simulator, features, pairs,
+                                 ranking_accuracy)
 from hap.sync.strategy import PartSync, SyncStrategy, Variable, Variables, VarSync
 
 torch.set_num_threads(1)
@@ -325,6 +326,10 @@ def test_a_batch_scores_each_strategy_as_it_alone(kind):
     for s, score, h in zip(samples, together, embedded):
         assert score == pytest.approx(sim.scores([s])[0], abs=1e-6)
         assert torch.allclose(h, sim.embeddings([s])[0], atol=1e-6)
+    some = [i for i, s in enumerate(samples) if s.x.shape[0] < 11][:3]  # training's rows, cut to their longest
+    with torch.no_grad():
+        cut = sim.net(Padded.of(samples).rows(some))[0].tolist()
+    assert cut == pytest.approx([together[i] for i in some], abs=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["linear", "rnn", "gat"])

@@ -44,9 +44,8 @@ from ..runtime.executor import leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
 from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_dtypes, check_trainable, clip_spread_,
-                              cluster_setting,
-                              held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys, sum_step,
-                              watch_wrapped, wrapped_state)
+                              cluster_setting, held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys,
+                              sum_step, watch_wrapped, wrapped_state)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 

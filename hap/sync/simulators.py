@@ -135,9 +135,10 @@ class Padded:
         return Padded(x, lengths, adjacency, torch.where(back >= 0, back, at))
 
     def rows(self, index: Sequence[int]) -> "Padded":
-        """The batch of these samples alone (padded as before)."""
+        """The batch of these samples alone, padded to the longest of them."""
         i = torch.tensor(index, dtype=torch.int64)
-        return Padded(self.x[i], self.lengths[i], self.adjacency[i], self.reversed_index[i])
+        n = int(self.lengths[i].max())
+        return Padded(self.x[i, :n], self.lengths[i], self.adjacency[i, :n, :n], self.reversed_index[i, :n])
 
     @property
     def mask(self) -> torch.Tensor:
