@@ -257,14 +257,9 @@ def terms_seconds(cost: CostModel, alg, terms: tuple | None):
     const, slope, sharded = terms
     if const is None:
         return cost.grouped_gather(slope, alg.live(*sharded))
-    return linear_seconds(const, slope, alg.largest(sharded) if sharded else 1.0)
-
-
-def linear_seconds(const, slope, largest):
-    """A collective's seconds from its linear terms: const + slope * the largest share of its
-    sharded operands (1.0 where none). One formula for a float (replay's walk), a linear
-    expression (the LP's) and an array of every move at once (astar._MoveTable)."""
-    return const + slope * largest
+    # const + slope * the largest share, here and in astar._MoveTable (vectorized; tied by
+    # test_frame_prices_every_move_as_move_price): a shared function's call cost 5% of BERT-MoE's plan
+    return const + slope * (alg.largest(sharded) if sharded else 1.0)
 
 
 def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
