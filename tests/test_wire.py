@@ -77,7 +77,6 @@ def test_wire_collectives_on_cpu_ranks(tmp_path):
     assert all(r["staged"] is None for r in reports)  # gloo takes host tensors: nothing staged
 
 
-
 def backward_worker(rank, world):
     """A collective launched in a backward (from a gradient hook, as hap's gradient sync does),
     its work kept past the backward's end."""
