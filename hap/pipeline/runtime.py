@@ -40,12 +40,12 @@ from ..rules.units import ShardClasses
 from ..runtime.checkpoint import sync_idle
 from ..runtime.collectives import Comm, broadcast, every_rank, from_rank_0, global_rank, run_move
 from ..runtime.emulate import Emulation
-from ..runtime.executor import leaf_values
+from ..runtime.executor import check_inputs, leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_dtypes, check_trainable, clip_spread_,
-                              cluster_setting, held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys,
-                              sum_step, watch_wrapped, wrapped_state)
+from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, cluster_setting,
+                              held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys, sum_step,
+                              watch_wrapped, wrapped_state)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -227,9 +227,7 @@ class Pipeline(MirrorsModel):
         if not torch.is_grad_enabled():  # (it drew dropout and moved statistics, and no gradient came)
             raise ValueError("hap.Pipeline.train_step under torch.no_grad() would train nothing: a pipeline runs "
                              "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
-        if len(batch) != len(self.graph.inputs):
-            raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
-        check_dtypes(batch, self.graph)
+        check_inputs(batch, self.graph)
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()

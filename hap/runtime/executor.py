@@ -54,13 +54,27 @@ def per_element(state: str, shape: Sequence[int], param_shape: Sequence[int], pa
     return False
 
 
+def check_inputs(batch: Sequence[torch.Tensor], graph: Graph) -> None:
+    """A ValueError where the batch is not the example inputs' count, or naming the first input
+    whose dtype is not the example's: the graph was captured for those (a wrong dtype failed
+    deep in the executor in torch's words, or, an integer for another, computed otherwise than
+    the model on one device)."""
+    if len(batch) != len(graph.inputs):
+        raise ValueError(f"the model takes {len(graph.inputs)} inputs, got {len(batch)}")
+    for i, (name, x) in enumerate(zip(graph.inputs, batch)):
+        want = graph.tensors[name].dtype
+        got = str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else type(x).__name__
+        if got != want:
+            raise ValueError(f"input {i} ({name}) is {got}, but the model was captured with {want} for it: give "
+                             f"inputs of the example inputs' dtypes")
+
+
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole value of every leaf of `graph`: parameters and buffers of `model` by their
     qualified names (a tied parameter under any of its names), constants, and data inputs in
     the order the model takes them."""
     state = model_state(model)
-    if len(inputs) != len(graph.inputs):
-        raise ValueError(f"the model takes {len(graph.inputs)} inputs, got {len(inputs)}")
+    check_inputs(inputs, graph)
     values = {**graph.constants, **dict(zip(graph.inputs, inputs))}
     for name, t in graph.tensors.items():
         if t.kind in ("param", "buffer"):

@@ -47,7 +47,7 @@ from ..search.astar import SearchError
 from .collectives import Comm, WaitClock, all_reduce, broadcast, every_rank, gather_or_refuse, global_rank
 from . import ledger, wire
 from .emulate import Emulation
-from .executor import Executor, leaf_values, model_state, per_element
+from .executor import Executor, check_inputs, leaf_values, model_state, per_element
 from .gradsync import GradSync, Groups
 from .launch import collective_timeout
 from .mirror import MirrorsModel, module_modes
@@ -187,9 +187,7 @@ class HAP(MirrorsModel):
             raise ValueError(changed)
         if self._random:  # random ops draw on every rank what one device would (rules/local.py)
             self._sync_rng()
-        if len(batch) != len(self.graph.inputs):
-            raise ValueError(f"the model takes {len(self.graph.inputs)} inputs, got {len(batch)}")
-        check_dtypes(batch, self.graph)
+        check_inputs(batch, self.graph)
         if torch.is_grad_enabled():
             check_trainable(self.shards, self.graph)
         values = dict(zip(self.graph.inputs, batch))  # parameters and buffers are the executor's
@@ -1305,18 +1303,6 @@ def _looks(copies: list[tuple[str, torch.Tensor, Callable]]) -> tuple:
 def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's part of parameter `name`'s whole value, the executor's copy of it)."""
     return ex.stored_part(name, whole), ex.params[name]
-
-
-def check_dtypes(batch: Sequence[torch.Tensor], graph) -> None:
-    """A ValueError naming the first input whose dtype is not the example input's: the training
-    graph was captured for the example's dtypes (and a wrong one would fail deep in the executor
-    in torch's words, or, an integer for another, compute otherwise than the model on one device)."""
-    for i, (name, x) in enumerate(zip(graph.inputs, batch)):
-        want = graph.tensors[name].dtype
-        got = str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else type(x).__name__
-        if got != want:
-            raise ValueError(f"input {i} ({name}) is {got}, but the model was captured with {want} for it: give "
-                             f"inputs of the example inputs' dtypes")
 
 
 def _shapes_of(graph) -> tuple:
