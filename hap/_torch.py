@@ -119,6 +119,34 @@ def schema_names(target) -> list[str]:
     return [a.name for a in target._schema.arguments]
 
 
+def op_reference(target) -> tuple[str, str, str, str | None] | None:
+    """An op overload's (namespace, name, overload, the Python module that defines it where it
+    is a torch.library custom op), by which it is found again in another process (a captured
+    graph sent to the ranks: OpOverload does not pickle, and has no public name of its op
+    without the namespace); None for any other callable."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    qualified = target._schema.name
+    from torch._library.custom_ops import OPDEFS  # (a custom op's definition: no public registry)
+    defined = OPDEFS.get(qualified)
+    module = getattr(getattr(defined, "_init_fn", None), "__module__", None)
+    return target.namespace, qualified.split("::", 1)[1], target._overloadname, module
+
+
+def op_of_reference(ref: tuple[str, str, str, str | None]):
+    """The op overload `op_reference` named; a custom op's module is imported first where its
+    op is not registered yet in this process (a rank that has not imported the model's library)."""
+    namespace, name, overload, module = ref
+    if module is not None and not hasattr(getattr(torch.ops, namespace), name):
+        import importlib
+        importlib.import_module(module)
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except AttributeError:
+        raise ValueError(f"the graph's op {namespace}::{name}.{overload} is not registered in this process "
+                         "(load the library defining it before the graph)") from None
+
+
 def is_higher_order_op(target) -> bool:
     """Whether an FX node's target is a higher-order op (cond, while_loop, wrap_with_...)."""
     return isinstance(target, torch._ops.HigherOrderOperator)

@@ -105,6 +105,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
             raise CaptureError(lost[0]) from e
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {_first_line(e)}") from e
     finally:
+        signature = state_signature(model)  # (in the modes captured)
         for m, mode in modes:  # each module's own mode back, not the model's spread over all
             m.training = mode
     frozen = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
@@ -117,9 +118,66 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], name: str | N
     with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)):
         _count_flops(graph)
     graph.experts = _expert_params(model, graph)
+    graph.captured_from = signature
     returned = ep.call_spec.out_spec
     graph.returns = None if returned is None or returned.is_leaf() else returned  # (one leaf: the loss, checked)
     return graph
+
+
+def state_signature(model: torch.nn.Module) -> tuple:
+    """Every parameter and buffer of `model` under every name: (name, kind, shape, dtype,
+    requires_grad, the first name of the same tensor: how parameters are tied), then each
+    module's training mode, in model.modules() order."""
+    first: dict[int, str] = {}
+    state = [(name, kind, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad, first.setdefault(id(t), name))
+             for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                                 ("buffer", model.named_buffers(remove_duplicate=False)))
+             for name, t in named]
+    return tuple(state), tuple(m.training for m in model.modules())
+
+
+def check_captured_from(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -> None:
+    """A one-line ValueError where `graph` is not what capturing `model` on `example_inputs` in
+    training mode (as hap.HAP does) gives: other inputs' shapes or dtypes, other parameters or
+    buffers (names, shapes, dtypes, which are trainable, which are tied), other modules' modes."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a hap Graph (hap.capture(model, example_inputs)), got {type(graph).__name__}")
+    if not graph.captured_from:
+        raise ValueError("graph= was not made by hap.capture (it says nothing of the model it was captured from)")
+    inputs = example_tuple(example_inputs)
+    if len(inputs) != len(graph.inputs):
+        raise ValueError(f"graph= was captured with {len(graph.inputs)} inputs, the example inputs are {len(inputs)}")
+    for k, (name, x) in enumerate(zip(graph.inputs, inputs)):
+        t = graph.tensors[name]
+        got = (tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor) else (type(x).__name__,)
+        if got != (t.shape, t.dtype):
+            raise ValueError(f"graph= was captured with input {k} ({name}) of shape {t.shape} and dtype {t.dtype}; the "
+                             f"example inputs' is {' and '.join(map(str, got))}: capture the model on these inputs")
+    held = next((t for t in (*model.parameters(), *model.buffers())), None)
+    made = next((t for t in graph.constants.values() if isinstance(t, torch.Tensor)), None)
+    if held is not None and made is not None and made.device != held.device:  # (the graph's constants are used as captured)
+        raise ValueError(f"graph= was captured with the model on {made.device}, the model is on {held.device} now: "
+                         "capture it where it runs")
+    state, modes = state_signature(model)
+    want_state, want_modes = graph.captured_from
+    if state != want_state:
+        have, want = {e[0]: e for e in state}, {e[0]: e for e in want_state}
+        name = next((n for n in [*want, *have] if have.get(n) != want.get(n)), None)
+        if name is None or name not in have or name not in want:
+            where = "the graph's model" if name in want else "this model"
+            raise ValueError(f"graph= was captured from another model: only {where} has {name!r}" if name else
+                             "graph= was captured from another model: its parameters and buffers are in another order")
+        k = next(i for i in range(1, 6) if have[name][i] != want[name][i])
+        if k == 5:  # tied to another name in one model only
+            tie = lambda first: "a tensor of its own" if first == name else f"the same tensor as {first!r}"  # noqa: E731
+            raise ValueError(f"graph= was captured from another model: {name!r} is {tie(have[name][5])} here and "
+                             f"{tie(want[name][5])} in the graph's model")
+        field = ("kind", "shape", "dtype", "requires_grad")[k - 1]
+        raise ValueError(f"graph= was captured from another model: {name!r} has {field} {have[name][k]} "
+                         f"here and {want[name][k]} in the graph's model")
+    if (modes if model.training else tuple(True for _ in modes)) != want_modes:  # (capture's modes for training)
+        raise ValueError("graph= was captured with the model's modules in other training modes (model.train() / "
+                         ".eval() of some modules since): capture it again")
 
 
 def example_tuple(example_inputs: Sequence[Any]) -> tuple:

@@ -221,6 +221,7 @@ def cmd_train(args) -> int:
     import tempfile
 
     from .cost.cluster import load_cluster
+    from .models import capture_device
     from .planners import make_plan
     from .runtime.launch import RankFailed, spawn
 
@@ -286,7 +287,9 @@ def cmd_train(args) -> int:
         if straggling is not None:
             say(straggling)
         try:
-            spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json")))
+            # the ranks' model is the one captured here where it was built alike (on the CPU, not meta)
+            captured = dataclasses.replace(graph, timing=None) if capture_device(args.scale) is None else None
+            spawn(_train_rank, cluster.size, args=(vars(args), path, os.path.join(tmp, "times.json"), captured))
         except RankFailed:
             refused = os.path.join(tmp, _REFUSED)
             if os.path.exists(refused):  # the mitigator refused this plan: bad input, said once
@@ -619,7 +622,8 @@ def _mitigator(args: dict, dmodel, opt, out_dir: str):
         raise
 
 
-def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
+def _train_rank(rank: int, args: dict, plan_path: str, times_path: str, graph=None) -> None:
+    """graph: the model's graph the command captured (None: each rank captures it)."""
     import torch
 
     from .cost.cluster import load_cluster
@@ -631,8 +635,8 @@ def _train_rank(rank: int, args: dict, plan_path: str, times_path: str) -> None:
     model, batch = build(args["model"], devices=load_cluster(args["cluster"]).gpus, **_model_knobs(args))
     plan = Plan.from_json(plan_path)
     if len(plan.stages) > 1:
-        return _train_pipeline(rank, args, model, batch, plan, times_path)
-    dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=plan)
+        return _train_pipeline(rank, args, model, batch, plan, times_path, graph)
+    dmodel = HAP(model, load_cluster(args["cluster"]), batch, plan=plan, graph=graph)
     mine = dmodel.local_batch(*batch)  # each rank keeps only its part of the (fixed, synthetic) batch
     opt = torch.optim.SGD(dmodel.parameters(), lr=args["lr"] or DEFAULT_LR, momentum=0.9)
     mit = _mitigator(args, dmodel, opt, os.path.dirname(times_path))
@@ -672,7 +676,7 @@ def _resumed(dmodel, opt, args: dict) -> int:
     return step
 
 
-def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) -> None:
+def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str, graph) -> None:
     """hap train's loop for a plan of several stages (hap.Pipeline)."""
     import torch
 
@@ -682,7 +686,7 @@ def _train_pipeline(rank: int, args: dict, model, batch, plan, times_path: str) 
     def make_optimizer(params):  # a stage may have no parameters (the loss alone, say)
         return torch.optim.SGD(params, lr=args["lr"] or DEFAULT_LR, momentum=0.9) if params else None
 
-    pipe = Pipeline(model, load_cluster(args["cluster"]), batch, plan)
+    pipe = Pipeline(model, load_cluster(args["cluster"]), batch, plan, graph=graph)
     opt = make_optimizer(list(pipe.parameters()))
     start = _resumed(pipe, opt, args)
     reb = _rebalancer(args, pipe, opt, batch, make_optimizer)

@@ -8,7 +8,7 @@ the order the single-device program runs them. The graph's output is the scalar 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 TensorKind = Literal["input", "param", "buffer", "constant", "activation"]
@@ -89,6 +89,29 @@ class Node:
     def __repr__(self) -> str:
         return f"{self.name} = {self.op}({', '.join(self.inputs)})"
 
+    def __getstate__(self) -> dict:
+        """Pickled with its op by name (a graph captured once, sent to every rank)."""
+        from ._torch import op_reference
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        ref = op_reference(self.target)
+        if ref is not None:
+            state["target"] = _OpName(ref)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from ._torch import op_of_reference
+        target = state["target"]
+        for name, value in state.items():
+            setattr(self, name, value)
+        if isinstance(target, _OpName):
+            self.target = op_of_reference(target.ref)
+
+
+@dataclass(frozen=True, slots=True)
+class _OpName:
+    """An op overload in a pickled Node."""
+    ref: tuple[str, str, str, str | None]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeTiming:
@@ -136,6 +159,10 @@ class Graph:
     """Parameters stacked per expert on dim 0 ([E, ...]): those of modules that name them in a
     `hap_expert_params` attribute (hap.models.moe.MoEFFN does). The planner's expert-parallel
     baseline shards exactly these on dim 0."""
+    captured_from: tuple = ()
+    """The captured model's parameters and buffers under every name, with the modes its modules
+    were captured in (capture.state_signature): what a graph given to hap.HAP or hap.Pipeline
+    instead of capturing again is checked against."""
     returns: Any = None
     """The structure forward returns its loss in ((loss,), {"loss": loss}: a pytree TreeSpec of
     one leaf), which hap.HAP's forward returns it in too; None: the loss tensor itself."""

@@ -326,9 +326,10 @@ def train_hap(case: Case, adam: bool = False) -> list[str]:
     from hap.planner import baseline_plan
 
     cluster, reference, failures = case_cluster(case), copy.deepcopy(case.model), []
+    graph = capture(case.model, case.batches[0])  # (given to hap.HAP: captured once)
     plan = None if case.family == "hap" else baseline_plan(
-        capture(case.model, case.batches[0]), cluster, case.family, ratios=case.ratios if case.family != "dp-cp" else None)
-    dmodel = hap.HAP(case.model, cluster, case.batches[0], plan=plan)
+        graph, cluster, case.family, ratios=case.ratios if case.family != "dp-cp" else None)
+    dmodel = hap.HAP(case.model, cluster, case.batches[0], plan=plan, graph=graph)
     pairs = [(dmodel, _optimizer(dmodel.parameters(), adam)), (reference, _optimizer(reference.parameters(), adam))]
     for step, batch in enumerate(case.batches):
         if case.loop["shorter"] and step == STEPS - 1:  # an epoch's last, smaller batch
@@ -379,8 +380,8 @@ def train_pipeline(case: Case, adam: bool = False) -> list[str]:
 
     cluster, reference, failures = case_cluster(case), copy.deepcopy(case.model), []
     config = PlannerConfig(pipeline_stages=case.stages, micro_batches=case.micro_batches, schedule=case.schedule)
-    plan = make_plan("pp-exact", capture(case.model, case.batches[0]), cluster, config)
-    pipe = hap.Pipeline(case.model, cluster, case.batches[0], plan)
+    graph = capture(case.model, case.batches[0])
+    pipe = hap.Pipeline(case.model, cluster, case.batches[0], make_plan("pp-exact", graph, cluster, config), graph=graph)
     params = list(pipe.parameters())
     opt, ref_opt = (_optimizer(params, adam) if params else None), _optimizer(reference.parameters(), adam)
     for step, batch in enumerate(case.batches):

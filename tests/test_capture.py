@@ -1,6 +1,7 @@
 """Capture: the graph IR marks what needs gradients per output, and FLOPs come from torch."""
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import random
@@ -585,3 +586,74 @@ def test_attention_keeps_the_batch_apart_from_the_sequence_for_its_output_projec
     # rows merged for another op than linear layers stay merged
     graph = capture(_Attention(batch_first, project_back=False), (x,))
     assert len(_merged_rows(graph, 30)) == 1
+
+
+class TwoLayers(nn.Module):
+    """Two linear layers, the second's weight optionally the first's (tied), and a plain tensor
+    attribute (a constant export lifts: the graph holds its value)."""
+
+    def __init__(self, hidden=6, tied=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, hidden), nn.Linear(hidden, 6)
+        self.scale = torch.arange(6.0)
+        if tied:
+            self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return (self.b(torch.relu(self.a(x))) * self.scale).pow(2).mean()
+
+
+def test_a_captured_graph_pickles_with_its_ops():
+    """A graph pickles (sent to the ranks, so they need not capture again), each op found again
+    by name; an op this process has not registered is a one-line error naming it."""
+    import pickle
+
+    from hap._torch import op_of_reference
+    graph = capture(TwoLayers(), (torch.randn(4, 6),))
+    again = pickle.loads(pickle.dumps(graph))
+    assert [n.target for n in again.nodes] == [n.target for n in graph.nodes]
+    assert all(a.target is b.target for a, b in zip(again.nodes, graph.nodes))  # the same op objects, not copies
+    assert again.tensors == graph.tensors and again.captured_from == graph.captured_from
+    assert torch.equal(next(iter(again.constants.values())), next(iter(graph.constants.values())))
+    with pytest.raises(ValueError, match=r"^the graph's op nowhere_ns::nothing.default is not registered in this process"):
+        op_of_reference(("nowhere_ns", "nothing", "default", None))
+
+
+def test_a_graph_of_another_model_or_other_inputs_is_refused_naming_what_differs():
+    """What hap.HAP and hap.Pipeline check a graph given to them against (check_captured_from):
+    one line naming the first difference. A model built alike (other values) is accepted."""
+    from hap.capture import check_captured_from
+    x = torch.randn(4, 6)
+    graph = capture(TwoLayers(), (x,))
+    check_captured_from(graph, TwoLayers(), (torch.randn(4, 6),))  # the same model, other values: the same graph
+
+    def refused(model, inputs=(x,), g=graph):
+        with pytest.raises(ValueError) as e:
+            check_captured_from(g, model, inputs)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert refused(TwoLayers(), (torch.randn(5, 6),)) == (
+        "graph= was captured with input 0 (x) of shape (4, 6) and dtype float32; the example inputs' is (5, 6) and "
+        "float32: capture the model on these inputs")
+    assert refused(TwoLayers(), (x, x)) == "graph= was captured with 1 inputs, the example inputs are 2"
+    assert refused(TwoLayers(hidden=5)) == ("graph= was captured from another model: 'a.weight' has shape (5, 6) here "
+                                            "and (6, 6) in the graph's model")
+    assert refused(TwoLayers(tied=True)) == ("graph= was captured from another model: 'b.weight' is the same tensor as "
+                                             "'a.weight' here and a tensor of its own in the graph's model")
+    frozen = TwoLayers()
+    frozen.a.bias.requires_grad_(False)
+    assert refused(frozen) == ("graph= was captured from another model: 'a.bias' has requires_grad False here and True "
+                               "in the graph's model")
+    assert refused(TwoLayers().double()).startswith("graph= was captured from another model: 'a.weight' has dtype float64")
+    assert refused(nn.Sequential(nn.Linear(6, 6))) == "graph= was captured from another model: only the graph's model has 'a.weight'"
+    half_eval = TwoLayers()
+    half_eval.a.eval()
+    assert refused(half_eval).startswith("graph= was captured with the model's modules in other training modes")
+    check_captured_from(graph, TwoLayers().eval(), (x,))  # (hap.HAP captures an eval model in training mode)
+    assert refused(TwoLayers().to("meta")) == ("graph= was captured with the model on cpu, the model is on meta now: "
+                                               "capture it where it runs")
+    assert refused(TwoLayers(), g=dataclasses.replace(graph, captured_from=())) == (
+        "graph= was not made by hap.capture (it says nothing of the model it was captured from)")
+    with pytest.raises(TypeError, match="graph must be a hap Graph"):
+        check_captured_from("graph", TwoLayers(), (x,))

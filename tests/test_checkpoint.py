@@ -69,7 +69,7 @@ def distributed(world, layout, **model_args):
     kind, ratios = layout
     plan = plan_for_layout(graph, cluster, ratios, SHARDED) if kind == "sharded" else \
         baseline_plan(graph, cluster, "dp-cp", ratios=ratios)
-    return hap.HAP(model, cluster, batch(0), plan=plan)
+    return hap.HAP(model, cluster, batch(0), plan=plan, graph=graph)
 
 
 def whole(dmodel, opt):
@@ -327,8 +327,9 @@ def sparse_momentum(rank, world, directory, steps, resume):
     step 2 on 2 ranks, resumed on 4."""
     torch.manual_seed(0)
     model, cluster = Lookup(), hap.load_cluster(CLUSTERS[world])
-    plan = baseline_plan(hap.capture(model, lookups(0)), cluster, "dp-cp", ratios=[0.6, 0.4] if world == 2 else None)
-    dmodel = hap.HAP(model, cluster, lookups(0), plan=plan)
+    graph = hap.capture(model, lookups(0))
+    plan = baseline_plan(graph, cluster, "dp-cp", ratios=[0.6, 0.4] if world == 2 else None)
+    dmodel = hap.HAP(model, cluster, lookups(0), plan=plan, graph=graph)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
     start = checkpoint.load(dmodel, opt, directory)[0] if resume else 0
     for step in range(start, steps):

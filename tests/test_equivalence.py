@@ -359,8 +359,8 @@ def worker(rank, world):
                 report["failures"].append(f"{what}: no program: {programs[i]}")
                 continue
             if family == "hap":
-                ran, planned, ratios, loads = run_hap(what, model_name, model, batches, programs[i], world, comm, tally,
-                                                      report["failures"])
+                ran, planned, ratios, loads = run_hap(what, model_name, model, batches, graph, programs[i], world, comm,
+                                                      tally, report["failures"])
             else:
                 seg, ratios = segmentation(which, graph, world)
                 ran, planned, loads = run_program(what, model_name, model, batches, graph, programs[i], classes, seg,
@@ -400,10 +400,12 @@ def run_program(what, model_name, model, batches, graph, program, classes, seg, 
     return ran, planned_kinds(program, ex), _param_loads(program, graph)
 
 
-def run_hap(what, model_name, model, batches, plan, world, comm, tally, failures):
-    """hap.HAP given hap.plan's plan: the loss it returns is the global one, whole parameters'
-    gradients are synced by its hooks, full_parameters() reassembles the trained model."""
-    dmodel = hap.HAP(copy.deepcopy(model), cluster(CLUSTER_SPEEDS[world], bandwidth=1e9), batches[0], plan=plan, comm=comm)
+def run_hap(what, model_name, model, batches, graph, plan, world, comm, tally, failures):
+    """hap.HAP given hap.plan's plan (and the graph it was made for: not captured again): the
+    loss it returns is the global one, whole parameters' gradients are synced by its hooks,
+    full_parameters() reassembles the trained model."""
+    dmodel = hap.HAP(copy.deepcopy(model), cluster(CLUSTER_SPEEDS[world], bandwidth=1e9), batches[0], plan=plan, comm=comm,
+                     graph=graph)
     ex = dmodel.executor
 
     def step_fn(batch):

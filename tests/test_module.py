@@ -53,10 +53,10 @@ def train(model, batches, after_step=None):
 
 
 def skewed(model, example, planner="dp-cp"):
-    """hap.HAP on the local cluster under a baseline's program at 60/40."""
-    cluster = hap.load_cluster("local")
-    return hap.HAP(model, cluster, example, plan=baseline_plan(hap.capture(model, example), cluster, planner,
-                                                             ratios=[0.6, 0.4]))
+    """hap.HAP on the local cluster under a baseline's program at 60/40 (given the graph the plan
+    was made for: captured once)."""
+    cluster, graph = hap.load_cluster("local"), hap.capture(model, example)
+    return hap.HAP(model, cluster, example, plan=baseline_plan(graph, cluster, planner, ratios=[0.6, 0.4]), graph=graph)
 
 
 def train_hap(rank, world, device="cpu", cluster=None):
@@ -343,8 +343,9 @@ def train_from_own_seeds(rank, world):
         torch.manual_seed(1)
         model = vit.ViT(dataclasses.replace(vit.ViTConfig.small(), dropout=0.0)).train()
     cluster = hap.load_cluster("local")
-    plan = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp", ratios=(0.6, 0.4))
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    graph = hap.capture(model, batches[0])
+    plan = baseline_plan(graph, cluster, "dp-cp", ratios=(0.6, 0.4))
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan, graph=graph)
     return {"losses": train(dmodel, batches), "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()}}
 
 
@@ -378,8 +379,9 @@ def train_hap_dropout(rank, world):
     model, batches = small_vit(dropout=0.2)
     cost_model.BUCKET_LATENCY_SHARE = 0.999  # a bucket per layer, all-reduced during the backward
     cluster = hap.load_cluster("local")
-    dp = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp")  # every rank reads its rows
-    dmodel = hap.HAP(model, cluster, batches[0], plan=dp)
+    graph = hap.capture(model, batches[0])
+    dp = baseline_plan(graph, cluster, "dp-cp")  # every rank reads its rows
+    dmodel = hap.HAP(model, cluster, batches[0], plan=dp, graph=graph)
     buckets = len(dmodel.grad_sync.buckets)
     torch.manual_seed(rank)  # ranks' generators differ: hap must draw rank 0's numbers everywhere
     torch.rand(rank + 1)
@@ -468,8 +470,9 @@ def train_dropout_idle_rank0(rank, world):
 
     model, batches = small_vit(dropout=0.2)
     cluster = hap.load_cluster("local")
-    plan = baseline_plan(hap.capture(model, batches[0]), cluster, "dp-cp", ratios=[0.0, 1.0])
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    graph = hap.capture(model, batches[0])
+    plan = baseline_plan(graph, cluster, "dp-cp", ratios=[0.0, 1.0])
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan, graph=graph)
     torch.manual_seed(1)  # one seed for the whole run, as the reference's
     return {"losses": train(dmodel, batches + batches)}
 
@@ -772,7 +775,7 @@ def two_segments(model, example, at="dropout"):
     first = next(k for k, node in enumerate(graph.nodes) if at in node.op)
     plan = plan_for_layout(graph, cluster, [[0.6, 0.4], [0.3, 0.7]], split,
                            segment_of=[0] * first + [1] * (len(graph.nodes) - first))
-    return hap.HAP(model, cluster, example, plan=plan)
+    return hap.HAP(model, cluster, example, plan=plan, graph=graph)
 
 
 def validated(rank, world, segments):
@@ -1360,6 +1363,43 @@ def wrong_world(rank, world):
 def test_wrong_rank_count_is_a_clear_error(tmp_path):
     for got in run_ranks(wrong_world, 2, tmp_path):
         assert got["error"] == "cluster 'local-4' has 4 devices but 2 ranks are running"
+
+
+def given_graph(rank, world, graph_bytes):
+    """hap.HAP given a graph pickled as the ranks are given one: it captures nothing (capture
+    fails here), trains like one device; a graph of another model is refused."""
+    import pickle
+
+    import hap.runtime.module as module
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("hap.HAP captured the model it was given the graph of")
+
+    module.capture = no_capture
+    graph = pickle.loads(graph_bytes)
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    batches = [(torch.randn(10, 16), torch.randint(0, 4, (10,))) for _ in range(STEPS)]
+    cluster = hap.load_cluster("local")
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, "dp-cp", ratios=[0.6, 0.4]), graph=graph)
+    out = {"losses": train(dmodel, batches), "reference": train(reference, batches), "same": dmodel.graph is graph}
+    try:
+        hap.HAP(torch.nn.Sequential(torch.nn.Linear(16, 4)), cluster, batches[0], graph=graph)
+    except ValueError as e:
+        out["other"] = str(e)
+    return out
+
+
+def test_a_graph_given_is_not_captured_again_and_trains_like_one_device(tmp_path):
+    import pickle
+
+    torch.manual_seed(0)
+    graph = hap.capture(MLP(), (torch.randn(10, 16), torch.randint(0, 4, (10,))))
+    for got in run_ranks(given_graph, 2, tmp_path, pickle.dumps(graph)):
+        assert got["same"]
+        assert got["losses"] == pytest.approx(got["reference"], rel=1e-5)
+        assert got["other"] == "graph= was captured from another model: only the graph's model has 'fc1.weight'"
 
 
 def test_cli_train_runs_a_baseline(capsys):

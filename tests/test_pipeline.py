@@ -134,7 +134,7 @@ def pipelined(rank, world, setup_name, cuts, groups, ratios, micro_batches, sche
     cluster = local_cluster((1.0,) * world, "local")
     space = PipelineSpace(capture(model, batches[0]), cluster, PlannerConfig(schedule=schedule))
     plan = assemble(space, cuts, groups, ratios, micro_batches, 0.0, {})
-    pipe = hap.Pipeline(model, cluster, batches[0], plan)
+    pipe = hap.Pipeline(model, cluster, batches[0], plan, graph=space.graph)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     losses, dtypes = [], set()
     for batch in batches:
@@ -426,7 +426,7 @@ def emulated_link_step(rank, world):
     graph = capture(model, batches[0])
     space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
     plan = assemble(space, [len(graph.nodes) // 2], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
-    pipe = hap.Pipeline(model, cluster, batches[0], plan)
+    pipe = hap.Pipeline(model, cluster, batches[0], plan, graph=graph)
     seconds = []
     for batch in batches:
         t0 = time.perf_counter()
@@ -610,7 +610,8 @@ def _pipeline(model, batches, world, cuts, groups, ratios, micro_batches):
 
     cluster = local_cluster((1.0,) * world, "local")
     space = PipelineSpace(capture(model, batches[0]), cluster, PlannerConfig(schedule="1f1b"))
-    return hap.Pipeline(model, cluster, batches[0], assemble(space, cuts, groups, ratios, micro_batches, 0.0, {}))
+    return hap.Pipeline(model, cluster, batches[0], assemble(space, cuts, groups, ratios, micro_batches, 0.0, {}),
+                        graph=space.graph)
 
 
 def checkpointed(rank, world, layout, directory, first, last, setup="tied"):
@@ -627,8 +628,8 @@ def checkpointed(rank, world, layout, directory, first, last, setup="tied"):
     model, batches = SETUPS[setup]()
     if layout == "dp":
         cluster = local_cluster((1.0,) * world, "local")
-        plan = baseline_plan(capture(model, batches[0]), cluster, "dp-cp", ratios=[0.6, 0.4])
-        dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+        graph = capture(model, batches[0])
+        dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, "dp-cp", ratios=[0.6, 0.4]), graph=graph)
         step_fn = lambda b: dmodel(*b).backward()  # noqa: E731
     else:
         graph = capture(model, batches[0])
@@ -671,7 +672,8 @@ def stage_rates(rank, world, directory, phase, stage_names=None):
         checkpoint.load(again, fresh, directory)
         return {"lr": fresh.param_groups[0]["lr"], "names": [n for n, _ in pipe.named_parameters()]}
     cluster = local_cluster((1.0,) * world, "local")
-    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(capture(model, batches[0]), cluster, "dp-ev"))
+    graph = capture(model, batches[0])
+    dmodel = hap.HAP(model, cluster, batches[0], plan=baseline_plan(graph, cluster, "dp-ev"), graph=graph)
     out = {}
     try:
         checkpoint.load(dmodel, torch.optim.SGD(dmodel.parameters(), lr=0.5), directory)
@@ -1475,7 +1477,7 @@ def accumulated(rank, world, cut):
     cluster = local_cluster((1.0,) * world, "local")
     space = PipelineSpace(capture(model, batches[0]), cluster)
     plan = assemble(space, [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 2, 0.0, {})
-    pipe = hap.Pipeline(model, cluster, batches[0], plan)
+    pipe = hap.Pipeline(model, cluster, batches[0], plan, graph=space.graph)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     for pair in ((batches[0], batches[1]), (batches[2], batches[0])):
         for batch in pair:
@@ -1680,7 +1682,7 @@ def detached_side(rank, world):
     space = PipelineSpace(graph, cluster)
     second = [n.index for n in graph.nodes if n.op == "aten.linear.default"][1]
     plan = assemble(space, [min(p for p in space.pivots if p > second)], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 1, 0.0, {})
-    pipe = hap.Pipeline(model, cluster, batch, plan)
+    pipe = hap.Pipeline(model, cluster, batch, plan, graph=graph)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.1)
     pipe.train_step(*batch)
     grads = {k: p.grad is None for k, p in pipe.named_parameters() if k.startswith("aux")}

@@ -101,7 +101,7 @@ def rebalanced(rank, world, chi, memory=None, start=3):
     graph = capture(model, batch)
     space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
     plan = assemble(space, [len(graph.nodes) // 2], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
-    pipe = hap.Pipeline(model, cluster, batch, plan)
+    pipe = hap.Pipeline(model, cluster, batch, plan, graph=graph)
 
     def make(params):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)

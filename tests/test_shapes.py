@@ -26,14 +26,14 @@ def batches():
     return [(ids, ids.clone()) for ids in (torch.randint(0, zoo.VOCAB, s, generator=gen) for s in shapes)]
 
 
-def train_ranks(rank, world, plan_json, kept):
+def train_ranks(rank, world, plan_json, kept, graph):
     from hap.runtime import module
 
     torch.set_num_threads(1)
     module.SHAPES_KEPT = kept
     model, _ = zoo.build("llama")
     data = batches()
-    dmodel = hap.HAP(model, hap.load_cluster("local"), data[0], plan=Plan.from_json(plan_json))
+    dmodel = hap.HAP(model, hap.load_cluster("local"), data[0], plan=Plan.from_json(plan_json), graph=graph)
     losses = train(dmodel, data)
     state = {k: v.tolist() for k, v in dmodel.full_state_dict().items()}
     return {"losses": losses, "state": state, "shapes": [(list(map(list, s["shapes"])), s["run"]) for s in dmodel.shapes]}
@@ -47,7 +47,7 @@ def test_other_batch_shapes_train_like_one_device(kept, tmp_path):
     data = batches()
     graph = hap.capture(model, data[0])
     plan = baseline_plan(graph, hap.load_cluster("local"), "dp-cp", ratios=[0.6, 0.4])  # 5 rows: 3 + 2; 1 row: 1 + 0
-    reports = run_ranks(train_ranks, 2, tmp_path, plan.to_json(), kept)
+    reports = run_ranks(train_ranks, 2, tmp_path, plan.to_json(), kept, graph)
     want_losses = train(model, data)
     again = [[[5, 16], [5, 16]]] if kept == 3 else []
     for got in reports:

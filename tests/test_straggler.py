@@ -284,8 +284,9 @@ def migrating(rank, world, method, shares, moved, reshard_at, receiving=None):
 
     model, batches = _setup()
     cluster = local_cluster((1.0,) * world, "local")
-    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=shares)
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    graph = capture(model, batches[0])
+    plan = baseline_plan(graph, cluster, "megatron", ratios=shares)
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan, graph=graph)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
     mit = Mitigator(dmodel, StragglerConfig(policy="migrate", method=method), opt)
     kinds = sorted({s.kind for s in mit.sites})
@@ -348,8 +349,9 @@ def pretesting(rank, world, shares):
 
     model, batches = _setup()
     cluster = local_cluster((1.0,) * world, "local")
-    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=shares)
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    graph = capture(model, batches[0])
+    plan = baseline_plan(graph, cluster, "megatron", ratios=shares)
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan, graph=graph)
     mit = Mitigator(dmodel, StragglerConfig(policy="semi"), torch.optim.SGD(dmodel.parameters(), lr=0.1))
     ex = dmodel.executor
     empty = sum(ex.params[s.weight].shape[1] == 0 for s in mit.sites)
@@ -459,8 +461,9 @@ def pridiff_reporting(rank, world):
 
     model, batches = _setup()
     cluster = local_cluster((1.0,) * world, "local")
-    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=(0.6, 0.4))
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    graph = capture(model, batches[0])
+    plan = baseline_plan(graph, cluster, "megatron", ratios=(0.6, 0.4))
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan, graph=graph)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
     mit = Mitigator(dmodel, StragglerConfig(policy="zero-pridiff-e", epoch=1), opt)
     steps = []
@@ -522,8 +525,9 @@ def idle_rank_rebalancing(rank, world, steps):
 
     model, batches = _setup()
     cluster = hap.load_cluster("local-homo")
-    plan = baseline_plan(capture(model, batches[0]), cluster, "megatron", ratios=(1.0, 0.0))
-    dmodel = hap.HAP(model, cluster, batches[0], plan=plan)
+    graph = capture(model, batches[0])
+    plan = baseline_plan(graph, cluster, "megatron", ratios=(1.0, 0.0))
+    dmodel = hap.HAP(model, cluster, batches[0], plan=plan, graph=graph)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
     mit = Mitigator(dmodel, StragglerConfig(policy="rebalance", schedule=parse_schedule("persistent:chi=8,rank=0", world)),
                     opt)

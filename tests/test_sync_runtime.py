@@ -96,7 +96,7 @@ def train_with(rank, world, name, device="cpu"):
     plan = baseline_plan(graph, cl, "dp-ev", ratios=RATIOS)
     variables = Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
     plan = with_strategy(plan, variables, strategies(variables)[name])
-    dmodel = hap.HAP(model, cl, (batches[0],), plan=plan)
+    dmodel = hap.HAP(model, cl, (batches[0],), plan=plan, graph=graph)
     losses = train(dmodel, batches)
     return {"losses": losses, "params": {k: v.tolist() for k, v in dmodel.full_parameters().items()},
             "buckets": len({e.bucket for e in dmodel.plan.sync}), "parts": len(dmodel.plan.sync)}
@@ -136,7 +136,7 @@ def reshard_searched(rank, world):
     model, batches = data()
     cl = cluster()
     graph = capture(model, (batches[0],))
-    dmodel = hap.HAP(model, cl, (batches[0],), plan=searched_plan(graph, cl, RATIOS, "servers"))
+    dmodel = hap.HAP(model, cl, (batches[0],), plan=searched_plan(graph, cl, RATIOS, "servers"), graph=graph)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1, momentum=0.9)
     out, losses = {}, []
     for step, x in enumerate(batches):
@@ -198,7 +198,7 @@ def sampled(rank, world, seeds):
     graph = capture(model, (batches[0],))
     plan = baseline_plan(graph, cl, "dp-ev", ratios=RATIOS)
     variables = Variables.of(plan, graph, [m.devices for m in cl.topology.machines])
-    dmodel = hap.HAP(model, cl, (batches[0],), plan=plan)
+    dmodel = hap.HAP(model, cl, (batches[0],), plan=plan, graph=graph)
     out = {}
     for seed in seeds:
         strategy = sample(variables, [1.0, 2.0, 2.0], random.Random(seed), SpaceConfig(part_bytes=64, max_parts=3))
@@ -378,7 +378,7 @@ def sparse_train(rank, world, ratios, kinds):
     strategy = SyncStrategy(tuple(VarSync(v.param, (parts.get(v.target, PartSync(kind=AR, hierarchical=True)),))
                                   for v in variables.vars))
     plan = with_strategy(plan, variables, strategy)
-    dmodel = hap.HAP(model, cl, batches[0], plan=plan)
+    dmodel = hap.HAP(model, cl, batches[0], plan=plan, graph=graph)
     sparse_seen = []  # the users table's gradient as each backward leaves it
     users = next(p for name, p in dmodel.shards.items() if "users" in name)
     users.register_post_accumulate_grad_hook(lambda p: sparse_seen.append(p.grad.is_sparse))

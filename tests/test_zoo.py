@@ -75,9 +75,9 @@ def train_ranks(rank, world, cluster_name, jobs):
     """Every job (model, label, plan) on this rank: losses, whole gradients and state dict."""
     torch.set_num_threads(1)
     out = {}
-    for name, label, plan_json in jobs:
+    for name, label, plan_json, graph in jobs:
         model, batches = zoo.build(name, STEPS)
-        dmodel = hap.HAP(model, hap.load_cluster(cluster_name), batches[0], plan=Plan.from_json(plan_json))
+        dmodel = hap.HAP(model, hap.load_cluster(cluster_name), batches[0], plan=Plan.from_json(plan_json), graph=graph)
         opt = sgd(dmodel)
         assert decay_names(dmodel) == decay_names(model) != set(), name  # (a rank's failure fails the run)
         losses, grads = [], []
@@ -98,7 +98,7 @@ def train_ranks(rank, world, cluster_name, jobs):
 
 def plans_for(name, cluster_name):
     """hap's plan, plus skewed data parallelism where hap's plan leaves a device idle, plus (2 ranks)
-    Megatron at 60/40; and the
+    Megatron at 60/40; the captured graph (the ranks are given it: capturing once); and the
     seconds capture and planning took."""
     model, batches = zoo.build(name, STEPS)
     t0 = time.perf_counter()
@@ -112,7 +112,7 @@ def plans_for(name, cluster_name):
         jobs.append(("dp-skewed", baseline_plan(graph, cluster, "dp-cp", ratios=SKEW[cluster.size])))
     if cluster.size == 2:  # tensor parallelism at 60/40: hidden dims split (RMSNorm's mean(x^2) + eps partial)
         jobs.append(("megatron", baseline_plan(graph, cluster, "megatron", ratios=SKEW[2])))
-    return jobs, {"capture_s": t1 - t0, "plan_s": t2 - t1, "ratios": [round(r, 3) for r in plan.ratios[0]],
+    return jobs, graph, {"capture_s": t1 - t0, "plan_s": t2 - t1, "ratios": [round(r, 3) for r in plan.ratios[0]],
                   "winner": plan.search.get("winner")}
 
 
@@ -155,8 +155,8 @@ def test_zoo_trains_like_one_device(cluster_name, tmp_path):
     world = CLUSTERS[cluster_name]
     jobs, facts = [], {}
     for name in zoo.ZOO:
-        found, facts[name] = plans_for(name, cluster_name)
-        jobs += [(name, label, plan.to_json()) for label, plan in found]
+        found, graph, facts[name] = plans_for(name, cluster_name)
+        jobs += [(name, label, plan.to_json(), graph) for label, plan in found]
     reports = run_ranks(train_ranks, world, tmp_path, cluster_name, jobs)[0]
     rows, failures = [], []
     for name in zoo.ZOO:
@@ -219,7 +219,7 @@ def test_library_variants_are_data_parallel_and_pipeline(name, tmp_path):
     plan = baseline_plan(graph, cluster, "dp-cp", ratios=SKEW[2])
     assert not [ms.tensor for st in plan.steps(graph) for ms in st.moves if ms.move.communicates]
     assert [st.devices for st in exact_plan(graph, cluster, PlannerConfig(pipeline_stages=2)).stages] == [[0], [1]]
-    reports = run_ranks(train_ranks, 2, tmp_path, "local", [(name, "dp-skewed", plan.to_json())])[0]
+    reports = run_ranks(train_ranks, 2, tmp_path, "local", [(name, "dp-skewed", plan.to_json(), graph)])[0]
     compare(reports[f"{name}/dp-skewed"], train_reference(name))
 
 

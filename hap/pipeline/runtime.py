@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture import capture, example_tuple
+from ..capture import capture, check_captured_from, example_tuple
+from ..ir import Graph
 from ..cost.cluster import Cluster
 from ..placement import P, R, Placement
 from ..plan import Plan
@@ -66,7 +67,8 @@ class _Transfer:
 class Pipeline(MirrorsModel):
     @ledger.called("hap.Pipeline(model, ...) (wrapping the model)")
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
-                 comm: Comm | None = None):
+                 comm: Comm | None = None, graph: Graph | None = None):
+        """graph: the model already captured on these inputs, not captured again (as hap.HAP's)."""
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"hap.Pipeline wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
@@ -84,7 +86,11 @@ class Pipeline(MirrorsModel):
         if plan is None and comm.rank == 0:  # (other ranks may leave it to rank 0's: told to them too)
             plan = TypeError("hap.Pipeline needs a pipeline Plan (hap.planners.make_plan('pp-exact', graph, cluster, "
                              "config), or hap.Plan.from_json of one), got None")
-        self.graph = graph = capture(model, example_tuple(example_inputs))
+        if graph is None:
+            graph = capture(model, example_tuple(example_inputs))
+        else:
+            check_captured_from(graph, model, example_inputs)
+        self.graph = graph
         self.plan = plan = agree_plan(plan, comm, graph, cluster_setting(cluster))
         if len(plan.stages) < 2 or plan.schedule is None:
             raise ValueError("hap.Pipeline runs a plan of several stages with a schedule; run a one-stage plan with hap.HAP")

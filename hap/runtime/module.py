@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten, versions
-from ..capture import capture, example_tuple
+from ..capture import capture, check_captured_from, example_tuple
 from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..placement import R
@@ -76,7 +76,7 @@ class HAP(MirrorsModel):
     @ledger.called("hap.HAP(model, ...) (wrapping the model)")
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan | None = None,
                  config: PlannerConfig | None = None, comm: Comm | None = None,
-                 init: Callable[[nn.Module], None] | None = None, global_loss: bool = True):
+                 init: Callable[[nn.Module], None] | None = None, global_loss: bool = True, graph: Graph | None = None):
         """init: for a model built on the meta device (too large for one device), how to fill a
         submodule's parameters once materialized (default: its reset_parameters()). Submodules
         are materialized one at a time, in model.modules() order, and only this rank's part of
@@ -87,7 +87,11 @@ class HAP(MirrorsModel):
         and backward is the same), saving that all-reduce, as DDP returns each rank's own loss.
         The step's checks ride on that all-reduce: without it, the ranks' inputs, the wrapped
         model's later changes and load_state_dict on some ranks only go unchecked (what the ranks
-        hold whole is compared once, at the first step)."""
+        hold whole is compared once, at the first step).
+
+        graph: the model already captured on these inputs (hap.capture(model, example_inputs):
+        the graph the plan was made for, pickled to the ranks), not captured again; a ValueError
+        names what differs where it is another model's or other inputs'."""
         super().__init__()
         if not isinstance(model, nn.Module):  # (it was an AttributeError: 'function' object has no attribute 'parameters')
             raise TypeError(f"hap.HAP wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
@@ -112,7 +116,11 @@ class HAP(MirrorsModel):
         meta = any(p.is_meta for p in model.parameters())
         if meta:  # capture traces shapes only: give it the inputs on the model's device
             example_inputs = tuple(x.to("meta") for x in example_inputs)
-        self.graph = graph = capture(model, example_inputs)
+        if graph is None:
+            graph = capture(model, example_inputs)
+        else:
+            check_captured_from(graph, model, example_inputs)
+        self.graph = graph
         self._state_keys = state_keys(model, graph)
         if plan is None and comm.rank == 0:
             try:

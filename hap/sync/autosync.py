@@ -142,7 +142,8 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     workload = Workload(model=model, knobs=knobs, cluster=cluster.to_dict(), plan=plan.to_dict(), steps=config.steps,
                         min_seconds=config.min_timed_seconds)
     t_start = time.perf_counter()
-    with TrialCluster(workload) as trials:
+    # the trial ranks' model is the one captured here where it was built alike (on the CPU, not meta)
+    with TrialCluster(workload, graph=graph if capture_device(knobs.get("scale")) is None else None) as trials:
         def measure(named: list[tuple[str, SyncStrategy]], tried: list[dict] | None = None) -> list[float]:
             seconds = trials.measure([variables.entries(s) for _, s in named])
             with log.open("a") as f:

@@ -48,7 +48,9 @@ class TrialsFailed(RuntimeError):
 
 
 class TrialCluster:
-    def __init__(self, workload: Workload, timeout_s: float = 600.0):
+    def __init__(self, workload: Workload, timeout_s: float = 600.0, graph=None):
+        """graph: the workload's model captured (hap.capture), given to the ranks' hap.HAP; None:
+        each rank captures it."""
         from ..runtime.launch import rendezvous, start_ranks
 
         self.workload, self.timeout_s = workload, timeout_s
@@ -57,7 +59,7 @@ class TrialCluster:
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self._store = rendezvous(timeout_s)  # served while the trial ranks run
         self.procs = start_ranks(_serve, (self.world, self._store.port, asdict(workload), self.commands,
-                                          self.results, timeout_s), self.world)
+                                          self.results, timeout_s, graph), self.world)
         self._expect("ready")
 
     def measure(self, syncs: Sequence[Sequence[SyncEntry]]) -> list[float]:
@@ -120,7 +122,7 @@ def _timed_blocks(step, steps: int, min_seconds: float, max_blocks: int = 20) ->
             return statistics.median(blocks)
 
 
-def _serve(rank: int, world: int, port: int, workload: dict, commands, results, timeout_s: float) -> None:
+def _serve(rank: int, world: int, port: int, workload: dict, commands, results, timeout_s: float, graph) -> None:
     from datetime import timedelta
 
     import hap
@@ -136,7 +138,7 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
         torch.manual_seed(0)
         model, batch = build(w.model, devices=world, **w.knobs)
         cluster = cluster_from_dict(w.cluster)
-        dmodel = hap.HAP(model, cluster, batch, plan=Plan.from_dict(w.plan))
+        dmodel = hap.HAP(model, cluster, batch, plan=Plan.from_dict(w.plan), graph=graph)
         opt = torch.optim.SGD(dmodel.parameters(), lr=1e-3)
         local = dmodel.local_batch(*batch)
 
