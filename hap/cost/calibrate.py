@@ -198,6 +198,7 @@ class CalibrationRuns:
 
     def __init__(self, model: nn.Module, inputs: Sequence[torch.Tensor], plans: Sequence[str], cluster: Cluster,
                  rank: int):
+        from ..capture import capture
         from ..plan import Plan
         from ..runtime.collectives import Comm, WaitClock
         from ..runtime.module import HAP
@@ -205,8 +206,9 @@ class CalibrationRuns:
         self.inputs, self.clock = tuple(inputs), WaitClock()
         comm = Comm(rank=rank, world=dist.get_world_size(), clock=self.clock)
         self.runs = []
+        graph = capture(model, tuple(inputs))  # (once for both plans)
         for text in plans:
-            module = HAP(copy.deepcopy(model), cluster, inputs, plan=Plan.from_json(text), comm=comm)
+            module = HAP(copy.deepcopy(model), cluster, inputs, plan=Plan.from_json(text), comm=comm, graph=graph)
             self.runs.append((module, torch.optim.SGD(module.parameters(), lr=1e-3)))
         self.times: list[list[tuple[float, float]]] = [[] for _ in self.runs]
 

@@ -258,7 +258,7 @@ class Rebalancer:
         dist.broadcast_object_list(box, src=self._rank0(), group=self.comm.group)
         directory = box[0]
         checkpoint.save(self.pipe, self.opt, directory, self.iteration + 1)
-        pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm)
+        pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm, graph=self.pipe.graph)
         params = list(pipe.parameters())
         opt = self.make_optimizer(params) if params else None
         checkpoint.load(pipe, opt, directory)

@@ -82,8 +82,8 @@ def _rank_main(rank: int, spec: dict, out: str) -> None:
 
     if spec.get("pipeline"):
         return _pipeline_rank(rank, spec, out, model, example, cluster, train, test)
-    plan = baseline_plan(capture(model, example), cluster, "megatron")
-    dmodel = HAP(model, cluster, example, plan=plan)
+    graph = capture(model, example)
+    dmodel = HAP(model, cluster, example, plan=baseline_plan(graph, cluster, "megatron"), graph=graph)
     opt = _optimizer(spec, list(dmodel.parameters()))
     schedule = parse_schedule(spec["schedule"], world)
     steps_per_epoch = len(epoch_batches(train, spec["batch"], 0, spec["seed"]))
@@ -150,12 +150,13 @@ def _pipeline_rank(rank: int, spec: dict, out: str, model, example, cluster, tra
     from .schedule import parse_schedule
 
     world = spec["world"]
-    plan = exact_plan(capture(model, example), cluster, PlannerConfig(pipeline_stages=world))
+    graph = capture(model, example)
+    plan = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=world))
 
     def make(params):  # a stage may hold no parameters (the loss alone)
         return _optimizer(spec, params) if params else None
 
-    pipe = Pipeline(model, cluster, example, plan)
+    pipe = Pipeline(model, cluster, example, plan, graph=graph)
     reb = Rebalancer(pipe, make(list(pipe.parameters())), example,
                      RebalanceConfig(policy=spec["policy"], schedule=parse_schedule(spec["schedule"], world)), make)
     times, losses, records, it = [], [], [], 0
