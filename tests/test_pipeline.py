@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings, strategies as hs
 
 from hap.pipeline.schedule import in_flight, simulate, stage_order
 from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
@@ -1581,6 +1582,39 @@ def test_polish_never_worsens_a_cut_and_needs_its_block_shifts():
         start_near += table.objective(start) <= best * 1.05
         blocks += polish(table, start, reach=0)[1] > L * (1 + 1e-9)
     assert near >= 25 and start_near <= 2 and blocks >= 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(*[hs.integers(0, 4)] * 3), max_size=40))
+def test_pareto_keeps_exactly_the_items_no_other_beats(points):
+    """_pareto (a staircase over (max, sync) in order of sum) against its definition: an item is
+    dropped iff another beats or equals it on all three (of equal ones, the first is kept).
+    Small integers: many ties."""
+    from hap.pipeline.partition import _pareto
+    items = [(*p, (i,)) for i, p in enumerate(points)]
+    want = []
+    for it in sorted(items, key=lambda x: x[:3]):
+        if not any(k[0] <= it[0] and k[1] <= it[1] and k[2] <= it[2] for k in want):
+            want.append(it)
+    assert _pareto(list(items)) == want
+
+
+def test_the_bound_of_a_guessed_cut_drops_states_not_the_optimum():
+    """exact_partition bounds its search by the L of a polished even cut: on generated
+    instances it finds the L of the search without a bound (the same optimum), while keeping
+    fewer states."""
+    import numpy as np
+
+    from hap.automap.pipeline_infer import GeneratedTable
+    from hap.pipeline.partition import _search, exact_partition
+    fewer = 0
+    for seed in range(8):
+        table = GeneratedTable(np.random.default_rng(seed), K=4)
+        (free, _), free_states = _search(table, np.zeros(4), None)
+        bounded = exact_partition(table)
+        assert bounded.seconds == pytest.approx(free, rel=1e-12)
+        fewer += bounded.explored < free_states
+    assert fewer >= 6
 
 
 def test_generated_instances_price_as_their_tables_and_the_exact_cut_is_optimal():
