@@ -6,6 +6,7 @@
     print(plan.summary())
 
     dmodel = hap.HAP(model, cluster, example_inputs)    # on every rank, torch.distributed initialized
+    dmodel = hap.HAP(model, cluster, example_inputs, plan=plan, graph=graph)   # or: captured once, sent
     loss = dmodel(*batch); loss.backward(); opt.step()
 
     pipe = hap.Pipeline(model, cluster, example_inputs, plan)   # a plan of several stages

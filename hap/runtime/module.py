@@ -7,7 +7,8 @@
 
 Rank 0 plans (or the plan given is used), every rank receives the same plan, checks that its
 digest agrees with every other rank's and that the plan is for this many ranks, captures the
-model itself and keeps only its part of each parameter and buffer. The returned loss has the
+model itself (or takes the graph given, `graph=`: captured once by a launcher, checked against
+the model) and keeps only its part of each parameter and buffer. The returned loss has the
 value of the global loss on every rank; its backward is exact, the gradients of parameters kept
 whole are all-reduced in buckets overlapped with the backward (gradsync.py), and the buffers the
 model mutates (BatchNorm's statistics) are updated as on one device. `full_state_dict()` gives
