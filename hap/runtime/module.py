@@ -92,7 +92,9 @@ class HAP(MirrorsModel):
 
         graph: the model already captured on these inputs (hap.capture(model, example_inputs):
         the graph the plan was made for, pickled to the ranks), not captured again; a ValueError
-        names what differs where it is another model's or other inputs'."""
+        names what differs where it is another model's or other inputs'. The graph's computation
+        is what runs: the model is checked for its parameters, buffers and modules' modes, not
+        for its forward's code (a rank's model with an activation of its own is not seen)."""
         super().__init__()
         if not isinstance(model, nn.Module):  # (it was an AttributeError: 'function' object has no attribute 'parameters')
             raise TypeError(f"hap.HAP wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
