@@ -657,3 +657,25 @@ def test_a_graph_of_another_model_or_other_inputs_is_refused_naming_what_differs
         "graph= was not made by hap.capture (it says nothing of the model it was captured from)")
     with pytest.raises(TypeError, match="graph must be a hap Graph"):
         check_captured_from("graph", TwoLayers(), (x,))
+
+
+def test_a_graph_with_a_custom_op_unpickles_in_a_process_that_had_not_loaded_its_library():
+    """A rank given a graph whose model uses a library's custom op has often not imported that
+    library yet (a model of transformers' built after the graph arrives): unpickling imports
+    the module that defined the op."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from custom_ops import Doubling
+    graph = capture(Doubling(), (torch.randn(4, 3),))
+    assert "haptest.doubled.default" in [n.op for n in graph.nodes]
+    code = ("import pickle, sys; g = pickle.loads(sys.stdin.buffer.read()); "
+            "print('custom_ops' in sys.modules, [str(n.target) for n in g.nodes if n.op.startswith('haptest')])")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(graph), capture_output=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().strip() == "True ['haptest.doubled.default']"

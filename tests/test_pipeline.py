@@ -1601,20 +1601,26 @@ def test_pareto_keeps_exactly_the_items_no_other_beats(points):
 
 def test_the_bound_of_a_guessed_cut_drops_states_not_the_optimum():
     """exact_partition bounds its search by the L of a polished even cut: on generated
-    instances it finds the L of the search without a bound (the same optimum), while keeping
-    fewer states."""
+    instances, of their micro-batches and of one (where (M - 1) * an unallowed stage's infinite
+    time made the bound NaN, and every state was dropped), it finds the L of the search without
+    a bound (the same optimum), while keeping fewer states."""
     import numpy as np
 
     from hap.automap.pipeline_infer import GeneratedTable
     from hap.pipeline.partition import _search, exact_partition
     fewer = 0
     for seed in range(8):
-        table = GeneratedTable(np.random.default_rng(seed), K=4)
-        (free, _), free_states = _search(table, np.zeros(4), None)
-        bounded = exact_partition(table)
-        assert bounded.seconds == pytest.approx(free, rel=1e-12)
-        fewer += bounded.explored < free_states
-    assert fewer >= 6
+        for unallowed in (False, True):
+            table = GeneratedTable(np.random.default_rng(seed), K=4)
+            if unallowed:  # stage 1 cannot end past position 5: the even cut is not a cut, the bound infinite
+                table.t[1, :, 5:] = np.inf
+            for M in (table.M, 1):
+                table.M = M
+                (free, _), free_states = _search(table, np.zeros(4), None)
+                bounded = exact_partition(table)
+                assert bounded.seconds == pytest.approx(free, rel=1e-12)
+                fewer += bounded.explored < free_states
+    assert fewer >= 12
 
 
 def test_generated_instances_price_as_their_tables_and_the_exact_cut_is_optimal():
