@@ -374,11 +374,8 @@ def _search(table, extra: np.ndarray, ok: np.ndarray | None, guesses: Sequence[S
 
 def _l_of(times: list, syncs: list, M1: int, cuts: Sequence[int]) -> float:
     """L of a cut as _search prices it (inf where a stage is not allowed)."""
-    bounds = [0, *cuts, len(times[0]) - 1]
-    t = [times[k][a][b] for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    if not all(map(math.isfinite, t)):
-        return math.inf  # (not 0 * inf: NaN, which no state is under, with one micro-batch)
-    return sum(t) + M1 * max(t) + max(syncs[k][a][b] for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    stages = list(enumerate(zip([0, *cuts], [*cuts, len(times[0]) - 1])))
+    return iteration_seconds([times[k][a][b] for k, (a, b) in stages], [syncs[k][a][b] for k, (a, b) in stages], M1 + 1)
 
 
 def shortfall(table: StageTable) -> str:

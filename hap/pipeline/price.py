@@ -34,6 +34,7 @@ beside it.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -68,8 +69,12 @@ class PipelineEstimate:
 
 def iteration_seconds(t: Sequence[float], sync: Sequence[float], M: int, tail: float = 0.0) -> float:
     """The pipeline formula: sum of the stage times t_k, (M - 1) more of the slowest, the
-    largest stage's gradient sync, and `tail` (the loss's sync)."""
-    return float(sum(t) + (M - 1) * max(t) + max(sync) + tail)
+    largest stage's gradient sync, and `tail` (the loss's sync). A stage that cannot run
+    (infinite time) makes it infinite, with one micro-batch too (not 0 * inf: NaN)."""
+    slowest = max(t)
+    if math.isinf(slowest):
+        return math.inf
+    return float(sum(t) + (M - 1) * slowest + max(sync) + tail)
 
 
 class PipelinePricer:
