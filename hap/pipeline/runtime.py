@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..capture import capture, check_captured_from, example_tuple
-from ..ir import Graph
 from ..cost.cluster import Cluster
+from ..ir import Graph
 from ..placement import P, R, Placement
 from ..plan import Plan
 from ..rules import strategy_table

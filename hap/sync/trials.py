@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..ir import Graph
 from ..plan import Plan, SyncEntry
 
 
@@ -48,7 +49,7 @@ class TrialsFailed(RuntimeError):
 
 
 class TrialCluster:
-    def __init__(self, workload: Workload, timeout_s: float = 600.0, graph=None):
+    def __init__(self, workload: Workload, timeout_s: float = 600.0, graph: Graph | None = None):
         """graph: the workload's model captured (hap.capture), given to the ranks' hap.HAP; None:
         each rank captures it."""
         from ..runtime.launch import rendezvous, start_ranks
@@ -122,7 +123,8 @@ def _timed_blocks(step, steps: int, min_seconds: float, max_blocks: int = 20) ->
             return statistics.median(blocks)
 
 
-def _serve(rank: int, world: int, port: int, workload: dict, commands, results, timeout_s: float, graph) -> None:
+def _serve(rank: int, world: int, port: int, workload: dict, commands, results, timeout_s: float,
+           graph: Graph | None) -> None:
     from datetime import timedelta
 
     import hap
