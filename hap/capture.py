@@ -41,7 +41,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._torch import backward_hooks, is_higher_order_op, quiet_fake_tensors, without_partial_graph
-from .ir import VIEW_OPS, Graph, Node, Tensor, TensorRef, node_signature
+from .ir import VIEW_OPS, Graph, Node, Tensor, TensorRef, dtype_name, node_signature
 
 # Nodes that produce nothing the program needs.
 _SKIPPED_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}
@@ -129,7 +129,7 @@ def state_signature(model: torch.nn.Module) -> tuple:
     requires_grad, the first name of the same tensor: how parameters are tied), then each
     module's training mode, in model.modules() order."""
     first: dict[int, str] = {}
-    state = [(name, kind, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad, first.setdefault(id(t), name))
+    state = [(name, kind, tuple(t.shape), dtype_name(t.dtype), t.requires_grad, first.setdefault(id(t), name))
              for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
                                  ("buffer", model.named_buffers(remove_duplicate=False)))
              for name, t in named]
@@ -149,7 +149,7 @@ def check_captured_from(graph: Graph, model: torch.nn.Module, example_inputs: Se
         raise ValueError(f"graph= was captured with {len(graph.inputs)} inputs, the example inputs are {len(inputs)}")
     for k, (name, x) in enumerate(zip(graph.inputs, inputs)):
         t = graph.tensors[name]
-        got = (tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor) else (type(x).__name__,)
+        got = (tuple(x.shape), dtype_name(x.dtype)) if isinstance(x, torch.Tensor) else (type(x).__name__,)
         if got != (t.shape, t.dtype):
             raise ValueError(f"graph= was captured with input {k} ({name}) of shape {t.shape} and dtype {t.dtype}; the "
                              f"example inputs' is {' and '.join(map(str, got))}: capture the model on these inputs")
@@ -670,7 +670,7 @@ def _tensor(name, val: torch.Tensor, kind, target, producer=-1) -> Tensor:
                            "indexing, nonzero or unique give: hap needs shapes known before the data (torch.where, "
                            "a mask multiplied in)")
     stride = None if val.is_contiguous() else tuple(int(s) for s in val.stride())
-    return Tensor(name=name, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype).removeprefix("torch."),
+    return Tensor(name=name, shape=tuple(int(s) for s in val.shape), dtype=dtype_name(val.dtype),
                   itemsize=val.element_size(), kind=kind, target=target, producer=producer, stride=stride)
 
 

@@ -17,6 +17,11 @@ VIEW_OPS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
 """The ops that read a tensor at another shape as a view (_unsafe_view: a view of a fresh copy)."""
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype as the IR names it (Tensor.dtype): 'float32' for torch.float32."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, slots=True)
 class TensorRef:
     """Stands in a node's args where a tensor is passed."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..ir import Graph, TensorRef
+from ..ir import Graph, TensorRef, dtype_name
 from ..placement import D, P, R, Placement
 from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
@@ -63,7 +63,7 @@ def check_inputs(batch: Sequence[torch.Tensor], graph: Graph) -> None:
         raise ValueError(f"the model takes {len(graph.inputs)} inputs, got {len(batch)}")
     for i, (name, x) in enumerate(zip(graph.inputs, batch)):
         want = graph.tensors[name].dtype
-        got = str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else type(x).__name__
+        got = dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
         if got != want:
             raise ValueError(f"input {i} ({name}) is {got}, but the model was captured with {want} for it: give "
                              f"inputs of the example inputs' dtypes")
