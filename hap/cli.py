@@ -732,8 +732,7 @@ def _rebalancer(args: dict, pipe, opt, batch, make_optimizer):
 
     if args["straggler"] == "none" and args["straggler_schedule"] == "none":
         return None
-    config = RebalanceConfig(policy=args["straggler"], schedule=parse_schedule(args["straggler_schedule"], pipe.comm.world),
-                             directory=args["checkpoint"] or None)
+    config = RebalanceConfig(policy=args["straggler"], schedule=parse_schedule(args["straggler_schedule"], pipe.comm.world))
     return Rebalancer(pipe, opt, batch, config, make_optimizer)
 
 

@@ -198,3 +198,111 @@ def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd, tmp_path):
     assert main([*PIPE, "--steps", "2", "--straggler", "zero-pri"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hap: error: --straggler zero-pri prunes or migrates") and "rebalance" in err[-1], err
+
+
+def handed_over(rank, world, setup, cuts, before, after, kind):
+    """One step under the pipeline layout `before` (groups, ratios, micro-batches) cut before
+    node cuts[0], then checkpoint.hand_over to `after` cut before cuts[1] (other groups and
+    shares) and the other steps there. The new optimizer is made with a
+    learning rate the run never had (0.5): the old one's (0.01) must come over with its state.
+    First an SGD over the new stage is refused: the old one is `kind`."""
+    import hap
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+    from hap.runtime.checkpoint import hand_over
+    from test_pipeline import SETUPS
+
+    model, batches = SETUPS[setup]()
+    cluster = local_cluster((1.0,) * world, "local")
+    space = PipelineSpace(hap.capture(model, batches[0]), cluster, PlannerConfig(schedule="1f1b"))
+
+    def pipeline(cut, layout):
+        groups, ratios, micro_batches = layout
+        return hap.Pipeline(model, cluster, batches[0], assemble(space, [cut], groups, ratios, micro_batches, 0.0, {}),
+                            graph=space.graph)
+
+    def make(params, lr):
+        return (torch.optim.Adam if kind == "adam" else torch.optim.SGD)(params, lr=lr, **(
+            {} if kind == "adam" else {"momentum": 0.9})) if params else None
+
+    pipe = pipeline(cuts[0], before)
+    opt = make(list(pipe.parameters()), 0.01)
+    losses = [pipe.train_step(*batches[0]).item()]
+    opt.step()
+    opt.zero_grad()
+    new = pipeline(cuts[1], after)
+    params = list(new.parameters())
+    refused = None
+    try:
+        hand_over(pipe, opt, new, torch.optim.SGD(params, lr=0.1) if params and kind == "adam" else make(params, 0.5))
+    except ValueError as e:
+        refused = str(e)
+    new_opt = make(params, 0.5)
+    received = hand_over(pipe, opt, new, new_opt)
+    for batch in batches[1:]:
+        losses.append(new.train_step(*batch).item())
+        new_opt.step()
+        new_opt.zero_grad()
+    state = new.full_state_dict()
+    return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}, "received": received,
+            "refused": refused, "lr": [g["lr"] for g in new_opt.param_groups],
+            "stages": [[st.nodes, st.devices] for st in (pipe.plan.stages + new.plan.stages)]}
+
+
+@pytest.mark.parametrize("setup,kind,cuts,before,after", [
+    # GPT-2-like tied embedding (float64) on the first and last stage (cut after the embedding,
+    # then before the layer norm), Adam (its step count is a tensor of no parameter's shape);
+    # stage 0 moves from rank 0 to ranks 0 and 1 at 70/30
+    ("tied-float64", "adam", (1, 5), ([[0], [1, 2]], [[1.0], [0.4, 0.6]], 2), ([[0, 1], [2]], [[0.7, 0.3], [1.0]], 2)),
+    # BatchNorm's running statistics, updated by the stage that reads them (the first block's
+    # in stage 0, then the second's counter in stage 0 and its statistics in stage 1), momentum
+    ("bn", "sgd", (3, 6), ([[0, 1], [2]], [[0.6, 0.4], [1.0]], 1), ([[0], [1, 2]], [[1.0], [0.3, 0.7]], 1)),
+])
+def test_a_hand_over_to_another_cut_and_groups_trains_on_like_one_device(setup, kind, cuts, before, after, tmp_path):
+    """The pipeline rebalancer's move without a directory: parameters, buffers, optimizer
+    state and learning rates go between the ranks to a pipeline cut elsewhere on other groups;
+    the steps after it are one device's."""
+    from test_pipeline import SETUPS
+
+    reports = run_ranks(handed_over, 3, tmp_path, setup, cuts, before, after, kind)
+    model, batches = SETUPS[setup]()
+    make = torch.optim.Adam if kind == "adam" else (lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9))
+    opt = make(model.parameters(), lr=0.01)
+    losses = []
+    for batch in batches:
+        loss = model(*batch)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ref = model.state_dict()
+    assert reports[0]["stages"][0][0] != reports[0]["stages"][2][0]  # the cut moved
+    assert sum(got["received"] for got in reports) > 0
+    for got in reports:
+        assert got["refused"] == ("checkpoint.hand_over: the old plan's optimizer is of class Adam, the new one's SGD"
+                                  if kind == "adam" else None), got["refused"]
+        assert got["lr"] == [0.01]
+        assert got["losses"] == pytest.approx(losses, rel=1e-6)
+        for k, v in ref.items():
+            assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-5, atol=1e-6), k
+
+
+def sharded_hand_over(rank, world):
+    from hap.runtime.checkpoint import hand_over
+    from test_checkpoint import distributed
+
+    dmodel = distributed(world, ("sharded", [0.6, 0.4]))
+    try:
+        hand_over(dmodel, None, dmodel, None)
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
+def test_a_hand_over_of_sharded_state_is_refused_on_every_rank(tmp_path):
+    reports = run_ranks(sharded_hand_over, 2, tmp_path)
+    for got in reports:
+        assert got["refused"] == ("checkpoint.hand_over: 'fc1.weight' is sharded under the old plan, and a hand-over "
+                                  "moves whole tensors (a pipeline stage's): move hap.HAP's state with dmodel.reshard, "
+                                  "or through checkpoint.save and checkpoint.load")

@@ -26,19 +26,17 @@ lost since (each step's seconds times the fraction the new plan saves) has paid 
 (ski rental: the last move's measured seconds; before any, the cluster's price of sending the
 parameters and optimizer state once).
 
-The move: a checkpoint (hap.runtime.checkpoint) of this pipeline and its optimizer, loaded
-into a Pipeline of the new plan, whose cuts, device groups and shares may all differ. Exact, as
-resuming is: loss, gradients and parameters stay one device's. The checkpoint goes through a
-directory every rank reads (`directory`, else a temporary one: local ranks only).
+The move: a Pipeline of the new plan, whose cuts, device groups and shares may all differ,
+given this one's parameters, buffers and optimizer state by checkpoint.hand_over (what saving
+a checkpoint and loading it would do, sent between the ranks: no directory, so ranks on
+machines that share no file system move too). Exact, as resuming is: loss, gradients and
+parameters stay one device's.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
@@ -69,8 +67,6 @@ class RebalanceConfig:
     to the other ranks', by more than this fraction is a device slow (or fast) from the start."""
     gain: float = 0.10
     """A new plan must be estimated faster than the current one by this fraction."""
-    directory: str | None = None
-    """Where the move's checkpoint is written (None: a temporary directory)."""
 
     def __post_init__(self):
         check_fields(self, policy=one_of("none", "rebalance"), window=whole(1), threshold=number(0, above=True),
@@ -249,36 +245,22 @@ class Rebalancer:
     # -- moving ----------------------------------------------------------------------------------
 
     def _move(self, plan: Plan) -> dict:
-        """This pipeline's state, through a checkpoint, into a Pipeline of `plan` (a collective)."""
-        from ..runtime import checkpoint
+        """This pipeline's state, handed over to a Pipeline of `plan` (a collective)."""
+        from ..runtime.checkpoint import hand_over
         from .runtime import Pipeline
 
         t0 = time.perf_counter()
-        box = [self._new_directory() if self.comm.rank == 0 else None]
-        dist.broadcast_object_list(box, src=self._rank0(), group=self.comm.group)
-        directory = box[0]
-        checkpoint.save(self.pipe, self.opt, directory, self.iteration + 1)
         pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm, graph=self.pipe.graph)
         params = list(pipe.parameters())
         opt = self.make_optimizer(params) if params else None
-        checkpoint.load(pipe, opt, directory)
-        dist.barrier(group=self.comm.group)  # every rank has read it
-        if self.comm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+        received = hand_over(self.pipe, self.opt, pipe, opt)
         pipe.tracing = self.pipe.tracing
         old = self.pipe.plan
         self.pipe, self.opt, self.pending, self.lost = pipe, opt, None, 0.0
         self.reference, self.busy, self._fresh = None, [], True
         self.move_seconds = time.perf_counter() - t0
-        return {"from": _layout(old), "to": _layout(plan), "seconds": self.move_seconds,
+        return {"from": _layout(old), "to": _layout(plan), "seconds": self.move_seconds, "received_bytes": received,
                 "estimate": plan.estimated_iteration_seconds}
-
-    def _new_directory(self) -> str:
-        if self.config.directory is None:
-            return tempfile.mkdtemp(prefix="hap-rebalance-")
-        path = os.path.join(self.config.directory, f"rebalance-{self.iteration + 1}")
-        os.makedirs(path, exist_ok=True)
-        return path
 
     def _rank0(self) -> int:
         from ..runtime.collectives import global_rank

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .._torch import ShardedTensor, quiet_sharded_tensors, sharded_tensor
-from . import ledger
+from . import ledger, wire
 from .collectives import _with_length, from_rank_0, gather_or_refuse, global_rank
 from .executor import per_element
 from .module import group_settings, unlike_rank_0, wrapped_state
@@ -353,7 +353,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
                 raise ValueError(f"checkpoint {path} holds no optimizer state")
             objects.update({item: None for item in ("optim/param_groups", "optim/kind") if item in meta.state_dict_metadata})
         if opt is not None:
-            state = _optimizer_items(dmodel, opt, meta)
+            state = _optimizer_items(dmodel, opt, _kept(meta))
             held.update({item: v for item, v in state.items() if v is not None})
             objects.update({item: None for item, v in state.items() if v is None})
     except ValueError as e:
@@ -365,7 +365,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
         if saved_kind != kind:
             raise ValueError(f"checkpoint {path} holds the state of optimizer class {saved_kind}, not {kind} "
                              f"(to start {kind} afresh, load the model alone: load(dmodel, None, ...))")
-        _check_groups(groups, objects["optim/param_groups"], path)
+        _check_groups(groups, objects["optim/param_groups"], f"checkpoint {path}")
     hyper, refused = None, None
     try:
         hyper = _loaded_hyper(dmodel, opt, objects["optim/param_groups"]) if opt is not None else None
@@ -386,6 +386,106 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
     torch.set_rng_state(rng)
     _load_compressor(dmodel, path, meta, comm)
     return objects["step"], objects["extra"]
+
+
+@ledger.called("checkpoint.hand_over(old, old_opt, new, new_opt)")
+def hand_over(old, old_opt: torch.optim.Optimizer | None, new, new_opt: torch.optim.Optimizer | None) -> int:
+    """What `save` of `old` (and its optimizer) and `load` into `new` would do, through messages
+    between the ranks instead of a directory: the parameters, buffers, optimizer state and
+    hyper-parameters of `old` go to `new`, the same model wrapped under another plan on the same
+    ranks (the pipeline rebalancer's move: the cuts, device groups and shares may all differ).
+    Each tensor goes from a rank that holds it to each rank that needs it and lacks it, once;
+    the random generators and the parameters no node uses stay as they are (both alike on every
+    rank already). Both sides must hold their tensors whole on each rank, as a pipeline stage
+    does (a ValueError for a sharded one: hap.HAP's state moves with dmodel.reshard). The same
+    refusals as `load` (another optimizer class, parameters in one side's groups alone), on
+    every rank, before anything moves. Returns the bytes this rank received. A collective."""
+    comm = new.comm
+    kind, groups = _model_groups(old, old_opt)
+    new_kind, new_groups = _model_groups(new, new_opt)
+    items: dict[str, Any] = {}
+    refused = None
+    try:
+        items = {f"model/{key}": value for key, value in state_dict(old).items()}
+        if old_opt is not None:
+            items.update(_flat_optimizer({**optimizer_state_dict(old, old_opt), "param_groups": groups}))
+        items.pop("optim/param_groups", None)  # (the same on every rank: _model_groups)
+        sharded = next((item for item, value in items.items() if isinstance(value, ShardedTensor)), None)
+        if sharded is not None:
+            raise ValueError(f"{sharded.removeprefix('model/')!r} is sharded under the old plan, and a hand-over moves "
+                             "whole tensors (a pipeline stage's): move hap.HAP's state with dmodel.reshard, or through "
+                             "checkpoint.save and checkpoint.load")
+        if new_kind is not None and kind != new_kind:
+            raise ValueError(f"the old plan's optimizer is of class {kind}, the new one's {new_kind}" if kind else
+                             "the old plan had no optimizer, and its state is what a hand-over moves")
+        if new_kind is not None:
+            _check_groups(new_groups, groups, "the old plan's optimizer")
+    except ValueError as e:
+        refused = f"checkpoint.hand_over: {e}"
+    held = gather_or_refuse({item: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("object", v)
+                             for item, v in items.items()}, refused, comm)
+    wanted, objects, hyper, refused = {}, {}, None, None
+    try:
+        wanted = _handed_model_items(new, held)
+        if new_opt is not None:
+            kept = {item: None if entry[0] == "object" else entry for rank in held for item, entry in rank.items()}
+            for item, slot in _optimizer_items(new, new_opt, kept).items():
+                if slot is None:
+                    objects[item] = next(rank[item][1] for rank in held if item in rank)
+                else:
+                    wanted[item] = slot
+            hyper = _loaded_hyper(new, new_opt, groups)
+    except ValueError as e:
+        refused = f"checkpoint.hand_over: {e}"
+    wants = gather_or_refuse(sorted(wanted), refused, comm)
+    received = _exchange(items, {item: local for item, (_, local) in wanted.items()}, held, wants, comm)
+    ex = new.executor
+    for name in _persistent(new):
+        if name in ex.buffers:
+            ex.buffers[name] = wanted[f"model/{new.graph.tensors[name].target}"][1]  # replaced, as a forward does
+    if new_opt is not None:
+        values = {**{item: local for item, (_, local) in wanted.items()}, **objects}
+        new_opt.load_state_dict(_torch_optimizer_state(new, new_opt, values, hyper))
+    return received
+
+
+def _handed_model_items(new, held: list[dict[str, tuple]]) -> dict[str, tuple[str, torch.Tensor]]:
+    """The model's items `new` needs on this rank (item -> (graph tensor, the local tensor
+    to fill: a parameter's own storage)), each held by some rank in the shape it needs."""
+    graph, out = new.graph, {}
+    for name in _persistent(new):
+        item = f"model/{graph.tensors[name].target}"
+        found = next((rank[item] for rank in held if item in rank), None)
+        if found is None:
+            raise ValueError(f"no rank holds {item.removeprefix('model/')!r} under the old plan (another model?)")
+        if found[0] != tuple(graph.tensors[name].shape):
+            raise ValueError(f"{item.removeprefix('model/')!r} is {found[0]} under the old plan but "
+                             f"{tuple(graph.tensors[name].shape)} under the new one")
+        out[item] = (name, _empty_local(new.executor, name))
+    return out
+
+
+def _exchange(items: dict[str, Any], wanted: dict[str, torch.Tensor], held: list[dict], wants: list[list[str]],
+              comm) -> int:
+    """Fill each of this rank's `wanted` tensors with its value among some rank's `items`: its
+    own where it holds one, else the first holder's, sent point to point (as bytes: any dtype).
+    Every rank lists the same transfers in one order and tags each by its place in the list, so
+    all are in flight at once and none waits on another. Returns the bytes received."""
+    works, received = [], 0
+    transfers = sorted((item, r) for r, items_wanted in enumerate(wants) for item in items_wanted)
+    for tag, (item, dst) in enumerate(transfers):
+        src = dst if item in held[dst] else next(r for r, rank in enumerate(held) if item in rank)
+        if comm.rank == dst == src:
+            wanted[item].copy_(items[item])
+        elif comm.rank == src and items[item].numel():
+            works.append(wire.isend(items[item].detach().contiguous().reshape(-1).view(torch.uint8),
+                                    global_rank(comm, dst), tag=tag))
+        elif comm.rank == dst and wanted[item].numel():
+            works.append(wire.irecv(wanted[item].view(-1).view(torch.uint8), global_rank(comm, src), tag=tag))
+            received += wanted[item].numel() * wanted[item].element_size()
+    for work in works:
+        work.wait()
+    return received
 
 
 def _compressor_key(dmodel, name: str, rows: tuple[int, int] | None) -> str:
@@ -690,27 +790,35 @@ def _flat_optimizer(osd: dict[str, Any]) -> dict[str, Any]:
     return items
 
 
-def _optimizer_items(dmodel, opt: torch.optim.Optimizer, meta: Metadata) -> dict[str, tuple | None]:
-    """The checkpoint's state items for the optimizer's parameters: item -> (the graph tensor it
-    is sharded like or None, the local tensor DCP fills), or None for a value that is no tensor.
+def _optimizer_items(dmodel, opt: torch.optim.Optimizer,
+                     kept: dict[str, tuple[tuple[int, ...], torch.dtype] | None]) -> dict[str, tuple | None]:
+    """The state items for the optimizer's parameters among those `kept` (item -> its whole
+    shape and dtype, or None for a value that is no tensor): item -> (the graph tensor it is
+    sharded like or None, the local tensor to fill), or None for a value that is no tensor.
     A tensor of its parameter's whole shape is loaded as this rank's part, others whole (a
     ValueError where such a tensor spans a sharded parameter: see executor.per_element)."""
-    md = meta.state_dict_metadata
     params = {key: (name, p) for group in _opt_params(dmodel, opt) for name, key, p in group}
     out = {}
-    for item, m in md.items():
+    for item, m in kept.items():
         key = item.removeprefix(_STATE).rpartition("/")[0]
         if not item.startswith(_STATE) or key not in params:  # other parameters: _check_groups says so
             continue
         name, p = params[key]
-        if isinstance(m, BytesStorageMetadata):
+        if m is None:
             out[item] = None
-        elif per_element(item.rpartition("/")[2], m.size, dmodel.graph.tensors[name].shape, key,
+        elif per_element(item.rpartition("/")[2], m[0], dmodel.graph.tensors[name].shape, key,
                          dmodel.executor.stored[name][0].is_shard):  # (else a ValueError where sharded)
-            out[item] = (name, torch.empty(p.shape, dtype=m.properties.dtype))
+            out[item] = (name, torch.empty(p.shape, dtype=m[1]))
         else:
-            out[item] = (None, torch.empty(m.size, dtype=m.properties.dtype))
+            out[item] = (None, torch.empty(m[0], dtype=m[1]))
     return out
+
+
+def _kept(meta: Metadata) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+    """What a checkpoint holds, as _optimizer_items reads it: item -> (whole shape, dtype), or
+    None for an object."""
+    return {item: None if isinstance(m, BytesStorageMetadata) else (tuple(m.size), m.properties.dtype)
+            for item, m in meta.state_dict_metadata.items()}
 
 
 def _model_groups(dmodel, opt: torch.optim.Optimizer | None) -> tuple[str | None, list[dict]]:
@@ -777,14 +885,15 @@ def _loaded_hyper(dmodel, opt: torch.optim.Optimizer, saved: list[dict]) -> list
     return out
 
 
-def _check_groups(groups: list[dict], saved: list[dict], path: str) -> None:
-    """The optimizers (over all ranks) must hold the parameters the checkpoint's do; their
-    groups may differ where each holds parameters saved alike (_loaded_hyper)."""
+def _check_groups(groups: list[dict], saved: list[dict], source: str) -> None:
+    """The optimizers (over all ranks) must hold the parameters the `source`'s (a checkpoint's,
+    the old plan's) do; their groups may differ where each holds parameters saved alike
+    (_loaded_hyper)."""
     mine = {key for group in groups for key in group["params"]}
     theirs = {key for group in saved for key in group["params"]}
     differ = sorted(mine ^ theirs)
     if differ:
-        where = "the optimizer" if differ[0] in mine else f"checkpoint {path}"
+        where = "the optimizer" if differ[0] in mine else source
         raise ValueError(f"{differ[0]!r} is in {where}'s parameter groups alone")
 
 
