@@ -93,7 +93,7 @@ from ..rules import Strategy
 from .moves import Move, moves_between, rebalance
 from . import _core
 from .program import (Estimate, Load, MoveStep, NumericShares, Step, kept_as, memory_terms, move_price, move_terms,
-                      node_key, price_node, replay, synced_params, terms_seconds)
+                      linear_seconds, node_key, price_node, replay, synced_params, terms_seconds)
 
 CODE_BITS = 64  # property = tensor id * 64 + placement code
 BOUND_EXPANSIONS_PER_NODE = 50  # budget of a chunk's lower-bound search
@@ -486,7 +486,7 @@ class _MoveTable:
     order) as arrays, priced under any ratios at once: terms_seconds over all of them, const +
     slope * the largest share of the (up to two) sharded operands, 1 where none; a grouped
     all-gather (a price by how many devices hold rows) alone. The same operations in the same
-    order as terms_seconds: the same floats."""
+    order as terms_seconds (linear_seconds): the same floats."""
 
     def __init__(self, rows: Sequence[Sequence[tuple]]):
         self.counts = [len(row) for row in rows]
@@ -510,7 +510,7 @@ class _MoveTable:
     def prices(self, cost: CostModel, alg: NumericShares) -> list[list[tuple[float, float, bool]]]:
         """Per move class, each move's (forward s, backward s, True) under the shares `alg`."""
         tops = np.array([1.0] + [alg.largest([ref]) for ref in self.refs])
-        flat = (self.const + self.slope * np.maximum(tops[self.first], tops[self.second])).tolist()
+        flat = linear_seconds(self.const, self.slope, np.maximum(tops[self.first], tops[self.second])).tolist()
         for i, terms in self.grouped:
             flat[i] = terms_seconds(cost, alg, terms)
         out, pos = [], 0

@@ -257,9 +257,14 @@ def terms_seconds(cost: CostModel, alg, terms: tuple | None):
     const, slope, sharded = terms
     if const is None:
         return cost.grouped_gather(slope, alg.live(*sharded))
-    # const + slope * the largest share, here and in astar._MoveTable (vectorized; tied by
-    # test_frame_prices_every_move_as_move_price): a shared function's call cost 5% of BERT-MoE's plan
-    return const + slope * (alg.largest(sharded) if sharded else 1.0)
+    return linear_seconds(const, slope, alg.largest(sharded) if sharded else 1.0)
+
+
+def linear_seconds(const, slope, largest):
+    """A collective's seconds from its `collective_terms` (const, slope) and the largest share of
+    its sharded operands (1.0: the whole tensor): floats here, arrays of every move at once in
+    astar._MoveTable."""
+    return const + slope * largest
 
 
 def node_times(cost: CostModel, alg, k: int, st: Strategy, loads: Sequence[Load], seg: int):
