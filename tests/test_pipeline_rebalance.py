@@ -200,17 +200,27 @@ def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd, tmp_path):
     assert err[-1].startswith("hap: error: --straggler zero-pri prunes or migrates") and "rebalance" in err[-1], err
 
 
+def decay_groups(params) -> list[dict]:
+    """Weights decayed at 0.01, biases and norms (one dim) not, as transformers' Trainer groups them."""
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.01},
+              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def handed_over(rank, world, setup, cuts, before, after, kind):
     """One step under the pipeline layout `before` (groups, ratios, micro-batches) cut before
     node cuts[0], then checkpoint.hand_over to `after` cut before cuts[1] (other groups and
-    shares) and the other steps there. The new optimizer is made with a
-    learning rate the run never had (0.5): the old one's (0.01) must come over with its state.
-    First an SGD over the new stage is refused: the old one is `kind`."""
+    shares) and the other steps there. The new optimizer is made with a learning rate the run
+    never had (0.5): the old one's (0.01) must come over with its state. kind "adam": one group;
+    first an SGD over the new stage is refused. kind "sgd": two groups, biases and norms without
+    weight decay (weights at 0.01); one group over the new stage is refused, and one made from
+    checkpoint.groups_like trains on."""
     import hap
     from hap.cost.cluster import local_cluster
     from hap.pipeline.plan import PipelineSpace, assemble
     from hap.planner import PlannerConfig
-    from hap.runtime.checkpoint import hand_over
+    from hap.runtime.checkpoint import groups_like, hand_over
     from test_pipeline import SETUPS
 
     model, batches = SETUPS[setup]()
@@ -227,7 +237,7 @@ def handed_over(rank, world, setup, cuts, before, after, kind):
             {} if kind == "adam" else {"momentum": 0.9})) if params else None
 
     pipe = pipeline(cuts[0], before)
-    opt = make(list(pipe.parameters()), 0.01)
+    opt = make(list(pipe.parameters()) if kind == "adam" else decay_groups(pipe.parameters()), 0.01)
     losses = [pipe.train_step(*batches[0]).item()]
     opt.step()
     opt.zero_grad()
@@ -238,7 +248,7 @@ def handed_over(rank, world, setup, cuts, before, after, kind):
         hand_over(pipe, opt, new, torch.optim.SGD(params, lr=0.1) if params and kind == "adam" else make(params, 0.5))
     except ValueError as e:
         refused = str(e)
-    new_opt = make(params, 0.5)
+    new_opt = make(params if kind == "adam" else groups_like(pipe, opt, new), 0.5)
     received = hand_over(pipe, opt, new, new_opt)
     for batch in batches[1:]:
         losses.append(new.train_step(*batch).item())
@@ -247,6 +257,7 @@ def handed_over(rank, world, setup, cuts, before, after, kind):
     state = new.full_state_dict()
     return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}, "received": received,
             "refused": refused, "lr": [g["lr"] for g in new_opt.param_groups],
+            "decay": sorted(g["weight_decay"] for g in new_opt.param_groups),
             "stages": [[st.nodes, st.devices] for st in (pipe.plan.stages + new.plan.stages)]}
 
 
@@ -267,8 +278,8 @@ def test_a_hand_over_to_another_cut_and_groups_trains_on_like_one_device(setup, 
 
     reports = run_ranks(handed_over, 3, tmp_path, setup, cuts, before, after, kind)
     model, batches = SETUPS[setup]()
-    make = torch.optim.Adam if kind == "adam" else (lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9))
-    opt = make(model.parameters(), lr=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01) if kind == "adam" else \
+        torch.optim.SGD(decay_groups(model.parameters()), lr=0.01, momentum=0.9)
     losses = []
     for batch in batches:
         loss = model(*batch)
@@ -280,9 +291,14 @@ def test_a_hand_over_to_another_cut_and_groups_trains_on_like_one_device(setup, 
     assert reports[0]["stages"][0][0] != reports[0]["stages"][2][0]  # the cut moved
     assert sum(got["received"] for got in reports) > 0
     for got in reports:
-        assert got["refused"] == ("checkpoint.hand_over: the old plan's optimizer is of class Adam, the new one's SGD"
-                                  if kind == "adam" else None), got["refused"]
-        assert got["lr"] == [0.01]
+        if kind == "adam":
+            assert got["refused"] == "checkpoint.hand_over: the old plan's optimizer is of class Adam, the new one's SGD"
+            assert got["lr"] == [0.01]
+        else:  # a stage's parameters in one group of the optimizer's settings: refused; in groups_like's, taken
+            assert got["refused"] == ("checkpoint.hand_over: parameter group 0 holds 'block1.0.weight' and "
+                                      "'block1.0.bias', saved with weight_decay 0.01 and 0.0: give them groups of "
+                                      "their own, as they were")
+            assert got["lr"] == [0.01] * len(got["decay"]) and got["decay"] in ([0.0, 0.01], [0.0], [0.01])
         assert got["losses"] == pytest.approx(losses, rel=1e-6)
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-5, atol=1e-6), k
@@ -306,3 +322,25 @@ def test_a_hand_over_of_sharded_state_is_refused_on_every_rank(tmp_path):
         assert got["refused"] == ("checkpoint.hand_over: 'fc1.weight' is sharded under the old plan, and a hand-over "
                                   "moves whole tensors (a pipeline stage's): move hap.HAP's state with dmodel.reshard, "
                                   "or through checkpoint.save and checkpoint.load")
+
+
+def test_groups_like_keeps_each_parameter_with_the_settings_it_was_trained_with(monkeypatch):
+    """The old optimizers' groups as _model_groups records them over the ranks: group 0 of
+    stage 0 at lr 0.1, of stage 1 at lr 0.01 (hyper_of), group 1 without weight decay. The new
+    stage holds a.w (stage 0's), b.w (stage 1's) and a.b: three groups, in the old order, none
+    empty, each parameter with its own settings; c.w, held by no old optimizer, left out."""
+    from types import SimpleNamespace
+
+    from hap.runtime import checkpoint
+
+    old = [{"lr": 0.1, "weight_decay": 0.01, "params": ["a.w", "b.w", "d.w"], "hyper_of": {"b.w": {"lr": 0.01, "weight_decay": 0.01}}},
+           {"lr": 0.1, "weight_decay": 0.0, "params": ["a.b"], "hyper_of": {}}]
+    monkeypatch.setattr(checkpoint, "_model_groups", lambda model, opt: ("SGD", old))
+    params = {name: torch.nn.Parameter(torch.zeros(1)) for name in ("p_a_w", "p_b_w", "p_a_b", "p_c_w")}
+    new = SimpleNamespace(graph=SimpleNamespace(tensors={n: SimpleNamespace(target=n[2:].replace("_", ".")) for n in params}),
+                          executor=SimpleNamespace(params=params))
+    groups = checkpoint.groups_like(None, None, new)
+    assert [({k: v for k, v in g.items() if k != "params"}, g["params"]) for g in groups] == [
+        ({"lr": 0.1, "weight_decay": 0.01}, [params["p_a_w"]]),
+        ({"lr": 0.01, "weight_decay": 0.01}, [params["p_b_w"]]),
+        ({"lr": 0.1, "weight_decay": 0.0}, [params["p_a_b"]])]

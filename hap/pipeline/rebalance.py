@@ -154,9 +154,11 @@ class Rebalancer:
 
     def end_step(self) -> dict:
         """Measure the step; re-plan or move when it is time. Returns this step's record (the
-        same `moved` on every rank). After a move `reb.opt` is another optimizer, over the new
-        stage's parameters, with the state and settings of the old: a learning-rate scheduler
-        or hook made over the old one stays with it (make it again where `moved` is set)."""
+        same `moved` on every rank). After a move `reb.opt` is another optimizer,
+        `make_optimizer(groups)` over the new stage's parameters in the old optimizers' groups
+        (checkpoint.groups_like: each group with its settings, so a torch optimizer takes the
+        list as it is), with the state and settings of the old: a learning-rate scheduler or
+        hook made over the old one stays with it (make it again where `moved` is set)."""
         seconds = time.perf_counter() - self._t0
         mine = torch.tensor([self.pipe.last_step["compute"]], dtype=torch.float64)
         found = [torch.zeros_like(mine) for _ in range(self.comm.world)]
@@ -246,13 +248,13 @@ class Rebalancer:
 
     def _move(self, plan: Plan) -> dict:
         """This pipeline's state, handed over to a Pipeline of `plan` (a collective)."""
-        from ..runtime.checkpoint import hand_over
+        from ..runtime.checkpoint import groups_like, hand_over
         from .runtime import Pipeline
 
         t0 = time.perf_counter()
         pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm, graph=self.pipe.graph)
-        params = list(pipe.parameters())
-        opt = self.make_optimizer(params) if params else None
+        groups = groups_like(self.pipe, self.opt, pipe)
+        opt = self.make_optimizer(groups) if groups else None
         received = hand_over(self.pipe, self.opt, pipe, opt)
         pipe.tracing = self.pipe.tracing
         old = self.pipe.plan

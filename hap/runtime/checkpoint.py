@@ -449,6 +449,33 @@ def hand_over(old, old_opt: torch.optim.Optimizer | None, new, new_opt: torch.op
     return received
 
 
+def groups_like(old, old_opt: torch.optim.Optimizer | None, new) -> list[dict]:
+    """This rank's parameters of `new` in parameter groups as the optimizers of `old` (over all
+    ranks) held them, each group with the hyper-parameters they were trained with, in the old
+    groups' order (none empty): what to build `new`'s optimizer from, `make(groups_like(...))`,
+    so that hand_over finds each parameter in a group of its own settings (AdamW without
+    weight decay for biases and norms, as transformers' Trainer groups them; one group of the
+    optimizer's defaults was refused). Parameters no old optimizer held are left out, as they
+    were. A collective."""
+    _, groups = _model_groups(old, old_opt)
+    mine = {new.graph.tensors[name].target: p for name, p in new.executor.params.items()}
+    out: list[dict] = []
+    for group in groups:
+        # (group i of two stages' optimizers may be set apart: `hyper_of`, a group each)
+        made: list[dict] = []
+        for key in group["params"]:
+            if key not in mine:
+                continue
+            hyper = _hyper(group, key)
+            found = next((g for g in made if _same_hyper(hyper, _hyper(g))), None)
+            if found is None:
+                found = {**hyper, "params": []}
+                made.append(found)
+            found["params"].append(mine[key])
+        out += made
+    return out
+
+
 def _handed_model_items(new, held: list[dict[str, tuple]]) -> dict[str, tuple[str, torch.Tensor]]:
     """The model's items `new` needs on this rank (item -> (graph tensor, the local tensor
     to fill: a parameter's own storage)), each held by some rank in the shape it needs."""
