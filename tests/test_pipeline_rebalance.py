@@ -344,3 +344,79 @@ def test_groups_like_keeps_each_parameter_with_the_settings_it_was_trained_with(
         ({"lr": 0.1, "weight_decay": 0.01}, [params["p_a_w"]]),
         ({"lr": 0.01, "weight_decay": 0.01}, [params["p_b_w"]]),
         ({"lr": 0.1, "weight_decay": 0.0}, [params["p_a_b"]])]
+
+
+class HeadMLP(torch.nn.Module):
+    """Two linears and a head the loss never reads (a parameter no node uses); `bias=False`
+    leaves b without its bias (another model)."""
+
+    def __init__(self, bias=True):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 12), torch.nn.Linear(12, 5, bias=bias)
+        self.unused = torch.nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+
+
+def other_dtype_hand_over(rank, world):
+    """A float32 pipeline on [[0], [1]] handed to a float64 one of another model instance (other
+    seed) on [[1], [0]]; then one of a model without b's bias."""
+    import hap
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+    from hap.runtime.checkpoint import hand_over
+
+    cluster = local_cluster((1.0, 1.0), "local")
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 5, (6,), generator=gen)
+
+    def pipeline(model, groups):
+        inputs = (x.to(next(model.parameters()).dtype), y)
+        space = PipelineSpace(hap.capture(model, inputs), cluster, PlannerConfig(schedule="1f1b"))
+        return hap.Pipeline(model, cluster, inputs, assemble(space, [2], groups, [[1.0], [1.0]], 1, 0.0, {}),
+                            graph=space.graph)
+
+    torch.manual_seed(0)
+    old = pipeline(HeadMLP(), [[0], [1]])
+    opt = torch.optim.SGD(old.parameters(), lr=0.1, momentum=0.9)
+    old.train_step(x, y)
+    opt.step()
+    torch.manual_seed(1)
+    new = pipeline(HeadMLP().double(), [[1], [0]])
+    new_opt = torch.optim.SGD(new.parameters(), lr=0.1, momentum=0.9)
+    hand_over(old, opt, new, new_opt)
+    want, got = old.full_state_dict(), new.full_state_dict()
+    momentum = {k: v["momentum_buffer"].tolist() for k, v in checkpoint_state(new, new_opt).items()}
+    torch.manual_seed(2)
+    refused = None
+    try:
+        hand_over(old, None, pipeline(HeadMLP(bias=False), [[1], [0]]), None)
+    except ValueError as e:
+        refused = str(e)
+    return {"differ": max((got[k] - want[k].double()).abs().max().item() for k in want),
+            "dtypes": sorted({str(v.dtype) for v in got.values()}), "keys": sorted(got), "refused": refused,
+            "momentum": momentum, "old_momentum": {k: v["momentum_buffer"].tolist()
+                                                   for k, v in checkpoint_state(old, opt).items()}}
+
+
+def checkpoint_state(pipe, opt):
+    from hap.runtime.checkpoint import optimizer_state_dict
+    return optimizer_state_dict(pipe, opt)["state"]
+
+
+def test_a_hand_over_casts_to_the_new_dtype_moves_unused_parameters_and_refuses_another_model(tmp_path):
+    """float32 to float64 across ranks (the bytes of one dtype were read as the other: weights
+    off by 0.5, and float64 to float32 aborted gloo), the unused head of another instance
+    included (it kept its own); a model without a tensor the old one holds is refused in one
+    line, as load refuses its checkpoint."""
+    reports = run_ranks(other_dtype_hand_over, 2, tmp_path)
+    momentum = {k: v for got in reports for k, v in got["old_momentum"].items()}
+    assert sorted(momentum) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    for got in reports:
+        assert got["differ"] < 1e-7 and got["dtypes"] == ["torch.float64"]
+        assert "unused.weight" in got["keys"]
+        assert got["refused"] == "checkpoint.hand_over: the old plan holds 'b.bias', which the new model lacks (another model?)"
+        for k, v in got["momentum"].items():  # the stage each rank holds now: the other's before
+            assert torch.allclose(torch.tensor(v, dtype=torch.float64), torch.tensor(momentum[k], dtype=torch.float64)), k

@@ -394,12 +394,14 @@ def hand_over(old, old_opt: torch.optim.Optimizer | None, new, new_opt: torch.op
     between the ranks instead of a directory: the parameters, buffers, optimizer state and
     hyper-parameters of `old` go to `new`, the same model wrapped under another plan on the same
     ranks (the pipeline rebalancer's move: the cuts, device groups and shares may all differ).
-    Each tensor goes from a rank that holds it to each rank that needs it and lacks it, once;
-    the random generators and the parameters no node uses stay as they are (both alike on every
-    rank already). Both sides must hold their tensors whole on each rank, as a pipeline stage
-    does (a ValueError for a sharded one: hap.HAP's state moves with dmodel.reshard). The same
-    refusals as `load` (another optimizer class, parameters in one side's groups alone), on
-    every rank, before anything moves. Returns the bytes this rank received. A collective."""
+    Each tensor goes from a rank that holds it to each rank that needs it and lacks it, once, and
+    is cast to the new model's dtype where the two differ (as a load casts); the parameters no
+    node uses go too, into the model `new` wrapped; the random generators stay as they are
+    (alike on every rank already). Both sides must hold their tensors whole on each rank, as a
+    pipeline stage does (a ValueError for a sharded one: hap.HAP's state moves with
+    dmodel.reshard). The same refusals as `load` (a tensor one model holds and the other lacks
+    or holds in another shape, another optimizer class, parameters in one side's groups alone),
+    on every rank, before anything moves. Returns the bytes this rank received. A collective."""
     comm = new.comm
     kind, groups = _model_groups(old, old_opt)
     new_kind, new_groups = _model_groups(new, new_opt)
@@ -476,29 +478,40 @@ def groups_like(old, old_opt: torch.optim.Optimizer | None, new) -> list[dict]:
     return out
 
 
-def _handed_model_items(new, held: list[dict[str, tuple]]) -> dict[str, tuple[str, torch.Tensor]]:
-    """The model's items `new` needs on this rank (item -> (graph tensor, the local tensor
-    to fill: a parameter's own storage)), each held by some rank in the shape it needs."""
-    graph, out = new.graph, {}
-    for name in _persistent(new):
-        item = f"model/{graph.tensors[name].target}"
-        found = next((rank[item] for rank in held if item in rank), None)
+def _handed_model_items(new, held: list[dict[str, tuple]]) -> dict[str, tuple[str | None, torch.Tensor]]:
+    """The model's items `new` needs on this rank (item -> (graph tensor or None for a parameter
+    no node uses, the local tensor to fill in place: a parameter's own storage, or the wrapped
+    model's)), each held by some rank in the shape it needs; a ValueError where one model holds
+    a tensor the other lacks."""
+    graph = new.graph
+    shapes = {**model_shapes(graph), **idle_shapes(graph)}
+    lacked = next((item for rank in held for item in rank
+                   if item.startswith("model/") and item.removeprefix("model/") not in shapes), None)
+    if lacked is not None:
+        raise ValueError(f"the old plan holds {lacked.removeprefix('model/')!r}, which the new model lacks (another model?)")
+    places = {graph.tensors[name].target: (name, _empty_local(new.executor, name)) for name in _persistent(new)}
+    places.update({key: (None, value.detach()) for key, value in idle_state(new).items()})
+    out = {}
+    for key, place in places.items():
+        found = next((rank[f"model/{key}"] for rank in held if f"model/{key}" in rank), None)
+        if found is None and place[0] is None:  # (optional, as load has them: older checkpoints lack them)
+            continue
         if found is None:
-            raise ValueError(f"no rank holds {item.removeprefix('model/')!r} under the old plan (another model?)")
-        if found[0] != tuple(graph.tensors[name].shape):
-            raise ValueError(f"{item.removeprefix('model/')!r} is {found[0]} under the old plan but "
-                             f"{tuple(graph.tensors[name].shape)} under the new one")
-        out[item] = (name, _empty_local(new.executor, name))
+            raise ValueError(f"no rank holds {key!r} under the old plan (another model?)")
+        if found[0] != tuple(shapes[key]):
+            raise ValueError(f"{key!r} is {found[0]} under the old plan but {tuple(shapes[key])} under the new one")
+        out[f"model/{key}"] = place
     return out
 
 
 def _exchange(items: dict[str, Any], wanted: dict[str, torch.Tensor], held: list[dict], wants: list[list[str]],
               comm) -> int:
     """Fill each of this rank's `wanted` tensors with its value among some rank's `items`: its
-    own where it holds one, else the first holder's, sent point to point (as bytes: any dtype).
-    Every rank lists the same transfers in one order and tags each by its place in the list, so
-    all are in flight at once and none waits on another. Returns the bytes received."""
-    works, received = [], 0
+    own where it holds one, else the first holder's, sent point to point (as bytes: any dtype;
+    received in the sender's dtype and cast). Every rank lists the same transfers in one order
+    and tags each by its place in the list, so all are in flight at once and none waits on
+    another. Returns the bytes received."""
+    works, casts, received = [], [], 0
     transfers = sorted((item, r) for r, items_wanted in enumerate(wants) for item in items_wanted)
     for tag, (item, dst) in enumerate(transfers):
         src = dst if item in held[dst] else next(r for r, rank in enumerate(held) if item in rank)
@@ -508,10 +521,16 @@ def _exchange(items: dict[str, Any], wanted: dict[str, torch.Tensor], held: list
             works.append(wire.isend(items[item].detach().contiguous().reshape(-1).view(torch.uint8),
                                     global_rank(comm, dst), tag=tag))
         elif comm.rank == dst and wanted[item].numel():
-            works.append(wire.irecv(wanted[item].view(-1).view(torch.uint8), global_rank(comm, src), tag=tag))
-            received += wanted[item].numel() * wanted[item].element_size()
+            buf = wanted[item]
+            if buf.dtype != held[src][item][1]:  # (a model cast to another dtype between the two)
+                buf = torch.empty(buf.shape, dtype=held[src][item][1], device=buf.device)
+                casts.append((wanted[item], buf))
+            works.append(wire.irecv(buf.view(-1).view(torch.uint8), global_rank(comm, src), tag=tag))
+            received += buf.numel() * buf.element_size()
     for work in works:
         work.wait()
+    for out, buf in casts:
+        out.copy_(buf)
     return received
 
 
