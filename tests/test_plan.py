@@ -71,6 +71,8 @@ def test_json_round_trip(result, graph, tmp_path):
     assert set(data["baselines"]) >= {"dp_ev", "dp_cp"}
     again = Plan.from_json(path)
     assert again.to_dict() == {**result.to_dict(), "written": result.content_digest}  # the file says what it held
+    assert again.to_dict() == dataclasses.asdict(again)  # (to_dict is asdict without its deep copies)
+    assert data["written"] == result.content_digest and again.content_digest == result.content_digest
     assert again.digest == result.digest and not again.edited_since_written
     steps = again.steps(graph)
     assert [s.node for s in steps] == list(range(len(graph.nodes)))
