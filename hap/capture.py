@@ -24,6 +24,7 @@ work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import linecache
 import operator
 import os
@@ -144,6 +145,7 @@ def check_captured_from(graph: Graph, model: torch.nn.Module, example_inputs: Se
         raise TypeError(f"graph must be a hap Graph (hap.capture(model, example_inputs)), got {type(graph).__name__}")
     if not graph.captured_from:
         raise ValueError("graph= was not made by hap.capture (it says nothing of the model it was captured from)")
+    _refuse_backward_hooks(model)  # (capture refuses them: added since, they were dropped silently)
     inputs = example_tuple(example_inputs)
     if len(inputs) != len(graph.inputs):
         raise ValueError(f"graph= was captured with {len(graph.inputs)} inputs, the example inputs are {len(inputs)}")
@@ -175,9 +177,45 @@ def check_captured_from(graph: Graph, model: torch.nn.Module, example_inputs: Se
         field = ("kind", "shape", "dtype", "requires_grad")[k - 1]
         raise ValueError(f"graph= was captured from another model: {name!r} has {field} {have[name][k]} "
                          f"here and {want[name][k]} in the graph's model")
+    if want_modes and not want_modes[0]:  # (the root's mode is capture's `training`)
+        raise ValueError("graph= was captured for evaluation (hap.capture(..., training=False)); hap.HAP and "
+                         "hap.Pipeline take a training graph: capture with training=True (the default)")
     if (modes if model.training else tuple(True for _ in modes)) != want_modes:  # (capture's modes for training)
         raise ValueError("graph= was captured with the model's modules in other training modes (model.train() / "
                          ".eval() of some modules since): capture it again")
+
+
+def adopt(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
+    """`graph`, given to hap.HAP or hap.Pipeline instead of capturing `model` on
+    `example_inputs` again, as capturing it would give it: checked against the model
+    (check_captured_from; a one-line error), and holding the model's own values of the tensor
+    attributes export lifted as constants (`self.scale = torch.randn(8)`: the captured
+    model's values, or a value changed since, had trained silently)."""
+    check_captured_from(graph, model, example_inputs)
+    constants = dict(graph.constants)
+    for name, value in graph.constants.items():
+        target = graph.tensors[name].target
+        own = _tensor_attribute(model, target) if target else None
+        if own is None or not isinstance(value, torch.Tensor):  # (a tensor the forward makes: the graph's)
+            continue
+        if (tuple(own.shape), own.dtype) != (tuple(value.shape), value.dtype):
+            raise ValueError(f"graph= was captured from another model: tensor attribute {target!r} is "
+                             f"{tuple(own.shape)} {dtype_name(own.dtype)} here and {tuple(value.shape)} "
+                             f"{dtype_name(value.dtype)} in the graph's model")
+        constants[name] = own.detach().clone()
+    return graph if constants.keys() == graph.constants.keys() and all(
+        constants[k] is v for k, v in graph.constants.items()) else dataclasses.replace(graph, constants=constants)
+
+
+def _tensor_attribute(model: torch.nn.Module, target: str) -> torch.Tensor | None:
+    """The plain tensor attribute (not a parameter or buffer) at `target` ("sub.scale"), or None."""
+    path, _, attr = target.rpartition(".")
+    try:
+        owner = model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+    value = owner.__dict__.get(attr)
+    return value if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
 
 
 def example_tuple(example_inputs: Sequence[Any]) -> tuple:

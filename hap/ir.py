@@ -22,6 +22,25 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def memory_layout(x) -> str:
+    """A tensor's memory order as the IR tells layouts apart: "contiguous", "channels_last"
+    (4-D, or 5-D "channels_last_3d") or "strided"; `x` a torch tensor, or an IR Tensor (its
+    stride None where it was captured contiguous)."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        if x.stride is None:
+            return "contiguous"
+        x = torch.empty_strided(x.shape, x.stride, device="meta")
+    if x.is_contiguous():
+        return "contiguous"
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return "strided"
+
+
 @dataclass(frozen=True, slots=True)
 class TensorRef:
     """Stands in a node's args where a tensor is passed."""

@@ -655,6 +655,12 @@ def test_a_graph_of_another_model_or_other_inputs_is_refused_naming_what_differs
                                                "capture it where it runs")
     assert refused(TwoLayers(), g=dataclasses.replace(graph, captured_from=())) == (
         "graph= was not made by hap.capture (it says nothing of the model it was captured from)")
+    hooked = TwoLayers()  # (capture refuses it; added after capture, the hook had been dropped silently)
+    hooked.b.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 2,))
+    assert refused(hooked).startswith("module b (Linear) has a backward hook (register_full_backward_hook)")
+    assert refused(TwoLayers().eval(), g=capture(TwoLayers().eval(), (x,), training=False)) == (
+        "graph= was captured for evaluation (hap.capture(..., training=False)); hap.HAP and hap.Pipeline take a "
+        "training graph: capture with training=True (the default)")  # (it blamed mode changes never made)
     with pytest.raises(TypeError, match="graph must be a hap Graph"):
         check_captured_from("graph", TwoLayers(), (x,))
 
@@ -679,3 +685,67 @@ def test_a_graph_with_a_custom_op_unpickles_in_a_process_that_had_not_loaded_its
                           timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().strip() == "True ['haptest.doubled.default']"
+
+
+class Scaled(nn.Module):
+    """A plain tensor attribute (no parameter, no buffer): export lifts it as a constant."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.scale = scale
+
+    def forward(self, x):
+        return (self.fc(x) * self.scale).pow(2).mean()
+
+
+def test_a_graph_given_takes_the_wrapped_models_tensor_attributes():
+    """The values of tensor attributes that export lifts as constants are the wrapped model's
+    (adopt), as capturing it would take them: a graph of another instance, or of this one
+    before its attribute changed, had trained with the captured values, silently; another
+    shape is refused."""
+    from hap.capture import adopt
+    x = torch.randn(4, 6)
+    graph = capture(Scaled(torch.full((6,), 2.0)), (x,))
+    mine = Scaled(torch.arange(6.0))
+    adopted = adopt(graph, mine, (x,))
+    (name, value), = adopted.constants.items()
+    assert graph.tensors[name].target == "scale" and torch.equal(value, torch.arange(6.0))
+    assert torch.equal(graph.constants[name], torch.full((6,), 2.0))  # (the graph given is left as it was)
+    assert adopt(graph, Scaled(torch.full((6,), 2.0)), (x,)).constants[name] is not graph.constants[name]
+    with pytest.raises(ValueError) as e:
+        adopt(graph, Scaled(torch.ones(1, 6)), (x,))
+    assert str(e.value) == ("graph= was captured from another model: tensor attribute 'scale' is (1, 6) float32 here "
+                            "and (6,) float32 in the graph's model")
+
+
+class ConvDrop(nn.Module):
+    def __init__(self, p=0.3):
+        super().__init__()
+        self.conv, self.drop = nn.Conv2d(3, 4, 3), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.conv(x)).pow(2).mean()
+
+
+def test_a_batch_laid_out_otherwise_than_captured_is_refused_where_the_model_draws_random_numbers():
+    """Dropout draws its mask in the memory order of the captured tensor it masks; a
+    channels_last image makes the convolution's output channels_last on one device, so a batch
+    laid out otherwise than the example inputs drew another mask than one device, silently
+    (found with graph=, where the example inputs themselves differed). Without random ops the
+    layout changes nothing, and is taken."""
+    from hap.runtime.executor import check_inputs
+    x = torch.randn(2, 3, 8, 8)
+    graph = capture(ConvDrop(), (x,))
+    check_inputs((torch.randn(2, 3, 8, 8),), graph)
+    with pytest.raises(ValueError) as e:
+        check_inputs((x.to(memory_format=torch.channels_last),), graph)
+    assert str(e.value) == (
+        "input 0 (x) is channels_last in memory but was captured contiguous, and the model draws random numbers in "
+        "the memory order the captured layout gives its tensors: give inputs laid out as those it was captured on "
+        "(x.contiguous(), x.to(memory_format=torch.channels_last))")
+    last = capture(ConvDrop(), (x.to(memory_format=torch.channels_last),))
+    check_inputs((x.to(memory_format=torch.channels_last),), last)
+    with pytest.raises(ValueError, match="^input 0 \\(x\\) is contiguous in memory but was captured channels_last"):
+        check_inputs((x,), last)
+    check_inputs((x.to(memory_format=torch.channels_last),), capture(ConvDrop(p=0.0), (x,)))  # (no draws)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture import capture, check_captured_from, example_tuple
+from ..capture import adopt, capture, example_tuple
 from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..placement import P, R, Placement
@@ -89,7 +89,7 @@ class Pipeline(MirrorsModel):
         if graph is None:
             graph = capture(model, example_tuple(example_inputs))
         else:
-            check_captured_from(graph, model, example_inputs)
+            graph = adopt(graph, model, example_inputs)
         self.graph = graph
         self.plan = plan = agree_plan(plan, comm, graph, cluster_setting(cluster))
         if len(plan.stages) < 2 or plan.schedule is None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..ir import Graph, TensorRef, dtype_name
+from ..ir import Graph, TensorRef, dtype_name, memory_layout
 from ..placement import D, P, R, Placement
 from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
@@ -58,7 +58,8 @@ def check_inputs(batch: Sequence[torch.Tensor], graph: Graph) -> None:
     """A ValueError where the batch is not the example inputs' count, or naming the first input
     whose dtype is not the example's: the graph was captured for those (a wrong dtype failed
     deep in the executor in torch's words, or, an integer for another, computed otherwise than
-    the model on one device)."""
+    the model on one device); or, in a model that draws random numbers, whose memory layout is
+    not the example's (random_layout_refusal)."""
     if len(batch) != len(graph.inputs):
         raise ValueError(f"the model takes {len(graph.inputs)} inputs, got {len(batch)}")
     for i, (name, x) in enumerate(zip(graph.inputs, batch)):
@@ -67,6 +68,26 @@ def check_inputs(batch: Sequence[torch.Tensor], graph: Graph) -> None:
         if got != want:
             raise ValueError(f"input {i} ({name}) is {got}, but the model was captured with {want} for it: give "
                              f"inputs of the example inputs' dtypes")
+        refused = random_layout_refusal(graph, i, x)
+        if refused:
+            raise ValueError(f"{refused}: give inputs laid out as those it was captured on (x.contiguous(), "
+                             "x.to(memory_format=torch.channels_last))")
+
+
+def random_layout_refusal(graph: Graph, i: int, x: torch.Tensor) -> str | None:
+    """Why input i, `x`, cannot run on `graph`, or None: where its memory layout is not the one
+    the graph was captured with and the graph draws random numbers. Each draw is made in the
+    memory order of the captured tensor it masks (rules/local.whole_noise), which one device
+    gets from its inputs' layout (a channels_last image makes a convolution's output
+    channels_last): a mask drawn in the other order is another mask."""
+    t = graph.tensors[graph.inputs[i]]
+    if x.is_contiguous() and t.stride is None:  # (the common case, at no cost)
+        return None
+    have, captured = memory_layout(x), memory_layout(t)
+    if have == captured or not any(is_random(node) for node in graph.nodes):
+        return None
+    return (f"input {i} ({graph.inputs[i]}) is {have} in memory but was captured {captured}, and the model draws "
+            "random numbers in the memory order the captured layout gives its tensors")
 
 
 def leaf_values(graph: Graph, model: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._torch import is_view, route_clip_grad_norm, route_grad_scaler, tree_unflatten, versions
-from ..capture import capture, check_captured_from, example_tuple
+from ..capture import adopt, capture, example_tuple
 from ..cost.cluster import Cluster
 from ..ir import Graph
 from ..placement import R
@@ -122,7 +122,7 @@ class HAP(MirrorsModel):
         if graph is None:
             graph = capture(model, example_inputs)
         else:
-            check_captured_from(graph, model, example_inputs)
+            graph = adopt(graph, model, example_inputs)
         self.graph = graph
         self._state_keys = state_keys(model, graph)
         if plan is None and comm.rank == 0:
