@@ -377,12 +377,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
     rng = torch.empty_like(torch.get_rng_state())
     _load({"rng": rng, **{item: _like(dmodel, name, local) if name else local for item, (name, local) in held.items()}},
           path, comm)  # in place: parameters in their own storage
-    for name in _persistent(dmodel):
-        if name in ex.buffers:
-            ex.buffers[name] = held[f"model/{graph.tensors[name].target}"][1]  # replaced, as a forward does
-    if opt is not None:
-        values = {**{item: local for item, (_, local) in held.items()}, **objects}
-        opt.load_state_dict(_torch_optimizer_state(dmodel, opt, values, hyper))
+    _put_loaded(dmodel, opt, held, objects, hyper)
     torch.set_rng_state(rng)
     _load_compressor(dmodel, path, meta, comm)
     return objects["step"], objects["extra"]
@@ -441,14 +436,23 @@ def hand_over(old, old_opt: torch.optim.Optimizer | None, new, new_opt: torch.op
         refused = f"checkpoint.hand_over: {e}"
     wants = gather_or_refuse(sorted(wanted), refused, comm)
     received = _exchange(items, {item: local for item, (_, local) in wanted.items()}, held, wants, comm)
-    ex = new.executor
-    for name in _persistent(new):
-        if name in ex.buffers:
-            ex.buffers[name] = wanted[f"model/{new.graph.tensors[name].target}"][1]  # replaced, as a forward does
-    if new_opt is not None:
-        values = {**{item: local for item, (_, local) in wanted.items()}, **objects}
-        new_opt.load_state_dict(_torch_optimizer_state(new, new_opt, values, hyper))
+    _put_loaded(new, new_opt, wanted, objects, hyper)
     return received
+
+
+def _put_loaded(dmodel, opt: torch.optim.Optimizer | None, loaded: dict[str, tuple], objects: dict[str, Any],
+                hyper: list[dict] | None) -> None:
+    """What load and hand_over end with, the parameters filled in place already: the loaded
+    buffers into the model (replaced, as a forward does), and into `opt` the loaded state
+    (`loaded`: item -> (graph tensor or None, its local tensor); `objects`: the items that are
+    no tensor) with the hyper-parameters each group was saved with."""
+    ex, graph = dmodel.executor, dmodel.graph
+    for name in _persistent(dmodel):
+        if name in ex.buffers:
+            ex.buffers[name] = loaded[f"model/{graph.tensors[name].target}"][1]
+    if opt is not None:
+        values = {**{item: local for item, (_, local) in loaded.items()}, **objects}
+        opt.load_state_dict(_torch_optimizer_state(dmodel, opt, values, hyper))
 
 
 def groups_like(old, old_opt: torch.optim.Optimizer | None, new) -> list[dict]:
