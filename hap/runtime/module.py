@@ -110,6 +110,10 @@ class HAP(MirrorsModel):
         """Numbers to sum over ranks with the next forward's loss (global_loss): a flag every
         rank needs, at no extra collective. The sums land in `piggybacked`."""
         self.piggybacked: torch.Tensor | None = None
+        self.piggyback_size = 0
+        """How many numbers every forward's sum carries besides the loss (a Mitigator's: set on
+        every rank at once): a rank with no piggyback this step sends zeros, so the sums agree in
+        size (a Mitigator stepped on some ranks alone had aborted gloo, the mismatch unnamed)."""
         self._losses: list[weakref.ref] = []  # the losses forward returned with a graph, alive (see reshard)
         self._step_check: StepCheck | None = None  # the last forward's, where a GPU's verdict is read later
         self._compare_alike = True  # at the next step: what the ranks hold whole (an initialization after wrapping)
@@ -213,7 +217,7 @@ class HAP(MirrorsModel):
                 self._compare_once(alike, part.device)
             self._keep_loss(part)
             return self._as_returned(part)
-        given = self.piggyback if self.piggyback is not None else torch.zeros(0, dtype=torch.float64)
+        given = self.piggyback if self.piggyback is not None else torch.zeros(self.piggyback_size, dtype=torch.float64)
         total, summed, check = sum_step(part, given, [None if name in presliced else x for name, x in
                                                       zip(self.graph.inputs, batch)], changed, self.comm, loaded, alike)
         total = total.to(part.dtype)

@@ -30,6 +30,7 @@ Policies (`POLICIES`):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -41,8 +42,8 @@ import torch.distributed as dist
 
 from ..config import check_fields, instance, number, one_of, whole
 from ..placement import P, R
-from ..runtime.collectives import all_reduce, broadcast, global_rank
-from ..runtime import wire
+from ..runtime.collectives import all_reduce, broadcast, every_rank, global_rank
+from ..runtime import ledger, wire
 from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
@@ -135,6 +136,7 @@ def no_layers_refusal(policy: str, schedule: str) -> str | None:
 
 
 class Mitigator:
+    @ledger.called("hap.straggler.Mitigator(dmodel, ...)")
     def __init__(self, dmodel, config: StragglerConfig, optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = ()):
         from ..pipeline.runtime import Pipeline
 
@@ -176,7 +178,25 @@ class Mitigator:
         self._pruned_now = 0.0  # share of its columns this rank prunes this step, all layers together
         self._ran = False  # whether this step ran the layers (the planned shape)
         self._shared = torch.zeros(1 + self.world, dtype=torch.float64)  # the step's sum (begin_step)
+        self._due: list[float] | list[list[float]] | None = None  # rebalance: ratios decided, waiting for gradients to clear
+        self._told_held = False
+        self._t0: float | None = None  # begin_step's clock (None: no step begun)
+        self._resharded_at_begin = 0
+        self._agree()  # (before the layers are taken over: a refusal leaves dmodel as it was)
         self._install()
+        dmodel.piggyback_size = len(self._shared)  # (every rank's sums alike in size, stepped or not)
+
+    def _agree(self) -> None:
+        """Every rank's config alike (one rank's policy otherwise left the others waiting for
+        its collectives until the timeout, the mismatch unnamed): a one-line ValueError on every
+        rank naming the first field that differs. A collective."""
+        mine = {f.name: repr(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)}
+        every = every_rank(mine, self.comm)
+        for r, theirs in enumerate(every):
+            name = next((k for k in mine if theirs[k] != every[0][k]), None)
+            if name is not None:
+                raise ValueError(f"Mitigator: rank {r}'s StragglerConfig.{name} is {theirs[name]}, rank 0's "
+                                 f"{every[0][name]}: every rank mitigates alike")
 
     # -- the layers ---------------------------------------------------------------------------
     def _install(self) -> None:
@@ -212,8 +232,10 @@ class Mitigator:
         return run
 
     # -- the iteration ------------------------------------------------------------------------
+    @ledger.called("mit.begin_step(...)")
     def begin_step(self, iteration: int) -> None:
         self.iteration = iteration
+        self._resharded_at_begin = self._reshard_due() if self._due is not None else 0
         static = self.comm.emulation.slowdown if self.comm.emulation is not None else 1.0
         self.meter.slowdown = static * self.config.schedule.slowdown(self.rank, iteration, self.world)
         self.meter.reset()
@@ -234,9 +256,14 @@ class Mitigator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @ledger.called("mit.end_step()")
     def end_step(self) -> dict:
+        if self._t0 is None:
+            raise ValueError("Mitigator.end_step without begin_step: call mit.begin_step(iteration) before the "
+                             "step's forward, and end_step after its backward")
         self._settle()
         wall = time.perf_counter() - self._t0
+        self._t0 = None
         busy = wall - (self.comm.clock.seconds - self._waited0)
         summed = self.dmodel.piggybacked if self.dmodel.global_loss else \
             all_reduce(self._shared.to(self.device), self.comm)
@@ -253,12 +280,13 @@ class Mitigator:
         record = {"iteration": self.iteration, "rank": self.rank, "slowdown": self.meter.slowdown, "wall": wall,
                   "busy": busy, "matmul": mine.matmul, "pruned": self._pruned_now if self._ran else 0.0,
                   "pruned_by_rank": [float(x) for x in summed[1:]], "migrated": self.moved[self.rank],
-                  "migrated_by_rank": list(self.moved), "refreshed": False, "resharded": 0, "beta": self.beta}
+                  "migrated_by_rank": list(self.moved), "refreshed": False, "resharded": self._resharded_at_begin,
+                  "beta": self.beta}
         if refresh:
             stats = self._all_stats(mine)
             self.reference = busy
             record["refreshed"] = True
-            record["resharded"] = self._decide(stats)
+            record["resharded"] += self._decide(stats)
             self._last_refresh = self.iteration
         if (self.iteration + 1) % self.config.epoch == 0:
             ex = self.dmodel.executor
@@ -458,10 +486,29 @@ class Mitigator:
             return 0
         from ..planner import rebalanced_ratios
 
-        t0 = time.perf_counter()
         ratios = [rebalanced_ratios(self.dmodel.graph, self.dmodel.cluster, self.dmodel.plan, speeds) if self.rank == 0 else None]
         dist.broadcast_object_list(ratios, src=global_rank(self.comm, 0), group=self.comm.group)  # one solve: every rank must reshard to the very same numbers
-        self.reshard_to(ratios[0])
+        self._due = ratios[0]
+        return self._reshard_due()
+
+    def _reshard_due(self) -> int:
+        """The reshard decided (`_due`), now if no rank holds gradients (a collective), timed;
+        else left due, to the next begin_step: end_step may come before the optimizer's step,
+        or between the micro-batches of an accumulated step, and a reshard then would lose
+        their gradients (it had cleared them itself: a step's gradient lost, silently)."""
+        held = torch.tensor([float(self._grads_held() is not None)], dtype=torch.float64, device=self.device)
+        self.comm.before()
+        wire.all_reduce(held, op=dist.ReduceOp.MAX, group=self.comm.group)  # (every rank takes one decision)
+        self.comm.after("all_reduce", 8)
+        if float(held[0]) > 0:
+            if not self._told_held and self._grads_held() == "zeros":
+                log.warning("hap straggler: step %d: a reshard is due, and waits for the gradients to be None "
+                            "(zero_grad(set_to_none=True)); zeroed ones are gradients held", self.iteration)
+                self._told_held = True
+            return 0
+        t0 = time.perf_counter()
+        self.reshard_to(self._due)
+        self._due = None
         self._settle()
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         self.comm.before()
@@ -470,11 +517,18 @@ class Mitigator:
         self.reshard_seconds = float(took[0])
         return 1
 
+    def _grads_held(self) -> str | None:
+        """Whether this rank's parameters hold gradients: "zeros" where all are zero (kept by
+        zero_grad(set_to_none=False)), "held" where some are not, None where none are held."""
+        grads = [p.grad for p in self.dmodel.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return "zeros" if all(not g.any() for g in grads) else "held"
+
     def reshard_to(self, ratios) -> int:
         """Move the layers (parameters and optimizer state) to new ratios, exactly, between
-        steps; migration and pruning start over from the new shares. A collective."""
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        steps, after zero_grad(set_to_none=True) (dmodel.reshard refuses held gradients);
+        migration and pruning start over from the new shares. A collective."""
         nbytes = self.dmodel.reshard(ratios, self.optimizers)
         log.info("hap straggler: step %d resharded to %s (rank %d moved %d bytes)", self.iteration,
                  [round(x, 3) for x in self.dmodel.plan.ratios[0]], self.rank, nbytes)

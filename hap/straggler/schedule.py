@@ -117,7 +117,9 @@ def _problem(kind, chi, every, start) -> str | None:
     """What is wrong with a schedule's fields whatever the ranks (None: nothing)."""
     if kind not in _FIELDS:
         return f"kind must be one of {', '.join(_FIELDS)}"
-    if not isinstance(chi, tuple) or not chi or not all(isinstance(c, (int, float)) and 1 <= c <= CHI_MOST for c in chi):
+    if not isinstance(chi, tuple) or not chi:
+        return "chi must be a tuple of slowdowns, (8.0,) for one straggler (parse_schedule reads 'persistent:chi=8')"
+    if not all(isinstance(c, (int, float)) and 1 <= c <= CHI_MOST for c in chi):
         return f"chi must be a number from 1 to {CHI_MOST:g} (a slowdown)"  # (nan and inf fail too)
     if kind != "multi" and len(chi) != 1:
         return f"{kind} takes one chi; several are for multi"
