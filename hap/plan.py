@@ -661,7 +661,8 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
                 raise ValueError(f"sync of {e.param}: {flag} must be true or false, got {getattr(e, flag)!r}")
         if e.server is not None and (not isinstance(e.server, int) or isinstance(e.server, bool)):
             raise ValueError(f"sync of {e.param}: parameter server must be a device number, got {e.server!r}")
-        if e.rows is not None and (len(e.rows) != 2 or not all(isinstance(x, int) and x >= 0 for x in e.rows)):
+        if e.rows is not None and (len(e.rows) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                                for x in e.rows)):
             raise ValueError(f"sync of {e.param}: rows must be [start, length], got {list(e.rows)}")
         if not e.devices or min(e.devices) < 0 or max(e.devices) >= devices or len(set(e.devices)) != len(e.devices):
             raise ValueError(f"sync of {e.param}: devices {list(e.devices)} are not distinct devices of the plan's {devices}")
@@ -686,6 +687,8 @@ def check_sync(sync: list[SyncEntry], devices: int) -> None:
         parts.setdefault(e.param, []).append(e.rows)
     for param, rows in parts.items():
         if None in rows:
+            if rows.count(None) > 1:
+                raise ValueError(f"sync of {param}: the whole parameter is listed {rows.count(None)} times")
             if len(rows) > 1:
                 raise ValueError(f"sync of {param}: the whole parameter and parts of it are both listed")
             continue

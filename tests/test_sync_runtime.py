@@ -427,3 +427,17 @@ def test_trials_take_the_median_block_of_the_slowest_rank(tmp_path):
     assert reports[0]["steps"] == reports[1]["steps"] >= 8
     assert reports[0]["block"] == reports[1]["block"]
     assert 0.02 <= reports[0]["block"] < 0.1
+
+
+def test_an_empty_sparse_gradient_is_made_without_torchs_warning():
+    """A backward that gives a sparse table no gradient (backward(inputs=...)) printed torch's
+    "Sparse invariant checks are implicitly disabled" on every rank. (In a process of its own:
+    torch warns once per process, so an earlier test's sparse tensor would hide it.)"""
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch\nfrom hap.runtime.gradsync import _empty_sparse\n"
+            "with warnings.catch_warnings():\n    warnings.simplefilter('error')\n"
+            "    g = _empty_sparse(torch.zeros(5, 3))\nprint(tuple(g.shape), g._nnz())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "(5, 3) 0", done.stderr[-500:]

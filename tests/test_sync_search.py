@@ -124,6 +124,7 @@ def test_strategy_round_trips_and_prints(setting):
     (dict(low_rank="2", compressor="powersgd"), "PowerSGD rank must be an integer, got '2'"),
     (dict(strategy=PS, server="1"), "parameter server must be a device number, got '1'"),
     (dict(rows=(0,)), r"rows must be \[start, length\], got \[0\]"),
+    (dict(rows=(0, True)), r"rows must be \[start, length\], got \[0, True\]"),  # (it was taken as [0, 1])
     # the rooted reduction sent the gradient uncompressed, priced compressed
     (dict(compressor="powersgd", hierarchical=True), "compressor powersgd runs with a flat all_reduce only"),
     (dict(hierarchical="false"), "hierarchical must be true or false, got 'false'"),  # it ran hierarchical
@@ -140,6 +141,8 @@ def test_parts_must_cover_once_and_buckets_agree():
     base = dict(param="w", devices=(0, 1))
     with pytest.raises(ValueError, match="do not cover dim 0 once"):
         check_sync([SyncEntry(bucket=0, rows=(0, 4), **base), SyncEntry(bucket=1, rows=(3, 4), **base)], 2)
+    with pytest.raises(ValueError, match="^sync of w: the whole parameter is listed 2 times$"):  # (it spoke of parts)
+        check_sync([SyncEntry(bucket=0, **base), SyncEntry(bucket=1, **base)], 2)
     with pytest.raises(ValueError, match="synchronized differently"):
         check_sync([SyncEntry(bucket=0, **base), SyncEntry(bucket=0, param="v", devices=(0, 1), strategy=PS, server=0)], 2)
 

@@ -569,7 +569,8 @@ class _Sparse(_Synchronizer):
 def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
     """A sparse gradient of no rows for p."""
     return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64, device=p.device),
-                                   torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape)
+                                   torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape,
+                                   check_invariants=False)  # (valid: no rows; the default warned on every rank)
 
 
 def _pack(grad: torch.Tensor) -> torch.Tensor:
