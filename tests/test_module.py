@@ -949,6 +949,12 @@ def trainable_changed(rank, world):
         except ValueError as e:
             out.append(str(e))
         p.requires_grad_(not flip)
+    model.fc2.weight.requires_grad_(False)  # the model hap wrapped, not its copy: it trained on, silently
+    try:
+        dmodel(*batches[0])
+        out.append(None)
+    except ValueError as e:
+        out.append(str(e))
     return out
 
 
@@ -959,7 +965,9 @@ def test_freezing_or_unfreezing_a_parameter_after_wrapping_is_refused(tmp_path):
         assert got == [f"parameter {name} {was} when hap captured the model and {now} now: hap plans and synchronizes "
                        "the gradients of the parameters that required grad then; set requires_grad before wrapping "
                        "the model" for name, was, now in (("fc1.weight", "was frozen", "requires grad"),
-                                                          ("fc2.bias", "required grad", "is frozen"))]
+                                                          ("fc2.bias", "required grad", "is frozen"))] + [
+            "fc2.weight of the model hap wrapped was frozen after wrapping (requires_grad_), which hap, training copies "
+            "of the parameters, would ignore: set requires_grad before wrapping the model"]
 
 
 def unplannable(rank, world):

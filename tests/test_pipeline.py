@@ -1493,8 +1493,12 @@ def accumulated(rank, world, cut):
         from hap.straggler import Mitigator, StragglerConfig
         Mitigator(pipe, StragglerConfig(policy="zero-pri"), opt)
 
+    def autocast_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (gloo aborted: sends sized by the captured dtypes)
+            pipe.train_step(*batches[0])
+
     refused = []
-    for call in (no_grad_step, straggler_mitigator):
+    for call in (no_grad_step, straggler_mitigator, autocast_step):
         try:
             call()
             refused.append(None)
@@ -1514,7 +1518,8 @@ def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
     """train_step twice before the optimizer's step sums both batches' gradients once each (an
     earlier step's, summed over the stage's devices already, used to be summed again); in eval
     mode train_step is refused in one line, and so is a model in eval mode (it trained in training
-    mode), train_step under torch.no_grad and the columns' straggler Mitigator (an AttributeError)."""
+    mode), train_step under torch.no_grad or torch.autocast, and the columns' straggler Mitigator (an
+    AttributeError)."""
     from hap.capture import capture
     model, batches = _vit_setup()
     n = len(capture(model, batches[0]).nodes)
@@ -1527,8 +1532,9 @@ def test_a_pipeline_accumulates_gradients_over_train_steps(tmp_path):
     for got in run_ranks(accumulated, 3, tmp_path, n // 2):
         assert got["refused"][0].startswith("hap.Pipeline.train_step under torch.no_grad() would train nothing")
         assert got["refused"][1].startswith("the straggler Mitigator prunes or migrates the columns of hap.HAP's")
-        assert got["refused"][2].startswith("hap.Pipeline runs training steps (pipe.train())")
-        assert got["refused"][3].startswith("hap.Pipeline trains in training mode and the model is in eval mode")
+        assert got["refused"][2].startswith("hap.Pipeline.train_step under torch.autocast: the stages send")
+        assert got["refused"][3].startswith("hap.Pipeline runs training steps (pipe.train())")
+        assert got["refused"][4].startswith("hap.Pipeline trains in training mode and the model is in eval mode")
         for k, v in model.state_dict().items():
             assert torch.allclose(torch.tensor(got["state"][k]), v, rtol=1e-4, atol=1e-5), k
 
@@ -1807,3 +1813,27 @@ def test_hand_edited_sync_entries_are_refused_before_training(vit_space):
         sync = [dc.replace(x, **edit, bucket=99) if x is e else x for x in one.sync]
         with pytest.raises(ValueError, match="^" + re.escape(message)):
             dc.replace(one, sync=sync).check_fits(graph)
+
+
+def clipped_beside_another_pipeline(rank, world):
+    model, batches = SETUPS["tied"]()
+    spare = copy.deepcopy(model)
+    pipe = _pipeline(model, batches, world, [8], [[0], [1]], [[1.0], [1.0]], 1)  # stage 1: the loss alone
+    other = _pipeline(spare, batches, world, [8], [[0], [1]], [[1.0], [1.0]], 1)  # (alive: a second wrapper)
+    pipe.train_step(*batches[0])
+    norm = float(torch.nn.utils.clip_grad_norm_(pipe.parameters(), 0.5))
+    return {"norm": norm, "params": len(list(pipe.parameters())), "other": len(list(other.parameters()))}
+
+
+def test_torchs_clip_on_a_stage_without_parameters_joins_the_norm_beside_another_pipeline(tmp_path):
+    """A rank whose stage holds no parameter gives torch's clip_grad_norm_ no gradient, and still
+    joins the pipeline's norm (a collective); with a second hap wrapper alive (an old pipeline
+    kept across a re-plan, a GAN's two) it could not tell whose norm that was, took torch's own,
+    and the ranks parted."""
+    model, batches = SETUPS["tied"]()
+    model(*batches[0]).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    reports = run_ranks(clipped_beside_another_pipeline, 2, tmp_path)
+    assert [got["params"] for got in reports][1] == 0
+    for got in reports:
+        assert got["norm"] == pytest.approx(float(want), rel=1e-5)

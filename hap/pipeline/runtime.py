@@ -230,6 +230,10 @@ class Pipeline(MirrorsModel):
         if not self.training:
             raise ValueError("hap.Pipeline runs training steps (pipe.train()); evaluate the model with hap.HAP "
                              "in eval mode, say on a checkpoint")
+        if torch.is_autocast_enabled(self.device.type):  # (a stage's sends are sized by the captured dtypes: gloo aborted)
+            raise ValueError("hap.Pipeline.train_step under torch.autocast: the stages send activations of the dtypes "
+                             "the model was captured in; put the autocast inside the model's forward, where capture "
+                             "sees it")
         if not torch.is_grad_enabled():  # (it drew dropout and moved statistics, and no gradient came)
             raise ValueError("hap.Pipeline.train_step under torch.no_grad() would train nothing: a pipeline runs "
                              "training steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")

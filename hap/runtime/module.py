@@ -660,7 +660,10 @@ def _spread_norm(grads: list, norm_type: float, error_if_nonfinite: bool) -> tor
     found = [owners.get(id(g)) for g in grads]
     if not grads:  # a stage holding no gradient: its owner's norm is a collective all the same
         empty = [owner for owner in list(_SPREAD) if not owner.spread_grads()[0]]
-        if len(empty) == 1:
+        # (which owner's, an empty list does not tell; where several wrappers hold none here, their
+        # norms are the same collective if they share the ranks and the norm's dtype: a second
+        # pipeline kept alive had made this rank skip it, and the ranks parted)
+        if empty and len({(id(o.comm.group), o.comm.world, dtypes[id(o)]) for o in empty}) == 1:
             return global_norm([], [], norm_type, empty[0].comm, dtypes[id(empty[0])])
     if not any(found):
         return None
@@ -1189,6 +1192,7 @@ class WrappedWatch:
             m.training = mode
         self.seen = modes
         self.versions = _looks(copies)
+        self.trainable = {name: t.requires_grad for name, t, _ in copies}
         self.params = self.walk()[1]
         self.shapes = {name: t.shape for name, t, _ in copies}
         _WATCHES[model] = weakref.ref(self)  # (weakly: a watch holds the model, and the wrapper's shards)
@@ -1251,6 +1255,11 @@ class WrappedWatch:
             state = model_state(self.model)
             self.copies = [(name, state.get(name, original), held) for name, original, held in self.copies]
             self.params = params
+        for name, original, _ in self.copies:  # (requires_grad_ bumps no version)
+            if original.requires_grad != self.trainable[name]:
+                return (f"{name} of the model hap wrapped was {'frozen' if self.trainable[name] else 'unfrozen'} "
+                        "after wrapping (requires_grad_), which hap, training copies of the parameters, would "
+                        "ignore: set requires_grad before wrapping the model")
         now = _looks(self.copies)
         if now == self.versions:
             return None
