@@ -1025,8 +1025,9 @@ def test_an_optimizer_over_the_wrapped_models_parameters_is_refused(tmp_path):
     copies as the model does (it gave graph names, shards.p_fc1_weight)."""
     model, _, _ = dropout_bn()
     for got in run_ranks(optimizer_over_the_model, 2, tmp_path):
-        assert got["refused"] == ("SGD holds the parameters of the model hap.HAP wrapped, which get no gradients: hap "
-                                  "trains its own copies of them; build the optimizer over dmodel.parameters()")
+        assert got["refused"] == ("SGD holds the parameters of the model hap wrapped, which get no gradients: hap "
+                                  "trains its own copies of them; build the optimizer over the wrapper's "
+                                  "(dmodel.parameters(), pipe.parameters())")
         assert got["names"] == [n for n, _ in model.named_parameters()]
         assert got["children"] == [[n, type(m).__name__] for n, m in model.named_children()]
         assert got["ran"].startswith("this Linear inside hap's wrapper only holds this rank's parameters")

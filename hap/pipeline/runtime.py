@@ -6,7 +6,7 @@ a step are one device's (pipeline/stages.py says why).
     dist.init_process_group("gloo")                    # or hap.runtime.launch.spawn(...)
     pipe = hap.Pipeline(model, cluster, example_inputs, plan)   # a plan of K stages
     params = list(pipe.parameters())                    # this stage's parameters, whole (named as
-                                                        # hap.HAP names them: params.p_fc1_bias)
+                                                        # the model's: pipe.named_parameters())
     opt = torch.optim.Adam(params) if params else None  # a stage may have none (the loss alone)
     loss = pipe.train_step(*batch)                     # forward and backward, gradients summed
     if opt: opt.step(); opt.zero_grad()

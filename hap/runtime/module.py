@@ -775,8 +775,9 @@ def _check_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if checked is None:  # the first step
         params = [p for group in opt.param_groups for p in group["params"]]
         if any(_WRAPPED.get(id(p)) is p and p.grad is None for p in params):
-            raise ValueError(f"{type(opt).__name__} holds the parameters of the model hap.HAP wrapped, which get no "
-                             "gradients: hap trains its own copies of them; build the optimizer over dmodel.parameters()")
+            raise ValueError(f"{type(opt).__name__} holds the parameters of the model hap wrapped, which get no "
+                             "gradients: hap trains its own copies of them; build the optimizer over the wrapper's "
+                             "(dmodel.parameters(), pipe.parameters())")
         comms = [_SHARDED[id(p)][2] for p in params if _watched(p)]
         if not comms:
             _CHECKED[opt] = {id(p) for p in params}  # no sharded parameter: nothing to watch
