@@ -1837,3 +1837,28 @@ def test_torchs_clip_on_a_stage_without_parameters_joins_the_norm_beside_another
     assert [got["params"] for got in reports][1] == 0
     for got in reports:
         assert got["norm"] == pytest.approx(float(want), rel=1e-5)
+
+
+class WeightFirst(nn.Module):
+    """A class-weight vector as the first argument: taken for the batch (batched_inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, w, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(x), y, weight=w)
+
+
+def test_a_class_weight_taken_for_the_batch_is_named_in_the_refusal():
+    """The batch is the inputs of the first input's leading size: a class weight given first (or
+    as long as the batch) is split as rows, data parallelism finds no program, and the refusal
+    blamed the model alone; it now names the inputs it split and what to do."""
+    import hap
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace
+    graph = hap.capture(WeightFirst(), (torch.ones(4), torch.randn(6, 8), torch.randint(0, 4, (6,))))
+    with pytest.raises(ValueError) as e:
+        PipelineSpace(graph, local_cluster((1.0, 1.0), "local"))
+    assert str(e.value).endswith("; split on the batch: w, the inputs of the first input's leading size 4 (give the "
+                                 "batch first, of a size no other input has)"), str(e.value)

@@ -14,7 +14,7 @@ from ..cost.cluster import Cluster
 from ..cost.model import CostModel
 from ..ir import Graph
 from ..plan import Plan, PlanStage, Schedule, SyncEntry, instructions, shard_sizes
-from ..planner import PlannerConfig, baseline_plan
+from ..planner import PlannerConfig, baseline_plan, batched_inputs
 from ..rules import has_rule, strategy_table
 from ..rules.units import ShardClasses
 from ..search.program import MoveStep, Step
@@ -37,9 +37,16 @@ class PipelineSpace:
             unknown = sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)})
             obstacle = data_parallel_obstacle(graph)
             one_row = any(graph.tensors[name].shape[:1] == (1,) for name in graph.inputs)
+            batched = [name for name in graph.inputs if name in batched_inputs(graph)]
+            lead = graph.tensors[batched[0]].shape[0] if batched else None
             raise ValueError("data parallelism cannot run this model without moving activations between devices"
                              + (f" (ops without a rule: {', '.join(unknown)})" if unknown else "")
                              + (f": {obstacle}" if obstacle else "") + "; a pipeline cuts a data-parallel program"
+                             # (a class-weight vector given first, or as long as the batch, is taken for the batch)
+                             + (f"; split on the batch: {', '.join(batched)}, the inputs of the first input's "
+                                f"leading size {lead} (give the batch first, of a size no other input has)"
+                                if len(batched) < len(graph.inputs) or any(len(graph.tensors[n].shape) == 1 for n in batched)
+                                else "")
                              # (export specializes dims of size 1: one row's graph is not the batch's general one)
                              + ("; this is a batch of 1 row, whose graph export specializes: plan with 2 rows at least"
                                 if one_row else ""))
