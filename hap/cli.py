@@ -184,6 +184,11 @@ def _build_graph(args, devices: int, say):
         model, inputs = build(args.model, devices=devices, device=capture_device(args.scale), **_model_knobs(args))
     except ValueError as e:
         raise UserError(str(e)) from None
+    except RuntimeError as e:  # (a --batch or --hidden too large to build on this machine: torch's allocator)
+        if "allocate" not in str(e):
+            raise
+        raise UserError(f"--model {args.model} at scale {args.scale} with these sizes does not fit this machine's "
+                        f"memory ({str(e).splitlines()[0][:160]})") from None
     say(f"capturing {args.model} ...")
     return capture(model, inputs, name=args.model)
 
@@ -327,6 +332,8 @@ def _check_pipeline(args, graph, plan) -> None:
 def _check_plan_fits(path: str, plan, graph) -> None:
     """The plan must be of this model at this batch (Plan.check_fits), said here once rather
     than by every rank."""
+    if plan.model != graph.model_name:  # (its graph may fit another model's: the run said it trained that one)
+        raise UserError(f"--plan {path} is a plan of model {plan.model!r}, not of --model {graph.model_name}")
     try:
         plan.check_fits(graph)
     except ValueError as e:

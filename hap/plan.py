@@ -267,7 +267,7 @@ class Plan:
             raise ValueError(f"malformed plan: a JSON object is expected, not a {type(d).__name__}")
         version = d.get("version")
         if "version" not in d:  # (a cluster file or another JSON given for a plan)
-            raise ValueError(f"not a hap plan: a plan (what `hap plan --out` writes) has a \"version\" field, this "
+            raise ValueError(f"not a hap plan: a plan (what `hap plan --json` writes) has a \"version\" field, this "
                              f"object has {', '.join(map(repr, list(d)[:4])) or 'no fields'}"
                              f"{' ...' if len(d) > 4 else ''}")
         if isinstance(version, bool):  # (True == 1)

@@ -431,6 +431,9 @@ def baseline_plan(graph: Graph, cluster: Cluster, name: Literal["dp-ev", "dp-cp"
     replaces the family's shares per device (data parallelism at any shares, say)."""
     families = {key.replace("_", "-"): (restriction, ratios) for key, restriction, ratios in _baselines(graph, cluster)}
     families["megatron"] = (_megatron(graph), cluster.even())
+    if name == "ep" and not graph.experts:
+        raise ValueError("baseline 'ep' (expert parallelism) needs expert layers, and this model has none "
+                         f"(a module's hap_expert_params); choose {', '.join(families)}")
     if name not in families:
         raise ValueError(f"unknown baseline {name!r} for this graph; choose {', '.join(families)}")
     restriction, start = families[name]

@@ -57,7 +57,8 @@ def test_planners_by_name(capsys):
         raise AssertionError("a second 'astar' was registered")
 
     for args, error in [(["--planner", "greedy"], "unknown planner 'greedy'; choose one of astar, dp-ev, dp-cp, tp, ep"),
-                        (["--planner", "ep"], "--planner ep: unknown baseline 'ep' for this graph")]:
+                        (["--planner", "ep"], "--planner ep: baseline 'ep' (expert parallelism) needs expert layers, and this "
+                                               "model has none")]:
         assert main(["plan", "--model", "vgg19", "--scale", "small", "--quiet", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"hap: error: {error}"), err
@@ -420,3 +421,27 @@ def test_ctrl_c_while_the_command_loads_is_one_line(after, command):
     # (hap_command.interrupted: CPython's exit; 2 runs in 40, and a shell shows 130 for both)
     assert proc.returncode == 130 or (command == "python -m hap" and proc.returncode == -signal.SIGINT), (out, err)
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "hap: interrupted", err
+
+
+def test_a_plan_of_another_model_name_and_a_model_too_large_to_build_are_one_line(tmp_path, capsys):
+    """A plan whose "model" was edited trained the --model given and reported the other in its
+    summary; a --batch too large for this machine's memory crashed in a 30-line traceback of
+    torch's allocator (found by a helper's review)."""
+    import json
+
+    from hap.cli import main
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "vit", "--scale", "small", "--layers", "1", "--cluster", "local", "--quiet",
+                 "--json", str(path)]) == 0
+    capsys.readouterr()
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "model": "bert"}))
+    assert main(["train", "--model", "vit", "--scale", "small", "--layers", "1", "--cluster", "local", "--steps", "1",
+                 "--plan", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"hap: error: --plan {path} is a plan of model 'bert', not of --model vit", err
+    assert main(["plan", "--model", "vit", "--scale", "small", "--layers", "1", "--cluster", "local", "--quiet",
+                 "--batch", "100000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hap: error: --model vit at scale small with these sizes does not fit "
+                                               "this machine's memory ("), err

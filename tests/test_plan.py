@@ -383,7 +383,7 @@ def test_old_and_malformed_plans_are_one_line_errors(result, tmp_path):
     with pytest.raises(ValueError, match=r"^plan format version True is not 2$"):
         Plan.from_dict({**data, "version": True})
     # a cluster file given for a plan: it said "plan format version None is not 2"
-    with pytest.raises(ValueError, match=r"""^not a hap plan: a plan \(what `hap plan --out` writes\) has a "version" """
+    with pytest.raises(ValueError, match=r"""^not a hap plan: a plan \(what `hap plan --json` writes\) has a "version" """
                                          r"""field, this object has 'name', 'devices', 'network'$"""):
         Plan.from_dict({"name": "mine", "devices": [], "network": {}})
     no_shares = {**data["stages"][0], "ratios": []}
