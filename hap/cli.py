@@ -180,6 +180,7 @@ def _build_graph(args, devices: int, say):
     from .capture import capture
     from .models import build, capture_device
 
+    say(f"building {args.model} ...")  # (a model of 100,000 layers took minutes to build, and said nothing)
     try:
         model, inputs = build(args.model, devices=devices, device=capture_device(args.scale), **_model_knobs(args))
     except ValueError as e:
