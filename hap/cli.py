@@ -178,10 +178,11 @@ def _build_graph(args, devices: int, say):
     """The graph of the model the command line names, captured as the ranks will capture it
     (models.capture_device)."""
     from .capture import capture
-    from .models import build, capture_device
+    from .models import build, capture_device, resolve
 
-    say(f"building {args.model} ...")  # (a model of 100,000 layers took minutes to build, and said nothing)
     try:
+        resolve(args.model, devices=devices, **_model_knobs(args))  # (knobs refused before anything is said)
+        say(f"building {args.model} ...")  # (a model of 100,000 layers took minutes to build, and said nothing)
         model, inputs = build(args.model, devices=devices, device=capture_device(args.scale), **_model_knobs(args))
     except ValueError as e:
         raise UserError(str(e)) from None

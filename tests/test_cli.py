@@ -173,7 +173,10 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
         assert lines[-1].startswith("hap: error: ") and all(line.startswith("[hap]") for line in lines[:-1])
         return lines[-1]
 
-    assert "plan does not match the model: node" in refused(tmp_path / "ncf.json")
+    assert refused(tmp_path / "ncf.json").endswith("is a plan of model 'ncf', not of --model vit")
+    renamed = json.loads((tmp_path / "ncf.json").read_text())  # (its name edited too: its graph tells)
+    (tmp_path / "ncf-renamed.json").write_text(json.dumps({**renamed, "model": "vit"}))
+    assert "plan does not match the model: node" in refused(tmp_path / "ncf-renamed.json")
     assert refused(tmp_path / "b16.json").endswith(
         "splits images dim 0 into [16, 0], this model into [8, 0]: a plan made for another model or batch")
     assert main(["plan", "--model", "vit", *small, "--json", str(tmp_path / "vit.json")]) == 0
