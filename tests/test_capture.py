@@ -749,3 +749,4 @@ def test_a_batch_laid_out_otherwise_than_captured_is_refused_where_the_model_dra
     with pytest.raises(ValueError, match="^input 0 \\(x\\) is contiguous in memory but was captured channels_last"):
         check_inputs((x,), last)
     check_inputs((x.to(memory_format=torch.channels_last),), capture(ConvDrop(p=0.0), (x,)))  # (no draws)
+    check_inputs((torch.randn(2, 3, 8, 16)[..., ::2],), graph)  # (a sliced batch: the convolution's output is contiguous)

@@ -76,15 +76,16 @@ def check_inputs(batch: Sequence[torch.Tensor], graph: Graph) -> None:
 
 def random_layout_refusal(graph: Graph, i: int, x: torch.Tensor) -> str | None:
     """Why input i, `x`, cannot run on `graph`, or None: where its memory layout is not the one
-    the graph was captured with and the graph draws random numbers. Each draw is made in the
-    memory order of the captured tensor it masks (rules/local.whole_noise), which one device
-    gets from its inputs' layout (a channels_last image makes a convolution's output
-    channels_last): a mask drawn in the other order is another mask."""
+    the graph was captured with, one of them channels_last, and the graph draws random numbers.
+    Each draw is made in the memory order of the captured tensor it masks
+    (rules/local.whole_noise), which one device gets from its inputs' memory format (a
+    channels_last image makes a convolution's output channels_last): a mask drawn in the other
+    order is another mask. (Other strides, a sliced batch, leave the activations contiguous.)"""
     t = graph.tensors[graph.inputs[i]]
     if x.is_contiguous() and t.stride is None:  # (the common case, at no cost)
         return None
     have, captured = memory_layout(x), memory_layout(t)
-    if have == captured or not any(is_random(node) for node in graph.nodes):
+    if have == captured or "channels_last" not in have + captured or not any(is_random(node) for node in graph.nodes):
         return None
     return (f"input {i} ({graph.inputs[i]}) is {have} in memory but was captured {captured}, and the model draws "
             "random numbers in the memory order the captured layout gives its tensors")
