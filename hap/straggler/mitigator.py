@@ -496,12 +496,10 @@ class Mitigator:
         else left due, to the next begin_step: end_step may come before the optimizer's step,
         or between the micro-batches of an accumulated step, and a reshard then would lose
         their gradients (it had cleared them itself: a step's gradient lost, silently)."""
-        held = torch.tensor([float(self._grads_held() is not None)], dtype=torch.float64, device=self.device)
-        self.comm.before()
-        wire.all_reduce(held, op=dist.ReduceOp.MAX, group=self.comm.group)  # (every rank takes one decision)
-        self.comm.after("all_reduce", 8)
-        if float(held[0]) > 0:
-            if not self._told_held and self._grads_held() == "zeros":
+        mine = self._grads_held()
+        held = all_reduce(torch.tensor([float(mine is not None)], dtype=torch.float64, device=self.device), self.comm)
+        if float(held[0]) > 0:  # (on some rank: every rank takes the one decision)
+            if not self._told_held and mine == "zeros":
                 log.warning("hap straggler: step %d: a reshard is due, and waits for the gradients to be None "
                             "(zero_grad(set_to_none=True)); zeroed ones are gradients held", self.iteration)
                 self._told_held = True
