@@ -203,8 +203,8 @@ def adopt(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -
                              f"{tuple(own.shape)} {dtype_name(own.dtype)} here and {tuple(value.shape)} "
                              f"{dtype_name(value.dtype)} in the graph's model")
         constants[name] = own.detach().clone()
-    return graph if constants.keys() == graph.constants.keys() and all(
-        constants[k] is v for k, v in graph.constants.items()) else dataclasses.replace(graph, constants=constants)
+    same = all(constants[k] is v for k, v in graph.constants.items())  # (nothing lifted from the model: itself)
+    return graph if same else dataclasses.replace(graph, constants=constants)
 
 
 def _tensor_attribute(model: torch.nn.Module, target: str) -> torch.Tensor | None:
