@@ -172,6 +172,10 @@ def test_unknown_and_bad_knobs():
         build("vgg19", layers=12, device="meta")
     with pytest.raises(ValueError, match="at least 2"):
         build("bert-moe", experts=1, device="meta")
+    with pytest.raises(ValueError) as e:  # (one layer: layer 0's FFN is dense, so no MoE at all)
+        build("bert-moe", layers=1, experts=4, device="meta")
+    assert str(e.value) == "bert-moe's MoE is every second layer's FFN, so it needs at least 2 layers, got 1"
+    assert build("bert-moe", layers=2, experts=4, device="meta")[0].blocks[1].ffn.experts == 4
     with pytest.raises(ValueError, match="scale"):
         build("vit", scale="huge")
 
