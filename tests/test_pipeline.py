@@ -18,6 +18,7 @@ from hap.pipeline.schedule import in_flight, simulate, stage_order
 from hap.pipeline.stages import micro_batch_granules, overlaps, piece_ratios, row_ranges, stage_of_nodes
 
 from gloo import rank_device, run_ranks, to_device
+from hap.capture import capture as hap_capture
 from test_module import train
 
 STEPS = 3
@@ -326,9 +327,22 @@ def _class_weight_setup():
                                 torch.rand(5, generator=gen) + 0.5) for _ in range(STEPS)]
 
 
+def _ragged(setup):
+    """`setup`'s model and batches, the second and fourth cut to their first 7 rows (an epoch's
+    last, smaller batch, met twice) and a fourth batch added."""
+    def ragged():
+        model, batches = setup()
+        gen = torch.Generator().manual_seed(2)
+        fourth = tuple(torch.randn_like(x) if x.is_floating_point() else x[torch.randperm(len(x), generator=gen)]
+                       for x in batches[0])
+        return model, [b if k % 2 == 0 else tuple(x[:7] for x in b) for k, b in enumerate([*batches, fourth])]
+    return ragged
+
+
 SETUPS = {"bags": _bags_setup, "class-weight": _class_weight_setup, "repeated-bias": _repeated_bias_setup, "seq-first": _seq_first_setup, "t5": _t5_setup, "vit": _vit_setup, "tied": _tied_setup, "vit-dropout": _vit_dropout_setup, "bn": _bn_setup,
           "bn-own-seed": _bn_own_seed_setup,
-          "drop-path": _drop_path_setup, "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
+          "drop-path": _drop_path_setup, "vit-ragged": _ragged(_vit_setup),
+          "drop-path-ragged": _ragged(_drop_path_setup), "bn-ragged": _ragged(_bn_setup), "tied-float64": lambda: (lambda m, b: (m.double(), b))(*_tied_setup())}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -340,6 +354,53 @@ def test_two_stage_pipeline_with_uneven_data_parallel_stage_trains_like_one_devi
     n = len(capture(model, batches[0]).nodes)
     reports = run_ranks(pipelined, 3, tmp_path, "vit", [n // 2], [[0, 1], [2]], [[0.6, 0.4], [1.0]], 3, schedule)
     _like_one_device(reports, _vit_setup, schedule)
+
+
+@pytest.mark.parametrize("setup, schedule, micro_batches", [("vit-ragged", "1f1b", 3), ("drop-path-ragged", "gpipe", 3),
+                                                            ("bn-ragged", "gpipe", 1)])
+def test_a_batch_of_another_shape_trains_like_one_device(setup, schedule, micro_batches, tmp_path):
+    # planned at the first batch's rows; batches of 12 (10), 7, 12 (10), 7 rows: the 7-row steps
+    # are captured at their shape (once) and run the plan's cut, groups and shares, stage 0 at
+    # 60/40: in 3 micro-batches of 3, 2, 2 rows, split 2/1, 1/1, 1/1. Stochastic depth draws
+    # torch.rand(7, 1), as one device does (the planned graph's draw is of 10 rows); BatchNorm
+    # sums the 7 rows' statistics over stage 0's two ranks.
+    from hap.capture import capture
+    model, batches = SETUPS[setup]()
+    assert [len(b[0]) for b in batches][1::2] == [7, 7] and len(batches[0][0]) > 7
+    graph = capture(model, batches[0])
+    cut = _second_batch_norm(graph) if setup == "bn-ragged" else len(graph.nodes) // 2
+    reports = run_ranks(pipelined, 3, tmp_path, setup, [cut], [[0, 1], [2]], [[0.6, 0.4], [1.0]], micro_batches,
+                        schedule)
+    _like_one_device(reports, SETUPS[setup])
+
+
+def refused_shapes(rank, world):
+    """A batch too small for the plan's micro-batches, then ranks given batches of different
+    shapes: each refused on every rank; then a step of the planned batch."""
+    model, batches = _vit_setup()
+    cut = len(hap_capture(model, batches[0]).nodes) // 2
+    pipe = _pipeline(model, batches, world, [cut], [[0], [1]], [[1.0], [1.0]], 3)
+    out = {}
+    for name, batch in (("small", tuple(x[:2] for x in batches[0])), ("unlike", tuple(x[: 5 + rank] for x in batches[0]))):
+        try:
+            pipe.train_step(*batch)
+        except ValueError as e:
+            out[name] = str(e)
+    out["loss"] = pipe.train_step(*batches[0]).item()
+    return out
+
+
+def test_a_batch_shape_the_plan_cannot_run_is_refused_on_every_rank_and_training_goes_on(tmp_path):
+    reports = run_ranks(refused_shapes, 2, tmp_path)
+    model, batches = _vit_setup()
+    first = model(*batches[0]).item()
+    for got in reports:
+        assert got["small"] == ("inputs of shape ((2, 3, 16, 16), (2,)): the pipeline planned for ((12, 3, 16, 16), "
+                                "(12,)) cannot run them: 3 micro-batches do not fit a batch of 2 rows: use 1 to 2; "
+                                "drop such a batch (DataLoader(drop_last=True)) or plan at its shape")
+        assert got["unlike"] == ("ranks were given inputs of different shapes [((5, 3, 16, 16), (5,)), ((6, 3, 16, 16), "
+                                 "(6,))]: give every rank of a pipeline the whole batch")
+        assert got["loss"] == pytest.approx(first, rel=1e-6)  # (the refused steps changed nothing)
 
 
 def test_torch_transformer_encoder_with_the_sequence_first_trains_in_a_pipeline_like_one_device(tmp_path):

@@ -44,7 +44,7 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import check_inputs, leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, cluster_setting,
+from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, cluster_setting,
                               held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys, sum_step,
                               watch_wrapped, wrapped_state)
 from .schedule import stage_order
@@ -103,21 +103,11 @@ class Pipeline(MirrorsModel):
         self.s = s = next(k for k, st in enumerate(plan.stages) if comm.rank in st.devices)
         self.devices = plan.stages[s].devices
         self.d = self.devices.index(comm.rank)
-        cuts = [st.nodes[0] for st in plan.stages[1:]]
-        stage_of = stage_of_nodes(cuts, len(graph.nodes))
-        if [st.nodes for st in plan.stages] != [[stage_of.index(k), len(stage_of) - 1 - stage_of[::-1].index(k)]
-                                                 for k in range(K)]:
-            raise ValueError("the plan's stages do not cover the model's nodes in order")
-        programs = [plan.steps(graph, k) for k in range(K)]
-        whole_program = [step for prog in programs for step in prog]
-        check_pipelinable(graph, whole_program, M)
-        plan.check_sync_fits(graph, programs)  # (a hand-edited entry trained silently wrong, or hung)
-        self.steps = programs[s]
-        self.classes = classes = ShardClasses(graph, enumerate(strategy_table(graph)))
-        self.crossings = crossings(graph, whole_program, stage_of)
-        self.pieces = stage_pieces(graph, classes, whole_program, [st.ratios[0] for st in plan.stages], M)
-        check_aligned(classes, self.crossings, self.pieces, M)
-        plan.check_shards(graph, classes, self.pieces)
+        self._planned = self._lay_out(graph)
+        plan.check_shards(graph, self._planned.classes, self._planned.pieces)
+        self._use(self._planned)
+        self._by_shape: dict[tuple, _Layout] = {}  # other batch shapes' layouts, the most recently used last
+        programs = self._planned.programs
         values = leaf_values(graph, model, example_inputs)
         loaded = {ld.tensor for step in self.steps for ld in step.loads}
         # rank 0's values, as DDP starts (ranks may have built the model under other seeds): every
@@ -142,7 +132,6 @@ class Pipeline(MirrorsModel):
         # (the forward of the stage that reads BatchNorm's running statistics updates them),
         # and those no stage loads, alike everywhere
         self._kept_buffers = [name for name in self._constants if name in loads[s] or name not in whole]
-        self._updates = [(buf, new) for buf, new in graph.buffer_updates.items() if buf in loads[s]]
         # the parameters whose gradients this rank counts in a global norm: each by the first
         # device of the first stage that holds it (a tied embedding's two stages hold one)
         self._norm_counted = [name for name in self.params
@@ -152,15 +141,11 @@ class Pipeline(MirrorsModel):
         for e in plan.sync:
             if comm.rank in e.devices and e.param in self.params and len(e.devices) > 1:
                 self._buckets.setdefault(e.bucket, (e.devices, []))[1].append(e.param)
-        self._sends, self._recvs = self._routes()
         sync_idle(self)  # the parameters no node uses: rank 0's, as the others
         # Random numbers, as one device draws them: every step, from rank 0's generator, each
-        # random node's whole draw in graph order, up to this stage's last node (the earlier
-        # stages' draws only advance the generator); every micro-batch takes its rows. After the
-        # step the last stage's generator, which drew them all, is everyone's.
-        last = plan.stages[s].nodes[1]
+        # random node's whole draw in graph order (_Layout.draws); every micro-batch takes its
+        # rows. After the step the last stage's generator, which drew them all, is everyone's.
         self._random = any(is_random(node) for node in graph.nodes)
-        self._draws = [node for node in graph.nodes if node.index <= last and is_random(node)]
         self._noise: dict[int, object] = {}
         self._rng_after = plan.stages[-1].devices[0]
         self.last_step: dict[str, float] = {}
@@ -179,18 +164,82 @@ class Pipeline(MirrorsModel):
         self._sums = 0  # the loss's sums over ranks so far (spot_check_due)
         self._every_param = sorted(n for n in whole if graph.tensors[n].kind == "param")  # every stage's
 
+    # -- layouts: what runs at a batch shape ---------------------------------------------------
+
+    def _lay_out(self, graph: Graph) -> "_Layout":
+        """The plan laid over `graph` (the model captured at one batch shape): a ValueError where
+        it cannot run it."""
+        plan, K, M, s = self.plan, self.K, self.M, self.s
+        cuts = [st.nodes[0] for st in plan.stages[1:]]
+        stage_of = stage_of_nodes(cuts, len(graph.nodes))
+        if [st.nodes for st in plan.stages] != [[stage_of.index(k), len(stage_of) - 1 - stage_of[::-1].index(k)]
+                                                 for k in range(K)]:
+            raise ValueError("the plan's stages do not cover the model's nodes in order")
+        programs = [plan.steps(graph, k) for k in range(K)]
+        whole_program = [step for prog in programs for step in prog]
+        check_pipelinable(graph, whole_program, M)
+        plan.check_sync_fits(graph, programs)  # (a hand-edited entry trained silently wrong, or hung)
+        classes = ShardClasses(graph, enumerate(strategy_table(graph)))
+        crossed = crossings(graph, whole_program, stage_of)
+        pieces = stage_pieces(graph, classes, whole_program, [st.ratios[0] for st in plan.stages], M)
+        check_aligned(classes, crossed, pieces, M)
+        sends, recvs = self._routes(crossed, classes, pieces)
+        loads = {ld.tensor for step in programs[s] for ld in step.loads}
+        last = plan.stages[s].nodes[1]  # (the earlier stages' draws only advance the generator)
+        return _Layout(graph=graph, programs=programs, classes=classes, crossings=crossed, pieces=pieces,
+                       sends=sends, recvs=recvs,
+                       draws=[node for node in graph.nodes if node.index <= last and is_random(node)],
+                       incoming=[ci for ci, c in enumerate(crossed) if s in c.dsts],
+                       updates=[(buf, new) for buf, new in graph.buffer_updates.items() if buf in loads])
+
+    def _use(self, layout: "_Layout") -> None:
+        """Run steps of `layout`'s batch shape (the planned one's is the pipeline's between steps)."""
+        self.graph, self.classes, self.crossings, self.pieces = layout.graph, layout.classes, layout.crossings, layout.pieces
+        self.steps = layout.programs[self.s]
+        self._sends, self._recvs = layout.sends, layout.recvs
+        self._draws, self._incoming, self._updates = layout.draws, layout.incoming, layout.updates
+
+    def _layout_of(self, batch: Sequence[torch.Tensor]) -> "_Layout":
+        """The layout of this batch's shape: the planned one, or another global batch's (a last,
+        smaller batch of an epoch; another sequence length), captured at it once. Every rank is
+        given the whole batch, so every rank meets the same shapes and keeps the same layouts."""
+        key = tuple(tuple(x.shape) for x in batch)
+        planned = tuple(tuple(self._planned.graph.tensors[n].shape) for n in self._planned.graph.inputs)
+        if key == planned:
+            return self._planned
+        seen = every_rank(key, self.comm)
+        if len(set(seen)) > 1:
+            raise ValueError(f"ranks were given inputs of different shapes {sorted(set(seen))}: give every rank of "
+                             "a pipeline the whole batch")
+        layout = self._by_shape.pop(key, None)
+        if layout is None:
+            try:
+                graph = capture(self.model, example_tuple(batch))
+                if [(n.name, n.op) for n in graph.nodes] != [(n.name, n.op) for n in self._planned.graph.nodes]:
+                    raise ValueError("the model's graph at this shape is not the planned one's (plan the pipeline "
+                                     "at this shape)")
+                layout = self._lay_out(graph)
+            except ValueError as e:
+                raise ValueError(f"inputs of shape {key}: the pipeline planned for {planned} cannot run them: "
+                                 f"{e}; drop such a batch (DataLoader(drop_last=True)) or plan at its shape") from None
+        self._by_shape[key] = layout
+        for old in list(self._by_shape)[: max(0, len(self._by_shape) - SHAPES_KEPT)]:
+            del self._by_shape[old]
+        return layout
+
     # -- routes --------------------------------------------------------------------------------
 
-    def _tag(self, m: int, crossing: int, dst_stage: int, backward: bool) -> int:
-        return ((m * len(self.crossings) + crossing) * self.K + dst_stage) * 2 + backward
+    def _tag(self, m: int, crossing: int, crossed: int, dst_stage: int, backward: bool) -> int:
+        return ((m * crossed + crossing) * self.K + dst_stage) * 2 + backward
 
-    def _routes(self) -> tuple[list[list[_Transfer]], list[list[_Transfer]]]:
+    def _routes(self, crossed: list, classes: ShardClasses,
+                pieces: list) -> tuple[list[list[_Transfer]], list[list[_Transfer]]]:
         """Per micro-batch, what this rank sends and receives in the forward (the backward
         sends the same parts the other way)."""
         plan, rank = self.plan, self.comm.rank
         sends: list[list[_Transfer]] = [[] for _ in range(self.M)]
         recvs: list[list[_Transfer]] = [[] for _ in range(self.M)]
-        for ci, c in enumerate(self.crossings):
+        for ci, c in enumerate(crossed):
             if self.s != c.src and self.s not in c.dsts:
                 continue
             src_devs = plan.stages[c.src].devices
@@ -199,7 +248,7 @@ class Pipeline(MirrorsModel):
                     continue
                 dst_devs = plan.stages[dst].devices
                 for m in range(self.M):
-                    tag = self._tag(m, ci, dst, False)
+                    tag = self._tag(m, ci, len(crossed), dst, False)
                     if not c.placement.is_shard:  # replicated: the micro-batch's first device sends it whole
                         if rank == src_devs[0]:
                             sends[m] += [_Transfer(ci, d, tag) for d in dst_devs]
@@ -207,8 +256,8 @@ class Pipeline(MirrorsModel):
                             recvs[m].append(_Transfer(ci, src_devs[0], tag))
                         continue
                     dim = c.placement.dim
-                    src_rows = row_ranges(self.classes.split_sizes(c.tensor, dim, self.pieces[c.src]), self.M, m)
-                    dst_rows = row_ranges(self.classes.split_sizes(c.tensor, dim, self.pieces[dst]), self.M, m)
+                    src_rows = row_ranges(classes.split_sizes(c.tensor, dim, pieces[c.src]), self.M, m)
+                    dst_rows = row_ranges(classes.split_sizes(c.tensor, dim, pieces[dst]), self.M, m)
                     for i, j, start, length in overlaps(src_rows, dst_rows):
                         if rank == src_devs[i]:
                             sends[m].append(_Transfer(ci, dst_devs[j], tag, start - src_rows[i][0], length))
@@ -250,12 +299,12 @@ class Pipeline(MirrorsModel):
                              "steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         changed = self._wrapped.changed_values(params)  # (told every rank by the step's sum)
         check_trainable(self.params, self.graph)
-        for name, x in zip(self.graph.inputs, batch):
-            if tuple(x.shape) != tuple(self.graph.tensors[name].shape):
-                raise ValueError(f"input {name} has shape {tuple(x.shape)}; the pipeline was planned for "
-                                 f"{tuple(self.graph.tensors[name].shape)}")
         with ledger.call("a training step, pipe.train_step(...)", now=True):  # (its first messages: a stage's peers)
-            return self._train_step(batch, changed)
+            self._use(self._layout_of(batch))
+            try:
+                return self._train_step(batch, changed)
+            finally:
+                self._use(self._planned)
 
     def _train_step(self, batch: tuple[torch.Tensor, ...], changed: str | None) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -463,8 +512,6 @@ class Pipeline(MirrorsModel):
         self.comm.off_wire(ready)
 
     def _empty_crossings(self, got: dict) -> list[int]:
-        if not hasattr(self, "_incoming"):
-            self._incoming = [ci for ci, c in enumerate(self.crossings) if self.s in c.dsts]
         return [ci for ci in self._incoming if ci not in got]
 
     def _sizes(self, tensor: str, p: Placement) -> list[int] | None:
@@ -595,6 +642,29 @@ class Pipeline(MirrorsModel):
         original = wrapped_state(self.model)
         return {key: whole[name] if name in whole else original[key].detach().clone()
                 for key, name in self._state_keys.items()}
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _Layout:
+    """What a pipeline runs at one shape of the batch, from the plan and the model's graph
+    captured at that shape (Pipeline._lay_out)."""
+    graph: Graph
+    programs: list[list]
+    """Every stage's program, as Steps over `graph`."""
+    classes: ShardClasses
+    crossings: list
+    """The tensors a stage computes and a later stage reads (stages.crossings)."""
+    pieces: list[list[float]]
+    """Per stage, the shares of its micro-batches' pieces (stages.stage_pieces)."""
+    sends: list[list[_Transfer]]
+    recvs: list[list[_Transfer]]
+    """Per micro-batch, what this rank sends and receives in the forward."""
+    draws: list
+    """The random nodes up to this stage's last, drawn whole every step in graph order."""
+    incoming: list[int]
+    """The crossings into this rank's stage."""
+    updates: list[tuple[str, str]]
+    """(buffer, its new value) of the buffers this stage's forward updates."""
 
 
 class _StageState:
