@@ -62,7 +62,13 @@ def test_parse_units_and_counts(tmp_path):
     ("[1, 2]", "a cluster spec is a mapping"),
     ("devices: [{flops: 1e12, memory: 1GiB}\n", "not valid YAML"),
     # each was taken: the last of two keys won, a device was called None, 16 meant 16 bytes
-    ("devices: [{flops: 1e12, memory: 1GiB, memory: 2GiB}]", r"not valid YAML \(key 'memory' is given twice\)"),
+    ("devices: [{flops: 1e12, memory: 1GiB, memory: 2GiB}]", r"not valid YAML \(key 'memory' is given twice at line 1, column 39\)"),
+    # PyYAML's problem and where (it said only "while parsing a flow mapping")
+    ("devices: [{flops: 1e12, memory: 1GiB}\nnetwork: {bandwidth: 10Gbps}",
+     r"not valid YAML \(expected ',' or ']', but got '<scalar>' at line 2, column 1\)$"),
+    # `intra:` left empty on a machine of 2 devices (it took the network card's)
+    ("devices: [{flops: 1e12, memory: 1GiB, count: 2}]\nmachines: [{devices: 2, intra: null, nic: {bandwidth: 1Gbps}}]",
+     r"machines\[0\]: a machine of 2 devices needs 'intra' \(the link between them\)$"),
     ("devices: [{name: null, flops: 1e12, memory: 1GiB}]", r"devices\[0\]: name must be text, got None"),
     ("devices: [{flops: 1e12, memory: 16}]", r"memory of 16 bytes is less than 1 KiB; give a unit \(say 16GiB\)$"),
     # each crashed with a traceback, was read silently, or made a price infinite

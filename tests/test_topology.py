@@ -1,6 +1,7 @@
 """Cluster topology: machines, network cards, link overrides; collectives priced by algorithm."""
 
 import pytest
+import torch
 import yaml
 
 from hap.cost.cluster import ClusterError, cluster_from_dict, fits_from_network, load_cluster
@@ -145,5 +146,64 @@ def test_emulation_sleeps_the_topologys_time(monkeypatch):
 
 def test_a_hand_built_topology_checks_its_machines():
     fast = Link(bandwidth=1e9, latency=1e-5)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match=r"^a topology puts every device 0..n-1 on exactly one machine, got devices "
+                                         r"\[0, 2\]$"):
         Topology(machines=(Machine(name="a", devices=(0, 2), intra=fast, nic=fast),))
+    two = (Machine(name="a", devices=(0, 1), intra=fast, nic=fast),)
+    with pytest.raises(ValueError, match=r"^unknown all-reduce algorithm 'fastest'; choose ring, tree, hierarchical "
+                                         r"or auto$"):
+        Topology(machines=two, algorithm="fastest")
+    with pytest.raises(ValueError, match=r"^a link override joins two different devices 0..1, got 0 and 5$"):
+        Topology(machines=two, overrides=((0, 5, fast),))
+    with pytest.raises(ValueError, match=r"^a link has a positive bandwidth and a latency at least 0, got bandwidth 0 "):
+        Link(bandwidth=0, latency=0.0)
+    with pytest.raises(ValueError, match=r"^unknown all-reduce algorithm 'Ring'; choose ring, tree, hierarchical$"):
+        Topology(machines=two).seconds("all_reduce", 1e6, [0, 1], "Ring")  # (it was priced as ring)
+
+
+def test_all_to_all_sends_each_devices_parts_for_the_others():
+    """8 devices on their own machines, 1 GB/s cards, 10 us; V = 8e6 bytes (1 MB per device):
+    each device sends 7 parts of 1/8 MB, 0.875 MB, at once with the others: L + 7 * 10us +
+    0.875e6 / 1e9 = 0.965 ms. An all-gather takes 7 shards of 1 MB into each: L + 70us + 7 ms."""
+    topo = cluster_from_dict({"devices": [{"flops": 1e13, "memory": "16GiB", "count": 8}],
+                              "network": {"bandwidth": "1GB/s", "latency": "10us"}}).topology
+    assert topo.seconds("all_to_all", 8e6, range(8)) == pytest.approx(20e-6 + 70e-6 + 0.875e-3)
+    assert topo.seconds("all_gather", 8e6, range(8)) == pytest.approx(20e-6 + 70e-6 + 7e-3)
+
+
+class _Squares(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(4, 1)
+
+    def forward(self, x):
+        return super().forward(x).pow(2).mean()
+
+
+def test_a_groups_machine_gathers_over_its_own_internal_link():
+    """Device 0 a machine of 2 GPUs at 1 GB/s inside, devices 1 and 2 of 2 GPUs at 100 GB/s: an
+    all-reduce over devices 1 and 2 pays 2 n / 100 GB/s inside (it paid device 0's 1 GB/s)."""
+    from hap.capture import capture
+    from hap.cost.model import CostModel
+    from hap.rules import strategy_table
+    from hap.rules.units import ShardClasses
+    net = {"bandwidth": "100Gbps", "latency": "0us"}
+    cluster = cluster_from_dict({"devices": [
+        {"name": "slow", "flops": 1e13, "memory": "16GiB", "gpus": 2, "intra_bandwidth": "1GB/s"},
+        {"name": "fast", "flops": 1e13, "memory": "16GiB", "gpus": 2, "intra_bandwidth": "100GB/s", "count": 2}],
+        "network": net})
+    graph = capture(_Squares(), (torch.randn(3, 4),))
+    cost = CostModel(graph, cluster, ShardClasses(graph, enumerate(strategy_table(graph))))
+    n = 1e9
+    ring = cluster.topology.run_seconds("all_reduce", n, [1, 2])
+    assert cost.group_collective("all_reduce", n, [1, 2]) == pytest.approx(ring + 2 * n / 100e9)
+    assert cost.group_collective("all_reduce", n, [0, 1]) == pytest.approx(
+        cluster.topology.run_seconds("all_reduce", n, [0, 1]) + 2 * n / 1e9)
+
+
+def test_yaml_merge_keys_load(tmp_path):
+    # `<<: *anchor` (a device like another, its name its own) was "not valid YAML"
+    path = tmp_path / "anchor.yaml"
+    path.write_text("devices:\n  - &v100 {name: v100, flops: 1e13, memory: 16GiB}\n  - {<<: *v100, name: v100b}\n"
+                    "network: {bandwidth: 10Gbps, latency: 30us}\n")
+    assert [d.name for d in load_cluster(path).devices] == ["v100", "v100b"]
+    assert load_cluster(path).devices[1].flops == 1e13

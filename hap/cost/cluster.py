@@ -497,7 +497,7 @@ def _parse_topology(spec: dict, n: int) -> Topology:
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_DEVICES:
             raise ClusterError(f"{where}: devices must be a count from 1 to {MAX_DEVICES}, got {count!r}")
         nic = _parse_link(m["nic"], f"{where}.nic")
-        if count > 1 and "intra" not in m:
+        if count > 1 and m.get("intra") is None:  # (`intra:` left empty took the network card's)
             raise ClusterError(f"{where}: a machine of {count} devices needs 'intra' (the link between them)")
         name = _name(m.get("name", f"machine{i}"), f"{where}.name")
         if any(x.name == name for x in machines):
@@ -531,11 +531,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (<<: *anchor: keys given here override it)
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where ("while parsing a flow mapping"
+    alone named neither)."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return str(e).splitlines()[0]
+    return problem + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "")
 
 
 def load_cluster(path_or_name: str | Path) -> Cluster:
@@ -559,7 +570,7 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
     except OSError as e:
         raise ClusterError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ClusterError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ClusterError(f"{path}: not valid YAML ({_yaml_problem(e)})") from None
     try:
         return cluster_from_dict(spec, default_name=path.stem)
     except ClusterError as e:

@@ -395,7 +395,10 @@ class CostModel:
             if kind == "all_reduce":
                 return self.grad_sync(nbytes)
             return self.cluster.fit("broadcast" if kind == "reduce" else kind).time(nbytes)
-        inside = self.intra_coll * nbytes if any(self.gpus(j) > 1 for j in devices) else 0.0  # as grad_sync adds it
+        # a machine of several GPUs gathers to and broadcasts from one of them, as grad_sync adds
+        # it: over the slowest internal link of the group's own machines
+        inside = max((2 / self.cluster.devices[j].intra_bandwidth for j in devices if self.gpus(j) > 1),
+                     default=0.0) * nbytes
         return topo.run_seconds(kind, nbytes, devices) + inside
 
     @property

@@ -14,7 +14,9 @@ the whole tensor, g the group's size, and (bw, lat) the slowest link the algorit
     hierarchical all-reduce  reduce inside each machine ((k-1) lat_in + (k-1)/k n / bw_in), ring
                            all-reduce among one device per machine over the NICs, broadcast inside
                            (the same as the reduce): k the most devices of the group on a machine
-    ring all-gather, reduce-scatter, all-to-all   (g-1) lat + (g-1)/g V / bw, V = g * shard bytes
+    ring all-gather, reduce-scatter   (g-1) lat + (g-1)/g V / bw, V = g * shard bytes
+    all-to-all             (g-1) lat + (g-1)/g^2 V / bw: each device sends the g-1 parts of its
+                           shard (V / g) that others take, all pairs at once, over the slowest link
     broadcast, reduce      ceil(log2 g) lat + n / bw        (pipelined, to or from one device)
     send/recv              lat + n / bw                     over the one link
 
@@ -39,6 +41,11 @@ class Link:
     """Bytes per second."""
     latency: float
     """Seconds per message."""
+
+    def __post_init__(self):
+        if not (0 < self.bandwidth < math.inf and 0 <= self.latency < math.inf):
+            raise ValueError(f"a link has a positive bandwidth and a latency at least 0, got bandwidth "
+                             f"{self.bandwidth!r} and latency {self.latency!r}")
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -69,7 +76,13 @@ class Topology:
 
     def __post_init__(self):
         seen = sorted(d for m in self.machines for d in m.devices)
-        assert seen == list(range(len(seen))), "every device on exactly one machine"
+        if seen != list(range(len(seen))):
+            raise ValueError(f"a topology puts every device 0..n-1 on exactly one machine, got devices {seen}")
+        if self.algorithm not in (*ALGORITHMS, "auto"):
+            raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; choose {', '.join(ALGORITHMS)} or auto")
+        for a, b, _ in self.overrides:
+            if not (0 <= a < len(seen) and 0 <= b < len(seen)) or a == b:
+                raise ValueError(f"a link override joins two different devices 0..{len(seen) - 1}, got {a} and {b}")
         object.__setattr__(self, "_machine", {d: i for i, m in enumerate(self.machines) for d in m.devices})
         object.__setattr__(self, "_override", {pair: link for x, y, link in self.overrides for pair in ((x, y), (y, x))})
 
@@ -110,6 +123,8 @@ class Topology:
     def coefficients(self, kind: str, group: Sequence[int], algorithm: Algorithm = "ring") -> tuple[float, float]:
         """(seconds, seconds per byte) of the collective: its time is their linear function."""
         g = len(group)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose {', '.join(ALGORITHMS)}")
         if g <= 1:
             return 0.0, 0.0
         if kind == "all_reduce":
@@ -120,10 +135,12 @@ class Topology:
                 return self._hierarchical(group)
             link = self.ring_link(group)
             return LAUNCH_OVERHEAD + 2 * (g - 1) * link.latency, 2 * (g - 1) / g / link.bandwidth
-        if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            link = self.ring_link(group) if kind != "all_to_all" else _slowest(
-                [self.link(a, b) for a in group for b in group if a < b])
+        if kind in ("all_gather", "reduce_scatter"):
+            link = self.ring_link(group)
             return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / link.bandwidth
+        if kind == "all_to_all":  # (an all-gather's devices each take g-1 shards; here g-1 parts of one)
+            link = _slowest([self.link(a, b) for a in group for b in group if a < b])
+            return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / g / link.bandwidth
         if kind in ("broadcast", "reduce"):
             link = self.ring_link(group)
             return LAUNCH_OVERHEAD + math.ceil(math.log2(g)) * link.latency, 1 / link.bandwidth
