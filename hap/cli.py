@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_LR = 0.05
 """hap train's SGD learning rate where --lr is not given (nor a checkpoint's, on --resume)."""
@@ -217,7 +218,10 @@ def cmd_plan(args) -> int:
     if args.listing:
         print(result.listing())
     if args.json:
-        result.to_json(args.json)
+        try:
+            result.to_json(args.json)
+        except OSError as e:  # (a full disk: after all the planning)
+            raise UserError(f"--json {args.json}: cannot write it: {e.strerror or e}") from None
         say(f"wrote {args.json}")
     return 0
 
@@ -342,13 +346,20 @@ def _check_plan_fits(path: str, plan, graph) -> None:
         raise UserError(f"--plan {path}: {e}") from None
 
 
-def _plan_file(path: str, cluster):
+def _read_plan(path: str, named: str):
+    """The plan in file `path`, or a UserError starting with `named` (the path, or the flag and
+    the path), once: from_json names the file where it cannot read it."""
     from .plan import Plan
 
     try:
-        plan = Plan.from_json(path)
+        return Plan.from_json(Path(path))
     except (OSError, ValueError) as e:
-        raise UserError(f"--plan {path}: {e}") from None
+        said = str(e).removeprefix(f"plan file {path}: ")
+        raise UserError(f"{named}: {said}") from None
+
+
+def _plan_file(path: str, cluster):
+    plan = _read_plan(path, f"--plan {path}")
     if len(plan.devices) != cluster.size:
         raise UserError(f"--plan {path} is for {len(plan.devices)} devices, cluster {cluster.name!r} has {cluster.size}")
     return plan
@@ -462,12 +473,8 @@ def _print_sync_result(result: dict) -> None:
 
 def cmd_explain(args) -> int:
     from .explain import explain
-    from .plan import Plan
 
-    try:
-        plan = Plan.from_json(args.plan)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{args.plan}: {e}") from None
+    plan = _read_plan(args.plan, args.plan)
     try:
         report = explain(plan, args.output, args.trace)
     except ValueError as e:
@@ -937,6 +944,8 @@ def cmd_cluster(args) -> int:
 
 
 # where each command writes: (command, argument, "file" or "dir"); checked before any work
+_FILES_IN = {("explain", "output"): ("timeline.png", "timeline.json", "layouts.txt")}
+"""Files a command writes into an output folder by name (hap sync checks its own)."""
 _OUTPUTS = [("plan", "json", "file"), ("train", "trace", "dir"), ("train", "checkpoint", "dir"),
             ("sync", "out", "dir"), ("explain", "output", "dir"), ("profile", "output", "file")]
 
@@ -956,6 +965,9 @@ def _check_outputs(args) -> None:
             raise UserError(f"{flag} {path} ends in {os.sep}; give a file name")
         if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"{flag} {path} is a file; give a directory")
+        for inside in _FILES_IN.get((command, name), ()):  # (explain wrote timeline.json, then PIL raised)
+            if os.path.isdir(os.path.join(path, inside)):
+                raise UserError(f"{flag} {path}: {inside} there is a directory; the command writes a file of that name")
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
@@ -1004,6 +1016,10 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # the reader went away (hap plan --listing | head): stop quietly, as a pipe does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
         return 141
+    except OSError as e:  # a file it reads or writes (a full disk, a cache path that is a file): one line
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hap: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -87,9 +87,10 @@ def estimated_events(plan: Plan) -> tuple[list[Event], float]:
 def pipeline_events(plan: Plan) -> tuple[list[Event], float]:
     """A pipeline's estimated iteration as events per device, and its length in seconds: the
     schedule simulated as the estimate's `simulated` runs it (pipeline/schedule.simulate)."""
-    tl, sched = plan.timeline["pipeline"], plan.schedule
+    tl = plan.timeline["pipeline"]
+    name, M = _priced_schedule(plan)
     send, back = tl["send"], _send_back(tl)
-    sim = simulate(sched.name, sched.micro_batches, tl["fwd"], tl["bwd"], send, back, tl["sync"])
+    sim = simulate(name, M, tl["fwd"], tl["bwd"], send, back, tl["sync"])
     events: list[Event] = []
     for (kind, s, m), (start, end) in sorted(sim.runs.items(), key=lambda item: item[1]):
         devices = plan.stages[s].devices
@@ -132,7 +133,7 @@ def layouts(plan: Plan) -> list[str]:
 def _stage_layouts(stage: PlanStage, synced: dict) -> list[str]:
     places: dict[str, list[str]] = {}
     for ins in stage.program:
-        for t, p in (*ins.loads, *ins.outputs, *((mv.tensor, mv.dst) for mv in ins.moves)):
+        for t, p in (*ins.loads, *ins.inputs, *ins.outputs, *((mv.tensor, mv.dst) for mv in ins.moves)):
             if p not in places.setdefault(t, []):
                 places[t].append(p)
     sizes: dict[str, list[str]] = {}
@@ -177,16 +178,24 @@ def _send_back(timeline: dict) -> list[float]:
     return timeline.get("send_back", timeline["send"])
 
 
+def _priced_schedule(plan: Plan) -> tuple[str, int]:
+    """The schedule and micro-batches the plan's estimate priced (a hand edit of the plan's
+    schedule leaves the estimate of the one priced; plans written before 2026-11-29 name it in
+    the schedule alone)."""
+    tl = plan.timeline["pipeline"]
+    return tl.get("schedule", plan.schedule.name), tl.get("micro_batches", plan.schedule.micro_batches)
+
+
 def _pipeline_time(plan: Plan) -> list[str]:
-    tl, sched = plan.timeline["pipeline"], plan.schedule
+    tl = plan.timeline["pipeline"]
+    name, M = _priced_schedule(plan)
     K = len(plan.stages)
     t = tl["stage_seconds"]
     pace = max(range(K), key=lambda s: t[s])
-    lines = [f"  a pipeline of {K} stages, {sched.micro_batches} micro-batches, {sched.name}; the schedule "
+    more = f"{M - 1} more micro-batch{'' if M == 2 else 'es'} of its" if M > 1 else "one micro-batch:"
+    lines = [f"  a pipeline of {K} stages, {M} micro-batch{'' if M == 1 else 'es'}, {name}; the schedule "
              f"simulated: {tl['simulated'] * 1e3:.2f} ms",
-             f"  stage {pace} sets the pace ({sched.micro_batches - 1} more "
-             f"micro-batch{'es' if sched.micro_batches != 2 else ''} of its "
-             f"{t[pace] * 1e3:.2f} ms); per micro-batch:"]
+             f"  stage {pace} sets the pace ({more} {t[pace] * 1e3:.2f} ms); per micro-batch:"]
     for s, stage in enumerate(plan.stages):
         names = ", ".join(sorted({plan.devices[j] for j in stage.devices}))
         after = "" if s == K - 1 else (f", {tl['send'][s] * 1e3:.2f} ms to send on and "
@@ -341,8 +350,8 @@ def explain(plan: Plan, out_dir: str | Path, trace_dir: str | Path | None = None
                       "the estimate, the pipeline formula the planners minimise, puts every transfer "
                       "on the critical path and syncs after the whole flush")
     if plan.edited_since_written:
-        report.insert(0, "note: this plan was edited after hap wrote it: the estimate drawn is of the plan as written "
-                         "(`hap train --plan` prices it again where it runs)")
+        report.insert(0, "note: this plan was edited after hap priced it: its estimate, and what is drawn, are of the "
+                         "plan as hap priced it (`hap train --plan` prices it again where it runs)")
     if steps:
         report.append(f"  measured step (last traced, per rank): {', '.join(f'{s * 1e3:.2f}' for s in steps)} ms; "
                       f"estimate {plan.estimated_iteration_seconds * 1e3:.2f} ms")

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args
@@ -168,8 +169,9 @@ def _is_share(x) -> bool:
 def _number(x, positive: bool = True) -> bool:
     """Whether a plan file's x is a finite number (not a bool), positive or at least not negative
     (beyond a sum's rounding: plans written before breakdowns were clamped hold -2e-18)."""
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-            and (x > 0 if positive else x >= -1e-12))
+    # (an int of 400 digits raised OverflowError in isfinite: one no float holds is not a number here)
+    finite = math.isfinite(x) if isinstance(x, float) else isinstance(x, int) and abs(x) <= sys.float_info.max
+    return finite and not isinstance(x, bool) and (x > 0 if positive else x >= -1e-12)
 
 
 # the fields the runtime and summary() read, of the types they read them as (the timeline is
@@ -205,9 +207,10 @@ class Plan:
     search: dict = field(default_factory=dict)
     """How the plan was found: planner, rounds, expansions, which candidate won."""
     written: str = ""
-    """The `content_digest` of the plan when hap wrote it (to_json; "" for a plan never written):
-    a file whose cluster, stages, schedule or sync was edited since no longer matches, and its
-    estimate is then of the plan as written (`edited_since_written`)."""
+    """The `written_digest` of the plan when hap wrote it (to_json; "" for a plan priced and not
+    written since): a file whose content (cluster, stages, schedule, sync) or estimate was edited
+    since no longer matches, and its estimate is then of the plan as hap priced it
+    (`edited_since_written`)."""
     version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -246,8 +249,11 @@ class Plan:
         return None
 
     def with_ratios(self, ratios: list[list[float]], shards: list[ShardSize]) -> "Plan":
-        """This plan at other ratios (after a reshard); the estimate is the caller's to update."""
-        return dataclasses.replace(self, stages=[dataclasses.replace(self.stage, ratios=ratios, shards=shards)])
+        """This plan at other ratios (after a reshard); the estimate is the caller's to update
+        (planner.priced): until then it is marked edited_since_written."""
+        written = self.written if self.edited_since_written else self.written_digest
+        return dataclasses.replace(self, stages=[dataclasses.replace(self.stage, ratios=ratios, shards=shards)],
+                                   written=written)
 
     # -- serialisation -------------------------------------------------------------------------
 
@@ -255,8 +261,13 @@ class Plan:
         return _plain(self)
 
     def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON (written to `path` where given), stamped with the digest of its
+        content and estimate; a plan edited since hap priced it keeps its old stamp, so that
+        saving it again does not make its stale estimate look current."""
         plain = self.to_dict()
-        text = json.dumps({**plain, "written": _digest({f: plain[f] for f in CONTENT_FIELDS})}, indent=1)
+        written = self.written if self.edited_since_written else _digest(
+            {f: plain[f] for f in (*CONTENT_FIELDS, *ESTIMATE_FIELDS)})
+        text = json.dumps({**plain, "written": written}, indent=1)
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -388,7 +399,8 @@ class Plan:
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "Plan":
         text, where = str(path_or_text), "malformed plan"
-        if not text.lstrip().startswith("{"):
+        # a Path, or text that is not JSON, or a file's name beginning with "{", is a file
+        if isinstance(path_or_text, Path) or not text.lstrip().startswith("{") or Path(text).is_file():
             where = f"plan file {text}"
             try:
                 text = Path(path_or_text).read_text()
@@ -418,10 +430,18 @@ class Plan:
         return _digest({f: _plain(getattr(self, f)) for f in fields})
 
     @property
+    def written_digest(self) -> str:
+        """A hash of what to_json stamps as `written`: the content and its estimate together, so
+        that an edit of either shows."""
+        return self._hash(*CONTENT_FIELDS, *ESTIMATE_FIELDS)
+
+    @property
     def edited_since_written(self) -> bool:
-        """Whether this plan, read from a file hap wrote, differs from what it wrote there (its
-        estimate, breakdown and timeline are then of the plan as written)."""
-        return bool(self.written) and self.written != self.content_digest
+        """Whether this plan's estimate may not be of its content: a file hap wrote, edited since
+        (its content or its estimate), or a plan changed since it was priced (with_ratios); its
+        estimate, breakdown and timeline are then of the plan as hap priced it. (Files written
+        before 2026-11-29 stamped the content alone.)"""
+        return bool(self.written) and self.written not in (self.written_digest, self.content_digest)
 
     def device_groups(self) -> list[tuple[int, ...]]:
         """Every device group the plan names (stages, synchronization), once, in a fixed order:
@@ -720,6 +740,8 @@ def _stage_from_dict(d: dict) -> PlanStage:
 
 CONTENT_FIELDS = ("cluster", "devices", "stages", "schedule", "sync")
 """What a plan's estimate prices (Plan.content_digest)."""
+ESTIMATE_FIELDS = ("estimated_iteration_seconds", "breakdown", "timeline", "memory_bytes")
+"""The estimate (Plan.written_digest stamps it with the content)."""
 
 
 def _digest(fields: dict) -> str:

@@ -530,7 +530,7 @@ def priced(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | N
         return priced_pipeline(graph, cluster, plan, config)
     cost, est = replayed(graph, cluster, plan, config)
     plan = dataclasses.replace(plan, estimated_iteration_seconds=est.seconds, breakdown=est.breakdown(),
-                               timeline=timeline(est), memory_bytes=list(est.memory))
+                               timeline=timeline(est), memory_bytes=list(est.memory), written="")  # (priced now)
     if "sync" not in plan.search:
         return plan
     from .sync.price import with_estimate  # (hap.sync plans with the planner)

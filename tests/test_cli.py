@@ -3,6 +3,7 @@ refused in one line (or emulated when asked, saying so); progress is a line ever
 steps when stdout is not a terminal; memory is shown in a unit that fits."""
 
 import json
+import os
 import re
 
 import pytest
@@ -142,6 +143,8 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["plan", *small, "--json", "/proc/hap.json"], "--json /proc/hap.json: cannot write it"),
         (["plan", *small, "--json", str(afile / "p.json")], f"--json {afile / 'p.json'}: cannot make the folder {afile}"),
         (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
+        (["explain", str(afile), "-o", str(tmp_path / "made")], f"-o {tmp_path / 'made'}: layouts.txt there is a "
+                                                               "directory; the command writes a file of that name"),
         (["train", *small, "--plan", str(afile), "--planner", "dp-ev"], f"--plan trains the plan in {afile} as it is: "
                                                                         "--planner would be ignored"),
         (["train", *small, "--plan", str(afile), "--calibrate"], "--plan trains the plan in"),
@@ -153,9 +156,29 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["profile", "--cluster", "paper-hetero-8", "-o", str(tmp_path / "p.yaml")],
          "cluster 'paper-hetero-8' is not local (local: true): hap profile measures processes on this machine"),
     ]
+    (tmp_path / "made" / "layouts.txt").mkdir(parents=True)  # (explain wrote timeline.json, then a traceback)
     for argv, says in cases:
         assert _one_error(capsys, argv).startswith(f"hap: error: {says}")
         assert not (tmp_path / "explain").exists() and not (tmp_path / "new.json").exists()
+
+
+def test_plan_files_are_read_and_written_with_one_line_errors(tmp_path, capsys):
+    small = ["--model", "vit", "--scale", "small", "--cluster", "local", "--quiet"]
+    named = tmp_path / "{plan}.json"  # (a name beginning with "{" was read as JSON text)
+    assert main(["plan", *small, "--json", str(named)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(named), "-o", str(tmp_path / "x")]) == 0
+    # the path said once (it said "nonexist.json: plan file nonexist.json: cannot read it")
+    missing = tmp_path / "nonexist.json"
+    assert _one_error(capsys, ["explain", str(missing), "-o", str(tmp_path / "y")]) == (
+        f"hap: error: {missing}: cannot read it (No such file or directory)")
+    if os.path.exists("/dev/full"):  # a full disk after all the planning: a traceback
+        assert _one_error(capsys, ["plan", *small, "--json", "/dev/full"]) == (
+            "hap: error: --json /dev/full: cannot write it: No space left on device")
+    d = json.loads(named.read_text())
+    (tmp_path / "big.json").write_text(json.dumps({**d, "estimated_iteration_seconds": 10**400}))  # (OverflowError)
+    assert _one_error(capsys, ["explain", str(tmp_path / "big.json"), "-o", str(tmp_path / "z")]).startswith(
+        f"hap: error: {tmp_path / 'big.json'}: malformed plan: its estimate")
 
 
 def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """hap explain: the estimated iteration per device, layouts, and the measured one beside it."""
 
+import dataclasses
 import json
 
 import pytest
@@ -122,7 +123,14 @@ def test_a_pipelines_drawn_iteration_is_its_simulated_schedule():
         for m in range(M):
             before, after = ends[(s - 1, f"forward micro-batch {m}")], ends[(s, f"forward micro-batch {m}")]
             assert after.start >= before.start + before.seconds + tl["send"][s - 1] - 1e-12
-    assert "a pipeline of 3 stages" in "\n".join(where_time_goes(p))
+    assert f"a pipeline of 3 stages, {M} micro-batches" in "\n".join(where_time_goes(p))
+    # the plan's schedule edited by hand: the drawing is still of the schedule priced (it
+    # simulated the edited one, 3x longer, under a note saying it drew the plan as priced)
+    edited = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, micro_batches=3 * M),
+                                 written=p.written_digest)
+    assert edited.edited_since_written
+    assert pipeline_events(edited)[1] == pytest.approx(tl["simulated"], rel=1e-12)
+    assert f"a pipeline of 3 stages, {M} micro-batches" in "\n".join(where_time_goes(edited))
     assert layouts(p)[0].startswith("stage 0: nodes 0-")
 
 
@@ -224,4 +232,5 @@ def test_explain_says_when_a_plan_file_was_edited_after_hap_wrote_it(tmp_path, c
     path.write_text(json.dumps(d))
     assert main(["explain", str(path), "-o", str(tmp_path / "x")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("note: this plan was edited after hap wrote it: the estimate drawn is of the plan as written")
+    assert out.startswith("note: this plan was edited after hap priced it: its estimate, and what is drawn, are of the "
+                          "plan as hap priced it")

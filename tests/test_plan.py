@@ -61,6 +61,31 @@ def test_plan_never_worse_than_baselines(result):
     assert all(abs(sum(r) - 1) < 1e-9 for r in result.ratios)
 
 
+def test_an_edit_stays_marked_until_the_plan_is_priced_again(result, graph, tmp_path):
+    from hap.planner import priced
+    path = tmp_path / "plan.json"
+    result.to_json(path)
+    data = json.loads(path.read_text())
+    # an edited estimate shows (it was outside the stamp: explain drew a 1000 ms "estimate")
+    path.write_text(json.dumps({**data, "estimated_iteration_seconds": 1.0}))
+    assert Plan.from_json(path).edited_since_written
+    # edited ratios, saved again: still marked (saving re-stamped them as current)
+    edited = {**data, "stages": [{**data["stages"][0], "ratios": [[1 / 8] * 8]}]}
+    path.write_text(json.dumps(edited))
+    Plan.from_json(path).to_json(tmp_path / "again.json")
+    again = Plan.from_json(tmp_path / "again.json")
+    assert again.edited_since_written
+    # priced again, it is current
+    cluster = load_cluster("paper-hetero-8")
+    assert not priced(graph, cluster, again).edited_since_written
+    # a plan at other ratios (a reshard) is marked until priced
+    moved = result.with_ratios([[0.3, 0.7] + [0.0] * 6], list(result.stage.shards))
+    assert moved.edited_since_written and not priced(graph, cluster, moved).edited_since_written
+    # a file stamped with its content alone (before 2026-11-29) is not marked
+    path.write_text(json.dumps({**data, "written": result.content_digest}))
+    assert not Plan.from_json(path).edited_since_written
+
+
 def test_json_round_trip(result, graph, tmp_path):
     path = tmp_path / "plan.json"
     result.to_json(path)
@@ -70,9 +95,9 @@ def test_json_round_trip(result, graph, tmp_path):
         assert key in data
     assert set(data["baselines"]) >= {"dp_ev", "dp_cp"}
     again = Plan.from_json(path)
-    assert again.to_dict() == {**result.to_dict(), "written": result.content_digest}  # the file says what it held
+    assert again.to_dict() == {**result.to_dict(), "written": result.written_digest}  # the file says what it held
     assert again.to_dict() == dataclasses.asdict(again)  # (to_dict is asdict without its deep copies)
-    assert data["written"] == result.content_digest and again.content_digest == result.content_digest
+    assert data["written"] == result.written_digest and again.content_digest == result.content_digest
     assert again.digest == result.digest and not again.edited_since_written
     steps = again.steps(graph)
     assert [s.node for s in steps] == list(range(len(graph.nodes)))

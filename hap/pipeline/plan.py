@@ -130,7 +130,7 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
                 stages=stages, sync=sync, schedule=Schedule(name=config.pipeline_schedule, micro_batches=M),
                 baselines={}, synthesis_seconds=seconds,
                 replicated_ops=sorted({nd.op for nd in graph.nodes if not has_rule(nd.op)}), search=search,
-                **_estimated(est, M, space.pricer.step_collectives))
+                **_estimated(est, M, config.pipeline_schedule, space.pricer.step_collectives))
 
 
 def synced_groups(graph: Graph, stage_steps: Sequence[Sequence[Step]], groups: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
@@ -187,12 +187,13 @@ def stage_programs(graph: Graph, program: Sequence[Step], ranges: Sequence[tuple
     return out
 
 
-def _estimated(est: PipelineEstimate, M: int, step_collectives: float) -> dict:
-    """A pipeline Plan's fields that state its estimate."""
+def _estimated(est: PipelineEstimate, M: int, schedule: str, step_collectives: float) -> dict:
+    """A pipeline Plan's fields that state its estimate (the timeline names the schedule it
+    priced: explain draws that one, whatever a hand edit made of the plan's)."""
     return dict(estimated_iteration_seconds=est.seconds, breakdown=breakdown(est, M, step_collectives),
                 timeline={"pipeline": {"stage_seconds": list(est.stage_seconds), "fwd": list(est.fwd), "bwd": list(est.bwd),
                                        "send": list(est.send), "send_back": list(est.send_back), "sync": list(est.sync),
-                                       "simulated": est.simulated}},
+                                       "simulated": est.simulated, "schedule": schedule, "micro_batches": M}},
                 memory_bytes=list(est.memory))
 
 
@@ -205,7 +206,7 @@ def priced_pipeline(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerC
     shares = [[x / sum(st.ratios[0]) for x in st.ratios[0]] for st in plan.stages]  # (relative, as the runtime splits)
     est = space.pricer.estimate([st.nodes[0] for st in plan.stages[1:]], [st.devices for st in plan.stages],
                                 shares, M, schedule)
-    return dataclasses.replace(plan, **_estimated(est, M, space.pricer.step_collectives))
+    return dataclasses.replace(plan, written="", **_estimated(est, M, schedule, space.pricer.step_collectives))
 
 
 def breakdown(est: PipelineEstimate, M: int, step_collectives: float) -> dict[str, float]:
