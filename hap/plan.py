@@ -166,6 +166,14 @@ def _is_share(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
 
 
+def _is_file(text: str) -> bool:
+    """Whether `text` names a file (JSON text, a name too long for the system, is not one)."""
+    try:
+        return Path(text).is_file()
+    except OSError:  # (ENAMETOOLONG: a plan's JSON given as text)
+        return False
+
+
 def _number(x, positive: bool = True) -> bool:
     """Whether a plan file's x is a finite number (not a bool), positive or at least not negative
     (beyond a sum's rounding: plans written before breakdowns were clamped hold -2e-18)."""
@@ -295,17 +303,12 @@ class Plan:
                         and f.default_factory is dataclasses.MISSING), None)
         if unknown or missing:  # (they were Python's words: "Plan.__init__() missing 1 required keyword-only ...")
             raise ValueError(f"malformed plan: {f'unknown field {unknown!r}' if unknown else f'no field {missing!r}'}")
-        parts = (("a stage", "stages", lambda: [_stage_from_dict(st) for st in d["stages"]]),
-                 ("a sync entry", "sync", lambda: [SyncEntry(**{**e, "devices": tuple(e["devices"]), "rows": tuple(
-                     e["rows"]) if e.get("rows") is not None else None}) for e in d["sync"]]),
-                 ("its schedule", "schedule", lambda: Schedule(**d["schedule"]) if d.get("schedule") else None))
-        for what, key, read in parts:
-            try:
-                d[key] = read()
-            except KeyError as e:  # (it said "malformed plan: 'program'")
-                raise ValueError(f"malformed plan: {what} has no field {e}") from None
-            except (TypeError, AttributeError) as e:
-                raise ValueError(f"malformed plan: {what}: {e}") from None
+        d["stages"] = [_stage_from_dict(st, k) for k, st in enumerate(_list(d["stages"], "stages"))]
+        d["sync"] = [_object(SyncEntry, e, f"sync entry {i}", devices=lambda x: tuple(_list(x, f"sync entry {i}'s devices")),
+                             rows=lambda x: None if x is None else tuple(_list(x, f"sync entry {i}'s rows")))
+                     for i, e in enumerate(_list(d["sync"], "sync"))]
+        if d.get("schedule") is not None:
+            d["schedule"] = _object(Schedule, d["schedule"], "its schedule")
         try:
             plan = cls(**d)
         except (TypeError, AttributeError) as e:
@@ -400,7 +403,7 @@ class Plan:
     def from_json(cls, path_or_text: str | Path) -> "Plan":
         text, where = str(path_or_text), "malformed plan"
         # a Path, or text that is not JSON, or a file's name beginning with "{", is a file
-        if isinstance(path_or_text, Path) or not text.lstrip().startswith("{") or Path(text).is_file():
+        if isinstance(path_or_text, Path) or not text.lstrip().startswith("{") or _is_file(text):
             where = f"plan file {text}"
             try:
                 text = Path(path_or_text).read_text()
@@ -727,15 +730,57 @@ def _pairs(value, what: str) -> tuple[tuple[str, str], ...]:
     return tuple(map(tuple, value))
 
 
-def _stage_from_dict(d: dict) -> PlanStage:
-    for ins in d["program"]:
-        for key in ("inputs", "outputs", "loads"):
-            _pairs(ins[key], f"instruction {ins.get('node')!r} {key}")
-    program = [Instruction(**{**ins, "inputs": tuple(map(tuple, ins["inputs"])), "outputs": tuple(map(tuple, ins["outputs"])),
-                              "loads": tuple(map(tuple, ins["loads"])), "moves": tuple(MoveOp(**mv) for mv in ins["moves"])})
-               for ins in d["program"]]
-    shards = [ShardSize(**{**sh, "sizes": tuple(sh["sizes"])}) for sh in d["shards"]]
-    return PlanStage(**{**d, "program": program, "shards": shards})
+def _object(cls, d, what: str, **converted):
+    """A plan file's object `d` as dataclass `cls`: a ValueError naming `what` and the field
+    where it is not an object, has a field cls has not, or lacks one cls needs (Python's words
+    were "Instruction.__init__() got an unexpected keyword argument 'zzz'"). `converted`: fields
+    made from d's by the given functions."""
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed plan: {what} must be an object, got {type(d).__name__} {_short(d)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = next((k for k in d if k not in fields), None)
+    if unknown is not None:
+        raise ValueError(f"malformed plan: {what} has a field {unknown!r} it cannot have; its fields: {', '.join(fields)}")
+    missing = next((name for name, f in fields.items() if name not in d and f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING), None)
+    if missing is not None:
+        raise ValueError(f"malformed plan: {what} has no field {missing!r}")
+    made = {k: make(d[k]) for k, make in converted.items() if k in d}  # (their own errors name themselves)
+    try:
+        return cls(**{**d, **made})
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed plan: {what}: {e}") from None
+
+
+def _list(x, what: str) -> list:
+    if not isinstance(x, (list, tuple)):  # (a JSON array; a tuple where to_dict gave it)
+        raise ValueError(f"malformed plan: {what} must be a list, got {type(x).__name__} {_short(x)}")
+    return x
+
+
+def _short(x) -> str:
+    text = json.dumps(x) if isinstance(x, (dict, list, str, int, float, bool, type(None))) else repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _stage_from_dict(d, k: int) -> PlanStage:
+    where = f"stage {k}"
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed plan: {where} must be an object, got {type(d).__name__} {_short(d)}")
+    program = []
+    for i, ins in enumerate(_list(d.get("program", []), f"{where}'s program")):
+        at = f"{where}'s instruction {i}"
+        if isinstance(ins, dict):
+            for key in ("inputs", "outputs", "loads"):
+                if key in ins:
+                    _pairs(ins[key], f"instruction {ins.get('node')!r} {key}")
+        program.append(_object(Instruction, ins, at, inputs=lambda x: tuple(map(tuple, x)),
+                               outputs=lambda x: tuple(map(tuple, x)), loads=lambda x: tuple(map(tuple, x)),
+                               moves=lambda x: tuple(_object(MoveOp, mv, f"{at}'s move {j}")
+                                                     for j, mv in enumerate(_list(x, f"{at}'s moves")))))
+    shards = [_object(ShardSize, sh, f"{where}'s shard {i}", sizes=tuple)
+              for i, sh in enumerate(_list(d.get("shards", []), f"{where}'s shards"))]
+    return _object(PlanStage, d, where, program=lambda _: program, shards=lambda _: shards)
 
 
 CONTENT_FIELDS = ("cluster", "devices", "stages", "schedule", "sync")

@@ -99,6 +99,8 @@ def test_json_round_trip(result, graph, tmp_path):
     assert again.to_dict() == dataclasses.asdict(again)  # (to_dict is asdict without its deep copies)
     assert data["written"] == result.written_digest and again.content_digest == result.content_digest
     assert again.digest == result.digest and not again.edited_since_written
+    # JSON text (as agree_plan broadcasts it), longer than a file name may be: read as JSON
+    assert len(result.to_json()) > 4096 and Plan.from_json(result.to_json()).to_dict() == again.to_dict()
     steps = again.steps(graph)
     assert [s.node for s in steps] == list(range(len(graph.nodes)))
 
@@ -418,8 +420,26 @@ def test_old_and_malformed_plans_are_one_line_errors(result, tmp_path):
     entry = {"param": "p_w", "bucket": 0, "devices": [0]}
     with pytest.raises(ValueError, match=r"^sync of p_w: bucket must be an integer, got '0'$"):
         Plan.from_dict({**data, "sync": [{**entry, "bucket": "0"}]})
-    with pytest.raises(ValueError, match=r"^sync of p_w: devices must be device numbers, got \['0', '1'\]$"):
+    with pytest.raises(ValueError, match=r"^malformed plan: sync entry 0's devices must be a list, got str \"01\"$"):
         Plan.from_dict({**data, "sync": [{**entry, "devices": "01"}]})
+    with pytest.raises(ValueError, match=r"^sync of p_w: devices must be device numbers, got \['0', '1'\]$"):
+        Plan.from_dict({**data, "sync": [{**entry, "devices": ["0", "1"]}]})
+    # nested objects named with their field, not in Python's words ("Instruction.__init__() got an
+    # unexpected keyword argument 'zzz'", "'int' object is not iterable", "string indices must be integers")
+    stage = data["stages"][0]
+    ins = stage["program"][0]
+    for change, says in [
+            ({"stages": [{**stage, "program": [{**ins, "zzz": 1}]}]},
+             r"stage 0's instruction 0 has a field 'zzz' it cannot have; its fields: node, op, "),
+            ({"stages": [{**stage, "program": [{k: v for k, v in ins.items() if k != "op"}]}]},
+             r"stage 0's instruction 0 has no field 'op'$"),
+            ({"sync": [{**entry, "devices": 0}]}, r"sync entry 0's devices must be a list, got int 0$"),
+            ({"sync": {"p_w": entry}}, r"sync must be a list, got dict "),
+            ({"stages": {"0": stage}}, r"stages must be a list, got dict "),
+            ({"stages": [{**stage, "program": ["add"]}]}, r"stage 0's instruction 0 must be an object, got str \"add\"$"),
+            ({"schedule": "gpipe"}, r"its schedule must be an object, got str \"gpipe\"$")]:
+        with pytest.raises(ValueError, match=r"^malformed plan: " + says):
+            Plan.from_dict({**data, **change})
     with pytest.raises(ValueError, match="needs a pipeline schedule"):
         dataclasses.replace(result, stages=result.stages * 2)
     for name, micro in (("zigzag", 4), ("1f1b", 0), ("gpipe", True)):
@@ -461,8 +481,8 @@ def test_old_and_malformed_plans_are_one_line_errors(result, tmp_path):
         Plan.from_json('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     # these said Python's words: "malformed plan: 'program'", "Plan.__init__() missing 1 required
     # keyword-only argument: 'cluster'", or a bare JSONDecodeError, FileNotFoundError, IsADirectoryError
-    for edit, message in (({"stages": [{k: v for k, v in st.items() if k != "program"}]}, "a stage has no field 'program'"),
-                          ({"sync": [{}]}, "a sync entry has no field 'devices'"),
+    for edit, message in (({"stages": [{k: v for k, v in st.items() if k != "program"}]}, "stage 0 has no field 'program'"),
+                          ({"sync": [{}]}, "sync entry 0 has no field 'param'"),
                           ({"cluster": None, "colour": 1}, "unknown field 'colour'")):
         with pytest.raises(ValueError, match="^malformed plan: " + message + "$"):
             Plan.from_dict({**data, **edit})
