@@ -1476,8 +1476,10 @@ def test_pipeline_planners_registered_and_refuse_what_they_cannot():
     from hap.plan import Plan
     again = Plan.from_json(plan.to_json())
     assert again.digest == plan.digest and again.schedule == plan.schedule
-    with pytest.raises(ValueError, match="9 pipeline stages: need 2 to 8"):  # a stage without a device
+    with pytest.raises(ValueError, match="9 pipeline stages: a pipeline here has 2 to 8"):  # a stage without a device
         make_plan("pp-exact", graph, load_cluster("paper-hetero-8"), PlannerConfig(pipeline_stages=9))
+    with pytest.raises(ValueError, match=r"^the DQN places at most 8 stages, got 9: pp-exact plans any count$"):
+        make_plan("dqn", graph, load_cluster("paper-hetero-8"), PlannerConfig(pipeline_stages=9))  # (its pivots' words)
     with pytest.raises(ValueError, match="micro-batches do not fit"):
         make_plan("pp-exact", graph, local_cluster((1.0,) * 2, "local"), PlannerConfig(pipeline_stages=2, micro_batches=13))
 

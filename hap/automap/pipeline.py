@@ -207,6 +207,9 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
     each on the device layout screened for it (screened_table)."""
     t0 = time.perf_counter()
     space = PipelineSpace(graph, cluster, config)
+    if space.config.pipeline_stages > MAX_STAGES:  # (its network's state has a slot per stage)
+        raise ValueError(f"the DQN places at most {MAX_STAGES} stages, got {space.config.pipeline_stages}: "
+                         "pp-exact plans any count")
     choices = [(K, M) for K in space.stage_counts() for M in space.micro_batch_counts(K)]  # (none: stage_counts says why)
     best, tables, frugal = None, [], False
     for K, M in choices:

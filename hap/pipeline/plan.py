@@ -45,8 +45,9 @@ class PipelineSpace:
                              # (a class-weight vector given first, or as long as the batch, is taken for the batch)
                              + (f"; split on the batch: {', '.join(batched)}, the inputs of the first input's "
                                 f"leading size {lead} (give the batch first, of a size no other input has)"
-                                if len(batched) < len(graph.inputs) or any(len(graph.tensors[n].shape) == 1 for n in batched)
-                                else "")
+                                if len(batched) < len(graph.inputs) or any(
+                                    len(graph.tensors[n].shape) == 1 and graph.tensors[n].dtype.startswith("float")
+                                    for n in batched) else "")  # (not for labels: integers)
                              # (export specializes dims of size 1: one row's graph is not the batch's general one)
                              + ("; this is a batch of 1 row, whose graph export specializes: plan with 2 rows at least"
                                 if one_row else ""))
@@ -68,8 +69,8 @@ class PipelineSpace:
                              f"{'s' if n != 1 else ''}, {cuts} cut point{'s' if cuts != 1 else ''} in the model")
         if K:
             if K < 2 or K > most:
-                raise ValueError(f"{K} pipeline stages: need 2 to {most} ({n} devices, {len(self.pivots)} cut points "
-                                 "in the model)")
+                raise ValueError(f"{K} pipeline stage{'s' if K != 1 else ''}: a pipeline here has 2 to {most} "
+                                 f"({n} devices, {len(self.pivots)} cut points in the model)")
             return [K]
         # (groups need not be equal: group_layouts balances their speeds; and on up to 8 devices a
         # stage per device too)
