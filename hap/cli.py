@@ -185,8 +185,10 @@ def _build_graph(args, devices: int, say):
         resolve(args.model, devices=devices, **_model_knobs(args))  # (knobs refused before anything is said)
         say(f"building {args.model} ...")  # (a model of 100,000 layers took minutes to build, and said nothing)
         model, inputs = build(args.model, devices=devices, device=capture_device(args.scale), **_model_knobs(args))
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    except ValueError as e:  # a knob's own words ("layers must be ..."): named as the flag given
+        said = str(e)
+        knob = next((k for k in MODEL_KNOBS if said.startswith(f"{k} ") and getattr(args, k, None) is not None), None)
+        raise UserError(f"--{said}" if knob else said) from None
     except RuntimeError as e:  # (a --batch or --hidden too large to build on this machine: torch's allocator)
         if "allocate" not in str(e):
             raise

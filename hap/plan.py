@@ -327,8 +327,8 @@ class Plan:
                 raise ValueError(f"malformed plan: {name} is a {type(value).__name__}")
         if not all(_number(v, positive=False) for v in [*self.breakdown.values(), *self.memory_bytes]):
             raise ValueError("malformed plan: breakdown and memory_bytes must hold finite numbers, none negative")
-        if "name" not in self.cluster:
-            raise ValueError("malformed plan: its cluster has no name")
+        if not isinstance(self.cluster.get("name"), str):  # (name: 5 printed "on 5")
+            raise ValueError(f"malformed plan: its cluster's name must be text, got {_short(self.cluster.get('name'))}")
         if not all(isinstance(x, str) for x in self.replicated_ops):
             raise ValueError("malformed plan: replicated_ops must be a list of op names")
         cluster_devices = self.cluster.get("devices", [])
@@ -339,6 +339,8 @@ class Plan:
                 sched.micro_batches, int) or isinstance(sched.micro_batches, bool) or sched.micro_batches < 1):
             raise ValueError(f"malformed plan: pipeline schedule {sched.name!r} of {sched.micro_batches!r} micro-batches "
                              "(gpipe or 1f1b, of 1 micro-batch at least)")
+        if sched is not None and len(self.stages) == 1:  # (accepted, and ignored)
+            raise ValueError("malformed plan: a plan of one stage has no pipeline schedule; its schedule must be null")
         n = len(self.devices)
         groups = [list(st.devices) if isinstance(st.devices, (list, tuple)) else st.devices for st in self.stages]
         if not all(isinstance(g, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in g) for g in groups):

@@ -130,6 +130,8 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["train", *small, "--lr", "-0.1"], "--lr must be positive, got -0.1"),
         (["plan", *small, "--planner", "pp-exact", "--pipeline-stages", "0"], "--pipeline-stages must be positive, got 0"),
         (["plan", *small, "--micro-batches", "0"], "--micro-batches must be positive, got 0"),
+        (["plan", *small, "--layers", "0"], "--layers must be a positive integer, got 0"),  # (the flag unnamed)
+        (["plan", *small, "--hidden", "100"], "--hidden must be a multiple of the head width"),
         (["plan", *small, "--micro-batches", "4"], "--micro-batches is for the pipeline planners (pp-exact, dqn, "
                                                    "auto), not astar"),  # was ignored
         (["train", *small, "--planner", "dp-cp", "--schedule", "gpipe"], "--schedule is for the pipeline planners"),

@@ -33,6 +33,13 @@ def test_the_drawn_iteration_is_the_estimate(vit_plan):
     assert min(e.start for e in sync) < backward_end  # some sync runs during the backward
     for a, b in zip(sync, sync[1:]):
         assert b.start >= a.start + a.seconds - 1e-12  # one bucket at a time
+    # the report's shares are of the estimate: the sync hidden under the backward has none (it
+    # had its own, and the shares summed past 100%)
+    report = where_time_goes(vit_plan)
+    assert vit_plan.breakdown["gradient_sync_overlapped"] > 0
+    assert any(line.startswith("  gradient sync overlapped") and line.endswith("(hidden)") for line in report)
+    shares = [float(line.rstrip("%").split()[-1]) for line in report if line.endswith("%")]
+    assert len(shares) == len(vit_plan.breakdown) - 1 and sum(shares) == pytest.approx(100, abs=0.5)
 
 
 def test_layouts_name_every_parameter_and_its_sync(vit_plan):

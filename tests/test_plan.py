@@ -437,7 +437,10 @@ def test_old_and_malformed_plans_are_one_line_errors(result, tmp_path):
             ({"sync": {"p_w": entry}}, r"sync must be a list, got dict "),
             ({"stages": {"0": stage}}, r"stages must be a list, got dict "),
             ({"stages": [{**stage, "program": ["add"]}]}, r"stage 0's instruction 0 must be an object, got str \"add\"$"),
-            ({"schedule": "gpipe"}, r"its schedule must be an object, got str \"gpipe\"$")]:
+            ({"schedule": "gpipe"}, r"its schedule must be an object, got str \"gpipe\"$"),
+            ({"schedule": {"name": "gpipe", "micro_batches": 2}},
+             r"a plan of one stage has no pipeline schedule; its schedule must be null$"),
+            ({"cluster": {**data["cluster"], "name": 5}}, r"its cluster's name must be text, got 5$")]:
         with pytest.raises(ValueError, match=r"^malformed plan: " + says):
             Plan.from_dict({**data, **change})
     with pytest.raises(ValueError, match="needs a pipeline schedule"):
