@@ -3,6 +3,7 @@
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings, strategies as hs
 
 from hap.cost.cluster import ClusterError, cluster_from_dict, fits_from_network, load_cluster
 from hap.cost.topology import Link, Machine, Topology
@@ -207,3 +208,26 @@ def test_yaml_merge_keys_load(tmp_path):
                     "network: {bandwidth: 10Gbps, latency: 30us}\n")
     assert [d.name for d in load_cluster(path).devices] == ["v100", "v100b"]
     assert load_cluster(path).devices[1].flops == 1e13
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=hs.lists(hs.integers(1, 3), min_size=1, max_size=4), data=hs.data())
+def test_the_slowest_pair_is_every_pairs_slowest_link(sizes, data):
+    """pairs_link (found from the machines, in linear time) is the slowest of every pair's link,
+    overrides included, on random machines, cards, overrides and groups."""
+    rate = hs.builds(lambda bw, lat: Link(bandwidth=bw, latency=lat), hs.sampled_from([1e8, 1e9, 1e10, 1e11]),
+                     hs.sampled_from([0.0, 1e-6, 1e-5, 1e-4]))
+    machines, first = [], 0
+    for i, k in enumerate(sizes):
+        machines.append(Machine(name=f"m{i}", devices=tuple(range(first, first + k)), intra=data.draw(rate),
+                                nic=data.draw(rate)))
+        first += k
+    pairs = [(a, b) for a in range(first) for b in range(a + 1, first)]
+    chosen = data.draw(hs.lists(hs.sampled_from(pairs), unique=True, max_size=3)) if pairs else []
+    topo = Topology(machines=tuple(machines), overrides=tuple((a, b, data.draw(rate)) for a, b in chosen))
+    group = data.draw(hs.lists(hs.integers(0, first - 1), unique=True, min_size=2, max_size=first)) if first > 1 else []
+    if len(group) < 2:
+        return
+    every = [topo.link(a, b) for a in group for b in group if a < b]
+    found = topo.pairs_link(group)
+    assert found.bandwidth == min(x.bandwidth for x in every) and found.latency == max(x.latency for x in every)

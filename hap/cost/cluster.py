@@ -211,7 +211,8 @@ def fits_from_network(m: int, bandwidth: float, latency: float) -> dict[str, Fit
     With shard size s (bytes) and volume defined as in cost/model.py:
       all-reduce of n bytes:       2(m-1)/m * n / bw      -> beta = bw * m / (2(m-1))
       all-gather, reduce-scatter,
-      all-to-all, volume m*s:      (m-1) * s / bw         -> beta = bw * m / (m-1)
+      volume m*s:                  (m-1) * s / bw         -> beta = bw * m / (m-1)
+      all-to-all, volume m*s:      (m-1) / m * s / bw     -> beta = bw * m^2 / (m-1)
       broadcast of n bytes (pipelined chain): n / bw      -> beta = bw
     """
     return fits_from_topology(uniform(max(m, 1), bandwidth, latency))

@@ -73,6 +73,9 @@ class Topology:
     _machine: dict[int, int] = field(init=False, repr=False, compare=False)
     """Device -> its machine's index (made once: a 1024-device file took 80 s of linear scans)."""
     _override: dict[tuple[int, int], Link] = field(init=False, repr=False, compare=False)
+    _priced: dict[tuple, tuple[float, float]] = field(init=False, repr=False, compare=False)
+    """(kind, group, algorithm) -> coefficients (a planner prices one group over and over: at
+    1024 devices each all-reduce price took 2.8 s)."""
 
     def __post_init__(self):
         seen = sorted(d for m in self.machines for d in m.devices)
@@ -85,6 +88,7 @@ class Topology:
                 raise ValueError(f"a link override joins two different devices 0..{len(seen) - 1}, got {a} and {b}")
         object.__setattr__(self, "_machine", {d: i for i, m in enumerate(self.machines) for d in m.devices})
         object.__setattr__(self, "_override", {pair: link for x, y, link in self.overrides for pair in ((x, y), (y, x))})
+        object.__setattr__(self, "_priced", {})
 
     @property
     def size(self) -> int:
@@ -110,6 +114,23 @@ class Topology:
         """Seconds of a point-to-point send of nbytes from a to b."""
         return self.link(a, b).time(nbytes)
 
+    def pairs_link(self, group: Sequence[int]) -> Link:
+        """The slowest link between any two devices of `group`. Without overrides inside the
+        group it is found from the machines, in linear time: the network cards where the group
+        spans machines, the internal links where it has two devices on one; an override replaces
+        its pair's link (a faster one too), so with one every pair is looked at."""
+        members = set(group)
+        if any(a in members and b in members for a, b, _ in self.overrides):
+            return _slowest([self.link(a, b) for a in group for b in group if a < b])
+        machines: dict[int, int] = {}
+        for d in group:
+            k = self.machine_of(d)
+            machines[k] = machines.get(k, 0) + 1
+        links = [self.machines[k].intra for k, count in machines.items() if count > 1]
+        if len(machines) > 1:
+            links += [self.machines[k].nic for k in machines]
+        return _slowest(links)
+
     def ring_link(self, group: Sequence[int]) -> Link:
         """The slowest link of the ring through `group` in its order."""
         return _slowest([self.link(a, b) for a, b in zip(group, [*group[1:], group[0]])])
@@ -122,6 +143,13 @@ class Topology:
 
     def coefficients(self, kind: str, group: Sequence[int], algorithm: Algorithm = "ring") -> tuple[float, float]:
         """(seconds, seconds per byte) of the collective: its time is their linear function."""
+        key = (kind, tuple(group), algorithm)
+        found = self._priced.get(key)
+        if found is None:
+            found = self._priced[key] = self._coefficients(kind, key[1], algorithm)
+        return found
+
+    def _coefficients(self, kind: str, group: tuple[int, ...], algorithm: Algorithm) -> tuple[float, float]:
         g = len(group)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose {', '.join(ALGORITHMS)}")
@@ -129,7 +157,7 @@ class Topology:
             return 0.0, 0.0
         if kind == "all_reduce":
             if algorithm == "tree":
-                link, depth = _slowest([self.link(a, b) for a in group for b in group if a < b]), math.ceil(math.log2(g))
+                link, depth = self.pairs_link(group), math.ceil(math.log2(g))
                 return LAUNCH_OVERHEAD + 2 * depth * link.latency, 2 * depth / link.bandwidth
             if algorithm == "hierarchical":
                 return self._hierarchical(group)
@@ -139,7 +167,7 @@ class Topology:
             link = self.ring_link(group)
             return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / link.bandwidth
         if kind == "all_to_all":  # (an all-gather's devices each take g-1 shards; here g-1 parts of one)
-            link = _slowest([self.link(a, b) for a in group for b in group if a < b])
+            link = self.pairs_link(group)
             return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / g / link.bandwidth
         if kind in ("broadcast", "reduce"):
             link = self.ring_link(group)
