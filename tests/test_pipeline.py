@@ -78,6 +78,16 @@ def test_stage_of_nodes_and_bad_cuts():
             stage_of_nodes(bad, 6)
 
 
+def test_a_devices_share_is_its_whole_rows_over_the_micro_batches():
+    # 4 rows in 4 micro-batches at 50/50: each micro-batch's one row goes to device 0 (the price
+    # took half a row each, 8% under the time); 12 rows in 3 of 4 at 60/40: 2/2 each; 12 rows in
+    # 5 micro-batches (3 3 2 2 2) at 70/30: 2/1, 2/1, 1/1, 1/1, 1/1, so 7 and 5 of the 12
+    from hap.pipeline.stages import device_shares
+    assert device_shares(4, 4, [0.5, 0.5]) == [1.0, 0.0]
+    assert device_shares(12, 3, [0.6, 0.4]) == pytest.approx([0.5, 0.5])
+    assert device_shares(12, 5, [0.7, 0.3]) == pytest.approx([7 / 12, 5 / 12])
+
+
 def test_pieces_refine_the_micro_batches_at_the_same_rows():
     micro = micro_batch_granules(10, 3)  # 4 3 3
     assert micro == [4, 3, 3]
@@ -1174,7 +1184,7 @@ def test_pp_exact_gives_a_fast_device_a_group_of_its_own_and_runs_any_stage_coun
     assert plan.estimated_iteration_seconds < equal * 0.99
     three = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=3))
     assert len(three.stages) == 3 and sorted(len(st.devices) for st in three.stages) == [1, 1, 2]
-    with pytest.raises(ValueError, match="need 2 to 4"):
+    with pytest.raises(ValueError, match="a pipeline here has 2 to 4"):
         exact_plan(graph, cluster, PlannerConfig(pipeline_stages=5))
 
 
@@ -1369,7 +1379,9 @@ def test_a_machine_of_several_gpus_keeps_its_stages_state_on_each_gpu(vit_space)
     acts = float(pricer.acts[b + 1] - pricer.acts[a])
     assert params > 0 and acts > 0
     got = pricer.memory(a, b, groups[0], ratios[0], 4, live)
-    assert got == pytest.approx([params + acts * r / 4 * live / 4 for r in ratios[0]], rel=1e-12)
+    shares = pricer.shares(ratios[0], 4)  # (each device's whole rows per micro-batch)
+    assert shares == pytest.approx([r / 4 for r in ratios[0]], abs=1 / pricer.granules)
+    assert got == pytest.approx([params + acts * r * live / 4 for r in shares], rel=1e-12)
     # a GPU just short of stage 0's least need: no table entry fits there (with the machine's memory it would)
     least = StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b").least
     short = dataclasses.replace(quad, devices=tuple(dataclasses.replace(d, memory=least[i] * 0.999) if i == 0 else d

@@ -7,7 +7,8 @@ per micro-batch, forward plus backward,
     t_k = max over i in G_k of ( r_i / M * work_i[a..b] + fixed_i[a..b] + (M - 1) / M * acc_i[a..b] )
           + inner_k + send_k
 
-where work_i is the batch-proportional time of the nodes on device i (the cost model's node
+where r_i is device i's share of the batch as the runtime splits it, whole rows per micro-batch
+(stages.device_shares: the ratio itself where the rows divide evenly), work_i is the batch-proportional time of the nodes on device i (the cost model's node
 times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
 nodes on replicated tensors, reading the whole weights and writing their gradients: every
 micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
@@ -45,7 +46,7 @@ from ..rules.local import variant_collectives
 from ..rules.nn import counts_early
 from ..search.program import Step
 from .schedule import ScheduleName, in_flight, simulate
-from .stages import stage_of_nodes
+from .stages import batch_granules, device_shares, stage_of_nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,18 @@ class PipelinePricer:
         and the same counting the tensors (each a message of its own: a latency each)."""
         self.cut_bytes = self.crossing_bytes[:, 0].sum(0)  # [c]: all bytes crossing the cut before node c
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
+        self.granules = batch_granules(graph, cost.classes, program)
+        """Granules (rows, or groups of them) of the batch, which micro-batches and devices split whole."""
+        self._shares: dict[tuple, np.ndarray] = {}
+
+    def shares(self, ratios: Sequence[float], M: int) -> np.ndarray:
+        """Each device's share of the batch as the runtime splits it (device_shares), per
+        micro-batch on average (divided by M)."""
+        key = (tuple(ratios), M)
+        found = self._shares.get(key)
+        if found is None:
+            found = self._shares[key] = np.asarray(device_shares(self.granules, M, ratios)) / M
+        return found
 
     def _held_params(self, cost: CostModel) -> None:
         """Per parameter: [weights, state (weights, gradient, optimizer states), gradient] bytes.
@@ -168,7 +181,7 @@ class PipelinePricer:
         a and b index arrays, broadcast, give arrays) both take."""
         g = np.asarray(group)
         ai, bi = np.asarray(a)[..., None], np.asarray(b)[..., None]
-        r = np.asarray(ratios, dtype=float) / M
+        r = self.shares(ratios, M)
         f = r * (self.work_f[bi + 1, g] - self.work_f[ai, g]) + (self.fixed_f[bi + 1, g] - self.fixed_f[ai, g])
         bw = r * (self.work_b[bi + 1, g] - self.work_b[ai, g]) + (self.fixed_b[bi + 1, g] - self.fixed_b[ai, g])
         # micro-batches after the first add their gradients into the held ones: (M - 1) / M per micro-batch
@@ -260,7 +273,8 @@ class PipelinePricer:
         split, whole = (float(self.crossing_bytes[k, 0, a]) if a > 0 else 0.0 for k in (0, 1))
         # per GPU: a machine's GPUs split its share of the micro-batch's activations and each
         # keeps the stage's whole parameter state (data parallel), as search.program.memory_terms
-        return [params + ((acts + split) * r / M + whole) * live / self.cost.gpus(i) for i, r in zip(group, ratios)]
+        return [params + ((acts + split) * r + whole) * live / self.cost.gpus(i)
+                for i, r in zip(group, self.shares(ratios, M))]
 
     # -- the whole -----------------------------------------------------------------------------
 

@@ -183,6 +183,15 @@ def piece_ratios(micro: Sequence[int], ratios: Sequence[float]) -> list[float]:
     return [k / total for mb in micro for k in round_sizes(mb, ratios)]
 
 
+def device_shares(granules: int, micro_batches: int, ratios: Sequence[float]) -> list[float]:
+    """Each device's share of the batch over all micro-batches, as the runtime splits them
+    (whole granules per piece, piece_ratios): what the device computes. It is the ratio itself
+    only where the granules divide evenly (4 rows in 4 micro-batches at 50/50: [1.0, 0.0])."""
+    pieces = piece_ratios(micro_batch_granules(granules, micro_batches), ratios)
+    n = len(ratios)
+    return [sum(pieces[d::n]) for d in range(n)]
+
+
 def check_aligned(classes: ShardClasses, crossings_: Sequence[Crossing],
                   pieces: Sequence[Sequence[float]], micro_batches: int) -> None:
     """Each micro-batch's rows of every split crossing must be the same on both sides of the cut
