@@ -22,6 +22,7 @@ gradient all-reduce once its last backward and sends are done, then the loss's a
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,8 @@ def measured_events(trace_dir: str | Path, devices: int) -> tuple[list[Event], l
     "hap step N"), as events from the step's start: the step itself, hap's collectives and
     emulated delays, and the nodes the executor labelled. Also each rank's step seconds."""
     events, steps = [], []
+    if not Path(trace_dir).is_dir():  # (a file given: "no trace for rank 0: plan.json/rank0.json")
+        raise ValueError(f"--trace {trace_dir} is not a folder of traces (`hap train --trace DIR` writes DIR/rank<r>.json)")
     for r in range(devices):
         path = Path(trace_dir) / f"rank{r}.json"
         if not path.exists():
@@ -274,6 +277,8 @@ def _complete_events(path: Path) -> list[dict]:
             continue
         if not all(isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool) for k in ("ts", "dur")):
             raise damaged(f"event {i} has no numeric ts and dur")
+        if not (math.isfinite(e["ts"]) and math.isfinite(e["dur"]) and e["dur"] >= 0):  # (a -5 ms step was drawn)
+            raise damaged(f"event {i} has ts {e['ts']} and dur {e['dur']}: a finite start and a length at least 0")
         out.append(e)
     return out
 

@@ -203,6 +203,9 @@ def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
     assert main(["explain", str(path), "-o", str(tmp_path / "x"), "--trace", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "no trace for rank 0" in err and len(err.splitlines()) == 1
+    assert main(["explain", str(path), "-o", str(tmp_path / "x"), "--trace", str(path)]) == 2  # a file for the folder
+    assert capsys.readouterr().err.strip() == (f"hap: error: --trace {path} is not a folder of traces (`hap train "
+                                               "--trace DIR` writes DIR/rank<r>.json)")
     for timeline in ({}, {"stages": "x"}, []):  # hand-edited, or an older version's list: the plan loads
         edited = {**vit_plan.to_dict(), "timeline": timeline}
         (tmp_path / "edited.json").write_text(json.dumps(edited))
@@ -212,6 +215,8 @@ def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
 
 
 @pytest.mark.parametrize("trace, why", [
+    ({"traceEvents": [{"ph": "X", "name": "hap step 1", "ts": 0, "dur": -5000}]},
+     r"event 0 has ts 0 and dur -5000: a finite start and a length at least 0"),  # (drawn as a -5 ms step)
     ({"traceEvents": None}, "no list of traceEvents"),
     ([], "no list of traceEvents"),
     ({"traceEvents": [7]}, "event 0 is not an object"),
