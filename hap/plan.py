@@ -166,6 +166,17 @@ def _is_share(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
 
 
+def _same_split(stage: PlanStage, node: int, mv: MoveOp) -> bool:
+    """Whether `mv`, before node `node`, is a rebalance between segments that split its tensor
+    alike: the runtime moves nothing there and the estimate prices it at 0 (the summary counted
+    it among the instructions)."""
+    if mv.name != "rebalance":
+        return False
+    seg = next((k for k, (a, b) in enumerate(stage.segments) if a <= node <= b), 0)
+    sizes = {sh.segment: sh.sizes for sh in stage.shards if sh.tensor == mv.tensor and f"S({sh.dim})" == mv.src}
+    return seg > 0 and sizes.get(seg - 1) is not None and sizes.get(seg - 1) == sizes.get(seg)
+
+
 def _is_file(text: str) -> bool:
     """Whether `text` names a file (JSON text, a name too long for the system, is not one)."""
     try:
@@ -627,11 +638,12 @@ class Plan:
             lines.append(f"  DOES NOT FIT: device {j} needs {size_text(self.memory_bytes[j])} of its {size_text(caps[j])} "
                          f"({len(over)} device{'s' if len(over) > 1 else ''} over)")
         kinds: dict[str, int] = {}
-        for ins in (ins for st in self.stages for ins in st.program):
-            kinds[ins.strategy] = kinds.get(ins.strategy, 0) + 1
-            for mv in ins.moves:
-                if mv.fwd or mv.bwd:
-                    kinds[mv.name] = kinds.get(mv.name, 0) + 1
+        for st in self.stages:
+            for i, ins in enumerate(st.program):
+                kinds[ins.strategy] = kinds.get(ins.strategy, 0) + 1
+                for mv in ins.moves:
+                    if (mv.fwd or mv.bwd) and not _same_split(st, st.nodes[0] + i, mv):
+                        kinds[mv.name] = kinds.get(mv.name, 0) + 1
         lines.append("  instructions: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
         if self.replicated_ops:
             lines.append(f"  replicated (no sharding rule): {', '.join(self.replicated_ops)}")

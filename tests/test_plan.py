@@ -924,3 +924,23 @@ def test_a_pipeline_plan_whose_micro_batches_were_edited_says_so():
                                          r"over its devices at \[1\.0\] split it into \[3, 3, 3, 3\]: its schedule's "
                                          r"micro-batches, its ratios or its shards were edited$"):
         Plan.from_dict(d).check_fits(graph)
+
+
+def test_a_rebalance_between_segments_split_alike_is_not_counted_as_an_instruction():
+    # vit (small) on local-4 in 2 segments: both at 0.5/0.5/0/0, a rebalance between them that
+    # moves nothing (priced 0, skipped at runtime) was listed as "rebalance x1"
+    from hap.models import build
+    from hap.planner import PlannerConfig
+    model, inputs = build("vit", scale="small")
+    p = plan(capture(model, inputs), load_cluster("local-4"), PlannerConfig(segments=2))
+    stage = p.stage
+    moved = [(i, mv) for i, ins in enumerate(stage.program) for mv in ins.moves if mv.name == "rebalance"]
+    assert moved and p.ratios[0] == p.ratios[1]
+    line = next(x for x in p.summary().splitlines() if x.startswith("  instructions: "))
+    assert "rebalance" not in line
+    # the second segment's sizes of the moved tensor edited to differ: it is a move again
+    i, mv = moved[0]
+    shards = [dataclasses.replace(sh, sizes=tuple(reversed(sh.sizes))) if sh.tensor == mv.tensor and sh.segment == 1
+              else sh for sh in stage.shards]
+    edited = dataclasses.replace(p, stages=[dataclasses.replace(stage, shards=shards)])
+    assert "rebalance x1" in next(x for x in edited.summary().splitlines() if x.startswith("  instructions: "))
