@@ -507,6 +507,48 @@ def emulated_link_step(rank, world):
     return {"seconds": seconds, "simulated": plan.timeline["pipeline"]["simulated"]}
 
 
+def shared_card_step(rank, world):
+    """Seconds of a 2-stage pipeline's steps whose stage 0 holds both devices of machine A, at
+    50/50, and stage 1 machine B's one device, network cards of 1 MB/s emulated; the plan's
+    estimate; and the bytes of rows crossing per micro-batch."""
+    import time
+
+    import hap
+    from hap.capture import capture
+    from hap.cost.cluster import cluster_from_dict
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.planner import PlannerConfig
+
+    model, batches = _vit_setup()
+    card, inside = {"bandwidth": "1MB/s", "latency": "0us"}, {"bandwidth": "10GB/s", "latency": "0us"}
+    cluster = cluster_from_dict({"name": "cards", "local": True, "emulate": True,
+                                 "devices": [{"name": "cpu", "count": 3, "flops": 1e10, "memory": "4GiB"}],
+                                 "machines": [{"name": "A", "devices": 2, "intra": inside, "nic": card},
+                                              {"name": "B", "devices": 1, "nic": card}]})
+    graph = capture(model, batches[0])
+    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="gpipe"))
+    cut = len(graph.nodes) // 2
+    plan = assemble(space, [cut], [[0, 1], [2]], [[0.5, 0.5], [1.0]], 2, 0.0, {})
+    pipe = hap.Pipeline(model, cluster, batches[0], plan, graph=graph)
+    seconds = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        pipe.train_step(*batch)
+        seconds.append(time.perf_counter() - t0)
+    tl = plan.timeline["pipeline"]
+    return {"seconds": seconds, "simulated": tl["simulated"], "send": tl["send"][0],
+            "rows": float(space.pricer.crossing_bytes[0, 0, cut]) / 2}
+
+
+def test_devices_of_a_machine_share_its_emulated_network_card(tmp_path):
+    """Both devices of machine A send their half of each micro-batch's rows to machine B at
+    once, through A's one card and into B's: the rows take all their bytes at 1 MB/s (priced
+    and slept: it was half, as if each device had a card of its own)."""
+    for got in run_ranks(shared_card_step, 3, tmp_path):
+        assert got["send"] == pytest.approx(got["rows"] / 1e6, rel=1e-6) and got["send"] > 0.01
+        assert got["simulated"] * 0.95 <= min(got["seconds"]) <= got["simulated"] * 1.5, got
+
+
 def test_a_pipeline_takes_the_time_of_its_emulated_links(tmp_path):
     """On a 40 ms link, each of 2 tensors crossing the cut a message of its own: per micro-batch
     80 ms into stage 1 and 80 ms of gradients back, the second micro-batch's after the first's on

@@ -306,3 +306,38 @@ def test_a_pipeline_plan_priced_again_is_its_estimate_until_edited():
         plan.estimated_iteration_seconds, rel=1e-12)
     assert priced(graph, cluster, doubled).memory_bytes == pytest.approx(plan.memory_bytes, rel=1e-12)
 
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x, y):
+        return ((self.b(torch.relu(self.a(x))) - y) ** 2).mean()
+
+
+def test_devices_of_a_machine_share_its_network_card():
+    """Stage 0 on machine A's 4 devices, stage 1 on machine B's 4, cards of 1 GB/s, inside 100
+    GB/s, no latency: each pair of devices moves a quarter of a micro-batch's rows at once, but
+    all four quarters leave through A's one card and enter through B's, so the rows take their
+    whole bytes / 1 GB/s (they were priced a quarter of that, as if each device had a card).
+    Inside one machine the four pairs each have their own link: a quarter / 100 GB/s."""
+    import hap
+    from hap.cost.cluster import cluster_from_dict
+    from hap.pipeline.plan import PipelineSpace
+    from hap.pipeline.price import row_flows
+    card, inside = {"bandwidth": "1GB/s", "latency": "0us"}, {"bandwidth": "100GB/s", "latency": "0us"}
+    cluster = cluster_from_dict({"devices": [{"flops": 1e13, "memory": "16GiB", "count": 8}],
+                                 "machines": [{"name": "A", "devices": 4, "intra": inside, "nic": card},
+                                              {"name": "B", "devices": 4, "intra": inside, "nic": card}]})
+    graph = hap.capture(_Regression(), (torch.randn(16, 64), torch.randn(16, 64)))
+    space = PipelineSpace(graph, cluster)
+    cut = next(n.index for n in graph.nodes if n.op == "aten.relu.default") + 1
+    rows = float(space.pricer.crossing_bytes[0, 0, cut]) / 2  # per micro-batch (M = 2)
+    assert rows > 0 and float(space.pricer.crossing_bytes[1, 0, cut]) == 0  # (rows only)
+    assert row_flows([0.25] * 4, [0.25] * 4) == [(i, i, 0.25) for i in range(4)]
+    fwd, _ = space.pricer.transfer(cut, [0, 1, 2, 3], [4, 5, 6, 7], 2, [0.25] * 4, [0.25] * 4)
+    assert fwd == pytest.approx(rows / 1e9)
+    fwd, _ = space.pricer.transfer(cut, [0, 1], [2, 3], 2, [0.5, 0.5], [0.5, 0.5])
+    assert fwd == pytest.approx(rows / 2 / 100e9)

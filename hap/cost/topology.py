@@ -110,6 +110,10 @@ class Topology:
             return ma.intra
         return _slowest([ma.nic, mb.nic])
 
+    def overridden(self, a: int, b: int) -> bool:
+        """Whether a and b have a link of their own (an override), not their machines'."""
+        return (a, b) in self._override
+
     def send(self, a: int, b: int, nbytes: float) -> float:
         """Seconds of a point-to-point send of nbytes from a to b."""
         return self.link(a, b).time(nbytes)

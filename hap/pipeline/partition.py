@@ -174,7 +174,8 @@ class StageTable:
             # [a, b]: stage from position a to position b (exclusive)
             f, bw = pricer.stage_times(pos[:, None], pos[None, :] - 1, g, ratios[k], M)
             comp = f + bw
-            send = np.asarray([sum(pricer.transfer(int(p), g, groups[k + 1], M)) if k + 1 < K and 0 < p < n else 0.0
+            send = np.asarray([sum(pricer.transfer(int(p), g, groups[k + 1], M, ratios[k], ratios[k + 1]))
+                               if k + 1 < K and 0 < p < n else 0.0
                                for p in pos])  # forward and back
             live = in_flight(schedule, K, M, k)
             for a in range(Q):

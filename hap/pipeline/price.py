@@ -34,7 +34,6 @@ beside it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -205,37 +204,56 @@ class PipelinePricer:
         found = cum[np.asarray(b) + 1] - cum[np.asarray(a)]
         return float(found) if np.ndim(found) == 0 else found
 
-    def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int) -> tuple[float, float]:
+    def transfer(self, cut: int, src: Sequence[int], dst: Sequence[int], M: int,
+                 src_ratios: Sequence[float] | None = None,
+                 dst_ratios: Sequence[float] | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch's crossings over the cut before node
-        `cut`, as the runtime routes them: split rows move between pairs of devices at once (the
-        slowest pair decides), and a replicated tensor goes whole, every micro-batch, from the
-        source group's first device to each destination device (its gradient comes back from
-        each), after its rows. A tensor read several stages on is priced at every cut it
-        crosses, each on its own link (the runtime sends it once, straight to each reader)."""
+        `cut`, as the runtime routes them: split rows move between the pairs of devices whose
+        rows overlap (each group's shares: its ratios, even where not given) at once, and a
+        replicated tensor goes whole, every micro-batch, from the source group's first device
+        to each destination device (its gradient comes back from each), after its rows. A tensor
+        read several stages on is priced at every cut it crosses, each on its own link (the
+        runtime sends it once, straight to each reader)."""
         split, whole = self.crossing_bytes[0, :, cut] / M, self.crossing_bytes[1, :, cut]
         n_split, n_whole = self.crossing_counts[0, :, cut], self.crossing_counts[1, :, cut]
-        there, back = (self._send_seconds(float(split[way]), float(whole[way]), int(n_split[way]), int(n_whole[way]), src, dst)
-                       for way in (0, 1))
+        flows = row_flows(self.shares(src_ratios or [1.0] * len(src), M) * M,
+                          self.shares(dst_ratios or [1.0] * len(dst), M) * M)
+        there = self._send_seconds(float(split[0]), float(whole[0]), int(n_split[0]), int(n_whole[0]),
+                                   [(src[i], dst[j], f) for i, j, f in flows], src[0], dst)
+        back = self._send_seconds(float(split[1]), float(whole[1]), int(n_split[1]), int(n_whole[1]),
+                                  [(dst[j], src[i], f) for i, j, f in flows], None, dst, src[0])
         return there, back
 
-    def _send_seconds(self, split: float, whole: float, n_split: int, n_whole: int, src: Sequence[int],
-                      dst: Sequence[int]) -> float:
-        """Seconds of sending a micro-batch's rows of n_split tensors (split bytes of them) between
-        pairs of devices, then n_whole whole tensors (whole bytes) to each destination device:
-        each tensor its own message, with its own latency, as the runtime sends them."""
+    def _send_seconds(self, split: float, whole: float, n_split: int, n_whole: int,
+                      flows: Sequence[tuple[int, int, float]], whole_from: int | None, whole_to: Sequence[int],
+                      whole_back_to: int | None = None) -> float:
+        """Seconds of moving a micro-batch's rows of n_split tensors (split bytes of them) as
+        `flows` say ((from, to, fraction of the rows): all at once), then n_whole whole tensors
+        (whole bytes) between whole_from and each of whole_to (back: from each to whole_back_to),
+        one after another: each tensor its own message, with its own latency, as the runtime
+        sends them. On a topology the rows take the slowest of their links and of the network
+        cards they share: a card carries every flow between its machine and the others at
+        once (four devices sending to four on another machine share one card each way)."""
         topo = self.cost.cluster.topology
-        pairs = max(len(src), len(dst))
         if topo is None or self.cost.cluster.measured_fits:
             fit = self.cost.cluster.fit("broadcast")
-            return ((n_split * fit.alpha + split / pairs / fit.beta if split > 0 else 0.0)
-                    + (len(dst) * (n_whole * fit.alpha + whole / fit.beta) if whole > 0 else 0.0))
+            most = max((f for _, _, f in flows), default=0.0)
+            return ((n_split * fit.alpha + split * most / fit.beta if split > 0 else 0.0)
+                    + (len(whole_to) * (n_whole * fit.alpha + whole / fit.beta) if whole > 0 else 0.0))
 
         def message(a: int, b: int, count: int, nbytes: float) -> float:
             link = topo.link(a, b)
             return count * link.latency + nbytes / link.bandwidth
 
-        rows = max(message(i, j, n_split, split / pairs) for i, j in itertools.product(src, dst)) if split > 0 else 0.0
-        return rows + (sum(message(src[0], j, n_whole, whole) for j in dst) if whole > 0 else 0.0)
+        rows = 0.0
+        if split > 0:
+            rows = max(message(a, b, n_split, split * f) for a, b, f in flows)
+            rows = max(rows, shared_cards_seconds(topo, [(a, b, split * f) for a, b, f in flows], n_split))
+        if whole <= 0:
+            return rows
+        if whole_back_to is None:
+            return rows + sum(message(whole_from, j, n_whole, whole) for j in whole_to)
+        return rows + sum(message(j, whole_back_to, n_whole, whole) for j in whole_to)
 
     def sync(self, a: int, b: int, group: Sequence[int]) -> float:
         """The part of stage a..b's gradient sync that depends on it alone: the all-reduce over
@@ -296,7 +314,7 @@ class PipelinePricer:
             for i, x in zip(groups[k], self.memory(a, b, groups[k], ratios[k], M, in_flight(schedule, K, M, k))):
                 mem[i] = x
             if k < K - 1:
-                there, returned = self.transfer(bounds[k + 1], groups[k], groups[k + 1], M)
+                there, returned = self.transfer(bounds[k + 1], groups[k], groups[k + 1], M, ratios[k], ratios[k + 1])
                 send.append(there)
                 back.append(returned)
         t = [f + bw + (send[k] + back[k] if k < K - 1 else 0.0) for k, (f, bw) in enumerate(zip(fwd, bwd))]
@@ -304,6 +322,40 @@ class PipelinePricer:
         simulated = simulate(schedule, M, fwd, bwd, send, back, sync).end + self.step_collectives
         return PipelineEstimate(seconds, tuple(t), tuple(fwd), tuple(bwd), tuple(send), tuple(back), tuple(sync),
                                 tuple(mem), simulated)
+
+
+def row_flows(src: Sequence[float], dst: Sequence[float]) -> list[tuple[int, int, float]]:
+    """(source device index, destination device index, fraction of the rows) of every pair
+    whose rows overlap, where the source group holds the rows by shares `src` in order and the
+    destination group by `dst` (as stages.overlaps routes them, in fractions)."""
+    out, a0 = [], 0.0
+    for i, a in enumerate(src):
+        b0 = 0.0
+        for j, b in enumerate(dst):
+            lo, hi = max(a0, b0), min(a0 + a, b0 + b)
+            if hi - lo > 1e-12:
+                out.append((i, j, hi - lo))
+            b0 += b
+        a0 += a
+    return out
+
+
+def shared_cards_seconds(topo, flows: Sequence[tuple[int, int, float]], messages: int) -> float:
+    """Seconds the busiest network card takes for `flows` ((from, to, bytes) at once): each
+    machine's card carries its flows to other machines out and theirs to it in (a pair with a
+    link of its own, an override, uses neither card)."""
+    out: dict[int, float] = {}
+    into: dict[int, float] = {}
+    for a, b, nbytes in flows:
+        ma, mb = topo.machine_of(a), topo.machine_of(b)
+        if ma != mb and not topo.overridden(a, b):
+            out[ma] = out.get(ma, 0.0) + nbytes
+            into[mb] = into.get(mb, 0.0) + nbytes
+    seconds = 0.0
+    for k in {*out, *into}:
+        nic = topo.machines[k].nic
+        seconds = max(seconds, messages * nic.latency + max(out.get(k, 0.0), into.get(k, 0.0)) / nic.bandwidth)
+    return seconds
 
 
 def _crossing_bytes(graph, program: Sequence[Step]) -> tuple[np.ndarray, np.ndarray]:

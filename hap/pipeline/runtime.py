@@ -183,11 +183,11 @@ class Pipeline(MirrorsModel):
         crossed = crossings(graph, whole_program, stage_of)
         pieces = stage_pieces(graph, classes, whole_program, [st.ratios[0] for st in plan.stages], M)
         check_aligned(classes, crossed, pieces, M)
-        sends, recvs = self._routes(crossed, classes, pieces)
+        sends, recvs, cards = self._routes(graph, crossed, classes, pieces)
         loads = {ld.tensor for step in programs[s] for ld in step.loads}
         last = plan.stages[s].nodes[1]  # (the earlier stages' draws only advance the generator)
         return _Layout(graph=graph, programs=programs, classes=classes, crossings=crossed, pieces=pieces,
-                       sends=sends, recvs=recvs,
+                       sends=sends, recvs=recvs, cards=cards,
                        draws=[node for node in graph.nodes if node.index <= last and is_random(node)],
                        incoming=[ci for ci, c in enumerate(crossed) if s in c.dsts],
                        updates=[(buf, new) for buf, new in graph.buffer_updates.items() if buf in loads])
@@ -196,7 +196,7 @@ class Pipeline(MirrorsModel):
         """Run steps of `layout`'s batch shape (the planned one's is the pipeline's between steps)."""
         self.graph, self.classes, self.crossings, self.pieces = layout.graph, layout.classes, layout.crossings, layout.pieces
         self.steps = layout.programs[self.s]
-        self._sends, self._recvs = layout.sends, layout.recvs
+        self._sends, self._recvs, self._cards = layout.sends, layout.recvs, layout.cards
         self._draws, self._incoming, self._updates = layout.draws, layout.incoming, layout.updates
 
     def _layout_of(self, batch: Sequence[torch.Tensor]) -> "_Layout":
@@ -232,20 +232,18 @@ class Pipeline(MirrorsModel):
     def _tag(self, m: int, crossing: int, crossed: int, dst_stage: int, backward: bool) -> int:
         return ((m * crossed + crossing) * self.K + dst_stage) * 2 + backward
 
-    def _routes(self, crossed: list, classes: ShardClasses,
-                pieces: list) -> tuple[list[list[_Transfer]], list[list[_Transfer]]]:
+    def _routes(self, graph: Graph, crossed: list, classes: ShardClasses, pieces: list) -> tuple[list, list, list]:
         """Per micro-batch, what this rank sends and receives in the forward (the backward
-        sends the same parts the other way)."""
+        sends the same parts the other way); and, where links are emulated, the bytes of rows
+        every machine's network card carries per micro-batch (card_loads)."""
         plan, rank = self.plan, self.comm.rank
         sends: list[list[_Transfer]] = [[] for _ in range(self.M)]
         recvs: list[list[_Transfer]] = [[] for _ in range(self.M)]
+        rows: list[list[tuple[int, int, float, bool]]] = [[] for _ in range(self.M)]  # every rank's
         for ci, c in enumerate(crossed):
-            if self.s != c.src and self.s not in c.dsts:
-                continue
             src_devs = plan.stages[c.src].devices
+            t = graph.tensors[c.tensor]
             for dst in c.dsts:
-                if self.s not in (c.src, dst):
-                    continue
                 dst_devs = plan.stages[dst].devices
                 for m in range(self.M):
                     tag = self._tag(m, ci, len(crossed), dst, False)
@@ -263,7 +261,33 @@ class Pipeline(MirrorsModel):
                             sends[m].append(_Transfer(ci, dst_devs[j], tag, start - src_rows[i][0], length))
                         if rank == dst_devs[j]:
                             recvs[m].append(_Transfer(ci, src_devs[i], tag, start - dst_rows[j][0], length))
-        return sends, recvs
+                        rows[m].append((src_devs[i], dst_devs[j], t.nbytes / t.shape[dim] * length, c.requires_grad))
+        return sends, recvs, self._card_loads(rows)
+
+    def _card_loads(self, rows: list) -> list:
+        """Per micro-batch, (forward, backward): each machine's network card's bytes (out, in)
+        of the rows every rank sends at once (price.shared_cards_seconds: a card carries its
+        machine's flows to the others); [] where links are not emulated."""
+        links = self.emulation.links
+        if links is None:
+            return []
+        out = []
+        for flows in rows:
+            ways = []
+            for backward in (False, True):
+                sent: dict[int, float] = {}
+                got: dict[int, float] = {}
+                for a, b, nbytes, needs_grad in flows:
+                    if backward and not needs_grad:
+                        continue
+                    a, b = (b, a) if backward else (a, b)
+                    ma, mb = links.machine_of(a), links.machine_of(b)
+                    if ma != mb and not links.overridden(a, b):
+                        sent[ma] = sent.get(ma, 0.0) + nbytes
+                        got[mb] = got.get(mb, 0.0) + nbytes
+                ways.append((sent, got))
+            out.append(tuple(ways))
+        return out
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -325,7 +349,7 @@ class Pipeline(MirrorsModel):
                 if saved[m][0] is not None:
                     loss = loss + saved[m][0].detach()
             else:
-                self._backward(saved.pop(m), pending)
+                self._backward(m, saved.pop(m), pending)
         for work in pending:
             work.wait()
         with self._span("hap move gradient sync (all_reduce)"):
@@ -422,7 +446,7 @@ class Pipeline(MirrorsModel):
         leaves = [(tr, leaf) for ci, (_, parts) in received.items() for tr, leaf in parts if self.crossings[ci].requires_grad]
         return part, outputs, leaves
 
-    def _backward(self, saved: tuple, pending: list) -> None:
+    def _backward(self, m: int, saved: tuple, pending: list) -> None:
         part, outputs, leaves = saved
         grads = []
         works = []
@@ -433,7 +457,7 @@ class Pipeline(MirrorsModel):
             grads.append(g)
         for w in works:
             w.wait()
-        self._arrived([(tr, g) for (tr, _), g in zip(outputs, grads) if tr is not None], backward=True)
+        self._arrived([(tr, g) for (tr, _), g in zip(outputs, grads) if tr is not None], m, backward=True)
         t0 = time.perf_counter()
         if part is not None and part.requires_grad:
             torch.autograd.backward([part])
@@ -462,7 +486,7 @@ class Pipeline(MirrorsModel):
         with self._span(f"hap move receive micro-batch {m} (gloo)"):
             for w in works:
                 w.wait()
-        self._arrived([tr_buf for got in parts.values() for tr_buf in got])
+        self._arrived([tr_buf for got in parts.values() for tr_buf in got], m)
         out = {}
         for ci, got in parts.items():
             c = self.crossings[ci]
@@ -483,27 +507,39 @@ class Pipeline(MirrorsModel):
     def _rank_of(self, tr: _Transfer) -> int:
         return global_rank(self.comm, tr.peer)
 
-    def _arrived(self, received: list[tuple[_Transfer, torch.Tensor]], backward: bool = False) -> None:
-        """Messages just received: an emulated link (emulate: true) takes their time as the
-        pipeline's price has it (price.PipelinePricer._send_seconds): rows from each sender at
-        once, one message per tensor after another; then whole tensors, which their sender sends
-        to the stage's devices in turn, so a device waits for those to the devices before it
-        (backward: their gradients, all into the one device that sent them)."""
+    def _arrived(self, received: list[tuple[_Transfer, torch.Tensor]], m: int, backward: bool = False) -> None:
+        """Micro-batch m's messages just received: an emulated link (emulate: true) takes their
+        time as the pipeline's price has it (price.PipelinePricer._send_seconds): rows from each
+        sender at once, one message per tensor after another, and no faster than the network
+        cards they share (this machine's in, each sender's machine's out: every rank's rows of
+        the micro-batch counted); then whole tensors, which their sender sends to the stage's
+        devices in turn, so a device waits for those to the devices before it (backward: their
+        gradients, all into the one device that sent them)."""
         links = self.emulation.links
         if links is None or not received:
             return
         me = self.comm.rank
         rows: dict[int, float] = {}
+        messages: dict[int, int] = {}
         whole = 0.0
         for tr, buf in received:
             nbytes = buf.numel() * buf.element_size()
             if tr.length >= 0:
                 rows[tr.peer] = rows.get(tr.peer, 0.0) + links.send(tr.peer, me, nbytes)
+                messages[tr.peer] = messages.get(tr.peer, 0) + 1
             elif backward:
                 whole += links.send(tr.peer, me, nbytes)
             else:
                 whole += sum(links.send(tr.peer, d, nbytes) for d in self.devices[: self.d + 1])
-        self.emulation.off_wire(self.emulation.occupy(max(rows.values(), default=0.0) + whole))
+        rows_seconds = max(rows.values(), default=0.0)
+        if rows and self._cards:
+            sent, got = self._cards[m][backward]
+            count = max(messages.values())
+            cards = [(links.machine_of(me), got)] + [(links.machine_of(p), sent) for p in rows]
+            for k, load in cards:
+                nic = links.machines[k].nic
+                rows_seconds = max(rows_seconds, count * nic.latency + load.get(k, 0.0) / nic.bandwidth)
+        self.emulation.off_wire(self.emulation.occupy(rows_seconds + whole))
 
     def _group_all_reduce(self, x: torch.Tensor, devices: tuple[int, ...]) -> None:
         """Sum x over a group of devices in place, taking an emulated link's time as well."""
@@ -659,6 +695,9 @@ class _Layout:
     sends: list[list[_Transfer]]
     recvs: list[list[_Transfer]]
     """Per micro-batch, what this rank sends and receives in the forward."""
+    cards: list
+    """Per micro-batch, (forward, backward) bytes (out, in) of each machine's network card
+    (Pipeline._card_loads; [] where links are not emulated)."""
     draws: list
     """The random nodes up to this stage's last, drawn whole every step in graph order."""
     incoming: list[int]
