@@ -400,6 +400,24 @@ def refused_shapes(rank, world):
     return out
 
 
+def planned_beside_another_shape(rank, world):
+    """Rank 0 given the planned batch, rank 1 a batch of 7 rows."""
+    model, batches = _vit_setup()
+    cut = len(hap_capture(model, batches[0]).nodes) // 2
+    pipe = _pipeline(model, batches, world, [cut], [[0], [1]], [[1.0], [1.0]], 3)
+    pipe.train_step(*(batches[0] if rank == 0 else tuple(x[:7] for x in batches[0])))
+
+
+def test_a_rank_given_the_planned_batch_beside_one_given_another_ends_the_run_naming_both():
+    # rank 1 waited in the ranks' agreement on the shape, which rank 0 never joins, until the timeout
+    from hap.runtime.launch import RankFailed, spawn
+    with pytest.raises(RankFailed) as caught:
+        spawn(planned_beside_another_shape, 2, args=(2,), timeout_s=60)
+    assert str(caught.value).splitlines()[0].startswith(
+        "ranks 0 and 1 parted: rank 0's 2nd call to all ranks is a training step, pipe.train_step(...), rank 1's a "
+        "training step, pipe.train_step(...), of a batch not of the planned shape: ")
+
+
 def test_a_batch_shape_the_plan_cannot_run_is_refused_on_every_rank_and_training_goes_on(tmp_path):
     reports = run_ranks(refused_shapes, 2, tmp_path)
     model, batches = _vit_setup()

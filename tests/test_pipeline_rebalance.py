@@ -63,6 +63,28 @@ def test_the_plans_busy_seconds_are_each_stages_forward_and_backward_per_micro_b
     assert planned_busy(baseline_plan(graph, cluster, "dp-cp")) == [0.0, 0.0, 0.0]  # one stage: no pipeline estimate
 
 
+def test_a_step_of_another_batch_shape_is_not_a_speed(monkeypatch):
+    """A short last batch is quicker on every rank: its busy seconds beside the planned batch's
+    read as faster devices (a ragged run re-cut a pipeline no device had slowed in)."""
+    from types import SimpleNamespace
+
+    import hap.pipeline.rebalance as rebalance
+    from hap.pipeline.rebalance import RebalanceConfig, Rebalancer
+    busy = {"now": [1.0, 1.0]}
+    monkeypatch.setattr(rebalance.wire, "all_gather", lambda found, mine, group=None: [
+        f.fill_(x) for f, x in zip(found, busy["now"])])
+    pipe = SimpleNamespace(comm=SimpleNamespace(world=2, rank=0, group=None), emulation=SimpleNamespace(slowdown=1.0),
+                           plan=SimpleNamespace(timeline={}, schedule=None, devices=["a", "b"]), last_step={})
+    reb = Rebalancer(pipe, None, (), RebalanceConfig(policy="none", window=2), lambda groups: None)
+    for it, (seconds, planned) in enumerate([(1.0, True), (1.0, True), (0.2, False), (1.0, True), (0.2, False),
+                                             (1.0, True), (1.0, True)]):
+        reb.begin_step(it)
+        busy["now"] = [seconds, seconds]
+        pipe.last_step = {"compute": seconds, "planned_shape": planned}
+        reb.end_step()
+    assert reb.busy == [[1.0, 1.0]] * 4 and reb.speeds == [1.0, 1.0]  # (the first step warms up: not counted)
+
+
 def test_config_refuses_what_a_pipeline_cannot_do():
     with pytest.raises(ValueError, match="^RebalanceConfig.policy must be one of none, rebalance, got 'zero-pri'$"):
         RebalanceConfig(policy="zero-pri")

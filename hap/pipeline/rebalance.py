@@ -166,8 +166,8 @@ class Rebalancer:
         busy = [float(x) for x in found]
         if self._fresh:  # the first step under a plan allocates and warms caches: not its speed
             self._fresh = False
-        else:
-            self.busy.append(busy)
+        elif self.pipe.last_step.get("planned_shape", True):  # (every rank's batch is of one shape)
+            self.busy.append(busy)  # (a batch of another shape is not the speed the plan's estimate compares)
         record = {"iteration": self.iteration, "busy": busy, "speeds": list(self.speeds), "moved": None}
         window = self.config.window
         if self.reference is None and len(self.busy) >= window:

@@ -44,7 +44,7 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import check_inputs, leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_, cluster_setting,
+from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, input_shapes, agree_plan, check_trainable, clip_spread_, cluster_setting,
                               held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys, sum_step,
                               watch_wrapped, wrapped_state)
 from .schedule import stage_order
@@ -149,7 +149,8 @@ class Pipeline(MirrorsModel):
         self._noise: dict[int, object] = {}
         self._rng_after = plan.stages[-1].devices[0]
         self.last_step: dict[str, float] = {}
-        """Seconds of the last train_step: total, compute (forward and backward), waiting."""
+        """Seconds of the last train_step: total, compute (forward and backward), waiting; and
+        whether its batch was of the planned shape (a smaller one is quicker: not a faster device)."""
         self.tracing = False
         """Label nodes, received transfers and the gradient sync in a recorded Chrome trace
         (torch.profiler), as hap.HAP's executor does."""
@@ -204,7 +205,7 @@ class Pipeline(MirrorsModel):
         smaller batch of an epoch; another sequence length), captured at it once. Every rank is
         given the whole batch, so every rank meets the same shapes and keeps the same layouts."""
         key = tuple(tuple(x.shape) for x in batch)
-        planned = tuple(tuple(self._planned.graph.tensors[n].shape) for n in self._planned.graph.inputs)
+        planned = input_shapes(self._planned.graph)
         if key == planned:
             return self._planned
         seen = every_rank(key, self.comm)
@@ -323,7 +324,12 @@ class Pipeline(MirrorsModel):
                              "steps; evaluate the model with hap.HAP in eval mode, say on a checkpoint")
         changed = self._wrapped.changed_values(params)  # (told every rank by the step's sum)
         check_trainable(self.params, self.graph)
-        with ledger.call("a training step, pipe.train_step(...)", now=True):  # (its first messages: a stage's peers)
+        # (counted at once: its first messages are a stage's peers'. A step of another shape goes by
+        # another name, so that ranks given the planned batch and others not have parted at once:
+        # the others wait in their agreement on the shape, which the first never join.)
+        planned = input_shapes(self._planned.graph) == tuple(tuple(x.shape) for x in batch)
+        with ledger.call("a training step, pipe.train_step(...)" + ("" if planned else ", of a batch not of the "
+                         "planned shape"), now=True):
             self._use(self._layout_of(batch))
             try:
                 return self._train_step(batch, changed)
@@ -371,7 +377,8 @@ class Pipeline(MirrorsModel):
         if self._step_check is None:
             self._compare_alike = check.compare_next(self._compare_alike)
         wall = time.perf_counter() - t0
-        self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed}
+        self.last_step = {"seconds": wall, "compute": self._computed, "waiting": wall - self._computed,
+                          "planned_shape": self.graph is self._planned.graph}
         return total
 
     def _draw(self) -> None:

@@ -157,7 +157,7 @@ class HAP(MirrorsModel):
         self.resync(self.plan.sync)
         self._random = any(is_random(node) for node in graph.nodes)
         self._meta = meta
-        self._by_shape: dict[tuple, Executor] = {_shapes_of(graph): ex}
+        self._by_shape: dict[tuple, Executor] = {input_shapes(graph): ex}
         self._parts: dict[int, tuple] = {}  # rank -> its part of the planned batch (shapes)
         self.shapes: list[dict] = []
         """Input shapes (and eval mode) met besides the planned one, in order: {shapes, run, estimated_seconds, training}."""
@@ -298,7 +298,7 @@ class HAP(MirrorsModel):
     def local_batch(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's part of the planned global batch (what `input_slices` names). A batch of
         another shape has no parts: it is given whole, `dmodel(*batch)` (a ValueError here)."""
-        planned = _shapes_of(self.graph)
+        planned = input_shapes(self.graph)
         key = tuple(tuple(x.shape) for x in batch)
         if key != planned:
             raise ValueError(f"local_batch cuts the planned batch {planned}, not {key}: give a batch of another "
@@ -315,7 +315,7 @@ class HAP(MirrorsModel):
             if key != mine:
                 raise ValueError(f"inputs of shape {key} are not this rank's part {mine} of the planned batch")
             return self.executor, self._sliced(batch)
-        planned = _shapes_of(self.graph)
+        planned = input_shapes(self.graph)
         if key == planned:
             return self.executor, frozenset()
         # Not the planned batch: this rank's part, or a global batch of another shape (a last,
@@ -344,7 +344,7 @@ class HAP(MirrorsModel):
         made = ex is None
         self._by_shape[key] = ex = make() if made else ex  # the most recently used last
         if made:
-            others = [k for k in self._by_shape if k != _shapes_of(self.graph)]
+            others = [k for k in self._by_shape if k != input_shapes(self.graph)]
             for k in others[: max(0, len(others) - SHAPES_KEPT)]:
                 del self._by_shape[k]
         return ex
@@ -379,7 +379,7 @@ class HAP(MirrorsModel):
         # The ranks tell parts from a whole batch together, as in training (a whole batch whose
         # rows are one rank's share is a whole batch; a rank deciding alone refused it alone), and
         # capture a new shape together: they must all be given it.
-        other = part is None and key[1] != _shapes_of(self.graph)
+        other = part is None and key[1] != input_shapes(self.graph)
         if other or key not in self._by_shape:
             seen = [k for _, k in every_rank(key, self.comm)]
             if other and all(k == self._part_shapes(r) for r, k in enumerate(seen)):
@@ -396,7 +396,7 @@ class HAP(MirrorsModel):
         this shape and mode once, its shards cut by the same shares, parameters and buffers
         shared with the planned executor. Where the program cannot run this graph, the graph
         is planned keeping the parameters' layout; where that fails, a one-line ValueError."""
-        planned = _shapes_of(self.graph)
+        planned = input_shapes(self.graph)
         inputs = tuple(x.to("meta") for x in batch) if self._meta else tuple(batch)
         base = self.executor
         try:
@@ -505,7 +505,7 @@ class HAP(MirrorsModel):
         self._check_no_old_graph()
         plan = self.plan.with_ratios(ex.ratios, shard_sizes(ex.program, self.graph, ex.classes, ex.segment_of, ex.ratios))
         self.plan = priced(self.graph, self.cluster, plan)
-        self._by_shape = {_shapes_of(self.graph): ex}  # other shapes' executors were cut at the old shares
+        self._by_shape = {input_shapes(self.graph): ex}  # other shapes' executors were cut at the old shares
         self._parts = {}
         log.info("hap: resharded to %s (%d bytes moved on rank %d)", ex.ratios, nbytes, self.comm.rank)
         return nbytes
@@ -1330,7 +1330,8 @@ def _held_part(ex: Executor, name: str, whole: torch.Tensor) -> tuple[torch.Tens
     return ex.stored_part(name, whole), ex.params[name]
 
 
-def _shapes_of(graph) -> tuple:
+def input_shapes(graph) -> tuple:
+    """The shapes of the graph's inputs, in order: the batch shape it was captured at."""
     return tuple(tuple(graph.tensors[name].shape) for name in graph.inputs)
 
 
