@@ -499,8 +499,9 @@ def test_t5_trains_in_three_stages_with_replicated_and_stage_skipping_crossings(
     _like_one_device(reports, _t5_setup)
 
 
-def emulated_link_step(rank, world):
-    """Seconds of a 2-stage pipeline's steps on an emulated 40 ms link, and the plan's estimate."""
+def emulated_step(rank, world, spec, groups, ratios, schedule):
+    """Seconds of a 2-stage pipeline's steps (cut halfway, 2 micro-batches) on the emulated
+    links of cluster `spec`, the plan's estimate, and the bytes of rows crossing per micro-batch."""
     import time
 
     import hap
@@ -510,43 +511,11 @@ def emulated_link_step(rank, world):
     from hap.planner import PlannerConfig
 
     model, batches = _vit_setup()
-    cluster = cluster_from_dict({"name": "emu", "local": True,
-                                 "devices": [{"name": "cpu", "count": 2, "flops": 1e10, "memory": "4GiB"}],
-                                 "network": {"bandwidth": "1GB/s", "latency": "40ms", "emulate": True}})
+    cluster = cluster_from_dict(spec)
     graph = capture(model, batches[0])
-    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
-    plan = assemble(space, [len(graph.nodes) // 2], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
-    pipe = hap.Pipeline(model, cluster, batches[0], plan, graph=graph)
-    seconds = []
-    for batch in batches:
-        t0 = time.perf_counter()
-        pipe.train_step(*batch)
-        seconds.append(time.perf_counter() - t0)
-    return {"seconds": seconds, "simulated": plan.timeline["pipeline"]["simulated"]}
-
-
-def shared_card_step(rank, world):
-    """Seconds of a 2-stage pipeline's steps whose stage 0 holds both devices of machine A, at
-    50/50, and stage 1 machine B's one device, network cards of 1 MB/s emulated; the plan's
-    estimate; and the bytes of rows crossing per micro-batch."""
-    import time
-
-    import hap
-    from hap.capture import capture
-    from hap.cost.cluster import cluster_from_dict
-    from hap.pipeline.plan import PipelineSpace, assemble
-    from hap.planner import PlannerConfig
-
-    model, batches = _vit_setup()
-    card, inside = {"bandwidth": "1MB/s", "latency": "0us"}, {"bandwidth": "10GB/s", "latency": "0us"}
-    cluster = cluster_from_dict({"name": "cards", "local": True, "emulate": True,
-                                 "devices": [{"name": "cpu", "count": 3, "flops": 1e10, "memory": "4GiB"}],
-                                 "machines": [{"name": "A", "devices": 2, "intra": inside, "nic": card},
-                                              {"name": "B", "devices": 1, "nic": card}]})
-    graph = capture(model, batches[0])
-    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="gpipe"))
+    space = PipelineSpace(graph, cluster, PlannerConfig(schedule=schedule))
     cut = len(graph.nodes) // 2
-    plan = assemble(space, [cut], [[0, 1], [2]], [[0.5, 0.5], [1.0]], 2, 0.0, {})
+    plan = assemble(space, [cut], groups, ratios, 2, 0.0, {})
     pipe = hap.Pipeline(model, cluster, batches[0], plan, graph=graph)
     seconds = []
     for batch in batches:
@@ -559,10 +528,15 @@ def shared_card_step(rank, world):
 
 
 def test_devices_of_a_machine_share_its_emulated_network_card(tmp_path):
-    """Both devices of machine A send their half of each micro-batch's rows to machine B at
-    once, through A's one card and into B's: the rows take all their bytes at 1 MB/s (priced
-    and slept: it was half, as if each device had a card of its own)."""
-    for got in run_ranks(shared_card_step, 3, tmp_path):
+    """Stage 0 on both devices of machine A at 50/50, stage 1 on machine B's one: A's devices
+    send their halves of each micro-batch's rows at once, through A's one card and into B's, so
+    the rows take all their bytes at 1 MB/s (priced and slept: it was half, as if each device
+    had a card of its own)."""
+    card, inside = {"bandwidth": "1MB/s", "latency": "0us"}, {"bandwidth": "10GB/s", "latency": "0us"}
+    spec = {"name": "cards", "local": True, "emulate": True,
+            "devices": [{"name": "cpu", "count": 3, "flops": 1e10, "memory": "4GiB"}],
+            "machines": [{"name": "A", "devices": 2, "intra": inside, "nic": card}, {"name": "B", "devices": 1, "nic": card}]}
+    for got in run_ranks(emulated_step, 3, tmp_path, spec, [[0, 1], [2]], [[0.5, 0.5], [1.0]], "gpipe"):
         assert got["send"] == pytest.approx(got["rows"] / 1e6, rel=1e-6) and got["send"] > 0.01
         assert got["simulated"] * 0.95 <= min(got["seconds"]) <= got["simulated"] * 1.5, got
 
@@ -574,7 +548,9 @@ def test_a_pipeline_takes_the_time_of_its_emulated_links(tmp_path):
     so, and the emulated runtime sleeps as much. A pipeline slept none of it (10 ms measured
     against 167 ms estimated, on a helper's run); the price put one latency on all the tensors
     crossing a cut, 40 ms per micro-batch where the runtime sends two messages."""
-    for got in run_ranks(emulated_link_step, 2, tmp_path):
+    spec = {"name": "emu", "local": True, "devices": [{"name": "cpu", "count": 2, "flops": 1e10, "memory": "4GiB"}],
+            "network": {"bandwidth": "1GB/s", "latency": "40ms", "emulate": True}}
+    for got in run_ranks(emulated_step, 2, tmp_path, spec, [[0], [1]], [[1.0], [1.0]], "1f1b"):
         assert got["simulated"] >= 0.32
         assert got["simulated"] * 0.95 <= min(got["seconds"]) <= got["simulated"] * 1.5, got
 
