@@ -82,8 +82,12 @@ def test_a_devices_share_is_its_whole_rows_over_the_micro_batches():
     # 4 rows in 4 micro-batches at 50/50: each micro-batch's one row goes to device 0 (the price
     # took half a row each, 8% under the time); 12 rows in 3 of 4 at 60/40: 2/2 each; 12 rows in
     # 5 micro-batches (3 3 2 2 2) at 70/30: 2/1, 2/1, 1/1, 1/1, 1/1, so 7 and 5 of the 12
-    from hap.pipeline.stages import device_shares
+    from hap.pipeline.stages import device_pieces, device_shares
     assert device_shares(4, 4, [0.5, 0.5]) == [1.0, 0.0]
+    # 10 rows in 4 micro-batches (3 3 2 2) at 50/50: device 1 takes 2, 2, 1, 1 rows; it holds
+    # 0.2 of the batch at most (memory is priced by that; its mean, 0.15, priced 25% low)
+    first, second = device_pieces(10, 4, [0.5, 0.5])
+    assert first == pytest.approx([0.1] * 4) and second == pytest.approx([0.2, 0.2, 0.1, 0.1])
     assert device_shares(12, 3, [0.6, 0.4]) == pytest.approx([0.5, 0.5])
     assert device_shares(12, 5, [0.7, 0.3]) == pytest.approx([7 / 12, 5 / 12])
 
@@ -1415,9 +1419,9 @@ def test_a_machine_of_several_gpus_keeps_its_stages_state_on_each_gpu(vit_space)
     acts = float(pricer.acts[b + 1] - pricer.acts[a])
     assert params > 0 and acts > 0
     got = pricer.memory(a, b, groups[0], ratios[0], 4, live)
-    shares = pricer.shares(ratios[0], 4)  # (each device's whole rows per micro-batch)
-    assert shares == pytest.approx([r / 4 for r in ratios[0]], abs=1 / pricer.granules)
-    assert got == pytest.approx([params + acts * r * live / 4 for r in shares], rel=1e-12)
+    peak = pricer.peak_shares(ratios[0], 4)  # (each device's most whole rows of one micro-batch)
+    assert peak == pytest.approx([r / 4 for r in ratios[0]], abs=1 / pricer.granules)
+    assert got == pytest.approx([params + acts * r * live / 4 for r in peak], rel=1e-12)
     # a GPU just short of stage 0's least need: no table entry fits there (with the machine's memory it would)
     least = StageTable(pricer, vit_space.pivots, groups, ratios, 4, "1f1b").least
     short = dataclasses.replace(quad, devices=tuple(dataclasses.replace(d, memory=least[i] * 0.999) if i == 0 else d

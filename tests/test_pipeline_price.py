@@ -341,3 +341,68 @@ def test_devices_of_a_machine_share_its_network_card():
     assert fwd == pytest.approx(rows / 1e9)
     fwd, _ = space.pricer.transfer(cut, [0, 1], [2, 3], 2, [0.5, 0.5], [0.5, 0.5])
     assert fwd == pytest.approx(rows / 2 / 100e9)
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return ((x - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("machines, groups", [((3, 3), [[0, 1], [2, 3], [4, 5]]), ((2, 2), [[0], [1], [2], [3]])])
+def test_the_emulated_links_sleep_each_cuts_price(machines, groups):
+    """Every rank's emulated wait for a micro-batch's rows (Pipeline._arrived over the routes of
+    Pipeline._routes, single-process stand-ins for the ranks), the most over a stage's devices,
+    is the price of its cut (send forward, send_back backward), with cards of 1 GB/s shared
+    by a machine's devices and 100 GB/s inside. Every cut's card bytes were charged to every
+    receiver: twice the price on 3 stages of 2 machines, and 100x a cut inside one machine."""
+    import types
+
+    import hap
+    from hap.cost.cluster import cluster_from_dict
+    from hap.pipeline import runtime
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.pipeline.stages import crossings, stage_of_nodes, stage_pieces
+    from hap.planner import PlannerConfig
+    card, inside = {"bandwidth": "1GB/s", "latency": "0us"}, {"bandwidth": "100GB/s", "latency": "0us"}
+    cluster = cluster_from_dict({"name": "t", "local": True, "emulate": True,
+                                 "devices": [{"name": "cpu", "count": sum(machines), "flops": 1e10, "memory": "4GiB"}],
+                                 "machines": [{"name": f"m{k}", "devices": d, "nic": card, "intra": inside}
+                                              for k, d in enumerate(machines)]})
+    M, K = 2, len(groups)
+    graph = hap.capture(_Deep(), (torch.randn(16, 64), torch.randn(16, 64)))
+    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="gpipe", micro_batches=M))
+    cuts = [n.index + 1 for n in graph.nodes if n.op == "aten.relu.default"][: K - 1]
+    plan = assemble(space, cuts, groups, [[1 / len(g)] * len(g) for g in groups], M, 0.0, {})
+    program = [st for k in range(K) for st in plan.steps(graph, k)]
+    crossed = crossings(graph, program, stage_of_nodes(cuts, len(graph.nodes)))
+    pieces = stage_pieces(graph, space.classes, program, [st.ratios[0] for st in plan.stages], M)
+    slept = {}
+    for rank in range(cluster.size):
+        s = next(k for k, g in enumerate(groups) if rank in g)
+        waits = []
+        emulation = types.SimpleNamespace(links=cluster.topology, occupy=lambda x, w=waits: w.append(x) or 0.0,
+                                          off_wire=lambda t: None)
+        me = types.SimpleNamespace(plan=plan, comm=types.SimpleNamespace(rank=rank), M=M, K=K, s=s, crossings=crossed,
+                                   emulation=emulation, devices=groups[s], d=groups[s].index(rank))
+        for name in ("_tag", "_card_loads", "_stage_of_tag"):
+            setattr(me, name, types.MethodType(getattr(runtime.Pipeline, name), me))
+        sends, recvs, me._cards = runtime.Pipeline._routes(me, graph, crossed, space.classes, pieces)
+        for backward, transfers in ((False, recvs[0]), (True, sends[0])):
+            received = []
+            for tr in transfers:
+                shape = list(graph.tensors[crossed[tr.crossing].tensor].shape)
+                shape[crossed[tr.crossing].placement.dim] = tr.length
+                received.append((tr, torch.empty(shape)))
+            waits.clear()
+            runtime.Pipeline._arrived(me, received, 0, backward=backward)
+            slept[(rank, backward)] = waits[0] if waits else 0.0
+    line = plan.timeline["pipeline"]
+    for k in range(K - 1):
+        assert max(slept[(r, False)] for r in groups[k + 1]) == pytest.approx(line["send"][k], rel=1e-9)
+        assert max(slept[(r, True)] for r in groups[k]) == pytest.approx(line["send_back"][k], rel=1e-9)

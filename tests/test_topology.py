@@ -170,6 +170,14 @@ def test_all_to_all_sends_each_devices_parts_for_the_others():
                               "network": {"bandwidth": "1GB/s", "latency": "10us"}}).topology
     assert topo.seconds("all_to_all", 8e6, range(8)) == pytest.approx(20e-6 + 70e-6 + 0.875e-3)
     assert topo.seconds("all_gather", 8e6, range(8)) == pytest.approx(20e-6 + 70e-6 + 7e-3)
+    # the 8 devices on 2 machines of 4, cards of 1 GB/s, 0 us: each card carries its 4 devices'
+    # parts for the 4 elsewhere, 4 * 4 / 64 of V = 2 MB: 2 ms (priced 0.875 ms, as if each had a card)
+    card = {"bandwidth": "1GB/s", "latency": "0us"}
+    two = cluster_from_dict({"devices": [{"flops": 1e13, "memory": "16GiB", "count": 8}],
+                             "machines": [{"name": "A", "devices": 4, "intra": {"bandwidth": "100GB/s"}, "nic": card},
+                                          {"name": "B", "devices": 4, "intra": {"bandwidth": "100GB/s"}, "nic": card}]})
+    assert two.topology.seconds("all_to_all", 8e6, range(8)) == pytest.approx(20e-6 + 2e-3)
+    assert two.topology.seconds("all_to_all", 8e6, range(4)) == pytest.approx(20e-6 + 3 / 16 * 8e6 / 100e9)
 
 
 class _Squares(torch.nn.Linear):

@@ -16,7 +16,9 @@ the whole tensor, g the group's size, and (bw, lat) the slowest link the algorit
                            (the same as the reduce): k the most devices of the group on a machine
     ring all-gather, reduce-scatter   (g-1) lat + (g-1)/g V / bw, V = g * shard bytes
     all-to-all             (g-1) lat + (g-1)/g^2 V / bw: each device sends the g-1 parts of its
-                           shard (V / g) that others take, all pairs at once, over the slowest link
+                           shard (V / g) that others take, all pairs at once, over the slowest link;
+                           and no faster than a machine's card, which carries its k devices' parts
+                           for the g-k elsewhere: k (g-k)/g^2 V / bw_nic
     broadcast, reduce      ceil(log2 g) lat + n / bw        (pipelined, to or from one device)
     send/recv              lat + n / bw                     over the one link
 
@@ -172,7 +174,15 @@ class Topology:
             return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / link.bandwidth
         if kind == "all_to_all":  # (an all-gather's devices each take g-1 shards; here g-1 parts of one)
             link = self.pairs_link(group)
-            return LAUNCH_OVERHEAD + (g - 1) * link.latency, (g - 1) / g / g / link.bandwidth
+            per_byte = (g - 1) / g / g / link.bandwidth
+            # a machine's card carries its k devices' parts for the g - k elsewhere: k (g - k) / g^2 of V
+            count: dict[int, int] = {}
+            for d in group:
+                count[self.machine_of(d)] = count.get(self.machine_of(d), 0) + 1
+            if len(count) > 1:
+                per_byte = max(per_byte, max(k * (g - k) / g / g / self.machines[i].nic.bandwidth
+                                             for i, k in count.items()))
+            return LAUNCH_OVERHEAD + (g - 1) * link.latency, per_byte
         if kind in ("broadcast", "reduce"):
             link = self.ring_link(group)
             return LAUNCH_OVERHEAD + math.ceil(math.log2(g)) * link.latency, 1 / link.bandwidth

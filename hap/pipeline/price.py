@@ -8,14 +8,16 @@ per micro-batch, forward plus backward,
           + inner_k + send_k
 
 where r_i is device i's share of the batch as the runtime splits it, whole rows per micro-batch
-(stages.device_shares: the ratio itself where the rows divide evenly), work_i is the batch-proportional time of the nodes on device i (the cost model's node
-times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
+(stages.device_pieces, summed: the ratio itself where the rows divide evenly), work_i is the
+batch-proportional time of the nodes on device i (the cost model's node times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
 nodes on replicated tensors, reading the whole weights and writing their gradients: every
 micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
 collectives nodes make inside themselves over G_k (a synchronized batch norm's sums), and send_k the
 transfer of what crosses the cut after stage k, forward and (what needs a gradient) back:
-split rows between pairs of devices at once (the slowest link decides), replicated tensors
-whole, every micro-batch, from one device to each device of the next group. An iteration of M
+split rows between the pairs of devices whose rows overlap, at once (the slowest of their
+links and of the network cards they share decides: a machine's card carries all its devices'
+rows to other machines), replicated tensors whole, every micro-batch, from one device to each
+device of the next group. An iteration of M
 micro-batches (GPipe or 1F1B: the same bubble) then takes
 
     L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + step_collectives
@@ -45,7 +47,7 @@ from ..rules.local import variant_collectives
 from ..rules.nn import counts_early
 from ..search.program import Step
 from .schedule import ScheduleName, in_flight, simulate
-from .stages import batch_granules, device_shares, stage_of_nodes
+from .stages import batch_granules, device_pieces, stage_of_nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,16 +125,24 @@ class PipelinePricer:
         self.add_per_byte = np.asarray(cost.accumulate_seconds(1.0))  # per device: seconds per gradient byte added
         self.granules = batch_granules(graph, cost.classes, program)
         """Granules (rows, or groups of them) of the batch, which micro-batches and devices split whole."""
-        self._shares: dict[tuple, np.ndarray] = {}
+        self._pieces: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _device_pieces(self, ratios: Sequence[float], M: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (tuple(float(x) for x in ratios), M)
+        found = self._pieces.get(key)
+        if found is None:
+            pieces = device_pieces(self.granules, M, key[0])
+            found = self._pieces[key] = (np.asarray([sum(p) for p in pieces]) / M, np.asarray([max(p) for p in pieces]))
+        return found
 
     def shares(self, ratios: Sequence[float], M: int) -> np.ndarray:
-        """Each device's share of the batch as the runtime splits it (device_shares), per
-        micro-batch on average (divided by M)."""
-        key = (tuple(ratios), M)
-        found = self._shares.get(key)
-        if found is None:
-            found = self._shares[key] = np.asarray(device_shares(self.granules, M, ratios)) / M
-        return found
+        """Each device's share of the batch as the runtime splits it (stages.device_pieces), per
+        micro-batch on average: what it computes per micro-batch."""
+        return self._device_pieces(ratios, M)[0]
+
+    def peak_shares(self, ratios: Sequence[float], M: int) -> np.ndarray:
+        """Each device's largest share of the batch in one micro-batch: what it holds at most."""
+        return self._device_pieces(ratios, M)[1]
 
     def _held_params(self, cost: CostModel) -> None:
         """Per parameter: [weights, state (weights, gradient, optimizer states), gradient] bytes.
@@ -216,8 +226,8 @@ class PipelinePricer:
         runtime sends it once, straight to each reader)."""
         split, whole = self.crossing_bytes[0, :, cut] / M, self.crossing_bytes[1, :, cut]
         n_split, n_whole = self.crossing_counts[0, :, cut], self.crossing_counts[1, :, cut]
-        flows = row_flows(self.shares(src_ratios or [1.0] * len(src), M) * M,
-                          self.shares(dst_ratios or [1.0] * len(dst), M) * M)
+        flows = row_flows(self.shares([1.0] * len(src) if src_ratios is None else src_ratios, M) * M,
+                          self.shares([1.0] * len(dst) if dst_ratios is None else dst_ratios, M) * M)
         there = self._send_seconds(float(split[0]), float(whole[0]), int(n_split[0]), int(n_whole[0]),
                                    [(src[i], dst[j], f) for i, j, f in flows], src[0], dst)
         back = self._send_seconds(float(split[1]), float(whole[1]), int(n_split[1]), int(n_whole[1]),
@@ -292,7 +302,7 @@ class PipelinePricer:
         # per GPU: a machine's GPUs split its share of the micro-batch's activations and each
         # keeps the stage's whole parameter state (data parallel), as search.program.memory_terms
         return [params + ((acts + split) * r + whole) * live / self.cost.gpus(i)
-                for i, r in zip(group, self.shares(ratios, M))]
+                for i, r in zip(group, self.peak_shares(ratios, M))]
 
     # -- the whole -----------------------------------------------------------------------------
 

@@ -240,7 +240,7 @@ class Pipeline(MirrorsModel):
         plan, rank = self.plan, self.comm.rank
         sends: list[list[_Transfer]] = [[] for _ in range(self.M)]
         recvs: list[list[_Transfer]] = [[] for _ in range(self.M)]
-        rows: list[list[tuple[int, int, float, bool]]] = [[] for _ in range(self.M)]  # every rank's
+        rows: list[list[tuple]] = [[] for _ in range(self.M)]  # every rank's: (cut, from, to, bytes, needs a gradient)
         for ci, c in enumerate(crossed):
             src_devs = plan.stages[c.src].devices
             t = graph.tensors[c.tensor]
@@ -262,32 +262,30 @@ class Pipeline(MirrorsModel):
                             sends[m].append(_Transfer(ci, dst_devs[j], tag, start - src_rows[i][0], length))
                         if rank == dst_devs[j]:
                             recvs[m].append(_Transfer(ci, src_devs[i], tag, start - dst_rows[j][0], length))
-                        rows[m].append((src_devs[i], dst_devs[j], t.nbytes / t.shape[dim] * length, c.requires_grad))
+                        rows[m].append(((c.src, dst), src_devs[i], dst_devs[j], t.nbytes / t.shape[dim] * length,
+                                        c.requires_grad))
         return sends, recvs, self._card_loads(rows)
 
     def _card_loads(self, rows: list) -> list:
-        """Per micro-batch, (forward, backward): each machine's network card's bytes (out, in)
-        of the rows every rank sends at once (price.shared_cards_seconds: a card carries its
-        machine's flows to the others); [] where links are not emulated."""
+        """Per micro-batch, {(cut, backward): (bytes out, bytes in) per machine's network card}
+        of the rows every rank sends over each cut (source stage, destination stage) at once, as
+        the price counts each cut's (price.shared_cards_seconds: a card carries its machine's
+        flows to the others); [] where links are not emulated."""
         links = self.emulation.links
         if links is None:
             return []
         out = []
         for flows in rows:
-            ways = []
-            for backward in (False, True):
-                sent: dict[int, float] = {}
-                got: dict[int, float] = {}
-                for a, b, nbytes, needs_grad in flows:
-                    if backward and not needs_grad:
-                        continue
-                    a, b = (b, a) if backward else (a, b)
-                    ma, mb = links.machine_of(a), links.machine_of(b)
-                    if ma != mb and not links.overridden(a, b):
-                        sent[ma] = sent.get(ma, 0.0) + nbytes
-                        got[mb] = got.get(mb, 0.0) + nbytes
-                ways.append((sent, got))
-            out.append(tuple(ways))
+            loads: dict[tuple, tuple[dict, dict]] = {}
+            for cut, a, b, nbytes, needs_grad in flows:
+                for backward in (False, True) if needs_grad else (False,):
+                    x, y = (b, a) if backward else (a, b)
+                    mx, my = links.machine_of(x), links.machine_of(y)
+                    if mx != my and not links.overridden(x, y):
+                        sent, got = loads.setdefault((cut, backward), ({}, {}))
+                        sent[mx] = sent.get(mx, 0.0) + nbytes
+                        got[my] = got.get(my, 0.0) + nbytes
+            out.append(loads)
         return out
 
     # -- one iteration -------------------------------------------------------------------------
@@ -526,27 +524,38 @@ class Pipeline(MirrorsModel):
         if links is None or not received:
             return
         me = self.comm.rank
-        rows: dict[int, float] = {}
-        messages: dict[int, int] = {}
+        rows: dict[tuple, dict[int, list]] = {}  # cut -> peer -> [seconds on the link, messages]
         whole = 0.0
         for tr, buf in received:
             nbytes = buf.numel() * buf.element_size()
             if tr.length >= 0:
-                rows[tr.peer] = rows.get(tr.peer, 0.0) + links.send(tr.peer, me, nbytes)
-                messages[tr.peer] = messages.get(tr.peer, 0) + 1
+                c = self.crossings[tr.crossing]
+                cut = (self.s, self._stage_of_tag(tr.tag)) if backward else (c.src, self.s)
+                peer = rows.setdefault(cut, {}).setdefault(tr.peer, [0.0, 0])
+                peer[0] += links.send(tr.peer, me, nbytes)
+                peer[1] += 1
             elif backward:
                 whole += links.send(tr.peer, me, nbytes)
             else:
                 whole += sum(links.send(tr.peer, d, nbytes) for d in self.devices[: self.d + 1])
-        rows_seconds = max(rows.values(), default=0.0)
-        if rows and self._cards:
-            sent, got = self._cards[m][backward]
-            count = max(messages.values())
-            cards = [(links.machine_of(me), got)] + [(links.machine_of(p), sent) for p in rows]
-            for k, load in cards:
-                nic = links.machines[k].nic
-                rows_seconds = max(rows_seconds, count * nic.latency + load.get(k, 0.0) / nic.bandwidth)
+        rows_seconds = 0.0
+        mine = links.machine_of(me)
+        for cut, peers in rows.items():
+            rows_seconds = max(rows_seconds, max(seconds for seconds, _ in peers.values()))
+            sent, got = self._cards[m].get((cut, backward), ({}, {})) if self._cards else ({}, {})
+            count = max(n for _, n in peers.values())
+            for peer in peers:  # the cards a message from another machine goes through: its out, this one's in
+                theirs = links.machine_of(peer)
+                if theirs == mine or links.overridden(peer, me):
+                    continue
+                for k, load in ((mine, got), (theirs, sent)):
+                    nic = links.machines[k].nic
+                    rows_seconds = max(rows_seconds, count * nic.latency + load.get(k, 0.0) / nic.bandwidth)
         self.emulation.off_wire(self.emulation.occupy(rows_seconds + whole))
+
+    def _stage_of_tag(self, tag: int) -> int:
+        """The destination stage a transfer's tag names (_tag)."""
+        return (tag // 2) % self.K
 
     def _group_all_reduce(self, x: torch.Tensor, devices: tuple[int, ...]) -> None:
         """Sum x over a group of devices in place, taking an emulated link's time as well."""
@@ -703,8 +712,8 @@ class _Layout:
     recvs: list[list[_Transfer]]
     """Per micro-batch, what this rank sends and receives in the forward."""
     cards: list
-    """Per micro-batch, (forward, backward) bytes (out, in) of each machine's network card
-    (Pipeline._card_loads; [] where links are not emulated)."""
+    """Per micro-batch, each cut's bytes (out, in) of each machine's network card, forward and
+    backward (Pipeline._card_loads; [] where links are not emulated)."""
     draws: list
     """The random nodes up to this stage's last, drawn whole every step in graph order."""
     incoming: list[int]
