@@ -44,9 +44,9 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import check_inputs, leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, input_shapes, agree_plan, check_trainable, clip_spread_, cluster_setting,
-                              held_by_original, rank_comm, spot_check_due, spread_gradients, state_keys, sum_step,
-                              watch_wrapped, wrapped_state)
+from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_,
+                              cluster_setting, held_by_original, input_shapes, rank_comm, spot_check_due,
+                              spread_gradients, state_keys, sum_step, watch_wrapped, wrapped_state)
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -262,8 +262,8 @@ class Pipeline(MirrorsModel):
                             sends[m].append(_Transfer(ci, dst_devs[j], tag, start - src_rows[i][0], length))
                         if rank == dst_devs[j]:
                             recvs[m].append(_Transfer(ci, src_devs[i], tag, start - dst_rows[j][0], length))
-                        rows[m].append(((c.src, dst), src_devs[i], dst_devs[j], t.nbytes / t.shape[dim] * length,
-                                        c.requires_grad))
+                        row_bytes = t.nbytes / t.shape[dim] if t.shape[dim] else 0.0
+                        rows[m].append(((c.src, dst), src_devs[i], dst_devs[j], row_bytes * length, c.requires_grad))
         return sends, recvs, self._card_loads(rows)
 
     def _card_loads(self, rows: list) -> list:
@@ -516,8 +516,8 @@ class Pipeline(MirrorsModel):
         """Micro-batch m's messages just received: an emulated link (emulate: true) takes their
         time as the pipeline's price has it (price.PipelinePricer._send_seconds): rows from each
         sender at once, one message per tensor after another, and no faster than the network
-        cards they share (this machine's in, each sender's machine's out: every rank's rows of
-        the micro-batch counted); then whole tensors, which their sender sends to the stage's
+        cards they go through (this machine's in, each sender's machine's out: every rank's rows
+        over the same cut counted, _card_loads); then whole tensors, which their sender sends to the stage's
         devices in turn, so a device waits for those to the devices before it (backward: their
         gradients, all into the one device that sent them)."""
         links = self.emulation.links
