@@ -10,6 +10,7 @@ from hap import capture, load_cluster, plan
 from hap.cli import main
 from hap.explain import SYNC, estimated_events, layouts, where_time_goes
 from hap.models import build
+from hap.plan import Plan
 
 torch.set_num_threads(1)
 
@@ -71,8 +72,12 @@ def test_a_searched_sync_strategy_is_drawn_and_laid_out_as_priced(vit_plan):
     strategy = SyncStrategy(tuple(
         VarSync(v.param, (PartSync(kind="ps", server=2), PartSync(kind="all_reduce", group=1, compressor="fp16")))
         if v is split else VarSync(v.param, (PartSync(kind="ps", server=3),)) for v in variables.vars))
-    synced = with_estimate(with_strategy(vit_plan, variables, strategy), graph, cost, est, searched="autosync")
+    read = Plan.from_json(vit_plan.to_json())  # (a plan from a file, as `hap sync --plan` takes it)
+    assert read.written and not read.edited_since_written
+    synced = with_estimate(with_strategy(read, variables, strategy), graph, cost, est, searched="autosync")
     assert synced.estimated_iteration_seconds != vit_plan.estimated_iteration_seconds
+    # priced with its new sync, it is current (it was marked edited since hap wrote it)
+    assert not synced.edited_since_written and not Plan.from_json(synced.to_json()).edited_since_written
     events, total = estimated_events(synced)
     assert total == pytest.approx(synced.estimated_iteration_seconds, rel=1e-9)
     assert sum(v for k, v in synced.breakdown.items() if k != "gradient_sync_overlapped") == pytest.approx(total, rel=1e-9)

@@ -257,4 +257,5 @@ def with_estimate(plan: Plan, graph: Graph, cost: CostModel, est: Estimate, sear
                  "gradient_sync_overlapped": max(0.0, sum(p.seconds + p.then for p in phased) - exposed)}
     timeline = {**plan.timeline, "buckets": [], "sync": [dataclasses.asdict(p) for p in phased]}
     return dataclasses.replace(plan, estimated_iteration_seconds=overlapped(plan.sync, variables, cost, est),
-                               breakdown=breakdown, timeline=timeline, search={**plan.search, "sync": searched})
+                               breakdown=breakdown, timeline=timeline, search={**plan.search, "sync": searched},
+                               written="")  # (priced now: a plan read from a file is current again)
