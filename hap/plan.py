@@ -283,9 +283,8 @@ class Plan:
         """The plan as JSON (written to `path` where given), stamped with the digest of its
         content and estimate; a plan edited since hap priced it keeps its old stamp, so that
         saving it again does not make its stale estimate look current."""
-        plain = self.to_dict()
-        written = self.written if self.edited_since_written else _digest(
-            {f: plain[f] for f in (*CONTENT_FIELDS, *ESTIMATE_FIELDS)})
+        plain = self.to_dict()  # (the stamp and its check read its fields, not _plain of them again)
+        written = self.written if _stale(self.written, plain.__getitem__) else _stamp(plain.__getitem__)
         text = json.dumps({**plain, "written": written}, indent=1)
         if path is not None:
             Path(path).write_text(text)
@@ -443,13 +442,13 @@ class Plan:
         return self._hash(*CONTENT_FIELDS)
 
     def _hash(self, *fields: str) -> str:
-        return _digest({f: _plain(getattr(self, f)) for f in fields})
+        return _digest({f: self._plain_field(f) for f in fields})
 
     @property
     def written_digest(self) -> str:
         """A hash of what to_json stamps as `written`: the content and its estimate together, so
         that an edit of either shows."""
-        return self._hash(*CONTENT_FIELDS, *ESTIMATE_FIELDS)
+        return _stamp(self._plain_field)
 
     @property
     def edited_since_written(self) -> bool:
@@ -457,7 +456,10 @@ class Plan:
         (its content or its estimate), or a plan changed since it was priced (with_ratios); its
         estimate, breakdown and timeline are then of the plan as hap priced it. (Files written
         before 2026-11-29 stamped the content alone.)"""
-        return bool(self.written) and self.written not in (self.written_digest, self.content_digest)
+        return _stale(self.written, self._plain_field)
+
+    def _plain_field(self, name: str):
+        return _plain(getattr(self, name))
 
     def device_groups(self) -> list[tuple[int, ...]]:
         """Every device group the plan names (stages, synchronization), once, in a fixed order:
@@ -801,6 +803,19 @@ CONTENT_FIELDS = ("cluster", "devices", "stages", "schedule", "sync")
 """What a plan's estimate prices (Plan.content_digest)."""
 ESTIMATE_FIELDS = ("estimated_iteration_seconds", "breakdown", "timeline", "memory_bytes")
 """The estimate (Plan.written_digest stamps it with the content)."""
+
+
+def _stamp(field_of: Callable[[str], Any]) -> str:
+    """The `written` stamp of a plan whose plain fields `field_of(name)` gives: its content and
+    its estimate."""
+    return _digest({f: field_of(f) for f in (*CONTENT_FIELDS, *ESTIMATE_FIELDS)})
+
+
+def _stale(written: str, field_of: Callable[[str], Any]) -> bool:
+    """Whether stamp `written` (none: a plan priced and not written since) is not of the plan
+    whose plain fields `field_of(name)` gives: neither its stamp nor, as files stamped it before
+    2026-11-29, its content alone."""
+    return bool(written) and written not in (_stamp(field_of), _digest({f: field_of(f) for f in CONTENT_FIELDS}))
 
 
 def _digest(fields: dict) -> str:

@@ -128,14 +128,19 @@ class Topology:
         members = set(group)
         if any(a in members and b in members for a, b, _ in self.overrides):
             return _slowest([self.link(a, b) for a in group for b in group if a < b])
-        machines: dict[int, int] = {}
-        for d in group:
-            k = self.machine_of(d)
-            machines[k] = machines.get(k, 0) + 1
+        machines = self._per_machine(group)
         links = [self.machines[k].intra for k, count in machines.items() if count > 1]
         if len(machines) > 1:
             links += [self.machines[k].nic for k in machines]
         return _slowest(links)
+
+    def _per_machine(self, group: Sequence[int]) -> dict[int, int]:
+        """Machine index -> how many devices of `group` it holds."""
+        count: dict[int, int] = {}
+        for d in group:
+            k = self.machine_of(d)
+            count[k] = count.get(k, 0) + 1
+        return count
 
     def ring_link(self, group: Sequence[int]) -> Link:
         """The slowest link of the ring through `group` in its order."""
@@ -176,9 +181,7 @@ class Topology:
             link = self.pairs_link(group)
             per_byte = (g - 1) / g / g / link.bandwidth
             # a machine's card carries its k devices' parts for the g - k elsewhere: k (g - k) / g^2 of V
-            count: dict[int, int] = {}
-            for d in group:
-                count[self.machine_of(d)] = count.get(self.machine_of(d), 0) + 1
+            count = self._per_machine(group)
             if len(count) > 1:
                 per_byte = max(per_byte, max(k * (g - k) / g / g / self.machines[i].nic.bandwidth
                                              for i, k in count.items()))

@@ -118,9 +118,9 @@ def resolve(name: str, *, layers: int | None = None, hidden: int | None = None, 
         changes["experts"] = experts if experts is not None else 2 * devices
         if changes["experts"] < 2:
             raise ValueError(f"bert-moe routes each token to 2 experts; experts must be at least 2, got {changes['experts']}")
-        if changes.get("layers", cfg.layers) < 2:  # (every second layer's FFN is the MoE: one layer has none)
-            raise ValueError(f"bert-moe's MoE is every second layer's FFN, so it needs at least 2 layers, "
-                             f"got {changes['layers']}")
+        layers_now = changes.get("layers", cfg.layers)
+        if layers_now < 2:  # (every second layer's FFN is the MoE: one layer has none)
+            raise ValueError(f"bert-moe's MoE is every second layer's FFN, so it needs at least 2 layers, got {layers_now}")
     if dropout is not None:
         if not hasattr(cfg, "dropout"):
             raise ValueError(f"model '{name}' has no dropout")

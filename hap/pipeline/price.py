@@ -9,16 +9,16 @@ per micro-batch, forward plus backward,
 
 where r_i is device i's share of the batch as the runtime splits it, whole rows per micro-batch
 (stages.device_pieces, summed: the ratio itself where the rows divide evenly), work_i is the
-batch-proportional time of the nodes on device i (the cost model's node times at the whole batch), fixed_i what does not shrink with the share (per-node overheads,
-nodes on replicated tensors, reading the whole weights and writing their gradients: every
-micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
+batch-proportional time of the nodes on device i (the cost model's node times at the whole
+batch), fixed_i what does not shrink with the share (per-node overheads, nodes on replicated
+tensors, reading the whole weights and writing their gradients: every micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
 collectives nodes make inside themselves over G_k (a synchronized batch norm's sums), and send_k the
 transfer of what crosses the cut after stage k, forward and (what needs a gradient) back:
 split rows between the pairs of devices whose rows overlap, at once (the slowest of their
 links and of the network cards they share decides: a machine's card carries all its devices'
 rows to other machines), replicated tensors whole, every micro-batch, from one device to each
-device of the next group. An iteration of M
-micro-batches (GPipe or 1F1B: the same bubble) then takes
+device of the next group. An iteration of M micro-batches (GPipe or 1F1B: the same bubble)
+then takes
 
     L = sum_k t_k + (M - 1) * max_k t_k + max_k sync_k + step_collectives
 
@@ -350,8 +350,8 @@ def row_flows(src: Sequence[float], dst: Sequence[float]) -> list[tuple[int, int
     return out
 
 
-def shared_cards_seconds(topo, flows: Sequence[tuple[int, int, float]], messages: int) -> float:
-    """Seconds the busiest network card takes for `flows` ((from, to, bytes) at once): each
+def card_loads(topo, flows: Sequence[tuple[int, int, float]]) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes (out, in) per machine's network card of `flows` ((from, to, bytes) at once): each
     machine's card carries its flows to other machines out and theirs to it in (a pair with a
     link of its own, an override, uses neither card)."""
     out: dict[int, float] = {}
@@ -361,11 +361,20 @@ def shared_cards_seconds(topo, flows: Sequence[tuple[int, int, float]], messages
         if ma != mb and not topo.overridden(a, b):
             out[ma] = out.get(ma, 0.0) + nbytes
             into[mb] = into.get(mb, 0.0) + nbytes
-    seconds = 0.0
-    for k in {*out, *into}:
-        nic = topo.machines[k].nic
-        seconds = max(seconds, messages * nic.latency + max(out.get(k, 0.0), into.get(k, 0.0)) / nic.bandwidth)
-    return seconds
+    return out, into
+
+
+def card_seconds(topo, machine: int, nbytes: float, messages: int) -> float:
+    """Seconds machine `machine`'s network card takes for nbytes in `messages` messages."""
+    nic = topo.machines[machine].nic
+    return messages * nic.latency + nbytes / nic.bandwidth
+
+
+def shared_cards_seconds(topo, flows: Sequence[tuple[int, int, float]], messages: int) -> float:
+    """Seconds the busiest network card takes for `flows` (card_loads), out or in."""
+    out, into = card_loads(topo, flows)
+    return max((card_seconds(topo, k, max(out.get(k, 0.0), into.get(k, 0.0)), messages) for k in {*out, *into}),
+               default=0.0)
 
 
 def _crossing_bytes(graph, program: Sequence[Step]) -> tuple[np.ndarray, np.ndarray]:

@@ -47,6 +47,7 @@ from ..runtime.mirror import MirrorsModel
 from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_,
                               cluster_setting, held_by_original, input_shapes, rank_comm, spot_check_due,
                               spread_gradients, state_keys, sum_step, watch_wrapped, wrapped_state)
+from .price import card_loads, card_seconds
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces
 
@@ -276,16 +277,12 @@ class Pipeline(MirrorsModel):
             return []
         out = []
         for flows in rows:
-            loads: dict[tuple, tuple[dict, dict]] = {}
+            by_way: dict[tuple, list] = {}  # (cut, backward) -> (from, to, bytes)
             for cut, a, b, nbytes, needs_grad in flows:
-                for backward in (False, True) if needs_grad else (False,):
-                    x, y = (b, a) if backward else (a, b)
-                    mx, my = links.machine_of(x), links.machine_of(y)
-                    if mx != my and not links.overridden(x, y):
-                        sent, got = loads.setdefault((cut, backward), ({}, {}))
-                        sent[mx] = sent.get(mx, 0.0) + nbytes
-                        got[my] = got.get(my, 0.0) + nbytes
-            out.append(loads)
+                by_way.setdefault((cut, False), []).append((a, b, nbytes))
+                if needs_grad:
+                    by_way.setdefault((cut, True), []).append((b, a, nbytes))
+            out.append({way: card_loads(links, moved) for way, moved in by_way.items()})
         return out
 
     # -- one iteration -------------------------------------------------------------------------
@@ -549,8 +546,7 @@ class Pipeline(MirrorsModel):
                 if theirs == mine or links.overridden(peer, me):
                     continue
                 for k, load in ((mine, got), (theirs, sent)):
-                    nic = links.machines[k].nic
-                    rows_seconds = max(rows_seconds, count * nic.latency + load.get(k, 0.0) / nic.bandwidth)
+                    rows_seconds = max(rows_seconds, card_seconds(links, k, load.get(k, 0.0), count))
         self.emulation.off_wire(self.emulation.occupy(rows_seconds + whole))
 
     def _stage_of_tag(self, tag: int) -> int:
