@@ -426,9 +426,10 @@ def left_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | Non
     return None
 
 
-def collective_waited_in(ident: int) -> str | None:
-    """The torch.distributed collective over all ranks (its default group) that the thread
-    `ident` waits in, by its outermost frame in distributed_c10d.py; None where it waits in none."""
+def collective_waited_in(ident: int):
+    """The frame of the torch.distributed collective over all ranks (its default group) that the
+    thread `ident` waits in (its outermost frame in distributed_c10d.py; `.f_code.co_name` names
+    the collective); None where it waits in none."""
     frame, found = sys._current_frames().get(ident), None
     while frame is not None:
         code = frame.f_code
@@ -438,7 +439,28 @@ def collective_waited_in(ident: int) -> str | None:
     if found is None:
         return None
     group = found.f_locals.get("group")
-    return found.f_code.co_name if group is None or group is dist.group.WORLD else None
+    return found if group is None or group is dist.group.WORLD else None
+
+
+class Suspicion:
+    """A wait outside hap's calls behind a peer's call, ended only where two reads find the same
+    one: a rank may be read in a collective every rank makes (its last bytes still on the way)
+    just after a faster peer, done with it, began hap's next call; a collective made on this rank
+    alone is still there a read later."""
+
+    def __init__(self):
+        self.seen = None  # (the collective's frame, the message) at the last read
+
+    def confirms(self, frame, message: str | None) -> str | None:
+        """The message where this read finds the wait the last read found (the same call of the
+        collective: its frame, held meanwhile, is no other call's), else None."""
+        last, self.seen = self.seen, (frame, message) if frame is not None and message is not None else None
+        if last is not None and self.seen is not None and last[0] is frame and last[1] == message:
+            return message
+        return None
+
+    def clear(self) -> None:
+        self.seen = None
 
 
 def read_all(path: str) -> dict[int, list[tuple[int, str]]]:
@@ -454,16 +476,18 @@ def whereabouts(every: dict[int, list[tuple[int, str]]]) -> str:
 
 def watch(end: Callable[[str, str], None]) -> None:
     """Start this rank's watching thread: once the rank has made no new call for STILL_S, it
-    reads its peers' calls, and where two differ calls end(message, where the main thread is),
+    reads its peers' calls, and where two differ (or two reads find this rank in the same
+    collective of its own behind a peer's call) calls end(message, where the main thread is),
     which does not return."""
     ledger = _LEDGER
     assert ledger is not None and ledger.slots is not None
 
     def run():
-        seen, since, still = ledger.calls, time.monotonic(), STILL_S
+        seen, since, still, suspicion = ledger.calls, time.monotonic(), STILL_S, Suspicion()
         while not ledger.stopped.wait(TICK_S):
             if ledger.calls != seen:
                 seen, since, still = ledger.calls, time.monotonic(), STILL_S
+                suspicion.clear()
                 continue
             if time.monotonic() - since < still:
                 continue
@@ -477,9 +501,12 @@ def watch(end: Callable[[str, str], None]) -> None:
                 return
             message = parted(every)
             if message is None and ledger.current is None:  # outside hap's calls: in a collective of the user's?
-                collective = collective_waited_in(ledger.thread)
-                if collective is not None:
-                    message = waits_outside(every, ledger.rank, collective)
+                frame = collective_waited_in(ledger.thread)
+                outside = None if frame is None else waits_outside(every, ledger.rank, frame.f_code.co_name)
+                message = suspicion.confirms(frame, outside)
+                del frame  # (the suspicion holds it until the next read)
+            else:
+                suspicion.clear()
             if message is not None:
                 end(message, _main_stack(ledger.thread))
             # read again STILL_S later; a store ledger's rank still longer reads ever less often
