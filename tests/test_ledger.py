@@ -113,19 +113,24 @@ def _frame_of_a_call():
     return sys._getframe()
 
 
-def test_a_wait_outside_hap_ends_the_run_only_when_two_reads_find_the_same_collective_call():
+def test_a_wait_outside_hap_ends_the_run_only_when_reads_in_a_row_find_the_same_collective_call():
     # A rank read in the last of a series of gathers every rank makes, just after a faster peer
     # began hap's next call, is in a new call of the gather at the next read, or past it (the run
     # on CI that ended a healthy 3-rank test); a lone collective is the same call read after read.
+    assert ledger.Suspicion.SAME_READS == 3
     said = "ranks 1 and 0 parted: ..."
     one_call, next_call = _frame_of_a_call(), _frame_of_a_call()
     suspicion = ledger.Suspicion()
     assert suspicion.confirms(one_call, said) is None  # first read: not yet
     assert suspicion.confirms(next_call, said) is None  # another call of the collective: not the same wait
-    assert suspicion.confirms(next_call, said) == said  # the same call at two reads: ended
+    assert suspicion.confirms(next_call, said) is None
+    assert suspicion.confirms(next_call, said) == said  # the same call at three reads: ended
+    assert suspicion.confirms(next_call, said) == said
     assert suspicion.confirms(next_call, None) is None  # (no peer ahead: nothing)
     assert suspicion.confirms(next_call, said) is None
+    assert suspicion.confirms(next_call, said) is None
     assert suspicion.confirms(None, said) is None  # (out of the collective)
+    assert suspicion.confirms(next_call, said) is None
     assert suspicion.confirms(next_call, said) is None
     suspicion.clear()  # a new call of hap's between reads
     assert suspicion.confirms(next_call, said) is None

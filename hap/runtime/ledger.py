@@ -443,24 +443,28 @@ def collective_waited_in(ident: int):
 
 
 class Suspicion:
-    """A wait outside hap's calls behind a peer's call, ended only where two reads find the same
-    one: a rank may be read in a collective every rank makes (its last bytes still on the way)
-    just after a faster peer, done with it, began hap's next call; a collective made on this rank
-    alone is still there a read later."""
+    """A wait outside hap's calls behind a peer's call, ended only where SAME_READS reads in a row
+    find the same one: a rank may be read in a collective every rank makes (its last bytes still
+    on the way from a descheduled peer) just after a faster peer, done with it, began hap's next
+    call; a collective made on this rank alone is still there reads later."""
+
+    SAME_READS = 3
 
     def __init__(self):
-        self.seen = None  # (the collective's frame, the message) at the last read
+        self.seen, self.reads = None, 0  # (the collective's frame, the message); reads that found it
 
     def confirms(self, frame, message: str | None) -> str | None:
-        """The message where this read finds the wait the last read found (the same call of the
-        collective: its frame, held meanwhile, is no other call's), else None."""
-        last, self.seen = self.seen, (frame, message) if frame is not None and message is not None else None
-        if last is not None and self.seen is not None and last[0] is frame and last[1] == message:
-            return message
-        return None
+        """The message where this read finds the wait the last SAME_READS - 1 reads found (the
+        same call of the collective: its frame, held meanwhile, is no other call's), else None."""
+        if frame is None or message is None:
+            self.clear()
+            return None
+        same = self.seen is not None and self.seen[0] is frame and self.seen[1] == message
+        self.seen, self.reads = (frame, message), self.reads + 1 if same else 1
+        return message if self.reads >= self.SAME_READS else None
 
     def clear(self) -> None:
-        self.seen = None
+        self.seen, self.reads = None, 0
 
 
 def read_all(path: str) -> dict[int, list[tuple[int, str]]]:
@@ -476,8 +480,8 @@ def whereabouts(every: dict[int, list[tuple[int, str]]]) -> str:
 
 def watch(end: Callable[[str, str], None]) -> None:
     """Start this rank's watching thread: once the rank has made no new call for STILL_S, it
-    reads its peers' calls, and where two differ (or two reads find this rank in the same
-    collective of its own behind a peer's call) calls end(message, where the main thread is),
+    reads its peers' calls, and where two differ (or reads find this rank in the same collective
+    of its own behind a peer's call) calls end(message, where the main thread is),
     which does not return."""
     ledger = _LEDGER
     assert ledger is not None and ledger.slots is not None
