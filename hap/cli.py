@@ -952,9 +952,9 @@ _OUTPUTS = [("plan", "json", "file"), ("train", "trace", "dir"), ("train", "chec
             ("sync", "out", "dir"), ("explain", "output", "dir"), ("profile", "output", "file")]
 
 
-def _check_outputs(args) -> None:
-    """Every output path the command will write can be written (its folder made now), so that a
-    run does not end in a traceback after all its work."""
+def _check_outputs(args, made: list[str]) -> None:
+    """Every output path the command will write can be written (its folder made now, and each
+    folder made appended to `made`), so that a run does not end in a traceback after all its work."""
     for command, name, kind in _OUTPUTS:
         path = getattr(args, name, None) if args.command == command else None
         if path is None:
@@ -971,7 +971,7 @@ def _check_outputs(args) -> None:
             if os.path.isdir(os.path.join(path, inside)):
                 raise UserError(f"{flag} {path}: {inside} there is a directory; the command writes a file of that name")
         try:
-            os.makedirs(folder, exist_ok=True)
+            _make_folders(folder, made)
         except OSError as e:
             raise UserError(f"{flag} {path}: cannot make the folder {folder}: {e.strerror or e}") from None
         if kind == "file":  # opened for appending, as the end of the run will write it (through a link)
@@ -986,6 +986,26 @@ def _check_outputs(args) -> None:
                 os.remove(real)
         elif not os.access(folder, os.W_OK):
             raise UserError(f"{flag} {path}: cannot write into it")
+
+
+def _make_folders(folder: str, made: list[str]) -> None:
+    """os.makedirs(folder), appending the folders it made, outermost first, to `made`."""
+    missing, at = [], os.path.abspath(folder)
+    while not os.path.exists(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    os.makedirs(folder, exist_ok=True)
+    made.extend(reversed(missing))
+
+
+def _remove_empty(made: list[str]) -> None:
+    """Remove the folders of `made` (outermost first) that are still empty, innermost first: a
+    command that failed leaves no output folder behind."""
+    for folder in reversed(made):
+        try:
+            os.rmdir(folder)
+        except OSError:  # (not empty: something was written there)
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1006,9 +1026,12 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"plan": cmd_plan, "train": cmd_train, "profile": cmd_profile, "clusters": cmd_clusters,
                 "cluster": cmd_cluster, "explain": cmd_explain, "sync": cmd_sync}
+    made: list[str] = []  # output folders this command made: removed again where it fails before writing in them
+    code = 1
     try:
-        _check_outputs(args)
-        return handlers[args.command](args)
+        _check_outputs(args, made)
+        code = handlers[args.command](args)
+        return code
     except (UserError, ClusterError, CaptureError, BalanceError) as e:
         print(f"hap: error: {e}", file=sys.stderr)
         return 2
@@ -1022,6 +1045,9 @@ def _main(argv: list[str] | None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"hap: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
+    finally:
+        if code != 0:
+            _remove_empty(made)
 
 
 if __name__ == "__main__":

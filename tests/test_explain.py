@@ -201,8 +201,13 @@ def test_traces_of_another_pipeline_schedule_are_refused(tmp_path):
 
 
 def test_explain_errors_are_one_line(tmp_path, capsys, vit_plan):
-    assert main(["explain", str(tmp_path / "missing.json")]) == 2
+    assert main(["explain", str(tmp_path / "missing.json"), "-o", str(tmp_path / "out" / "here")]) == 2
     assert "missing.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # a failed command leaves no empty output folder (it made out/here)
+    (tmp_path / "kept").mkdir()
+    assert main(["explain", str(tmp_path / "missing.json"), "-o", str(tmp_path / "kept")]) == 2
+    assert (tmp_path / "kept").is_dir()  # (the user's own folder stays)
+    capsys.readouterr()
     path = tmp_path / "plan.json"
     vit_plan.to_json(path)
     assert main(["explain", str(path), "-o", str(tmp_path / "x"), "--trace", str(tmp_path)]) == 2
