@@ -114,6 +114,11 @@ def test_parse_units_and_counts(tmp_path):
      "links: [{between: [0, 1], bandwidth: 1Gbps}, {between: [1, 0], bandwidth: 100Gbps}]",
      r"links\[1\]: the link between devices 1 and 0 is given twice$"),
     (f"name:\n{TWO}\nnetwork: {{bandwidth: 1Gbps}}", r": name must be text, got None$"),
+    # an empty section of the wrong kind was read as none
+    (f"{TWO}\nnetwork: {{bandwidth: 1Gbps}}\ncollectives: []", r": 'collectives' must map each collective to \{alpha, beta\}, "
+     r"got \[\]$"),
+    (f"{TWO}\nmachines: [{{nic: {{bandwidth: 1Gbps}}}}, {{nic: {{bandwidth: 1Gbps}}}}]\nlinks: {{}}",
+     r": 'links' must be a list of \{between: \[a, b\], bandwidth, latency\}, got \{\}$"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
     with pytest.raises(ClusterError, match=message) as e:

@@ -412,7 +412,8 @@ def cluster_from_dict(spec, default_name: str = "cluster") -> Cluster:
         raise ClusterError(f"'devices' lists {len(devices)} devices; hap plans for {MAX_DEVICES} at most")
     fits: dict[str, Fit] = {}
     emulated = topology = None
-    given = spec.get("collectives") or {}  # measured fits (an empty section is none)
+    given = spec.get("collectives")  # measured fits (an empty section is none)
+    given = {} if given is None else given
     if "network" in spec and "machines" in spec:
         raise ClusterError("give 'network' (every device its own machine) or 'machines', not both")
     if "machines" in spec:
@@ -509,9 +510,11 @@ def _parse_topology(spec: dict, n: int) -> Topology:
     if first != n:
         raise ClusterError(f"the machines hold {first} devices but 'devices' lists {n}")
     overrides = []
-    if not isinstance(spec.get("links") or [], list):
-        raise ClusterError(f"'links' must be a list of {{between: [a, b], bandwidth, latency}}, got {spec['links']!r}")
-    for i, e in enumerate(spec.get("links") or []):
+    links = spec.get("links")
+    links = [] if links is None else links  # (`links:` left empty: none)
+    if not isinstance(links, list):
+        raise ClusterError(f"'links' must be a list of {{between: [a, b], bandwidth, latency}}, got {links!r}")
+    for i, e in enumerate(links):
         where = f"links[{i}]"
         pair = e.get("between") if isinstance(e, dict) else None
         if not (isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]
