@@ -1307,7 +1307,9 @@ def test_a_dqn_that_met_no_fitting_cut_plans_the_most_frugal_cut_where_it_fits(m
     assert fill <= 1.0
     monkeypatch.setattr(automap_pipeline, "search_cuts", lambda *a, **k: dataclasses.replace(
         search_cuts(*a, **k), seconds=math.inf))
-    plan = dqn_plan(graph, cluster, config, episodes=0, budget_s=10)
+    said = []
+    plan = dqn_plan(graph, cluster, config, progress=said.append, episodes=0, budget_s=10)
+    assert said[0].startswith("dqn: K=4 groups ") and " M=4: no cut that fits memory after 0 episodes (" in said[0]  # not "inf ms"
     assert plan.search["most_frugal_cut"] and [st.nodes[0] for st in plan.stages[1:]] == [table.positions[c] for c in cuts]
     assert plan.estimated_iteration_seconds == pytest.approx(table.objective(cuts), rel=1e-9)
     tight = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, memory=d.memory * fill * 0.999)

@@ -219,8 +219,8 @@ def dqn_plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None
         res = search_cuts(table, episodes, budget)
         sizes = "/".join(str(len(g)) for g in table.groups)
         if progress:
-            progress(f"dqn: K={K} groups {sizes} M={M}: {res.seconds * 1e3:.2f} ms after {res.episodes} episodes "
-                     f"({res.search_seconds:.1f} s)")
+            found = f"{res.seconds * 1e3:.2f} ms" if math.isfinite(res.seconds) else "no cut that fits memory"
+            progress(f"dqn: K={K} groups {sizes} M={M}: {found} after {res.episodes} episodes ({res.search_seconds:.1f} s)")
         if best is None or res.seconds < best[0].seconds:
             best = (res, K, M, table)
     res, K, M, table = best
