@@ -11,9 +11,11 @@ the whole tensor, g the group's size, and (bw, lat) the slowest link the algorit
 
     ring all-reduce        2(g-1) lat + 2(g-1)/g n / bw     over the ring's slowest link
     tree all-reduce        2 ceil(log2 g) (lat + n / bw)   reduce up a binary tree, broadcast down
-    hierarchical all-reduce  reduce inside each machine ((k-1) lat_in + (k-1)/k n / bw_in), ring
-                           all-reduce among one device per machine over the NICs, broadcast inside
-                           (the same as the reduce): k the most devices of the group on a machine
+    hierarchical all-reduce  gather the sum inside each machine onto one device, a ring all-reduce of
+                           the n bytes among those (one per machine) over the NICs, and spread it
+                           inside again: 2(k-1) lat_in + 2(k-1)/k n / bw_in (a reduce-scatter and an
+                           all-gather over the machine's ring) + the ring all-reduce above, k the
+                           most devices of the group on a machine
     ring all-gather, reduce-scatter   (g-1) lat + (g-1)/g V / bw, V = g * shard bytes
     all-to-all             (g-1) lat + (g-1)/g^2 V / bw: each device sends the g-1 parts of its
                            shard (V / g) that others take, all pairs at once, over the slowest link;
@@ -201,9 +203,9 @@ class Topology:
         leaders = [devs[0] for devs in per_machine.values()]
         alpha, per_byte = LAUNCH_OVERHEAD, 0.0
         inside = [devs for devs in per_machine.values() if len(devs) > 1]
-        if inside:  # inside each machine a reduce-scatter, and an all-gather at the end (NCCL's hierarchy):
-            # 2 (k - 1) / k of the bytes over its ring; the leaders all-reduce between machines
-            # the machines at once: each term the slowest machine's (its size and its ring's link)
+        if inside:  # inside each machine a reduce-scatter, and an all-gather at the end: 2 (k - 1) / k
+            # of the bytes over its ring, the machines at once (each term the slowest machine's: its
+            # size and its ring's link); between them the leaders all-reduce the whole tensor
             rings = [(len(devs), self.ring_link(devs)) for devs in inside]
             alpha += max(2 * (k - 1) * link.latency for k, link in rings)
             per_byte += max(2 * (k - 1) / k / link.bandwidth for k, link in rings)
