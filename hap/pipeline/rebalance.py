@@ -44,7 +44,7 @@ from typing import Callable, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import check_fields, number, one_of, whole
+from ..config import check_fields, instance, number, one_of, whole
 from ..plan import Plan
 from ..runtime import wire
 from ..straggler.schedule import Schedule
@@ -69,8 +69,8 @@ class RebalanceConfig:
     """A new plan must be estimated faster than the current one by this fraction."""
 
     def __post_init__(self):
-        check_fields(self, policy=one_of("none", "rebalance"), window=whole(1), threshold=number(0, above=True),
-                     start_threshold=number(0, above=True), gain=number(0))
+        check_fields(self, policy=one_of("none", "rebalance"), schedule=instance(Schedule), window=whole(1),
+                     threshold=number(0, above=True), start_threshold=number(0, above=True), gain=number(0))
 
 
 def changed_speeds(speeds: Sequence[float], reference: Sequence[float], recent: Sequence[float],
@@ -131,6 +131,8 @@ class Rebalancer:
         self.pipe, self.opt, self.config, self.make_optimizer = pipe, opt, config, make_optimizer
         self.inputs = tuple(example_inputs)
         self.comm = pipe.comm
+        config.schedule.check(self.comm.world)  # (parsed for another number of ranks, it slowed no one or dropped chis)
+        self._t0: float | None = None  # begin_step's clock (None: no step begun)
         self.static = pipe.emulation.slowdown  # the cluster file's emulated slowdown of this rank
         self.speeds = [1.0] * self.comm.world
         self.busy: list[list[float]] = []  # per step since the references started: every rank's busy seconds
@@ -159,11 +161,17 @@ class Rebalancer:
         (checkpoint.groups_like: each group with its settings, so a torch optimizer takes the
         list as it is), with the state and settings of the old: a learning-rate scheduler or
         hook made over the old one stays with it (make it again where `moved` is set)."""
-        seconds = time.perf_counter() - self._t0
-        mine = torch.tensor([self.pipe.last_step["compute"]], dtype=torch.float64)
+        if self._t0 is None:
+            raise ValueError("Rebalancer.end_step without begin_step: call reb.begin_step(iteration) before the "
+                             "step's train_step, and end_step after it")
+        # every rank's busy seconds and the step's (the slowest rank's): the decisions below are
+        # taken alike on every rank from these (a rank's own clock moved one and not another)
+        mine = torch.tensor([self.pipe.last_step["compute"], time.perf_counter() - self._t0], dtype=torch.float64)
+        self._t0 = None
         found = [torch.zeros_like(mine) for _ in range(self.comm.world)]
         wire.all_gather(found, mine, group=self.comm.group)
-        busy = [float(x) for x in found]
+        busy = [float(x[0]) for x in found]
+        seconds = max(float(x[1]) for x in found)
         if self._fresh:  # the first step under a plan allocates and warms caches: not its speed
             self._fresh = False
         elif self.pipe.last_step.get("planned_shape", True):  # (every rank's batch is of one shape)
@@ -260,7 +268,9 @@ class Rebalancer:
         old = self.pipe.plan
         self.pipe, self.opt, self.pending, self.lost = pipe, opt, None, 0.0
         self.reference, self.busy, self._fresh = None, [], True
-        self.move_seconds = time.perf_counter() - t0
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        wire.all_reduce(took, op=dist.ReduceOp.MAX, group=self.comm.group)  # (the next move's price, alike on every rank)
+        self.move_seconds = float(took)
         return {"from": _layout(old), "to": _layout(plan), "seconds": self.move_seconds, "received_bytes": received,
                 "estimate": plan.estimated_iteration_seconds}
 
