@@ -11,8 +11,8 @@ from gloo import run_ranks
 
 from hap.straggler.migrate import Handover, handover, receivers_of
 from hap.straggler.policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds,
-                                  migration_bound, rebalanced_time, semi_beta, stragglers_and_receivers, time_lost,
-                                  unmitigated)
+                                  migration_bound, pruning_floors, rebalanced_time, semi_beta, stragglers_and_receivers,
+                                  time_lost, unmitigated)
 from hap.straggler import StragglerConfig
 from hap.straggler.prune import Lineage, PrioritySelector, PrunedLinear, RandomSelector, pruned_count
 from hap.straggler.schedule import Schedule, parse_schedule
@@ -114,6 +114,33 @@ def test_eq1_prunes_only_what_slow_multiplications_cost():
     assert keep_after_resizing(1.0, 2.0, t_avg, 0.4) == pytest.approx(0.05)  # the cap, without the floor
     assert keep_after_resizing(1.0, 2.0, t_avg, 0.4, floor=matmul_floor(stats, 1)) == pytest.approx(0.25)
     assert keep_after_resizing(1.0, 0.8, t_avg, 0.1, floor=matmul_floor(stats, 2)) == 1.0
+
+
+def test_the_floor_is_set_by_the_ranks_that_are_no_stragglers():
+    # ranks 0 and 1 multiply 8x and 4x slower than rank 2: the upper median of all three is
+    # rank 1's own speed, whose floor was then 1 (never pruned); against rank 2 it is 1/4
+    stats = [Stats(busy=1.6, matmul=0.8, flops=1e9, own=1.0), Stats(busy=1.2, matmul=0.4, flops=1e9, own=1.0),
+             Stats(busy=0.5, matmul=0.1, flops=1e9, own=1.0)]
+    assert [matmul_floor(stats, r) for r in range(3)] == pytest.approx([0.5, 1.0, 1.0])
+    assert [matmul_floor(stats, r, norm=[2]) for r in range(3)] == pytest.approx([0.125, 0.25, 1.0])
+
+
+def test_a_pruning_ranks_floor_is_held_at_its_whole_share_reading():
+    # rank 1 multiplies 4x slower at its whole share: floor 1/4. Pruned to 0.4 its products
+    # are smaller and slower per FLOP (0.4e9 FLOPs in 0.2 s: read 1/5): the floor stays 1/4
+    # (read as it stood, it fell step by step until the cap). Back at its whole share, and
+    # normal again, the reading is its floor once more.
+    whole = [0.0, 0.0]
+    first = [Stats(busy=0.5, matmul=0.1, flops=1e9, own=1.0), Stats(busy=2.0, matmul=0.4, flops=1e9, own=1.0)]
+    assert pruning_floors(first, [1.0, 1.0], [0.0, 0.0], whole, [0]) == pytest.approx([1.0, 0.25])
+    assert whole == pytest.approx([1.0, 0.25])
+    pruned = [first[0], Stats(busy=1.0, matmul=0.2, flops=0.4e9, own=0.4)]
+    assert matmul_floor(pruned, 1, [0]) == pytest.approx(0.2)
+    assert pruning_floors(pruned, [1.0, 0.4], [0.0, 0.0], whole, [0]) == pytest.approx([1.0, 0.25])
+    assert whole == pytest.approx([1.0, 0.25])  # (not a whole share's reading: kept)
+    recovered = [first[0], Stats(busy=0.5, matmul=0.1, flops=1e9, own=1.0)]
+    assert pruning_floors(recovered, [1.0, 1.0], [0.0, 0.0], whole, [0]) == pytest.approx([1.0, 1.0])
+    assert pruning_floors(pruned, [1.0, 0.4], [0.0, 0.0], whole, [0]) == pytest.approx([1.0, 1.0])  # held at 1 now
 
 
 def test_a_rank_without_columns_is_no_receiver_and_sets_no_pace():

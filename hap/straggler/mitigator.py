@@ -47,7 +47,7 @@ from ..runtime import ledger, wire
 from . import migrate
 from .linear import Meter, Site, TPLinear, Work, _Ctx
 from .migrate import Method, handover, receivers_of
-from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_floor, matmul_speeds, migration_bound,
+from .policy import (Stats, balanced_migration, keep_after_resizing, matmul_speeds, migration_bound, pruning_floors,
                      rebalance_pays, rebalanced_time, semi_beta, stragglers_and_receivers, time_lost,
                      unmitigated)
 from .prune import Lineage, PrioritySelector, RandomSelector
@@ -164,6 +164,7 @@ class Mitigator:
         self.selector = (RandomSelector(config.seed * 1009 + self.rank) if config.policy == "zero-rd"
                          else PrioritySelector(config.seed * 1009 + self.rank))
         self.keep = [1.0] * self.world  # per rank: share of its columns it does not prune
+        self.whole_floor = [0.0] * self.world  # per rank: its matmul_floor at the last step it multiplied its whole share
         self.moved = [0.0] * self.world  # per rank: share of its columns it hands over
         self.receiving: list[int] | None = None  # ranks that take handed-over columns (None: all that hand none over)
         self.reference: float | None = None  # own busy time at the last refresh
@@ -352,15 +353,16 @@ class Mitigator:
         t_min, slow, receivers = stragglers_and_receivers(stats, cfg.tolerance)  # T_min: the strict criterion
         if policy == "none":
             return 0
+        floor = pruning_floors(stats, self.keep, self.moved, self.whole_floor, receivers) if self._prunes() \
+            else [0.0] * self.world
         if policy.startswith("zero"):
             for r, s in enumerate(stats):
                 if policy == "zero-pridiff-e":  # the empirical ratio while it would straggle unpruned
                     unpruned = s.busy + s.matmul * (1 / self.keep[r] - 1)
                     straggles = unpruned > t_avg * (1 + cfg.tolerance)
-                    self.keep[r] = max(1 - cfg.gamma_e, matmul_floor(stats, r)) if straggles else 1.0
+                    self.keep[r] = max(1 - cfg.gamma_e, floor[r]) if straggles else 1.0
                 elif self.keep[r] < 1 or s.busy > t_avg * (1 + cfg.tolerance):  # noise is no straggler
-                    self.keep[r] = keep_after_resizing(self.keep[r], s.busy, t_avg, s.matmul, cfg.cap,
-                                                       matmul_floor(stats, r))
+                    self.keep[r] = keep_after_resizing(self.keep[r], s.busy, t_avg, s.matmul, cfg.cap, floor[r])
             return 0
         if policy in ("migrate", "rebalance"):
             self._migrate(stats, slow, receivers)
@@ -372,7 +374,7 @@ class Mitigator:
         if not slow:
             return 0
         full = {r: stats[r].full_flops * stats[r].matmul / stats[r].flops if stats[r].flops > 0 else 0.0 for r in slow}
-        excess = {r: min(cfg.cap, 1.0 - matmul_floor(stats, r), max(0.0, (unmitigated(stats[r]) - t_min) / full[r]))
+        excess = {r: min(cfg.cap, 1.0 - floor[r], max(0.0, (unmitigated(stats[r]) - t_min) / full[r]))
                   if full[r] > 0 else 0.0 for r in slow}  # Eq. 1 against T_min, as a share of all its columns
         if len(slow) == 1:
             (k,) = slow

@@ -43,17 +43,37 @@ def keep_after_resizing(keep: float, busy: float, target: float, matmul: float, 
     return min(1.0, max(1.0 - cap, floor, keep * (1.0 - gamma)))
 
 
-def matmul_floor(stats: Sequence[Stats], r: int) -> float:
+def matmul_floor(stats: Sequence[Stats], r: int, norm: Sequence[int] | None = None) -> float:
     """The least share of its columns rank r need multiply: its matmul speed over a normal
-    rank's (the upper median of the ranks' speeds: the fastest of 2, the second fastest of 4;
-    one rank that happened to run undisturbed does not set the norm). Eq. 1 charges a rank's
-    whole excess to its multiplications; where the excess is elsewhere (noise in the other work
-    of ranks sharing cores, a slow collective), pruning cannot remove it, and Eq. 1 alone would
-    prune such a rank to the cap. A rank multiplying chi times slower keeps 1 / chi at least:
-    then its multiplications take a normal rank's time."""
+    rank's (the upper median of the speeds of the ranks `norm`, default all: the fastest of 2,
+    the second fastest of 4; one rank that happened to run undisturbed does not set the norm;
+    the mitigator's norm is the ranks that are no stragglers, so that with half of the ranks
+    slow a straggler is not the norm). Eq. 1 charges a rank's whole excess to its
+    multiplications; where the excess is elsewhere (noise in the other work of ranks sharing
+    cores, a slow collective), pruning cannot remove it, and Eq. 1 alone would prune such a
+    rank to the cap. A rank multiplying chi times slower keeps 1 / chi at least: then its
+    multiplications take a normal rank's time."""
     speeds = matmul_speeds(stats)
-    normal = sorted(speeds, reverse=True)[(len(speeds) - 1) // 2] if speeds else 0.0
+    normal_speeds = [speeds[i] for i in (range(len(speeds)) if not norm else norm)]
+    normal = sorted(normal_speeds, reverse=True)[(len(normal_speeds) - 1) // 2] if normal_speeds else 0.0
     return min(1.0, speeds[r] / normal) if normal > 0 else 0.0
+
+
+def pruning_floors(stats: Sequence[Stats], keep: Sequence[float], moved: Sequence[float], whole: list[float],
+                   norm: Sequence[int]) -> list[float]:
+    """Each rank's matmul_floor against the ranks `norm` (the ones that are no stragglers), for
+    the shares `keep` and `moved` the measured step ran. A rank that prunes (or hands over)
+    multiplies smaller products, which run fewer FLOPs a second (their fixed costs stay): the
+    speed read then is low, and as the floor it let pruning feed itself to the cap (4x slower,
+    95% pruned, not 75%). So a pruning rank's floor is at least `whole[r]`, the one read at the
+    last step it multiplied its whole share (kept up to date here, in place)."""
+    out = []
+    for r in range(len(stats)):
+        read = matmul_floor(stats, r, norm)
+        if keep[r] >= 1.0 and moved[r] <= 0.0:  # this step multiplied its whole share
+            whole[r] = read
+        out.append(read if keep[r] >= 1.0 else max(read, whole[r]))
+    return out
 
 
 def unmitigated(s: Stats) -> float:
