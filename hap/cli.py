@@ -27,6 +27,8 @@ from pathlib import Path
 DEFAULT_LR = 0.05
 """hap train's SGD learning rate where --lr is not given (nor a checkpoint's, on --resume)."""
 TRAIN_OPTIMIZER = "momentum"
+TRAIN_OPTIMIZER_CLASS = "SGD"
+"""The optimizer hap train makes (torch.optim.SGD with momentum 0.9): its class, as a checkpoint names it."""
 """What hap train trains with (SGD with momentum 0.9), whose state its plans' memory counts."""
 
 
@@ -586,17 +588,23 @@ def _check_checkpoint(path: str, graph, args, devices: int) -> None:
     """The checkpoint's files must be as written (their checksums, .metadata's too) and it must be
     of this model (its every parameter and buffer, by key and shape), said here once rather
     than by every rank (which then load it without hashing it again)."""
-    from .runtime.checkpoint import check, idle_shapes, model_shapes, verify
+    from .runtime.checkpoint import check, idle_shapes, model_shapes, saved_optimizer, verify
 
     try:
         verify(path)
         check(path, model_shapes(graph), optional=idle_shapes(graph))
+        kind = saved_optimizer(path)
     except ValueError as e:
         hint = _earlier_hint(os.path.dirname(path), path) if "damaged" in str(e) or "checksum" in str(e) else ""
         if args.model == "bert-moe" and args.experts is None and "is (" in str(e):  # (a shape differs)
             hint = (f" (bert-moe's experts are 2 per device unless --experts says: {2 * devices} on these "
                     f"{devices}; give --experts as the checkpoint's run had them)")
         raise UserError(f"--resume: {e}{hint}") from None
+    if kind != TRAIN_OPTIMIZER_CLASS and kind != "":  # (a checkpoint the Python API saved; "": an older hap's)
+        held = "no optimizer state" if kind is None else f"the state of optimizer class {kind}"
+        raise UserError(f"--resume: checkpoint {path} holds {held}, and hap train trains on with "
+                        f"{TRAIN_OPTIMIZER_CLASS} (momentum 0.9) and its state: resume it with the Python API "
+                        "(hap.runtime.checkpoint.load, your optimizer)")
 
 
 def _calibrated(args, graph, cluster, say):

@@ -114,14 +114,15 @@ def assert_state_like_reference(got, steps, kind):
 
 
 def train(rank, world, layout, kind, directory, steps, resume=False, every=None, die=None, keep=None):
-    """Train to `steps` (from the latest checkpoint when resuming), saving every `every` steps
-    (keeping the last `keep`).
+    """Train to `steps` (from the latest checkpoint when resuming; resume="step-..." from that
+    one), saving every `every` steps (keeping the last `keep`).
     die: (rank, step, where) -- that rank kills itself after that step, or ("save") inside
     the checkpoint's writer at the save of that step, or ("commit") raises just before the
     rename that makes it the latest."""
     dmodel = distributed(world, layout)
     opt = optimizer(dmodel.parameters(), kind)
-    start, extra = checkpoint.load(dmodel, opt, directory) if resume else (0, None)
+    where = os.path.join(directory, resume) if isinstance(resume, str) else directory
+    start, extra = checkpoint.load(dmodel, opt, where) if resume else (0, None)
     drawn = torch.rand(3).tolist()  # after a load: what rank 0's generator drew next at the save
     for step in range(start, steps):
         dmodel(*batch(step)).backward()
@@ -227,6 +228,17 @@ def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
         assert got["start"] == 4
         assert_like_reference(got, 8, "sgd")  # momentum buffers included
     assert sorted(os.listdir(directory)) == [".commits", "latest", "step-00000006", "step-00000008"]  # the last two kept
+
+
+def test_keep_after_a_resume_from_an_earlier_step_keeps_the_checkpoint_resumed_from(tmp_path):
+    """Steps 2 and 4 saved; a run resumed from step 2 saves step 3 with keep=2: it kept the
+    replaced run's step 4 and removed step 2, the one it resumed from (a helper's review)."""
+    directory = str(tmp_path / "ckpt")
+    run_ranks(train, 2, tmp_path, ("dp", [0.6, 0.4]), "sgd", directory, 4, False, 2)
+    for got in run_ranks(train, 2, tmp_path, ("dp", [0.6, 0.4]), "sgd", directory, 3, "step-00000002", 1, None, 2):
+        assert got["start"] == 2
+        assert_like_reference(got, 3, "sgd")
+    assert sorted(os.listdir(directory)) == [".commits", "latest", "step-00000002", "step-00000003"]
 
 
 def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
@@ -424,7 +436,7 @@ def test_checkpoint_of_another_model_is_an_error(tmp_path):
             "which every rank's load returns (gather each rank's state into one extra first)"]), (rank, said)
 
 
-def test_cli_resumes_where_it_stopped(tmp_path, capfd):
+def test_cli_resumes_where_it_stopped(tmp_path, capfd, monkeypatch):
     from hap.cli import main
 
     directory = str(tmp_path / "ckpt")
@@ -472,6 +484,18 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd):
         assert main(["train", "--model", "vit", *args]) == 2
         err = capfd.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("hap: error: ") and error in err, err
+    # a checkpoint of another optimizer, or of none (the Python API's): refused before any rank
+    # starts (it was a rank's traceback, after planning, advising load(dmodel, None, ...))
+    assert checkpoint.saved_optimizer(f"{directory}/step-00000006") == "SGD"  # (hap train's own)
+    for kind, held in (("Adam", "the state of optimizer class Adam"), (None, "no optimizer state")):
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint, "saved_optimizer", lambda path, kind=kind: kind)
+            assert main(["train", "--model", "vit", "--checkpoint", directory, "--resume", "--steps", "8"]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert err[-1] == (f"hap: error: --resume: checkpoint {directory}/step-00000006 holds {held}, and hap train "
+                           "trains on with SGD (momentum 0.9) and its state: resume it with the Python API "
+                           "(hap.runtime.checkpoint.load, your optimizer)"), err
+        assert all(line.startswith(("[hap] building", "[hap] capturing")) for line in err[:-1]), err  # (before planning)
     # the latest damaged: an earlier one named (there was no way but editing DIR/latest)
     out, from_4 = losses("--steps", "6", "--checkpoint", directory + "-c", "--resume", "4")
     assert f"resuming from {directory}-c/step-00000004 (step 4)" in out and from_4 == {5: straight[5], 6: straight[6]}
@@ -858,7 +882,7 @@ def test_state_spanning_a_one_row_shard_is_refused_on_every_rank(tmp_path):
                                   "(SGD, Adam, ...) or a plan that keeps fc1.weight whole")
 
 
-def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_path):
+def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_path, monkeypatch):
     """keep= removed the newer checkpoint past step 99,999,999 (names sorted as text), and a
     resumed run's own checkpoints where a later step was saved before the resume; a byte
     changed in a data file loaded silently (DCP checks sizes only)."""
@@ -894,6 +918,30 @@ def test_keep_orders_checkpoints_by_save_and_checksums_catch_a_changed_byte(tmp_
     staging.mkdir()
     checkpoint._commit(str(staging), str(copied), 6, 2, {})
     assert sorted(e.name for e in copied.iterdir()) == [".commits", "latest", "step-00000005", "step-00000006"]
+    # what optimizer a checkpoint holds, read before any rank starts: none; an older hap's, unsaid
+    for items, kind in (({"step": 1}, None), ({"step": 1, "optim/param_groups": [{"lr": 0.1}]}, ""),
+                        ({"step": 1, "optim/param_groups": [{"lr": 0.1}], "optim/kind": "Adam"}, "Adam")):
+        where = tmp_path / f"opt-{kind}"
+        dcp.save(items, storage_writer=dcp.FileSystemWriter(str(where)), no_dist=True,
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False))  # (as save writes them)
+        assert checkpoint.saved_optimizer(str(where)) == kind
+    # a step saved again: a resume by its step takes the last save (it took step-00000006, the
+    # replaced run's); and a stray file where a save stages is no obstacle
+    (copied / ".tmp-step-00000006").write_text("stray")
+    staging = copied / ".tmp-step"
+    staging.mkdir()
+    checkpoint._commit(str(staging), str(copied), 6, None, {})
+    assert [os.path.basename(p) for p, _ in checkpoint.checkpoints(str(copied))] == [
+        "step-00000006.1", "step-00000006", "step-00000005"]
+    assert not (copied / ".tmp-step-00000006").exists()
+    # the log before the pointer: a crash between the two leaves the new checkpoint logged (the
+    # pointer first left it unlogged, and keep= then took it for the oldest and removed it)
+    staging.mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crashed")))
+        with pytest.raises(OSError, match="crashed"):
+            checkpoint._commit(str(staging), str(copied), 7, None, {})
+    assert (copied / ".commits").read_text().splitlines()[-1] == "step-00000007"
     path = str(tmp_path / "step-100000001")
     checkpoint.verify(path)
     data = next(p for p in (tmp_path / "step-100000001").iterdir() if p.suffix == ".distcp")

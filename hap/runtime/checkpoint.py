@@ -62,6 +62,10 @@ _CHECKSUMMED = "checksummed"
 _STATE = "optim/state/"  # + <parameter's key>/<state name>
 _POWERSGD = "sync/powersgd/"  # + <parameter's key>/<rows>/error, .../q
 _NAME = re.compile(r"step-(\d+)(\.\d+)?$")
+_RESUMED: dict[str, str] = {}
+"""Directory -> the checkpoint this process last loaded from it, until its next save there: the
+save logs it as committed again first (COMMITS), so that keep= keeps the run's own lineage (the
+checkpoint it resumed from), not a later step of the run it replaces."""
 
 
 def state_dict(dmodel) -> dict[str, torch.Tensor]:
@@ -251,7 +255,7 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
             items.update({"step": step, "extra_pickle": pickled, "rng": torch.get_rng_state(),
                           _CHECKSUMMED: True})  # (a load then requires the checksums: verify)
             os.makedirs(directory, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # a save of this step that died before
+            _remove(staging)  # a save of this step that died before (or a stray file of that name)
             os.makedirs(staging)
     except (ValueError, OSError) as e:
         refused = f"checkpoint save: {e}"
@@ -267,10 +271,11 @@ def save(dmodel, opt: torch.optim.Optimizer | None, directory: str, step: int, e
         raise ValueError(f"checkpoint save: writing {staging} failed ({_first_failure(e)})") from None
     dist.barrier(group=comm.group)  # every rank's part is written
     sums = _checksums(staging, comm)
+    resumed = _RESUMED.pop(os.path.realpath(directory), None)
     box: list = [None]
     if comm.rank == 0:
         try:
-            box = [_commit(staging, directory, step, keep, sums)]
+            box = [_commit(staging, directory, step, keep, sums, resumed)]
         except OSError as e:  # told to every rank, not left waiting
             box = [ValueError(f"checkpoint save: committing {staging} failed: {e}")]
     dist.broadcast_object_list(box, src=global_rank(comm, 0), group=comm.group)  # no rank returns before it is the latest
@@ -380,6 +385,7 @@ def load(dmodel, opt: torch.optim.Optimizer | None, directory: str, verified: bo
     _put_loaded(dmodel, opt, held, objects, hyper)
     torch.set_rng_state(rng)
     _load_compressor(dmodel, path, meta, comm)
+    _RESUMED[os.path.dirname(os.path.realpath(path))] = os.path.basename(os.path.realpath(path))
     return objects["step"], objects["extra"]
 
 
@@ -614,14 +620,15 @@ def latest(directory: str) -> tuple[str, int] | None:
 
 
 def checkpoints(directory: str) -> list[tuple[str, int]]:
-    """The checkpoints under `directory` (path, step), newest step first: what a resume may name
-    where the latest is damaged (none of them verified here)."""
+    """The checkpoints under `directory` (path, step), newest step first (of a step saved again,
+    the last save first): what a resume may name where the latest is damaged (none of them
+    verified here)."""
     try:
         names = [n for n in os.listdir(directory) if _NAME.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
     except OSError:
         return []
     found = [(os.path.join(directory, n), int(_NAME.fullmatch(n).group(1))) for n in names]
-    return sorted(found, key=lambda f: (-f[1], f[0]))
+    return sorted(found, key=lambda f: tuple(-x for x in _order(os.path.basename(f[0]))))  # a step saved again: its last first
 
 
 def metadata(path: str) -> Metadata:
@@ -641,6 +648,23 @@ def metadata(path: str) -> Metadata:
             raise ValueError(f"checkpoint {path} is damaged: {info.relative_path} is "
                              f"{'missing' if not os.path.isfile(file) else 'cut short'}")
     return meta
+
+
+def saved_optimizer(path: str, meta: Metadata | None = None) -> str | None:
+    """The class name of the optimizer whose state the checkpoint at `path` holds ("SGD"), ""
+    where it does not say (an older hap's), None where it holds none; read in this process
+    alone (hap train asks before its ranks start)."""
+    meta = meta or metadata(path)
+    if "optim/param_groups" not in meta.state_dict_metadata:
+        return None
+    if "optim/kind" not in meta.state_dict_metadata:
+        return ""
+    items: dict[str, Any] = {"optim/kind": None}
+    with warnings.catch_warnings():  # (no process group: DCP says it reads in one process, as meant)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(items, storage_reader=dcp.FileSystemReader(path), no_dist=True,
+                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    return items["optim/kind"]
 
 
 def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None = None,
@@ -670,9 +694,13 @@ def check(path: str, shapes: dict[str, tuple[int, ...]], meta: Metadata | None =
                          "(a checkpoint of another model?)")
 
 
-def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dict[str, str]) -> str:
+def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dict[str, str],
+            resumed: str | None = None) -> str:
     """Rank 0, once every rank has written: record the files' checksums, rename the staging
-    directory into place, point `latest` at it (the commit), and drop what is no longer needed."""
+    directory into place, log it (after `resumed`, the checkpoint this run resumed from, logged
+    again) in COMMITS, point `latest` at it (the commit), and drop what is no longer needed. The
+    log comes before the pointer: a crash between the two leaves the new checkpoint logged and
+    the pointer at the one before (the other order left the latest unlogged: the oldest to keep=)."""
     with open(os.path.join(staging, CHECKSUMS), "w") as f:
         json.dump(sums, f, indent=0)
         f.flush()
@@ -684,20 +712,21 @@ def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dic
     final = os.path.join(directory, name)
     os.rename(staging, final)
     _fsync_dir(directory)
+    lineage = [resumed] if resumed is not None and resumed != name and os.path.isdir(os.path.join(directory, resumed)) else []
+    with open(os.path.join(directory, COMMITS), "a") as f:
+        f.write("".join(f"{entry}\n" for entry in (*lineage, name)))
+        f.flush()
+        os.fsync(f.fileno())
     pointer = os.path.join(directory, f".{POINTER}.tmp")
     with open(pointer, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(directory, POINTER))
-    with open(os.path.join(directory, COMMITS), "a") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
     _fsync_dir(directory)
     for entry in os.listdir(directory):  # staging directories of saves that died
         if entry.startswith(".tmp-step-"):
-            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+            _remove(os.path.join(directory, entry))
     if keep is not None:  # the newest committed: a run resumed from an older step keeps its own, not a later step's
         committed = _commit_order(directory)
         done = sorted((e for e in os.listdir(directory) if _NAME.fullmatch(e) and e != name),
@@ -705,6 +734,14 @@ def _commit(staging: str, directory: str, step: int, keep: int | None, sums: dic
         for entry in done[: max(0, len(done) - (keep - 1))]:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     return final
+
+
+def _remove(path: str) -> None:
+    """Remove a directory's tree, or a file, at `path`; nothing where there is none."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _commit_order(directory: str) -> dict[str, int]:
