@@ -27,9 +27,9 @@ from pathlib import Path
 DEFAULT_LR = 0.05
 """hap train's SGD learning rate where --lr is not given (nor a checkpoint's, on --resume)."""
 TRAIN_OPTIMIZER = "momentum"
-TRAIN_OPTIMIZER_CLASS = "SGD"
-"""The optimizer hap train makes (torch.optim.SGD with momentum 0.9): its class, as a checkpoint names it."""
 """What hap train trains with (SGD with momentum 0.9), whose state its plans' memory counts."""
+TRAIN_OPTIMIZER_CLASS = "SGD"
+"""Its class, as a checkpoint names it (torch.optim.SGD)."""
 
 
 class UserError(Exception):
