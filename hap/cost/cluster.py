@@ -31,6 +31,8 @@ File format (YAML):
       reduce_scatter: {alpha: 1e-4, beta: 1.5e9}
       all_to_all: {alpha: 1e-4, beta: 1.5e9}
       broadcast: {alpha: 5e-5, beta: 1.2e9}
+
+A link's latency, where not given, is 0 (a bandwidth alone: every message priced by its bytes).
 """
 
 from __future__ import annotations
