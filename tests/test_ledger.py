@@ -99,6 +99,11 @@ def test_a_rank_in_a_collective_of_its_own_behind_a_peers_call_is_named():
     assert ledger.waits_outside(every, 0, "all_reduce") is None  # no peer ahead of rank 0: its own, on every rank
     assert ledger.waits_outside({0: [], 1: [(1, "wrap")]}, 0, "barrier").startswith(
         "ranks 1 and 0 parted: rank 1's 1st call to all ranks is wrap, ")  # (no call made yet)
+    # in a collective over a group of the user's: only the group's ranks ahead count
+    assert ledger.waits_outside(every, 1, "barrier", among=(1, 2)) is None  # rank 0, ahead, is not of it
+    assert ledger.waits_outside(every, 1, "barrier", among=(0, 1)).startswith(
+        "ranks 0 and 1 parted: rank 0's 5th call to all ranks is fwd, while rank 1 waits in torch.distributed's "
+        "barrier(...) over ranks [0, 1] outside hap's calls: ")
     said = ledger.aborted_behind(every, 2)
     assert said.startswith("rank 2 was aborted between hap's calls (it had made 4), while rank 0's 5th call to all "
                            "ranks is fwd: ")
@@ -139,23 +144,24 @@ def test_a_wait_outside_hap_ends_the_run_only_when_reads_in_a_row_find_the_same_
 def lone_collective(rank, which):
     import torch.distributed as dist
     dmodel, opt, batch = wrapped("megatron")
+    group = dist.new_group([0, 1]) if which == "group barrier" else None  # (made by every rank)
     step(dmodel, opt, batch)
     if rank == 1 and which == "destroy":
         dist.destroy_process_group()  # (early stopping on one rank)
         time.sleep(3.0)
         return
     if rank == 1:
-        dist.barrier() if which == "barrier" else dist.all_reduce(torch.ones(3))
+        dist.barrier(group=group) if which.endswith("barrier") else dist.all_reduce(torch.ones(3))
     step(dmodel, opt, batch)
 
 
-@pytest.mark.parametrize("which", ["barrier", "all_reduce", "destroy"])
+@pytest.mark.parametrize("which", ["barrier", "group barrier", "all_reduce", "destroy"])
 def test_a_collective_of_the_users_own_on_one_rank_ends_the_run_naming_it(which):
     """rank 1 alone makes a collective of its own between two steps: a lone barrier waited out
-    the collective timeout (its peer waits in the next step's forward); a lone all_reduce meets
-    the forward's collective and gloo aborts rank 1, which was told as a bare SIGABRT; rank 1
-    destroying its process group (stopping early) left rank 0 with gloo's "Connection reset by
-    peer" alone."""
+    the collective timeout (its peer waits in the next step's forward), and one over a group of
+    the user's did still; a lone all_reduce meets the forward's collective and gloo aborts rank
+    1, which was told as a bare SIGABRT; rank 1 destroying its process group (stopping early)
+    left rank 0 with gloo's "Connection reset by peer" alone."""
     with pytest.raises(RankFailed) as caught:
         spawn(lone_collective, 2, args=(which,), timeout_s=TIMEOUT_S)
     headline = str(caught.value).splitlines()[0]
@@ -165,7 +171,9 @@ def test_a_collective_of_the_users_own_on_one_rank_ends_the_run_naming_it(which)
                "training forward, dmodel(...): ")
     left = ("rank 0 failed: rank 0's 5th call to all ranks, a training forward, dmodel(...), lost rank 1, which had made "
             "4 and left between hap's calls ")
-    assert headline.startswith({"barrier": waits, "all_reduce": aborted, "destroy": left}[which]), headline
+    grouped = waits.replace("barrier(...) outside", "barrier(...) over ranks [0, 1] outside")
+    assert headline.startswith({"barrier": waits, "group barrier": grouped, "all_reduce": aborted, "destroy": left}[which]), \
+        headline
 
 
 def test_each_rank_reads_every_ranks_latest_calls_from_the_shared_file(tmp_path):

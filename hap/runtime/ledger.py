@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -373,28 +373,31 @@ def parted(every: dict[int, list[tuple[int, str]]]) -> str | None:
     return None
 
 
-def _peer_ahead(every: dict[int, list[tuple[int, str]]], rank: int) -> tuple[int, int, int, str] | None:
-    """(calls `rank` made, a peer that made more, the number and name of the first call it made
-    that `rank` has not), or None where no peer is ahead."""
+def _peer_ahead(every: dict[int, list[tuple[int, str]]], rank: int,
+                among: Sequence[int] | None = None) -> tuple[int, int, int, str] | None:
+    """(calls `rank` made, a peer (of `among`, default all) that made more, the number and name
+    of the first call it made that `rank` has not), or None where no peer is ahead."""
     mine = every.get(rank, [])
     made = mine[-1][0] if mine else 0
     for r, calls in sorted(every.items()):
         ahead = [(n, name) for n, name in calls if n > made]
-        if r != rank and ahead:
+        if r != rank and ahead and (among is None or r in among):
             return made, r, *ahead[0]
     return None
 
 
-def waits_outside(every: dict[int, list[tuple[int, str]]], me: int, collective: str) -> str | None:
+def waits_outside(every: dict[int, list[tuple[int, str]]], me: int, collective: str,
+                  among: Sequence[int] | None = None) -> str | None:
     """The one-line message where rank `me` waits in torch.distributed's `collective` over all
-    ranks, outside hap's calls, while a peer has made a call that `me` has not (the peer waits
-    in it for `me`: the user's own collective made on some ranks alone, a lone `dist.barrier()`);
-    None where no peer is ahead."""
-    found = _peer_ahead(every, me)
+    ranks (or over the group of ranks `among`), outside hap's calls, while a peer of the group has
+    made a call that `me` has not (the peer waits in it for `me`: the user's own collective made
+    on some ranks alone, a lone `dist.barrier()`); None where no such peer is ahead."""
+    found = _peer_ahead(every, me, among)
+    over = "" if among is None else f" over ranks {list(among)}"
     return None if found is None else (
         f"ranks {found[1]} and {me} parted: rank {found[1]}'s {_ordinal(found[2])} call to all ranks is {found[3]}, "
-        f"while rank {me} waits in torch.distributed's {collective}(...) outside hap's calls: a collective of your own "
-        "made on some ranks alone meets no partner (every rank makes it, or none; hap's calls too)")
+        f"while rank {me} waits in torch.distributed's {collective}(...){over} outside hap's calls: a collective of "
+        "your own made on some ranks alone meets no partner (every rank makes it, or none; hap's calls too)")
 
 
 def aborted_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | None:
@@ -426,20 +429,31 @@ def left_behind(every: dict[int, list[tuple[int, str]]], rank: int) -> str | Non
     return None
 
 
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+                            "recv_object_list"})
+"""torch.distributed's messages to one peer: a rank waiting in one waits for that peer alone,
+which may be behind while another is ahead (no parting)."""
+
+
 def collective_waited_in(ident: int):
-    """The frame of the torch.distributed collective over all ranks (its default group) that the
-    thread `ident` waits in (its outermost frame in distributed_c10d.py; `.f_code.co_name` names
-    the collective); None where it waits in none."""
+    """(the frame of the torch.distributed collective that the thread `ident` waits in: its
+    outermost frame in distributed_c10d.py, `.f_code.co_name` naming it; the global ranks of its
+    group, None for all), or None where it waits in none (or in a message to one peer)."""
     frame, found = sys._current_frames().get(ident), None
     while frame is not None:
         code = frame.f_code
         if code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")) and code.co_name != "wrapper":
             found = frame  # (walking outwards: the last is the user's call)
         frame = frame.f_back
-    if found is None:
+    if found is None or found.f_code.co_name in POINT_TO_POINT:
         return None
     group = found.f_locals.get("group")
-    return found if group is None or group is dist.group.WORLD else None
+    if group is None or group is dist.group.WORLD:
+        return found, None
+    try:
+        return found, tuple(dist.get_process_group_ranks(group))
+    except Exception:  # (a group destroyed meanwhile, or not one: nothing told)
+        return None
 
 
 class Suspicion:
@@ -505,10 +519,11 @@ def watch(end: Callable[[str, str], None]) -> None:
                 return
             message = parted(every)
             if message is None and ledger.current is None:  # outside hap's calls: in a collective of the user's?
-                frame = collective_waited_in(ledger.thread)
-                outside = None if frame is None else waits_outside(every, ledger.rank, frame.f_code.co_name)
+                found = collective_waited_in(ledger.thread)
+                frame, among = found if found is not None else (None, None)
+                outside = None if frame is None else waits_outside(every, ledger.rank, frame.f_code.co_name, among)
                 message = suspicion.confirms(frame, outside)
-                del frame  # (the suspicion holds it until the next read)
+                del found, frame  # (the suspicion holds it until the next read)
             else:
                 suspicion.clear()
             if message is not None:
