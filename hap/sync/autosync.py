@@ -102,7 +102,12 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     """Search the synchronization strategy for `model` (hap.models) on `cluster` (local ranks),
     of `plan`'s gradients (default: data parallelism at compute-proportional batch shares)."""
     config = config or AutoSyncConfig()
+    if not cluster.local:  # (as hap sync says: CPU timings would stand for the cluster's devices)
+        raise ValueError(f"cluster {cluster.name!r} is not local: the search measures strategies on local processes "
+                         "(a cluster file with local: true, emulating its devices and links)")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; the search writes into a directory there")
     out.mkdir(parents=True, exist_ok=True)
     for name, want_dir in (("trials.jsonl", False), ("domains", True), ("plan.json", False), ("result.json", False),
                            ("autosync.png", False)):  # what the search writes there: said before any work
@@ -112,7 +117,10 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
                              f"{'directory' if want_dir else 'file'} there")
     if cluster.size < 2:
         raise ValueError(f"cluster {cluster.name!r} has one device: there are no gradients to synchronize between devices")
-    given, knobs = knobs, changing_knobs(model, cluster.size, **knobs)  # (--layers 2 where 2 is the default: one search)
+    try:
+        given, knobs = knobs, changing_knobs(model, cluster.size, **knobs)  # (--layers 2 where 2 is the default: one search)
+    except TypeError as e:  # (an unknown knob: resolve() got an unexpected keyword argument)
+        raise ValueError(f"{model}: {str(e).removeprefix('resolve() ')}") from None
     rng = random.Random(config.seed)
     graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
@@ -172,7 +180,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
             k = min(config.per_round, config.trials - done)
             picked = select(pool, predicted, k, config.alpha, sim)
             seconds = measure([("trial", pool[i]) for i in picked])
-            best = min(t["seconds"] for t in history if t["domain"] == key)
+            best = min(t["seconds"] for t in history if t["domain"] == key and t["kind"] == "trial")
             say(f"[autosync] trials {done + k}/{config.trials}: {', '.join(f'{s * 1e3:.1f}' for s in seconds)} ms; "
                 f"best so far {best * 1e3:.1f} ms")
         confirmed = _confirm(history, key, measure, config, say)
@@ -202,12 +210,13 @@ def _candidates(history, key, variables, bw, rng, config: AutoSyncConfig) -> lis
     local = int(config.local * config.candidates) if parents else 0
     pool = [sample(variables, bw, rng, config.space) for _ in range(config.candidates - local)]
     pool += [neighbour(rng.choice(parents), variables, bw, rng, config.space) for _ in range(local)]
-    seen = {json.dumps(t["strategy"]) for t in measured}
+    # (by what the runtime runs: strategies whose groups are numbered otherwise were measured twice)
+    seen = {variables.key(SyncStrategy.from_json(t["strategy"])) for t in measured}
     fresh = []
     for s in pool:
-        text = json.dumps(s.to_json())
-        if text not in seen:
-            seen.add(text)
+        key = variables.key(s)
+        if key not in seen:
+            seen.add(key)
             fresh.append(s)
     return fresh or pool
 
@@ -242,7 +251,8 @@ def _domain_key(model: str, knobs: dict, cluster: Cluster, plan: Plan, compress:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_ROW_FIELDS = {"domain": str, "kind": str, "strategy": list, "seconds": (int, float), "hap_estimate": (int, float)}
+_ROW_FIELDS = {"domain": str, "model": str, "knobs": dict, "cluster": str, "kind": str, "strategy": list,
+               "seconds": (int, float), "hap_estimate": (int, float)}
 """The fields every logged row has, and their types."""
 
 
@@ -291,7 +301,7 @@ def _history(log: Path, key: str, compress: bool, say: Callable[[str], None] = p
 
 def _sample(domain: Domain, strategy: SyncStrategy, seconds: float = 0.0) -> Sample:
     x, edges = features(domain, strategy)
-    return Sample(domain.name, x, edges, seconds, repr(strategy))
+    return Sample(domain.name, x, edges, seconds, repr(domain.variables.key(strategy)))  # (by what runs: _candidates)
 
 
 def _samples(history: list[dict], key: str, domain: Domain) -> list[Sample]:
@@ -389,14 +399,27 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
         if t["domain"] == key and t["kind"].startswith("baseline:"):
             logged.setdefault((t["kind"], json.dumps(t.get("knobs_tried", {}), sort_keys=True)), t["seconds"])
     reused = [0]
+    # Seconds of each strategy run, by what runs (Variables.key): a baseline whose knobs give a
+    # strategy measured already (most of Horovod's thresholds give hap's buckets) takes its time,
+    # not a measurement more (the least of 20 runs of one strategy beat its one run by noise).
+    # A baseline's first run of a strategy is logged, so a resumed search meets the same.
+    ran: dict[tuple, float] = {}
 
     def logged_or_measured(named, tried):
-        seconds = [logged.get((kind, json.dumps(how, sort_keys=True))) for (kind, _), how in zip(named, tried)]
-        todo = [i for i, t in enumerate(seconds) if t is None]
-        reused[0] += len(named) - len(todo)
+        keys = [variables.key(s) for _, s in named]
+        for k, (kind, _), how in zip(keys, named, tried):  # (resumed: a run this search logged before)
+            past = logged.get((kind, json.dumps(how, sort_keys=True)))
+            if k not in ran and past is not None:
+                ran[k] = past
+                reused[0] += 1
+        first: dict[tuple, int] = {}  # each strategy not run yet, at its first place (twice among these: once)
+        for i, k in enumerate(keys):
+            if k not in ran:
+                first.setdefault(k, i)
+        todo = list(first.values())
         for i, t in zip(todo, measure([named[i] for i in todo], [tried[i] for i in todo]) if todo else []):
-            seconds[i] = t
-        return seconds
+            ran[keys[i]] = t
+        return [ran[k] for k in keys]
 
     out = {}
     largest = max(v.nbytes for v in variables.vars)

@@ -163,6 +163,12 @@ class Variables:
             start += length
         return out
 
+    def key(self, strategy: SyncStrategy) -> tuple[SyncEntry, ...]:
+        """What the runtime runs for `strategy` (its sync entries): two strategies of one key
+        synchronize alike (groups numbered otherwise, a sparse parameter's group, which buckets
+        it alone anyway), so a search measures one of them once."""
+        return tuple(self.entries(strategy))
+
     def entries(self, strategy: SyncStrategy) -> list[SyncEntry]:
         """The plan's sync entries of a strategy, buckets numbered in launch order.
 
