@@ -441,3 +441,29 @@ def test_an_empty_sparse_gradient_is_made_without_torchs_warning():
             "    g = _empty_sparse(torch.zeros(5, 3))\nprint(tuple(g.shape), g._nnz())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "(5, 3) 0", done.stderr[-500:]
+
+
+def test_trial_ranks_switch_strategies_without_resyncs_warnings():
+    """A --compress search printed resync's "drops PowerSGD's error feedback" at every switch of
+    strategy (6 times in 3 trials): the trial ranks switch quietly; warnings after stay on."""
+    import logging
+
+    from hap.sync.trials import _quiet_resync
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    hap_log, kept = logging.getLogger("hap"), Kept()
+    hap_log.addHandler(kept)
+    try:
+        with _quiet_resync():
+            hap_log.warning("hap: resync drops PowerSGD's error feedback of 1 part(s)")
+        hap_log.warning("after")
+    finally:
+        hap_log.removeHandler(kept)
+    assert kept.messages == ["after"]

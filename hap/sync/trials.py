@@ -13,6 +13,8 @@ rank, per step.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import statistics
 import time
@@ -159,8 +161,10 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
                 break
             measured = []
             for entries in box[0]:
-                dmodel.resync([SyncEntry(**{**e, "devices": tuple(e["devices"]),
-                                            "rows": tuple(e["rows"]) if e["rows"] is not None else None}) for e in entries])
+                with _quiet_resync():  # (a trial's PowerSGD starts afresh: its dropped error feedback is no news)
+                    dmodel.resync([SyncEntry(**{**e, "devices": tuple(e["devices"]),
+                                                "rows": tuple(e["rows"]) if e["rows"] is not None else None})
+                                   for e in entries])
                 for _ in range(w.warmup):
                     step()
                 dist.barrier()
@@ -172,3 +176,16 @@ def _serve(rank: int, world: int, port: int, workload: dict, commands, results, 
     except BaseException as e:  # the driver hears of it, the other ranks from their sockets
         results.put(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
+
+
+@contextlib.contextmanager
+def _quiet_resync():
+    """hap's warnings off while a trial rank switches strategies (resync's "drops PowerSGD's
+    error feedback" printed at every switch of a --compress search)."""
+    hap_log = logging.getLogger("hap")
+    level = hap_log.level
+    hap_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hap_log.setLevel(level)
