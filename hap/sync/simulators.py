@@ -226,8 +226,9 @@ class Sample:
     edges: list
     seconds: float
     strategy: str = ""
-    """The strategy measured (its repr): two samples of one strategy are one strategy measured
-    twice, whose times differ by noise alone: no pair to rank. "": unnamed."""
+    """The strategy measured, as what the runtime runs (the repr of Variables.key): two samples
+    of one are one strategy measured twice, whose times differ by noise alone: no pair to rank.
+    "": unnamed."""
 
 
 def pairs(samples: Sequence[Sample]) -> list[tuple[int, int]]:
