@@ -141,6 +141,28 @@ def test_a_wait_outside_hap_ends_the_run_only_when_reads_in_a_row_find_the_same_
     assert suspicion.confirms(next_call, said) is None
 
 
+def test_a_rank_in_a_message_to_one_peer_is_not_in_a_collective():
+    """A rank in recv waits for its one peer, which may be behind while another is ahead: no
+    parting to name (a barrier or all-reduce there is one). Functions made as if they were
+    torch.distributed's (the file name is what the ledger reads), each waiting in a thread."""
+    code = ("def recv(tensor=None, src=None, group=None):\n    release.wait()\n"
+            "def barrier(group=None):\n    release.wait()\n")
+    space = {"release": threading.Event()}
+    exec(compile(code, os.path.join("torch", "distributed", "distributed_c10d.py"), "exec"), space)
+    threads = {name: threading.Thread(target=space[name]) for name in ("recv", "barrier")}
+    for t in threads.values():
+        t.start()
+    try:
+        time.sleep(0.2)
+        assert ledger.collective_waited_in(threads["recv"].ident) is None
+        frame, among = ledger.collective_waited_in(threads["barrier"].ident)
+        assert frame.f_code.co_name == "barrier" and among is None
+    finally:
+        space["release"].set()
+        for t in threads.values():
+            t.join()
+
+
 def lone_collective(rank, which):
     import torch.distributed as dist
     dmodel, opt, batch = wrapped("megatron")
