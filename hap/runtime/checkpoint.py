@@ -660,10 +660,7 @@ def saved_optimizer(path: str, meta: Metadata | None = None) -> str | None:
     if "optim/kind" not in meta.state_dict_metadata:
         return ""
     items: dict[str, Any] = {"optim/kind": None}
-    with warnings.catch_warnings():  # (no process group: DCP says it reads in one process, as meant)
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(items, storage_reader=dcp.FileSystemReader(path), no_dist=True,
-                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    _load(items, path, None)
     return items["optim/kind"]
 
 
@@ -834,10 +831,13 @@ def _resolve(directory: str) -> str | None:
 def _load(items: dict[str, Any], path: str, comm) -> None:
     """DCP fills the tensors among `items` in place and replaces the other values. Items are
     keys as given, not flattened (as saved): `extra` and the optimizer's groups are one object
-    each."""
+    each. comm None: read in this process alone (no process group)."""
     try:
-        with quiet_sharded_tensors():
-            dcp.load(items, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
+        with quiet_sharded_tensors(), warnings.catch_warnings():
+            if comm is None:  # (DCP then says it reads in one process, as meant)
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(items, storage_reader=dcp.FileSystemReader(path), no_dist=comm is None,
+                     process_group=None if comm is None else comm.group,
                      planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except CheckpointException as e:  # a BaseException of every rank's tracebacks: one line instead
         raise ValueError(f"checkpoint {path} does not load ({_first_failure(e)})") from None
