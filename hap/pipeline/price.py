@@ -11,9 +11,10 @@ where r_i is device i's share of the batch as the runtime splits it, whole rows 
 (stages.device_pieces, summed: the ratio itself where the rows divide evenly), work_i is the
 batch-proportional time of the nodes on device i (the cost model's node times at the whole
 batch), fixed_i what does not shrink with the share (per-node overheads, nodes on replicated
-tensors, reading the whole weights and writing their gradients: every micro-batch pays it), acc_i adding a micro-batch's gradients into those held, inner_k the
-collectives nodes make inside themselves over G_k (a synchronized batch norm's sums), and send_k the
-transfer of what crosses the cut after stage k, forward and (what needs a gradient) back:
+tensors, reading the whole weights and writing their gradients: every micro-batch pays it),
+acc_i adding a micro-batch's gradients into those held, inner_k the collectives nodes make
+inside themselves over G_k (a synchronized batch norm's sums), and send_k the transfer of
+what crosses the cut after stage k, forward and (what needs a gradient) back:
 split rows between the pairs of devices whose rows overlap, at once (the slowest of their
 links and of the network cards they share decides: a machine's card carries all its devices'
 rows to other machines), replicated tensors whole, every micro-batch, from one device to each
