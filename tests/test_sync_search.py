@@ -1,6 +1,7 @@
 """AutoSync's parts without a process group: strategies as plan entries, the knowledge
 constraints, candidate selection, the two prices, the learned simulators and the baselines."""
 
+import dataclasses
 import json
 import random
 import re
@@ -23,7 +24,7 @@ from hap.sync.sampler import SpaceConfig, _balance_servers, neighbour, sample, s
 from hap.sync.select import select
 from hap.sync.simulators import (FEATURES, MARGIN, Domain, Padded, Sample, Simulator, features, pairs,
                                  ranking_accuracy)
-from hap.sync.strategy import PartSync, SyncStrategy, Variable, Variables, VarSync
+from hap.sync.strategy import PartSync, SyncStrategy, Variable, Variables, VarSync, with_strategy
 
 torch.set_num_threads(1)
 AR, PS = "all_reduce", "ps"
@@ -388,6 +389,25 @@ def test_tuned_ps_partitions_and_balances(setting):
     assert all(p.hierarchical for vs in s.vars for p in vs.parts)  # machine b has two devices
 
 
+
+def test_the_plan_baseline_is_the_plans_own_sync(setting):
+    """`hap sync --plan P` measures P's sync as the "hap" baseline: parts, servers, compressors
+    and hierarchy, not default buckets."""
+    *_, plan, _, _, variables = setting
+    fc1 = next(v for v in variables.vars if v.target == "fc1.weight")  # 64 rows
+    mine = SyncStrategy(tuple(
+        VarSync(v.param, (PartSync(kind=PS, server=2, hierarchical=True), PartSync(kind=AR, group=1, compressor="fp16")))
+        if v is fc1 else VarSync(v.param, (PartSync(kind=AR, group=0),)) for v in variables.vars))
+    planned = with_strategy(plan, variables, mine)
+    got = baselines.plan_sync(variables, planned.sync)
+    assert variables.key(got) == variables.key(mine) and not got.exact
+    assert variables.key(got) != variables.key(baselines.ddp(variables))
+    uneven = [dataclasses.replace(e, rows=(0, 40)) if e.param == fc1.param and e.rows == (0, 32) else
+              dataclasses.replace(e, rows=(40, 24)) if e.param == fc1.param else e for e in planned.sync]
+    with pytest.raises(ValueError, match=r"rows \[\(0, 40\), \(40, 24\)\], not as a strategy does"):
+        baselines.plan_sync(variables, uneven)
+
+
 # -- sparse gradients ------------------------------------------------------------------------------
 
 class Rec(nn.Module):
@@ -696,6 +716,18 @@ def test_a_search_that_cannot_write_or_would_measure_nothing_is_refused_before_a
     one = cluster_from_dict({**spec, "name": "one", "devices": spec["devices"][:1]})
     with pytest.raises(ValueError, match=r"^cluster 'one' has one device: there are no gradients to synchronize"):
         autosync.run("vit", {"scale": "small"}, one, tmp_path / "d")
+    # a given plan whose sync is no strategy, or compresses in a search without compression (its
+    # "hap" baseline is that plan's sync: the search would have returned it)
+    _, plan, variables, *_ = autosync._setting("vit", {"scale": "small"}, cluster, None)
+    fp16 = SyncStrategy(tuple(VarSync(v.param, (PartSync(kind=AR, compressor="fp16"),)) for v in variables.vars))
+    with pytest.raises(ValueError, match=r"^the plan's sync compresses gradients, which a search without compression"):
+        autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "h", plan=with_strategy(plan, variables, fp16))
+    two = next(v for v in variables.vars if v.rows >= 2)
+    halves = dataclasses.replace(plan, sync=[e for e in plan.sync if e.param != two.param] + [
+        dataclasses.replace(next(e for e in plan.sync if e.param == two.param), rows=rows)
+        for rows in ((0, two.rows - 1), (two.rows - 1, 1))])
+    with pytest.raises(ValueError, match=r"rows \[.*\], not as a strategy does"):
+        autosync.run("vit", {"scale": "small"}, cluster, tmp_path / "i", plan=halves)
 
 
 def test_knobs_that_change_nothing_key_the_same_search(setting, tmp_path):

@@ -125,6 +125,9 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
         raise ValueError(f"the plan of {model} keeps no parameter whole: there is no gradient to synchronize")
+    if not baselines.plan_sync(variables, plan.sync).exact and not config.space.compress:  # (its baseline, "hap")
+        raise ValueError("the plan's sync compresses gradients, which a search without compression never "
+                         "returns: search with compression (--compress), or give a plan that synchronizes exactly")
     domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
     key = _domain_key(model, knobs, cluster, plan, config.space.compress)
     log = out / "trials.jsonl"
@@ -191,9 +194,9 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     best_plan.to_json(out / "plan.json")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     _plots(history, key, out)
-    baselines = ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in result["baselines"].items())
+    measured = ", ".join(f"{n} {b['measured_seconds'] * 1e3:.1f} ms" for n, b in result["baselines"].items())
     say(f"[autosync] best {result['best']['measured_seconds'] * 1e3:.1f} ms ({result['best']['kind']}); "
-        + (f"{baselines}; " if baselines else "") + f"wrote {out / 'result.json'}, {out / 'plan.json'}")
+        + (f"{measured}; " if measured else "") + f"wrote {out / 'result.json'}, {out / 'plan.json'}")
     return result
 
 
@@ -424,7 +427,7 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
     out = {}
     largest = max(v.nbytes for v in variables.vars)
     sizes = sorted({max(2**16, largest // d) for d in (1, 2, 4, 8)}, reverse=True)  # partition sizes tried
-    named = [("hap", baselines.hap_default(variables, plan.sync)), ("ddp", baselines.ddp(variables))]
+    named = [("hap", baselines.plan_sync(variables, plan.sync)), ("ddp", baselines.ddp(variables))]
     named += [("tuned-ps", baselines.tuned_ps(variables, bw, s)) for s in sizes]
     seconds = logged_or_measured([(f"baseline:{n}", s) for n, s in named], [{"partition_bytes": None}] * 2 +
                       [{"partition_bytes": s} for s in sizes])

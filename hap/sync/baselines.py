@@ -126,7 +126,29 @@ def tuned_ps(variables: Variables, bandwidth: Sequence[float], partition_bytes: 
                               for i, v in enumerate(variables.vars)))
 
 
-def hap_default(variables: Variables, plan_sync) -> SyncStrategy:
-    """The plan's own buckets as a strategy (one all-reduce group per bucket)."""
-    group = {e.param: e.bucket for e in plan_sync}
-    return SyncStrategy(tuple(VarSync(v.param, (PartSync(kind="all_reduce", group=group[v.param]),)) for v in variables.vars))
+def plan_sync(variables: Variables, entries) -> SyncStrategy:
+    """The plan's own synchronization as a strategy: each parameter's parts with their
+    synchronizer, compressor, server and hierarchy; every all-reduce bucket one group (the
+    plan of `hap sync --plan P` is P's sync, not default buckets).
+
+    ValueError when the entries are no strategy's: a parameter's parts not along dim 0 as even
+    as its rows allow (`Variables.split`), or summed by fewer than every device."""
+    world = tuple(range(variables.devices))
+    parts: dict[str, list] = {}
+    for e in entries:
+        if tuple(e.devices) != world:
+            raise ValueError(f"{e.param}: the plan sums its gradient over devices {list(e.devices)}; "
+                             f"a synchronization strategy sums over all {variables.devices}")
+        parts.setdefault(e.param, []).append(e)
+    out = []
+    for v in variables.vars:
+        mine = sorted(parts.get(v.param, ()), key=lambda e: e.rows[0] if e.rows else 0)
+        rows = [e.rows for e in mine]
+        if not mine or (rows != [None] and rows != variables.split(v, len(mine))):
+            raise ValueError(f"{v.param}: the plan synchronizes it in rows {rows}, not as a strategy "
+                             f"does (whole, or {len(mine)} parts as even as its {v.rows} rows allow)")
+        out.append(VarSync(v.param, tuple(
+            PartSync(kind=e.strategy, group=e.bucket if e.strategy == "all_reduce" else 0, compressor=e.compressor,
+                     low_rank=e.low_rank, server=e.server if e.server is not None else 0,
+                     hierarchical=e.hierarchical) for e in mine)))
+    return SyncStrategy(tuple(out))
