@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.nn as nn
 
 from hap.pipeline.rebalance import RebalanceConfig, changed_speeds, comparable, off_plan, planned_busy
 
@@ -95,6 +96,11 @@ def test_config_refuses_what_a_pipeline_cannot_do():
     # a schedule's text (it failed at the first begin_step in an AttributeError)
     with pytest.raises(ValueError, match=r"^RebalanceConfig.schedule must be a Schedule, got 'persistent:chi=8,rank=1'$"):
         RebalanceConfig(schedule="persistent:chi=8,rank=1")
+    import hap
+    from hap.cost.cluster import local_cluster
+
+    with pytest.raises(ValueError, match=r"^initial='rank0': 'rank 0' or 'handed over'$"):
+        hap.Pipeline(nn.Linear(2, 2), local_cluster((1.0, 1.0), "local"), (torch.randn(4, 2),), None, initial="rank0")
 
 
 def test_a_rebalancer_refuses_a_schedule_for_other_ranks_and_an_end_before_a_begin():
@@ -280,10 +286,10 @@ def handed_over(rank, world, setup, cuts, before, after, kind):
     cluster = local_cluster((1.0,) * world, "local")
     space = PipelineSpace(hap.capture(model, batches[0]), cluster, PlannerConfig(schedule="1f1b"))
 
-    def pipeline(cut, layout):
+    def pipeline(cut, layout, initial="rank 0"):
         groups, ratios, micro_batches = layout
         return hap.Pipeline(model, cluster, batches[0], assemble(space, [cut], groups, ratios, micro_batches, 0.0, {}),
-                            graph=space.graph)
+                            graph=space.graph, initial=initial)
 
     def make(params, lr):
         return (torch.optim.Adam if kind == "adam" else torch.optim.SGD)(params, lr=lr, **(
@@ -294,7 +300,13 @@ def handed_over(rank, world, setup, cuts, before, after, kind):
     losses = [pipe.train_step(*batches[0]).item()]
     opt.step()
     opt.zero_grad()
-    new = pipeline(cuts[1], after)
+    broadcast = []  # the tensors the new pipeline broadcasts from rank 0 (hand_over fills them all)
+    real = hap.pipeline.runtime.from_rank_0
+    hap.pipeline.runtime.from_rank_0 = lambda x, comm: broadcast.append(x.shape) or real(x, comm)
+    try:
+        new = pipeline(cuts[1], after, initial="handed over")
+    finally:
+        hap.pipeline.runtime.from_rank_0 = real
     params = list(new.parameters())
     refused = None
     try:
@@ -309,6 +321,7 @@ def handed_over(rank, world, setup, cuts, before, after, kind):
         new_opt.zero_grad()
     state = new.full_state_dict()
     return {"losses": losses, "state": {k: v.tolist() for k, v in state.items()}, "received": received,
+            "broadcast": len(broadcast),
             "refused": refused, "lr": [g["lr"] for g in new_opt.param_groups],
             "decay": sorted(g["weight_decay"] for g in new_opt.param_groups),
             "stages": [[st.nodes, st.devices] for st in (pipe.plan.stages + new.plan.stages)]}
@@ -353,6 +366,7 @@ def test_a_hand_over_to_another_cut_and_groups_trains_on_like_one_device(setup, 
                                       "their own, as they were")
             assert got["lr"] == [0.01] * len(got["decay"]) and got["decay"] in ([0.0, 0.01], [0.0], [0.01])
         assert got["losses"] == pytest.approx(losses, rel=1e-6)
+        assert got["broadcast"] == 0
         for k, v in ref.items():
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-5, atol=1e-6), k
 

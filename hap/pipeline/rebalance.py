@@ -260,7 +260,8 @@ class Rebalancer:
         from .runtime import Pipeline
 
         t0 = time.perf_counter()
-        pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm, graph=self.pipe.graph)
+        pipe = Pipeline(self.pipe.model, self.pipe.cluster, self.inputs, plan, comm=self.comm, graph=self.pipe.graph,
+                        initial="handed over")  # (hand_over fills it: not broadcast first)
         groups = groups_like(self.pipe, self.opt, pipe)
         opt = self.make_optimizer(groups) if groups else None
         received = hand_over(self.pipe, self.opt, pipe, opt)

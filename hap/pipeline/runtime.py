@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,11 +68,19 @@ class _Transfer:
 class Pipeline(MirrorsModel):
     @ledger.called("hap.Pipeline(model, ...) (wrapping the model)")
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: Sequence[torch.Tensor], plan: Plan,
-                 comm: Comm | None = None, graph: Graph | None = None):
-        """graph: the model already captured on these inputs, not captured again (as hap.HAP's)."""
+                 comm: Comm | None = None, graph: Graph | None = None, *,
+                 initial: Literal["rank 0", "handed over"] = "rank 0"):
+        """graph: the model already captured on these inputs, not captured again (as hap.HAP's).
+
+        initial: where the parameters and buffers start. "rank 0": rank 0's model's values, on
+        every rank (as DDP starts). "handed over": the caller fills every parameter and persistent
+        buffer at once (checkpoint.hand_over, as the pipeline rebalancer's move does), so they
+        are not broadcast first; only the non-persistent buffers, which no hand-over moves, are."""
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"hap.Pipeline wraps a torch.nn.Module whose forward returns the loss, got {type(model).__name__}")
+        if initial not in ("rank 0", "handed over"):
+            raise ValueError(f"initial={initial!r}: 'rank 0' or 'handed over'")
         comm = rank_comm(cluster, comm, "hap.Pipeline")
         if comm.emulation is None:  # the cluster's emulated slow devices and links (local cluster), as hap.HAP
             comm = dataclasses.replace(comm, emulation=Emulation.for_rank(cluster, comm.rank))
@@ -117,7 +125,8 @@ class Pipeline(MirrorsModel):
         mine = {}
         for name, t in graph.tensors.items():  # (parameters no node uses: sync_idle, below)
             if t.kind in ("param", "buffer") and name in values and (t.kind == "buffer" or t.consumers):
-                x = from_rank_0(values[name], comm)
+                handed = initial == "handed over" and (t.kind == "param" or t.target not in graph.non_persistent)
+                x = values[name].detach().clone() if handed else from_rank_0(values[name], comm)
                 if t.kind == "buffer" or name in loaded:
                     mine[name] = x
         self.params: dict[str, nn.Parameter] = {}  # by graph tensor name (torch.export's p_fc1_bias), as hap.HAP's shards
