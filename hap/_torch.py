@@ -40,6 +40,13 @@ def at_backward_end(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def safe_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax, but 0 (not NaN) along a row whose entries are all -inf: what torch's math
+    attention path applies to the scores (a query whose keys are all masked, left padding
+    under a causal mask, attends to nothing). torch exposes it only as aten._safe_softmax."""
+    return torch.ops.aten._safe_softmax.default(x, dim)
+
+
 def versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """Each tensor's version counter, which every in-place write bumps (load_state_dict's copy_,
     torch.nn.init's fills; not a write through `.data`). No public accessor: autograd's check of

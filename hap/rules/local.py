@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .._torch import schema_arg, schema_names
+from .._torch import safe_softmax, schema_arg, schema_names
 from ..ir import VIEW_OPS, Graph, Node, TensorRef
 from ..placement import Placement
 from . import RANDOM_OPS, Strategy
@@ -306,8 +306,10 @@ def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict,
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     a = {**dict(zip(names, args)), **kwargs}
     q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
-    if a.get("enable_gqa"):
-        raise NotImplementedError(f"{node.name}: grouped-query attention with dropout has no runtime yet")
+    if a.get("enable_gqa") and k.shape[-3] != q.shape[-3]:  # each k/v head serves a run of q heads, as torch repeats
+        # them (a device's q heads are whole runs of its k/v heads: rules.nn.attention)
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # [.., H, S, E]
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)  # [.., H, S, Ev]
     # scaled as torch's math path scales (q and k each by the root of the scale), so that a
     # device's rows round as one device's do (q @ k^T * scale differs in the last bits, which
     # small models' training amplified past 1e-3 within 3 steps)
@@ -318,6 +320,6 @@ def _attention_with_dropout(node: Node, st: Strategy, args: tuple, kwargs: dict,
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = torch.softmax(scores, dim=-1)
+    weights = safe_softmax(scores, dim=-1)  # (a query whose keys are all masked: zeros, as torch's, not NaN)
     noise = ctx.noise(node, q.device) if ctx.noise else whole_noise(node, graph, q.device)  # every score's noise
     return _part(noise, node.inputs[0], st.inputs[0], ctx).mul(weights) @ v
