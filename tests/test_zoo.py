@@ -204,13 +204,14 @@ def test_language_models_are_data_parallel_and_pipeline(name):
     assert [st.devices for st in plan.stages] == [[0], [1]]
 
 
-@pytest.mark.parametrize("name", ["mixtral-batched", "llama-padded"])
+@pytest.mark.parametrize("name", ["mixtral-batched", "llama-padded", "gpt2-left-padded"])
 def test_library_variants_are_data_parallel_and_pipeline(name, tmp_path):
     """Mixtral whose experts run token by token (transformers' "batched_mm": each token
     repeated once per chosen expert, repeat_interleave), and Llama given an attention_mask
     (transformers indexes it as mask[batch_idx, kv_idx] with aranges: each row its own row)
     have a data-parallel program without collectives on activations: they train at 60/40
-    like one device, and pp-exact cuts them."""
+    like one device, and pp-exact cuts them. GPT-2 with dropout, left-padded: its padded
+    queries see no key (its loss was NaN)."""
     from hap.pipeline.plan import exact_plan
     from hap.planner import PlannerConfig
     model, batches = zoo.build(name, 1)

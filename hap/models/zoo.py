@@ -84,6 +84,20 @@ def _llama_padded(T, gen, steps):
     return LibraryModel(T.LlamaForCausalLM(cfg), ("input_ids", "attention_mask", "labels")), batches
 
 
+def _gpt2_left_padded(T, gen, steps):
+    """GPT-2 with dropout given an attention_mask of left padding, as batches for generation
+    come: a padded query sees no key at all under the causal mask (attention's safe softmax
+    gives it zeros, where a plain softmax gives NaN)."""
+    cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                       eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    batches = []
+    for ids, _ in _tokens(gen, steps):
+        pads = torch.randint(0, SEQ // 2, (BATCH,), generator=gen)
+        mask = (torch.arange(SEQ)[None, :] >= pads[:, None]).long()  # [B, T]: 0 for the leading padding
+        batches.append((ids * mask, mask, ids.masked_fill(mask == 0, -100)))
+    return LibraryModel(T.GPT2LMHeadModel(cfg), ("input_ids", "attention_mask", "labels")), batches
+
+
 def _mixtral(T, gen, steps, experts_implementation: str | None = None):
     cfg = T.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
@@ -122,6 +136,7 @@ VARIANTS: dict[str, Callable] = {
     # parallel, where the default sorts all the batch's tokens by expert
     "mixtral-batched": lambda T, gen, steps: _mixtral(T, gen, steps, "batched_mm"),
     "llama-padded": _llama_padded,
+    "gpt2-left-padded": _gpt2_left_padded,
 }
 
 
