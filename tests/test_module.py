@@ -829,15 +829,17 @@ def test_eval_mode_validates_like_one_device(tmp_path, segments):
 
 
 class CalibratedInEval(torch.nn.Module):
-    """A calibration layer applied in eval mode alone: the training graph never uses it."""
+    """A calibration layer applied in eval mode alone: the training graph never uses it. And
+    a layer no forward uses (a BERT pooler under a token head)."""
 
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2, self.calib = torch.nn.Linear(12, 24), torch.nn.Linear(24, 5), torch.nn.Linear(5, 5)
+        self.unused = torch.nn.Linear(5, 5)
 
     def forward(self, x, y):
         logits = self.fc2(torch.relu(self.fc1(x)))
-        if not self.training or x.shape[0] < 8:  # (in training at a small batch only: refused)
+        if not self.training or x.shape[0] < 5:  # (in training at a small batch only: refused)
             logits = self.calib(logits)
         return torch.nn.functional.cross_entropy(logits, y)
 
@@ -854,9 +856,11 @@ def evaluated_with_calibration(rank, world, planner):
     if rank == 1:  # (the wrapping gives every rank rank 0's values, of every parameter)
         torch.nn.init.zeros_(model.calib.weight)
     dmodel = skewed(model, batches[0], planner)
-    losses = train(dmodel, batches[:2])
+    # and a smaller batch, whose graph holds the unused layer as the planned one does (it was
+    # refused as a parameter "the planned batch's graph does not" use)
+    losses = train(dmodel, [*batches[:2], tuple(t[:6] for t in batches[2])])
     try:  # training at a shape whose graph uses calib: its gradient would be this rank's alone
-        dmodel(*[t[:6] for t in batches[2]])
+        dmodel(*[t[:4] for t in batches[2]])
         refused = None
     except ValueError as e:
         refused = str(e)
@@ -877,7 +881,7 @@ def evaluated_with_calibration(rank, world, planner):
 def test_a_parameter_used_in_eval_mode_alone_is_whole_on_every_rank(planner, tmp_path):
     """The first evaluation failed with `no value for leaf p_calib_weight (param)`."""
     model, batches = calibrated()
-    losses = train(model, batches[:2])
+    losses = train(model, [*batches[:2], tuple(t[:6] for t in batches[2])])
     model.eval()
     with torch.no_grad():
         losses.append(model(*batches[2]).item())
@@ -885,7 +889,7 @@ def test_a_parameter_used_in_eval_mode_alone_is_whole_on_every_rank(planner, tmp
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert not [name for name in got["params"] if "calib" in name]  # (only what training uses is dmodel's)
         assert got["ddp"].pop("refused") == (
-            "inputs of shape ((6, 12), (6,)) use parameter calib.weight, which the planned batch's graph does not: hap "
+            "inputs of shape ((4, 12), (4,)) use parameter calib.weight, which the planned batch's graph does not: hap "
             "trains the parameters the planned graph uses (plan with a batch that uses it, or use it in eval mode alone)")
         assert got["ddp"] == {"no_sync": "hap.HAP has no no_sync (DistributedDataParallel's): gradient accumulation is "
                                          "exact without it (several backwards, then one optimizer step: each "

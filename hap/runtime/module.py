@@ -431,7 +431,9 @@ class HAP(MirrorsModel):
         used in eval mode alone: "no value for leaf p_calib_weight"): whole on every rank, the
         model's own tensors (rank 0's values on every rank since the wrapping). In training a
         ValueError: hap trains (and sums the gradients of) what the planned graph uses."""
-        extra = [name for name, t in ex.graph.tensors.items() if t.kind == "param" and name not in ex.params]
+        # (a parameter no node of `ex` reads, a BERT pooler under a token head, is no such use)
+        extra = [name for name, t in ex.graph.tensors.items()
+                 if t.kind == "param" and t.consumers and name not in ex.params]
         if not extra:
             return
         if training:
