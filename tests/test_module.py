@@ -859,6 +859,8 @@ def evaluated_with_calibration(rank, world, planner):
     # and a smaller batch, whose graph holds the unused layer as the planned one does (it was
     # refused as a parameter "the planned batch's graph does not" use)
     losses = train(dmodel, [*batches[:2], tuple(t[:6] for t in batches[2])])
+    with torch.no_grad():  # a 0-dim loss, as one device's (data parallel's was [1]: f"{loss:.4f}" failed)
+        shape = list(dmodel(*batches[0]).shape)
     try:  # training at a shape whose graph uses calib: its gradient would be this rank's alone
         dmodel(*[t[:4] for t in batches[2]])
         refused = None
@@ -873,7 +875,7 @@ def evaluated_with_calibration(rank, world, planner):
             getattr(dmodel, name)
         except AttributeError as e:
             ddp[name] = str(e)
-    return {"losses": losses, "params": sorted(name for name, _ in dmodel.named_parameters()), "ddp": ddp,
+    return {"losses": losses, "params": sorted(name for name, _ in dmodel.named_parameters()), "ddp": ddp, "shape": shape,
             "fc1": type(dmodel.fc1).__name__}  # (the model's own attributes are reached as before)
 
 
@@ -888,6 +890,7 @@ def test_a_parameter_used_in_eval_mode_alone_is_whole_on_every_rank(planner, tmp
     for got in run_ranks(evaluated_with_calibration, 2, tmp_path, planner):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         assert not [name for name in got["params"] if "calib" in name]  # (only what training uses is dmodel's)
+        assert got["shape"] == []
         assert got["ddp"].pop("refused") == (
             "inputs of shape ((4, 12), (4,)) use parameter calib.weight, which the planned batch's graph does not: hap "
             "trains the parameters the planned graph uses (plan with a batch that uses it, or use it in eval mode alone)")
@@ -928,10 +931,12 @@ def input_gradient(rank, world, planner):
     return {"grad": x.grad.tolist()}
 
 
-@pytest.mark.parametrize("planner", ["dp-cp", "tp"])
+@pytest.mark.parametrize("planner", ["dp-cp", "tp", "megatron"])
 def test_the_gradient_of_an_input_given_whole_is_one_devices(planner, tmp_path):
     """An input that requires grad (saliency maps, adversarial examples), given whole to every
-    rank: under data parallelism at 60/40 each rank's x.grad was right in its own rows only."""
+    rank: under data parallelism at 60/40 each rank's x.grad was right in its own rows only;
+    under Megatron's (the input replicated, its gradient a partial sum) each rank's x.grad was
+    its own part of the sum."""
     model, batches, _ = dropout_bn()
     x = batches[0][0].clone().requires_grad_()
     model(x, batches[0][1]).backward()

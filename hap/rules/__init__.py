@@ -95,9 +95,20 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
     short_shards: also those that shard dims shorter than 2, which the planner never chooses
     but a program planned for a longer dim may meet at run time (a last batch of one row
     under a batch-sharded plan: one device holds it, the others empty shards)."""
-    _load_families()
     out: list[Strategy] = []
     seen = set()
+    facts = _tensor_facts(node, graph)
+    for raw in _raw_strategies(node, graph):
+        st = _canonical(raw, node, facts, short_shards)
+        if st is not None and (st.inputs, st.outputs) not in seen:
+            seen.add((st.inputs, st.outputs))
+            out.append(st)
+    return out
+
+
+def _raw_strategies(node: Node, graph: Graph) -> list[Strategy]:
+    """The rule's strategies as it wrote them, then replicated and duplicated compute."""
+    _load_families()
     rule = RULES.get(node.op)
     found = rule(node, graph) if rule is not None else []
     if found:
@@ -105,18 +116,24 @@ def strategies_for(node: Node, graph: Graph, short_shards: bool = False) -> list
 
         if drawn_replicated(node):  # its draws depend on its inputs' values: one whole draw per device
             found = []
+    return [*found, _uniform(node, R, "replicated"), _uniform(node, D, "duplicated")]
+
+
+def gradient_placement(node: Node, graph: Graph, st: Strategy, name: str, short_shards: bool = False) -> Placement:
+    """The placement input `name` of `node` takes in `st` were it to carry a gradient. The
+    planner took it for data (no gradient) and wrote R for the rule's D; given with
+    requires_grad at run time (a saliency map's input), it is D where the strategy duplicates
+    the computation over it (every device ends with its whole gradient), R where each device's
+    is a part (summed over devices)."""
+    i = node.inputs.index(name)
+    if st.inputs[i] != R or graph.tensors[name].requires_grad:
+        return st.inputs[i]
     facts = _tensor_facts(node, graph)
-    for st in found:
-        st = _canonical(st, node, facts, short_shards)
-        if st is not None and (st.inputs, st.outputs) not in seen:
-            seen.add((st.inputs, st.outputs))
-            out.append(st)
-    for st in (_uniform(node, R, "replicated"), _uniform(node, D, "duplicated")):
-        st = _canonical(st, node, facts, short_shards)
-        if (st.inputs, st.outputs) not in seen:
-            seen.add((st.inputs, st.outputs))
-            out.append(st)
-    return out
+    for raw in _raw_strategies(node, graph):  # the first that gives st, as strategies_for keeps the first
+        found = _canonical(raw, node, facts, short_shards)
+        if found is not None and (found.inputs, found.outputs) == (st.inputs, st.outputs):
+            return raw.inputs[i]  # (R or D: the rule's own)
+    return st.inputs[i]
 
 
 def strategy_table(graph: Graph) -> list[list[Strategy]]:

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..ir import Graph, TensorRef, dtype_name, memory_layout
 from ..placement import D, P, R, Placement
+from ..rules import gradient_placement
 from ..rules.local import SIZE_ARGS, LocalContext, Made, is_random, run_node, substitute, whole_noise
 from ..rules.nn import counts_early, label_count
 from ..rules.units import ShardClasses
@@ -139,6 +140,8 @@ class Executor:
         self._direct: dict[int, Callable] = {}  # node -> its direct call (_direct_call)
         self._early_counts: list[tuple] = []  # (node, strategy, segment) of losses that count early
         self.program_loads = {step.node: step.loads for step in self.program}
+        self._strategy_of = {step.node: step.strategy for step in self.program}
+        self._input_grads: dict[tuple[int, str], bool] = {}  # (node, data input) -> _summed_gradient
         self.tracing = False
         """Label every node and move for torch.profiler (hap train --trace)."""
         self.stored: dict[str, tuple[Placement, int]] = {}
@@ -225,9 +228,22 @@ class Executor:
         if p == P:  # a data input as a partial sum: rank 0 holds it
             return values[tensor] if self.comm.rank == 0 else torch.zeros_like(values[tensor])
         x = values[tensor]
-        if p.is_shard and x.requires_grad and torch.is_grad_enabled():  # given whole to every rank (D): its gradient whole too
+        if x.requires_grad and torch.is_grad_enabled() and (p.is_shard or self._summed_gradient(tensor)):
+            # given whole to every rank (D): its gradient whole too (a shard's gathered; where
+            # the node's strategy leaves a part of it on each rank (R), the parts all-reduced)
             return run_move(x, _free_move(p, True, src=D), self.comm, None, self.sizes(tensor, p, seg))
         return self._local(x, tensor, p, seg)
+
+    def _summed_gradient(self, tensor: str) -> bool:
+        """Whether the node loading data input `tensor` (now, in R) leaves each rank a part of
+        its gradient: the plan took it for data and wrote R for a rule's D (rules.gradient_placement)."""
+        key = (self._node, tensor)
+        found = self._input_grads.get(key)
+        if found is None:
+            node = self.graph.nodes[self._node]
+            st = self._strategy_of[self._node]
+            found = self._input_grads[key] = gradient_placement(node, self.graph, st, tensor) == R
+        return found
 
     def forward(self, values: dict[str, torch.Tensor], presliced: frozenset[str] = frozenset()) -> torch.Tensor:
         """Run the program on this rank; the loss comes back as this rank's part (partial sum):
@@ -483,6 +499,7 @@ class Executor:
             self.comm.before()
             work.wait()
             self.comm.off_wire(ready_at)  # an emulated link ran since the start, beside the forward
+            out = out.reshape(t.shape)  # (sent as [1]: the count is a 0-dim tensor, and so is the loss it divides)
         else:
             out = all_reduce(t.detach(), self.comm)
         self._waited += time.perf_counter() - t0
@@ -496,6 +513,7 @@ class Executor:
         self._early = {}
         self._compiled()  # finds the losses that count early, once
         for node, st, seg in self._early_counts:
+            self._node = node.index  # (the node loading them)
             local = _NoneForMissing((name, self._load(name, p, seg, values))
                                     for name, p in zip(node.inputs[1:], st.inputs[1:]))
             count = label_count(substitute(node.args, local), substitute(node.kwargs, local)).reshape(1)
