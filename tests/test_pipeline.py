@@ -566,7 +566,13 @@ def test_a_slice_made_before_the_cut_is_made_again_after_it(tmp_path):
     model, batches = _repeated_bias_setup()
     graph = capture(model, batches[0])
     cut = [n.index for n in graph.nodes if n.op == "aten.linear.default"][1]
-    plan = assemble(PipelineSpace(graph, local_cluster((1.0, 1.0), "local")), [cut], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
+    space = PipelineSpace(graph, local_cluster((1.0, 1.0), "local"))
+    # cuts, groups and shares that disagree (an IndexError from inside, before)
+    with pytest.raises(ValueError, match=r"^1 cut makes 2 stages; got 1 device groups and 1 lists of shares$"):
+        assemble(space, [cut], [[0, 1]], [[0.5, 0.5]], 2, 0.0, {})
+    with pytest.raises(ValueError, match=r"^stage 1: 2 shares for the 1 devices \[1\]$"):
+        assemble(space, [cut], [[0], [1]], [[1.0], [0.5, 0.5]], 2, 0.0, {})
+    plan = assemble(space, [cut], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {})
     repeat = next(n.outputs[0] for n in graph.nodes if n.op == "aten.repeat.default")
     assert [[mv.tensor for ins in st.program for mv in ins.moves] for st in plan.stages] == [[repeat], [repeat]]
     reports = run_ranks(pipelined, 2, tmp_path, "repeated-bias", [cut], [[0], [1]], [[1.0], [1.0]], 2, "1f1b")
@@ -1003,6 +1009,8 @@ def test_ddp_habits_on_a_pipeline_are_refused(tmp_path):
         "the ranks were given different batches", "model.eval() was called on the model hap.Pipeline wrapped",
         "norm.weight of the model hap wrapped was changed after wrapping"]
     assert first[:3] == last[:3]
+    assert last[1].endswith("give every rank the same global batch (hap.Pipeline's train_step takes the whole batch "
+                            "on every rank and splits it into micro-batches itself)")  # (not hap.HAP's local_batch)
     assert first[3].startswith("a parameter of the model hap wrapped was changed after wrapping on another rank")
 
 

@@ -1,6 +1,7 @@
 """Pipeline plans: the data-parallel program cut into stages, as a Plan the runtime runs.
 
-    plan = pipeline_plan(graph, cluster, cuts=[120, 240, 360], micro_batches=8)   # 4 stages
+    space = PipelineSpace(graph, cluster, PlannerConfig())
+    plan = space.plan(cuts=[120, 240, 360], K=4, M=8, seconds=0.0, search={})     # 4 stages, cut before those nodes
     plan = exact_plan(graph, cluster, PlannerConfig(pipeline_stages=4))            # hap plan --planner pp-exact
 """
 
@@ -109,6 +110,13 @@ def assemble(space: PipelineSpace, cuts: Sequence[int], groups: Sequence[Sequenc
              M: int, seconds: float, search: dict) -> Plan:
     """The Plan of the data-parallel program cut before nodes `cuts`, stage k on groups[k]."""
     graph, classes, config = space.graph, space.classes, space.config
+    if len(groups) != len(cuts) + 1 or len(ratios) != len(groups):
+        raise ValueError(f"{len(cuts)} cut{'s make' if len(cuts) != 1 else ' makes'} {len(cuts) + 1} stages; got "
+                         f"{len(groups)} device groups and "
+                         f"{len(ratios)} lists of shares")
+    for k, (group, shares) in enumerate(zip(groups, ratios)):
+        if len(shares) != len(group):
+            raise ValueError(f"stage {k}: {len(shares)} shares for the {len(group)} devices {list(group)}")
     n = len(graph.nodes)
     stage_of = stage_of_nodes(cuts, n)
     crossings(graph, space.program, stage_of)  # a clear error for a cut that cannot be sent

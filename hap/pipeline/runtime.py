@@ -44,8 +44,8 @@ from ..runtime.emulate import Emulation
 from ..runtime.executor import check_inputs, leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
-from ..runtime.module import (SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan, check_trainable, clip_spread_,
-                              cluster_setting, held_by_original, input_shapes, rank_comm, spot_check_due,
+from ..runtime.module import (PIPELINE_DIFFERENT_BATCHES, SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan,
+                              check_trainable, clip_spread_, cluster_setting, held_by_original, input_shapes, rank_comm, spot_check_due,
                               spread_gradients, state_keys, sum_step, watch_wrapped, wrapped_state)
 from .price import card_loads, card_seconds
 from .schedule import stage_order
@@ -377,6 +377,7 @@ class Pipeline(MirrorsModel):
         alike = [(self.graph.tensors[n].target, self.params.get(n)) for n in self._every_param] if due else ()
         total, _, check = sum_step(loss, torch.zeros(0, dtype=torch.float64), batch, changed, self.comm, loaded, alike)
         total = total.to(loss.dtype)
+        check.different_batches = PIPELINE_DIFFERENT_BATCHES
         self._step_check = check.now_or_later()
         if self._step_check is None:
             self._compare_alike = check.compare_next(self._compare_alike)

@@ -1018,6 +1018,9 @@ def _backward_begins(grad: torch.Tensor) -> None:
 DIFFERENT_BATCHES = ("the ranks were given different batches (each its own sample, as DistributedSampler gives DDP): "
                      "give every rank the same global batch, or each rank its part of it (dmodel.local_batch(*batch), "
                      "or the rows dmodel.input_slices() names, with part=True)")
+PIPELINE_DIFFERENT_BATCHES = ("the ranks were given different batches (each its own sample, as DistributedSampler "
+                              "gives DDP): give every rank the same global batch (hap.Pipeline's train_step takes "
+                              "the whole batch on every rank and splits it into micro-batches itself)")
 
 
 def fingerprints(inputs: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -1123,6 +1126,8 @@ class StepCheck:
 
     def __init__(self, verdict: torch.Tensor, changed: str | None, alike: Sequence[str] = (), world: int = 1):
         self.changed, self.alike, self.world = changed, list(alike), world
+        self.different_batches = DIFFERENT_BATCHES
+        """What verify says where the ranks' inputs differ (hap.Pipeline's own: PIPELINE_DIFFERENT_BATCHES)."""
         self.loaded_everywhere = False
         """After verify: every rank loaded a state dict since its last step."""
         if verdict.device.type == "cuda":
@@ -1152,7 +1157,7 @@ class StepCheck:
             raise ValueError(self.changed or "a parameter of the model hap wrapped was changed after wrapping on "
                                              "another rank, which hap, training copies of the parameters, would ignore")
         if differ:
-            raise ValueError(DIFFERENT_BATCHES)
+            raise ValueError(self.different_batches)
         if 0 < loaded < self.world:
             raise ValueError(LOADED_ON_SOME.format(some=round(loaded), world=self.world))
         for label, off in zip(self.alike, apart):
