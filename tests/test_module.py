@@ -944,6 +944,64 @@ def test_the_gradient_of_an_input_given_whole_is_one_devices(planner, tmp_path):
         assert torch.allclose(torch.tensor(got["grad"]), x.grad, rtol=1e-5, atol=1e-7)
 
 
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(12, 24), torch.nn.Linear(24, 5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def mlp():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return Mlp(), [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen)) for _ in range(3)]
+
+
+def train_penalized(model, batches):
+    """SGD steps on the loss plus an L2 penalty on model.parameters() added outside the model:
+    step 0 one backward; step 1 two half batches, each with the penalty; step 2 the penalty's
+    own backward after the loss's."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def penalty():
+        return 0.05 * sum(p.pow(2).sum() for p in model.parameters())
+
+    for i, (x, y) in enumerate(batches):
+        if i == 1:
+            for part in (slice(0, 5), slice(5, 10)):
+                (model(x[part], y[part]) / 2 + penalty() / 2).backward()
+        elif i == 2:
+            model(x, y).backward()
+            penalty().backward()
+        else:
+            (model(x, y) + penalty()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def penalized_on_ranks(rank, world, planner):
+    model, batches = mlp()
+    dmodel = skewed(model, batches[0], planner)
+    train_penalized(dmodel, batches)
+    return {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+
+
+@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
+def test_a_penalty_on_the_parameters_outside_the_model_counts_once(planner, tmp_path):
+    """An L2 penalty on dmodel.parameters() added to the loss (right on one device and under
+    DDP): its gradient of a parameter kept whole is alike on every rank, and the sum over
+    ranks counted it once per rank (0.034 off after one backward, silently). hap sums the
+    program's gradient alone and adds the penalty's after (GradSync.alias); a shard's penalty
+    is its own rows'."""
+    model, batches = mlp()
+    train_penalized(model, batches)
+    for got in run_ranks(penalized_on_ranks, 2, tmp_path, planner):
+        for k, v in model.state_dict().items():
+            assert torch.allclose(torch.tensor(got[k]), v, rtol=1e-5, atol=1e-6), k
+
+
 def trainable_changed(rank, world):
     model, batches, _ = dropout_bn()
     model.fc1.requires_grad_(False)

@@ -282,12 +282,13 @@ def compressed(rank, world, compressor, low_rank, dtype="float32"):
     p = nn.Parameter(torch.zeros(6, 5, dtype=getattr(torch, dtype)))
     entry = SyncEntry(param="w", bucket=0, devices=tuple(range(world)), compressor=compressor, low_rank=low_rank)
     world_group = tuple(range(world))
-    GradSync([entry], {"w": p}, Groups(comm, tuple((r,) for r in range(world)),
-                                       {(world_group, 0): None, (world_group, 1): torch.distributed.new_group(list(world_group))}))
+    sync = GradSync([entry], {"w": p}, Groups(comm, tuple((r,) for r in range(world)),
+                                              {(world_group, 0): None,
+                                               (world_group, 1): torch.distributed.new_group(list(world_group))}))
     out = []
     for step in range(3):
         g = rank_gradient(rank, (6, 5), step).to(p.dtype)
-        (p * g).sum().backward()  # p.grad = g, then synchronized
+        (sync.alias(p) * g).sum().backward()  # p.grad = g (the program's: through its alias), then synchronized
         out.append(p.grad.float().tolist())
         p.grad = None
     return {"synced": out}

@@ -142,6 +142,9 @@ class Executor:
         self.program_loads = {step.node: step.loads for step in self.program}
         self._strategy_of = {step.node: step.strategy for step in self.program}
         self._input_grads: dict[tuple[int, str], bool] = {}  # (node, data input) -> _summed_gradient
+        self.param_alias: Callable[[torch.Tensor], torch.Tensor] = lambda param: param
+        """A parameter kept whole -> the value this program computes with (GradSync.alias)."""
+        self._aliases: dict[str, torch.Tensor] = {}  # this forward's (_from_graph)
         self.tracing = False
         """Label every node and move for torch.profiler (hap train --trace)."""
         self.stored: dict[str, tuple[Placement, int]] = {}
@@ -214,6 +217,8 @@ class Executor:
         if tensor in self.params or tensor in self.buffers:
             held = self.value_of(tensor)
             q, q_seg = self.stored[tensor]
+            if q == R and tensor in self.params and held.requires_grad and torch.is_grad_enabled():
+                held = self._from_graph(tensor, held)
             if (q, q_seg) == (p, seg) or (p == q and not p.is_shard):
                 return held
             assert q == R, f"{tensor} kept in {q} but loaded in {p}"
@@ -234,6 +239,16 @@ class Executor:
             return run_move(x, _free_move(p, True, src=D), self.comm, None, self.sizes(tensor, p, seg))
         return self._local(x, tensor, p, seg)
 
+    def _from_graph(self, tensor: str, param: torch.Tensor) -> torch.Tensor:
+        """The value of a parameter kept whole that this forward computes with: one alias per
+        forward (param_alias), through which the gradient sync tells this program's gradient,
+        which it sums over ranks, from one a term outside it added (a penalty on
+        dmodel.parameters(), alike on every rank), which it must not."""
+        found = self._aliases.get(tensor)
+        if found is None:
+            found = self._aliases[tensor] = self.param_alias(param)
+        return found
+
     def _summed_gradient(self, tensor: str) -> bool:
         """Whether the node loading data input `tensor` (now, in R) leaves each rank a part of
         its gradient: the plan took it for data and wrote R for a rule's D (rules.gradient_placement)."""
@@ -251,6 +266,7 @@ class Executor:
 
         presliced: data inputs given as this rank's part (see input_slices), not whole."""
         self._presliced = presliced
+        self._aliases = {}
         self._start_early_counts(values)
         held: dict[tuple[str, Placement], torch.Tensor] = {}  # (tensor, placement) -> this rank's value
         for node, st, seg, moves, ctx in self._compiled():

@@ -157,10 +157,25 @@ class GradSync:
         self.arrived: set[int] = set()
         """The parameters this backward has given a gradient so far (ids)."""
         self.queued = False  # whether this backward's end is awaited (_backward_ended)
+        self.from_graph: dict[int, torch.Tensor] = {}
+        """This backward's gradient of each parameter (id) from the program, through its alias."""
+        self.outside: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        """This backward's gradient of each parameter from terms outside the program, added after the sum."""
+        self._aliased = {id(part.param) for sync, bucket in zip(self.synchronizers, self.buckets)
+                         if not isinstance(sync, _Sparse) for part in bucket}
         if self.comm.world > 1:
             for p in {id(part.param): part.param for bucket in self.buckets for part in bucket}.values():
                 self.hooks.append(p.register_hook(functools.partial(self._arriving, p)))
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._arrived))
+
+    def alias(self, p: nn.Parameter) -> torch.Tensor:
+        """The value of `p` the program computes with (one per forward): its backward hands the
+        program's gradient to _arriving, which sums that over the ranks and adds the rest of
+        p's gradient (a penalty on dmodel.parameters() outside the model, alike on every rank:
+        summing it counted it once per rank) after the sum, once, as one device has it."""
+        if id(p) not in self._aliased or self.comm.world == 1:
+            return p
+        return _FromGraph.apply(p, self.from_graph)
 
     def close(self) -> None:
         """Stop synchronizing (another GradSync takes over)."""
@@ -206,15 +221,24 @@ class GradSync:
         """A backward's gradient is about to be added to p.grad (the backward's first also
         awaits its end: _backward_ended). Where p.grad holds an earlier backward's (gradient
         accumulation), that one is summed over the ranks already: summing it again would count
-        it once per rank. It waits aside and is added back after this backward's own sum."""
+        it once per rank. It waits aside and is added back after this backward's own sum. So
+        does the part of `grad` that did not come through the program (alias): _arrived takes
+        it out of p.grad before the sum."""
         if not self.queued:
             at_backward_end(self._backward_ended)
             self.queued = True
         if p.grad is not None:
             self.earlier[id(p)] = (p, p.grad)
             p.grad = None
+        if id(p) in self._aliased:
+            mine = self.from_graph.pop(id(p), None)
+            if mine is not grad:  # (the program's alone: autograd hands its tensor on as it is)
+                self.outside[id(p)] = (p, grad if mine is None else grad - mine)
 
     def _arrived(self, p: nn.Parameter) -> None:
+        outside = self.outside.get(id(p))
+        if outside is not None:  # summed without it (added back in _put_back): p.grad holds this backward's alone
+            p.grad.sub_(outside[1])
         self.arrived.add(id(p))
         for i in self.buckets_of[id(p)]:
             self.missing[i] -= 1
@@ -240,7 +264,11 @@ class GradSync:
 
     def _put_back(self) -> None:
         """Gradients set aside (earlier backwards') back: added to this backward's sum, as one
-        device accumulates, or alone where this backward gave none (torch.autograd.grad)."""
+        device accumulates, or alone where this backward gave none (torch.autograd.grad); and
+        this backward's gradients from outside the program, added once."""
+        for p, extra in self.outside.values():
+            p.grad = extra.clone() if p.grad is None else p.grad.add_(extra)
+        self.outside.clear()
         for p, earlier in self.earlier.values():
             p.grad = earlier if p.grad is None else earlier + p.grad if earlier.is_sparse else earlier.add_(p.grad)
         self.earlier.clear()
@@ -251,6 +279,9 @@ class GradSync:
         buckets never filled: they are summed now, those parameters counting zeros and their
         .grad left as it was (None on one device). Then what waits aside is put back."""
         self.queued = False
+        self.from_graph.clear()  # (a parameter whose own gradient never came: backward(inputs=...))
+        if not self.arrived:  # torch.autograd.grad: no .grad was written, nothing is summed or added
+            self.outside.clear()
         if self.arrived:
             absent = {id(part.param): (part.param, part.param.grad, sync) for sync, bucket in
                       zip(self.synchronizers, self.buckets) for part in bucket if id(part.param) not in self.arrived}
@@ -335,6 +366,20 @@ class _Synchronizer:
         flat = self.result(message, state)
         for part, piece in zip(parts, flat.split([part.grad().numel() for part in parts])):
             part.grad().copy_(piece.view_as(part.grad()))
+
+
+class _FromGraph(torch.autograd.Function):
+    """Identity forward; backward notes the gradient that came through (GradSync.alias)."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, sink: dict) -> torch.Tensor:
+        ctx.sink, ctx.key = sink, id(p)
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sink[ctx.key] = grad
+        return grad, None
 
 
 def _matrix_shape(part: Part) -> tuple[int, int]:

@@ -140,6 +140,7 @@ class HAP(MirrorsModel):
         classes = ShardClasses(graph, enumerate(strategy_table(graph)))
         self.plan.check_shards(graph, classes)  # (this rank's rounding: the same on every rank)
         self.executor = ex = Executor(graph, self.plan.steps(graph), classes, segment_of, self.plan.ratios, comm)
+        ex.param_alias = self._param_alias
         if meta:
             for values in _materialized(model, graph, init):
                 ex.shard_parameters(values)
@@ -418,6 +419,7 @@ class HAP(MirrorsModel):
             mode = "" if training else " in eval mode"
             raise ValueError(f"inputs of shape {key}{mode}: the plan for {planned} cannot run them: {e}") from None
         ex.params, ex.buffers, ex.stored, ex.tracing = base.params, base.buffers, base.stored, base.tracing
+        ex.param_alias = base.param_alias
         self._add_unplanned_params(ex, key, training)
         priced = estimate(graph, self.cluster, plan)
         seconds = priced.seconds if training else priced.forward_seconds  # (eval: a forward, no backward or sync)
@@ -528,6 +530,10 @@ class HAP(MirrorsModel):
                 raise ValueError("reshard: a tensor computed from an earlier step's loss (say loss / 2, kept by the "
                                  "training loop) is still alive, and its graph holds the parameters at their old "
                                  "shapes: release it before reshard (del it, or keep loss.item())") from None
+
+    def _param_alias(self, param: torch.Tensor) -> torch.Tensor:
+        """What the executors compute with for a parameter kept whole (GradSync.alias)."""
+        return param if self.grad_sync is None else self.grad_sync.alias(param)
 
     @ledger.called("dmodel.resync(...)")
     def resync(self, sync) -> None:
