@@ -6,6 +6,7 @@ without a process group."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -88,6 +89,52 @@ def test_ranks_part_where_a_number_both_have_names_different_calls():
     assert said.startswith("ranks 1 and 2 parted: rank 1's 4th call to all ranks is clip, rank 2's fwd: ")
     said = ledger.parted({0: [(12, "fwd")], 1: [(12, "save")]})
     assert said.startswith("ranks 0 and 1 parted: rank 0's 12th call to all ranks is fwd, rank 1's save: ")
+
+
+def test_calls_that_raised_on_every_rank_are_alike_and_one_that_raised_on_one_rank_is_named():
+    failed = ledger.failed_entry(IndexError("Target 7 is out of bounds.\nmore"))
+    assert failed == f"{ledger.FAILED}: IndexError (Target 7 is out of bounds.)"
+    other = ledger.failed_entry(ValueError("another message"))
+    # a refusal on every rank (their messages may differ): no parting, whatever raised
+    assert ledger.parted({0: [(3, "fwd"), (4, failed)], 1: [(3, "fwd"), (4, other)]}) is None
+    assert ledger.parted({0: [(3, "fwd"), (4, failed)], 1: [(3, "fwd"), (4, "fwd")]}).startswith(
+        "ranks 0 and 1 parted: rank 0's 4th call to all ranks is an exception out of its call before")
+    # rank 0 still in its 3rd call (counted), rank 1's raised there: named once the reads agree
+    every = {0: [(3, "fwd")], 1: [(3, "fwd"), (4, failed), (5, ledger.RETURNED)]}
+    assert ledger.failed_behind(every, 0, 3) == (
+        "rank 1's 3rd call to all ranks, fwd, raised IndexError (Target 7 is out of bounds.) there, while rank 0 "
+        "waits in its own: an exception caught inside hap's call on some ranks alone leaves the collectives the "
+        "ranks make in step, so the run cannot go on (let the exception end the run, or have every rank raise it)")
+    assert ledger.failed_behind(every, 0, 2) is None  # (rank 0 in another call: the parting says it)
+    assert ledger.failed_behind({0: [(3, "fwd")], 1: [(3, "fwd"), (4, "fwd")]}, 0, 3) is None  # (ahead: healthy)
+
+
+def caught(rank, goes_on):
+    """A label out of range in rank 1's rows (data parallel at 60/40) raises inside rank 1's
+    forward alone; the loop catches it, then returns, or goes on to the next step (skipping bad
+    batches): rank 0 waited out the collective timeout, or gloo aborted it (SIGABRT)."""
+    dmodel, opt, batch = wrapped("dp-cp")
+    step(dmodel, opt, batch)
+    x, y = batch
+    y = y.clone()
+    y[-1] = 7  # of 4 classes
+    for _ in range(2 if goes_on else 1):
+        try:
+            step(dmodel, opt, (x, y))
+        except IndexError:
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("goes_on", [False, True])
+def test_an_exception_caught_inside_a_call_on_one_rank_ends_the_run_naming_it(goes_on):
+    with pytest.raises(RankFailed) as caught_:
+        spawn(caught, 2, args=(goes_on,), timeout_s=TIMEOUT_S)
+    headline = str(caught_.value).splitlines()[0]
+    # (the wrapping is call 1, the first step's forward 2, its backward 3; rank 1's own check,
+    # where it goes on, raises in its next call: spawn names the rank)
+    assert re.match(r"(rank 1 failed: RuntimeError: )?rank 1's 4th call to all ranks, a training forward, dmodel\(\.\.\.\), raised IndexError "
+                    r"\(Target 7 is out of bounds\.\) (there, while rank 0 waits in its own|on this rank alone, "
+                    r"while rank 0 is still in its own): an exception caught inside hap's call", headline), headline
 
 
 def test_a_rank_in_a_collective_of_its_own_behind_a_peers_call_is_named():

@@ -10,7 +10,10 @@ two different collectives paired and aborts the rank (SIGABRT).
 
 Each rank numbers its calls that issue a collective over all ranks, counting a call at its
 first such collective (a call that talks to no one, a full_state_dict of a model kept whole,
-is a rank's own business), and its function's return as one more. Its latest KEPT calls are
+is a rank's own business), and its function's return as one more, and a counted call that
+raised (FAILED) as one more: a refusal every rank makes is alike on all, and a rank whose call
+alone raised (the model's exception on its rows, caught by the loop) ends the run, where its
+peers would wait in that call's collectives or meet its next call's. Its latest KEPT calls are
 written, as each is counted, to its slot of a file spawn shares with its ranks (memory-mapped:
 no system call; spawn's ranks are on one machine). A thread of each rank reads its peers'
 once the rank has made no new call for STILL_S: two ranks whose n-th calls differ have parted,
@@ -69,6 +72,11 @@ TICK_S = 0.25
 """How often the watching thread looks at its own rank's calls."""
 
 RETURNED = "the return from its function"
+
+FAILED = "an exception out of its call before"
+"""The entry after a counted call that raised: ranks whose calls all raised (a refusal made on
+every rank) go on alike; a rank whose call alone raised, its peers still in theirs, has left
+the collectives the ranks make in step (an exception of the model's own on its rows, caught)."""
 
 _HEADER = struct.Struct("<II")  # (sequence: odd while being written, length of the JSON)
 
@@ -254,6 +262,8 @@ def call(name: str, now: bool = False):
     if ledger is None or ledger.current is not None or threading.get_ident() != ledger.thread:
         yield
         return
+    if ledger.calls and ledger.calls[-1][1].startswith(FAILED):  # (before any collective of this call)
+        _check_failed_alike(ledger)
     ledger.current = ledger.pending = name
     if now:
         talking()
@@ -263,9 +273,64 @@ def call(name: str, now: bool = False):
         why = _parting_behind(ledger, e)
         if why is not None:
             raise RuntimeError(why) from e
+        if ledger.pending is None and not _collective_failed(e):  # counted: the peers are in it too, and
+            ledger.add(failed_entry(e))  # may wait in its collectives (a failed collective's run ends anyway)
         raise
     finally:
         ledger.current = ledger.pending = None
+
+
+_CAUGHT = ("an exception caught inside hap's call on some ranks alone leaves the collectives the ranks make in "
+           "step, so the run cannot go on (let the exception end the run, or have every rank raise it)")
+
+
+def failed_behind(every: dict[int, list[tuple[int, str]]], rank: int, made: int) -> str | None:
+    """Where a peer's call `made` (this rank's last counted call, which it is still in) raised
+    on that peer, which went on or returned (its FAILED entry): the message, in one line; else None."""
+    for r, calls in sorted(every.items()):
+        for n, name in calls:
+            if r != rank and n == made + 1 and name.startswith(FAILED):
+                called = dict(calls).get(made, "its call")
+                return (f"rank {r}'s {_ordinal(made)} call to all ranks, {called}, raised "
+                        f"{name.removeprefix(FAILED + ': ')} there, while rank {rank} waits in its own: " + _CAUGHT)
+    return None
+
+
+def failed_entry(error: BaseException) -> str:
+    """The FAILED entry of `error`: its type and its message's first line, for the report."""
+    said = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"{FAILED}: {type(error).__name__}" + (f" ({said})" if said else "")
+
+
+def _alike(a: str, b: str) -> bool:
+    """Two ranks' entries of one number name the same call (two FAILED entries: whatever raised)."""
+    return a == b or (a.startswith(FAILED) and b.startswith(FAILED))
+
+
+def _check_failed_alike(ledger: Ledger) -> None:
+    """This rank's last call raised: go on only where every peer's raised too (FAILED at the
+    same number, within FAILED_WAIT_S); a RuntimeError naming the call where a peer is still in
+    it (its collectives would pair with this call's: gloo aborts, or the values mix) or made
+    another."""
+    if ledger.slots is None:
+        return
+    n, entry = ledger.calls[-1]
+    called = dict(ledger.calls).get(n - 1, "its call")
+    deadline = time.monotonic() + FAILED_WAIT_S
+    while True:
+        every = ledger.slots.read_every()
+        behind = [r for r, calls in sorted(every.items()) if r != ledger.rank and (calls[-1][0] if calls else 0) < n]
+        other = [(r, name) for r, calls in sorted(every.items()) for m, name in calls
+                 if r != ledger.rank and m == n and not name.startswith(FAILED)]
+        if other or (behind and time.monotonic() > deadline):
+            peer, doing = (other[0][0], f"'s {_ordinal(n)} call to all ranks is {other[0][1]}") if other else \
+                (behind[0], " is still in its own")
+            raise RuntimeError(f"rank {ledger.rank}'s {_ordinal(n - 1)} call to all ranks, {called}, raised "
+                               f"{entry.removeprefix(FAILED + ': ')} on this rank alone, while rank {peer}{doing}: "
+                               + _CAUGHT)
+        if not behind:
+            return
+        time.sleep(0.05)
 
 
 FAILED_WAIT_S = 3.0
@@ -273,11 +338,16 @@ FAILED_WAIT_S = 3.0
 parting (a peer that left writes its end as it exits)."""
 
 
+def _collective_failed(error: Exception) -> bool:
+    """Whether `error` is a collective's failure (a peer died or left, gloo's timeout)."""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
+
+
 def _parting_behind(ledger: Ledger, error: Exception) -> str | None:
     """Where a store ledger's call failed in a collective because a peer died or left (gloo:
     the connection closed, or a timeout), the parting the ranks' calls show within
     FAILED_WAIT_S, else None. (spawn's launcher explains its ranks' failures itself.)"""
-    if ledger.group is None or not (isinstance(error, dist.DistError) or "gloo" in str(error)):
+    if ledger.group is None or not _collective_failed(error):
         return None
     deadline = time.monotonic() + FAILED_WAIT_S
     while True:
@@ -365,7 +435,7 @@ def parted(every: dict[int, list[tuple[int, str]]]) -> str | None:
         own = dict(every[a])
         for b in ranks[i + 1:]:
             for n, name in every[b]:
-                if n in own and own[n] != name:
+                if n in own and not _alike(own[n], name):
                     return (f"ranks {a} and {b} parted: rank {a}'s {_ordinal(n)} call to all ranks is {own[n]}, rank "
                             f"{b}'s {name}: every rank makes hap's collective calls alike and in the same order (each "
                             "holds its own part of the model: a call made on some ranks alone, DDP's `if rank == 0:` "
@@ -501,11 +571,12 @@ def watch(end: Callable[[str, str], None]) -> None:
     assert ledger is not None and ledger.slots is not None
 
     def run():
-        seen, since, still, suspicion = ledger.calls, time.monotonic(), STILL_S, Suspicion()
+        seen, since, still, suspicion, failing = ledger.calls, time.monotonic(), STILL_S, Suspicion(), Suspicion()
         while not ledger.stopped.wait(TICK_S):
             if ledger.calls != seen:
                 seen, since, still = ledger.calls, time.monotonic(), STILL_S
                 suspicion.clear()
+                failing.clear()
                 continue
             if time.monotonic() - since < still:
                 continue
@@ -518,7 +589,12 @@ def watch(end: Callable[[str, str], None]) -> None:
             if ledger.stopped.is_set():
                 return
             message = parted(every)
-            if message is None and ledger.current is None:  # outside hap's calls: in a collective of the user's?
+            if message is None and ledger.current is not None and ledger.pending is None:  # in a counted call:
+                # a peer's raised there? (SAME_READS reads: this rank may be about to raise alike)
+                suspicion.clear()
+                message = failing.confirms(failing, failed_behind(every, ledger.rank, ledger.count))
+            elif message is None and ledger.current is None:  # outside hap's calls: in a collective of the user's?
+                failing.clear()
                 found = collective_waited_in(ledger.thread)
                 frame, among = found if found is not None else (None, None)
                 outside = None if frame is None else waits_outside(every, ledger.rank, frame.f_code.co_name, among)
@@ -526,6 +602,7 @@ def watch(end: Callable[[str, str], None]) -> None:
                 del found, frame  # (the suspicion holds it until the next read)
             else:
                 suspicion.clear()
+                failing.clear()
             if message is not None:
                 end(message, _main_stack(ledger.thread))
             # read again STILL_S later; a store ledger's rank still longer reads ever less often
