@@ -257,7 +257,7 @@ class Executor:
         if found is None:
             node = self.graph.nodes[self._node]
             st = self._strategy_of[self._node]
-            found = self._input_grads[key] = gradient_placement(node, self.graph, st, tensor) == R
+            found = self._input_grads[key] = gradient_placement(node, self.graph, st, tensor, short_shards=True) == R
         return found
 
     def forward(self, values: dict[str, torch.Tensor], presliced: frozenset[str] = frozenset()) -> torch.Tensor:
