@@ -392,16 +392,18 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
     if made_for != cluster.name:
         say(f"--plan {path} was made for cluster {made_for!r}; priced on {cluster.name!r}: "
             f"{new * 1e3:.2f} ms per iteration (it said {old * 1e3:.2f} ms)")
-        if here.baselines:  # (priced on the cluster it was made for: the summary's "hap is Nx" would be of that one)
-            try:
-                here = dataclasses.replace(here, baselines=baselines_on(graph, cluster, list(here.baselines), config))
-            except (ValueError, SearchError) as e:
-                say(f"  its baselines are left out: they could not be planned on {cluster.name!r} ({e})")
-                here = dataclasses.replace(here, baselines={})
     elif not math.isclose(old, new, rel_tol=1e-6):
         said, again = _distinct_ms(old, new)
-        say(f"--plan {path} says {said} ms per iteration, priced again {again} ms "
-            "(planned at another batch or input shape, or edited since?): training with the price of it as it is")
+        say(f"--plan {path} says {said} ms per iteration, priced again {again} ms (planned for other model knobs, "
+            "batch or input shape, for a cluster file of this name since changed, or edited since?): training with "
+            "the price of it as it is")
+    if here.baselines and (made_for != cluster.name or not math.isclose(old, new, rel_tol=1e-6)):
+        # priced where the plan was made: the summary's "hap is Nx" would be of that model and cluster
+        try:
+            here = dataclasses.replace(here, baselines=baselines_on(graph, cluster, list(here.baselines), config))
+        except (ValueError, SearchError) as e:
+            say(f"  its baselines are left out: they could not be planned on {cluster.name!r} ({e})")
+            here = dataclasses.replace(here, baselines={})
     return here
 
 

@@ -253,6 +253,18 @@ def test_a_plan_file_is_priced_on_the_cluster_it_trains_on(tmp_path, capfd):
     shown = dict(re.findall(r"^  (dp_ev|dp_cp|tp) +([\d.]+) ms", out, re.M))
     assert shown.keys() == {"dp_ev", "dp_cp", "tp"}
     assert all(float(shown[k]) == round(here[k]["seconds"] * 1e3, 1) for k in shown), (shown, here)
+    # a plan of the same cluster's name for other model knobs (it runs: the same program) is
+    # priced again, and so are its baselines (they were the narrower model's)
+    wide = [*small, "--hidden", "48"]
+    assert main(["plan", *wide, "--cluster", "local", "--quiet", "--json", str(tmp_path / "wide.json")]) == 0
+    want = json.loads((tmp_path / "wide.json").read_text())["baselines"]
+    capfd.readouterr()
+    assert main(["train", *wide, "--cluster", "local", "--steps", "1", "--plan", str(tmp_path / "here.json")]) == 0
+    out = "".join(capfd.readouterr())
+    assert "priced again" in out
+    shown = dict(re.findall(r"^  (dp_ev|dp_cp|tp) +([\d.]+) ms", out, re.M))
+    assert shown.keys() == {"dp_ev", "dp_cp", "tp"}
+    assert all(float(shown[k]) == round(want[k]["seconds"] * 1e3, 1) for k in shown), (shown, want)
 
 
 def test_profile_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
