@@ -956,8 +956,10 @@ def cmd_cluster(args) -> int:
 
 
 # where each command writes: (command, argument, "file" or "dir"); checked before any work
-_FILES_IN = {("explain", "output"): ("timeline.png", "timeline.json", "layouts.txt")}
-"""Files a command writes into an output folder by name (hap sync checks its own)."""
+_FILES_IN = {("explain", "output"): (r"timeline\.png", r"timeline\.json", r"layouts\.txt"),
+             ("train", "trace"): (r"plan\.json", r"rank\d+\.json(\.tmp)?"),
+             ("train", "checkpoint"): (r"latest", r"\.latest\.tmp", r"\.commits")}
+"""Files a command writes into an output folder, by name (a regular expression; hap sync checks its own)."""
 _OUTPUTS = [("plan", "json", "file"), ("train", "trace", "dir"), ("train", "checkpoint", "dir"),
             ("sync", "out", "dir"), ("explain", "output", "dir"), ("profile", "output", "file")]
 
@@ -977,9 +979,10 @@ def _check_outputs(args, made: list[str]) -> None:
             raise UserError(f"{flag} {path} ends in {os.sep}; give a file name")
         if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"{flag} {path} is a file; give a directory")
-        for inside in _FILES_IN.get((command, name), ()):  # (explain wrote timeline.json, then PIL raised)
-            if os.path.isdir(os.path.join(path, inside)):
-                raise UserError(f"{flag} {path}: {inside} there is a directory; the command writes a file of that name")
+        for inside in _FILES_IN.get((command, name), ()):  # (explain wrote timeline.json, then PIL raised; a
+            for entry in (os.listdir(path) if os.path.isdir(path) else ()):  # trace and a checkpoint after training)
+                if re.fullmatch(inside, entry) and os.path.isdir(os.path.join(path, entry)):
+                    raise UserError(f"{flag} {path}: {entry} there is a directory; the command writes a file of that name")
         try:
             _make_folders(folder, made)
         except OSError as e:

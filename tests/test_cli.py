@@ -147,6 +147,11 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
         (["explain", str(afile), "-o", str(afile)], f"-o {afile} is a file; give a directory"),
         (["explain", str(afile), "-o", str(tmp_path / "made")], f"-o {tmp_path / 'made'}: layouts.txt there is a "
                                                                "directory; the command writes a file of that name"),
+        # a trace's and a checkpoint's files: after all the training, a traceback and half-written files
+        (["train", *small, "--trace", str(tmp_path / "made")], f"--trace {tmp_path / 'made'}: rank1.json there is a "
+                                                                "directory; the command writes a file of that name"),
+        (["train", *small, "--checkpoint", str(tmp_path / "made")], f"--checkpoint {tmp_path / 'made'}: latest there "
+                                                                     "is a directory; the command writes a file of that name"),
         (["train", *small, "--plan", str(afile), "--planner", "dp-ev"], f"--plan trains the plan in {afile} as it is: "
                                                                         "--planner would be ignored"),
         (["train", *small, "--plan", str(afile), "--calibrate"], "--plan trains the plan in"),
@@ -159,6 +164,8 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
          "cluster 'paper-hetero-8' is not local (local: true): hap profile measures processes on this machine"),
     ]
     (tmp_path / "made" / "layouts.txt").mkdir(parents=True)  # (explain wrote timeline.json, then a traceback)
+    (tmp_path / "made" / "rank1.json").mkdir()
+    (tmp_path / "made" / "latest").mkdir()
     for argv, says in cases:
         assert _one_error(capsys, argv).startswith(f"hap: error: {says}")
         assert not (tmp_path / "explain").exists() and not (tmp_path / "new.json").exists()
