@@ -245,8 +245,8 @@ def cmd_train(args) -> int:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.clip is not None and not args.clip > 0:
         raise UserError(f"--clip must be a positive norm, got {args.clip}")
-    if args.lr is not None and not args.lr > 0:
-        raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.lr is not None and not 0 < args.lr < math.inf:  # (inf: NaN from the second step)
+        raise UserError(f"--lr must be positive and finite, got {args.lr}")
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
@@ -310,12 +310,13 @@ def cmd_train(args) -> int:
             if os.path.exists(refused):  # the mitigator refused this plan: bad input, said once
                 raise UserError(open(refused).read().strip()) from None
             raise
-        times = json.loads(open(os.path.join(tmp, "times.json")).read())
-    steady = times[2:] if len(times) > 3 else times  # the first iterations warm up allocators and caches
-    measured = statistics.median(steady)
-    est = result.estimated_iteration_seconds
-    print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(steady)}), "
-          f"estimated {est * 1e3:.1f} ms ({measured / est:.2f}x the estimate)")
+        ran = json.loads(open(os.path.join(tmp, "times.json")).read())
+    times, estimates = ran["seconds"], ran["estimates"]
+    warm = 2 if len(times) > 3 else 0  # the first iterations warm up allocators and caches
+    measured, est = statistics.median(times[warm:]), statistics.median(estimates[warm:])
+    changed = "" if len(set(estimates[warm:])) == 1 else ", the median of the plans those steps ran"
+    print(f"per-iteration time: measured {measured * 1e3:.1f} ms (median of {len(times) - warm}), "
+          f"estimated {est * 1e3:.1f} ms{changed} ({measured / est:.2f}x the estimate)")
     if args.trace:
         where = os.path.normpath(args.trace)  # (traces/ gave traces//rank<r>.json)
         print(f"Chrome traces (chrome://tracing or ui.perfetto.dev): {os.path.join(where, 'rank<r>.json')}; the plan: "
@@ -554,8 +555,8 @@ def _resume_from(args) -> tuple[str, int] | None:
     if found is None and os.path.exists(os.path.join(args.checkpoint, ".metadata")):  # (saves would go inside it)
         raise UserError(f"--resume: {args.checkpoint} is a checkpoint itself: give --checkpoint the directory that "
                         f"holds it, {os.path.dirname(os.path.normpath(args.checkpoint)) or '.'}")
-    if found is None:
-        raise UserError(f"--resume: no checkpoint in {args.checkpoint}")
+    if found is None:  # (checkpoints there, their `latest` pointer gone: named)
+        raise UserError(f"--resume: no checkpoint in {args.checkpoint}{_earlier_hint(args.checkpoint, None)}")
     if found[1] >= args.steps:
         raise UserError(f"--resume: the latest checkpoint in {args.checkpoint} is at step {found[1]}, "
                         f"so --steps {args.steps} leaves nothing to train")
@@ -778,6 +779,8 @@ class _TrainLoop:
         self.profiler = cpu_profiler() if self.traced else None
         self.progress = _Progress(args["steps"], start) if rank == 0 else None
         self.times: list[float] = []
+        self.estimates: list[float] = []
+        """Per step, the estimate of the plan it ran (a reshard or a pipeline's move changes it)."""
 
     def step(self, step: int):
         """The step's span (a trace's "hap step N"), starting the trace at the first traced step."""
@@ -785,6 +788,7 @@ class _TrainLoop:
 
         import torch
 
+        self.estimates.append(self.dmodel.plan.estimated_iteration_seconds)
         if self.profiler is None:
             return contextlib.nullcontext()
         if step == self.args["steps"] - self.traced:
@@ -818,7 +822,7 @@ class _TrainLoop:
                 self.dmodel.plan.to_json(os.path.join(self.args["trace"], "plan.json"))
         if self.rank == 0:
             with open(times_path, "w") as f:
-                json.dump(self.times, f)
+                json.dump({"seconds": self.times, "estimates": self.estimates}, f)
 
 
 class _Straggling:

@@ -466,6 +466,8 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd, monkeypatch):
     changed = bytearray(data.read_bytes())
     changed[len(changed) // 2] ^= 0xFF
     data.write_bytes(bytes(changed))
+    shutil.copytree(directory, directory + "-d")  # its `latest` pointer gone: the checkpoints there named
+    os.remove(os.path.join(directory + "-d", "latest"))
 
     for args, error in [(["--checkpoint", directory + "-c", "--resume", "--steps", "8"],
                          f"--resume: checkpoint {directory}-c/step-00000006 is damaged: {data.name} does not match its "
@@ -475,6 +477,9 @@ def test_cli_resumes_where_it_stopped(tmp_path, capfd, monkeypatch):
                          "step-00000004, step-00000002; --resume STEP resumes from one)"),
                         (["--resume"], "--resume needs --checkpoint DIR"),
                         (["--checkpoint", str(tmp_path / "none"), "--resume"], f"--resume: no checkpoint in {tmp_path}/none"),
+                        (["--checkpoint", directory + "-d", "--resume", "--steps", "8"],
+                         f"--resume: no checkpoint in {directory}-d (checkpoints there: step-00000006, step-00000004, "
+                         "step-00000002; --resume STEP resumes from one)"),
                         (["--checkpoint", f"{directory}/step-00000006", "--resume"],  # (it said: no checkpoint in it)
                          f"--resume: {directory}/step-00000006 is a checkpoint itself: give --checkpoint the directory "
                          f"that holds it, {directory}"),

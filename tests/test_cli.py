@@ -127,7 +127,8 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
     cases = [
         (["train", *small, "--clip", "0"], "--clip must be a positive norm, got 0.0"),  # was ignored
         (["train", *small, "--clip", "-1"], "--clip must be a positive norm, got -1.0"),  # reversed the gradients
-        (["train", *small, "--lr", "-0.1"], "--lr must be positive, got -0.1"),
+        (["train", *small, "--lr", "-0.1"], "--lr must be positive and finite, got -0.1"),
+        (["train", *small, "--lr", "inf"], "--lr must be positive and finite, got inf"),  # (NaN from step 2)
         (["plan", *small, "--planner", "pp-exact", "--pipeline-stages", "0"], "--pipeline-stages must be positive, got 0"),
         (["plan", *small, "--micro-batches", "0"], "--micro-batches must be positive, got 0"),
         (["plan", *small, "--layers", "0"], "--layers must be a positive integer, got 0"),  # (the flag unnamed)

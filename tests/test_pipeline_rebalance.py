@@ -255,6 +255,8 @@ def test_cli_rebalances_a_pipeline_and_refuses_column_policies(capfd, tmp_path):
     summary = [line for line in out.splitlines() if line.startswith("pipeline straggler rebalance: ")]
     assert len(summary) == 1 and "moved 1 time (after step" in summary[0], out
     assert "could not be told" not in summary[0]  # (both stages carry work: compared from the start)
+    # the steps ran two plans: the measured time is held against their estimates (it was the first plan's alone)
+    assert "estimated" in out and ", the median of the plans those steps ran (" in out, out
     assert main([*PIPE, "--steps", "2", "--straggler", "zero-pri"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hap: error: --straggler zero-pri prunes or migrates") and "rebalance" in err[-1], err
