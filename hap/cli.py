@@ -297,7 +297,8 @@ def cmd_train(args) -> int:
         path = os.path.join(tmp, "plan.json")
         result.to_json(path)
         whose = planner if args.plan is not None else f"{planner}'s plan"
-        steps = f"{args.steps} steps" if resume is None else f"steps {resume[1] + 1}-{args.steps}"
+        steps = (f"{args.steps} step{'s' if args.steps != 1 else ''}" if resume is None
+                 else f"steps {resume[1] + 1}-{args.steps}")
         say(f"training {steps} with {whose} on {cluster.size} local processes")
         if straggling is not None:
             say(straggling)
@@ -859,13 +860,15 @@ class _Straggling:
 
 class _Progress:
     """Training progress: one updating line on a terminal (tqdm), else a line every tenth of
-    the steps (and the last)."""
+    the steps this run trains (and the last: a resumed run's tenth is of its own steps)."""
 
     def __init__(self, steps: int, done: int = 0):
         from tqdm import tqdm
 
-        self.steps, self.done = steps, done
-        self.bar = tqdm(total=steps, initial=done, unit="step", dynamic_ncols=True) if sys.stdout.isatty() else None
+        self.steps, self.done, self.start = steps, done, done
+        # (tqdm draws on stderr: the bar where that is a terminal too)
+        shown = sys.stdout.isatty() and sys.stderr.isatty()
+        self.bar = tqdm(total=steps, initial=done, unit="step", dynamic_ncols=True) if shown else None
 
     def step(self, loss: float, seconds: float, norm, note: str = "") -> None:
         self.done += 1
@@ -873,7 +876,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {loss:.4f}  {seconds * 1e3:.1f} ms{extra}", refresh=False)
             self.bar.update()
-        elif self.done % max(1, self.steps // 10) == 0 or self.done == self.steps:
+        elif (self.done - self.start) % max(1, (self.steps - self.start) // 10) == 0 or self.done == self.steps:
             print(f"step {self.done:4d}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms{extra}", flush=True)
 
     def note(self, line: str) -> None:

@@ -493,3 +493,17 @@ def test_a_plan_of_another_model_name_and_a_model_too_large_to_build_are_one_lin
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hap: error: --model vit at scale small with these sizes does not fit "
                                                "this machine's memory ("), err
+
+
+def test_progress_prints_a_tenth_of_the_steps_this_run_trains(capsys):
+    """A run resumed at step 300 of 310 printed only step 310 (a tenth of all 310 steps)."""
+    from hap.cli import _Progress
+
+    progress = _Progress(310, 300)  # (stdout is no terminal here: lines, not a bar)
+    for _ in range(10):
+        progress.step(1.0, 0.01, None)
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == [f"{k}/310" for k in range(301, 311)]
+    progress = _Progress(20)
+    for _ in range(20):
+        progress.step(1.0, 0.01, None)
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == [f"{k}/20" for k in range(2, 21, 2)]
