@@ -511,7 +511,8 @@ class Plan:
                 pieces = stage_pieces(graph, classes, program, [st.ratios[0] for st in self.stages],
                                       self.schedule.micro_batches)
         except ValueError as e:
-            raise ValueError(f"{e} (a plan made for another model or batch?)") from None
+            raise ValueError(f"{e} (a plan made for another model or batch? hap plan's --scale is paper by default, "
+                             "hap train's small)") from None
         ran = sorted(step.node for step in program)
         if ran != list(range(len(graph.nodes))):
             missing = sorted(set(range(len(graph.nodes))) - set(ran))

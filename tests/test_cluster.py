@@ -214,3 +214,12 @@ def test_hap_cluster_prints_a_cluster_file(capsys):
     text = capsys.readouterr().out
     assert text.startswith("# paper-hetero-16")
     assert cluster_from_dict(yaml.safe_load(text)) == BUILTIN["paper-hetero-16"]()
+
+
+def test_a_slow_devices_speed_is_told_in_gflops():
+    """A 3 GFLOP/s device was described as 0.00 TFLOP/s."""
+    cluster = cluster_from_dict({"name": "slow", "devices": [{"name": "a", "flops": 3e9, "memory": "1GiB"},
+                                                            {"name": "b", "flops": 9e10, "memory": "1GiB"}],
+                                "network": {"bandwidth": "1GB/s", "latency": "10us"}})
+    assert cluster.describe() == ("slow: 2 devices, 2 GPUs: 1 x a (1 GPU, 3 GFLOP/s, 1.0 GiB), "
+                                  "1 x b (1 GPU, 0.09 TFLOP/s, 1.0 GiB)")

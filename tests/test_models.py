@@ -226,3 +226,9 @@ def test_moe_matches_reference(capacity_factor):
 def test_moe_capacity():
     assert capacity(128, 16) == 20  # ceil(2 * 128 / 16 * 1.25)
     assert capacity(16, 16) == 3
+
+
+def test_a_knob_the_model_lacks_names_the_knobs_it_takes():
+    """ViT's list left out --dropout, which it takes."""
+    with pytest.raises(ValueError, match=r"^model 'vit' has no 'seq' knob; it takes layers, hidden, batch, dropout$"):
+        resolve("vit", seq=10, scale="small")

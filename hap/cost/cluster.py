@@ -162,7 +162,10 @@ class Cluster:
                 groups[-1][1] += 1
             else:
                 groups.append([d, 1])
-        parts = [f"{n} x {d.name} ({d.gpus} GPU{'s' if d.gpus > 1 else ''}, {d.flops / 1e12:.2f} TFLOP/s, "
+        def speed(flops: float) -> str:  # (a 3 GFLOP/s device said 0.00 TFLOP/s)
+            return f"{flops / 1e12:.2f} TFLOP/s" if flops >= 1e10 else f"{flops / 1e9:.3g} GFLOP/s"
+
+        parts = [f"{n} x {d.name} ({d.gpus} GPU{'s' if d.gpus > 1 else ''}, {speed(d.flops)}, "
                  f"{size_text(d.memory)})" for d, n in groups]
         return f"{self.name}: {self.size} devices, {self.gpus} GPUs: " + ", ".join(parts)
 

@@ -97,7 +97,8 @@ def resolve(name: str, *, layers: int | None = None, hidden: int | None = None, 
         _positive(knob, v)
     for knob, v in given.items():
         if v is not None and knob not in info.knobs:
-            raise ValueError(f"model '{name}' has no '{knob}' knob; it takes {', '.join((*info.knobs, 'batch'))}")
+            takes = (*info.knobs, "batch", *(("dropout",) if hasattr(info.config(scale), "dropout") else ()))
+            raise ValueError(f"model '{name}' has no '{knob}' knob; it takes {', '.join(takes)}")
 
     cfg = info.config(scale)
     changes: dict[str, Any] = {}
