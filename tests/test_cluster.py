@@ -223,3 +223,5 @@ def test_a_slow_devices_speed_is_told_in_gflops():
                                 "network": {"bandwidth": "1GB/s", "latency": "10us"}})
     assert cluster.describe() == ("slow: 2 devices, 2 GPUs: 1 x a (1 GPU, 3 GFLOP/s, 1.0 GiB), "
                                   "1 x b (1 GPU, 0.09 TFLOP/s, 1.0 GiB)")
+    assert [d["memory"] for d in cluster.to_dict()["devices"]] == [2**30, 2**30]  # (bytes as a whole number: it was 1073741824.0)
+    assert all(type(d["memory"]) is int for d in cluster.to_dict()["devices"])

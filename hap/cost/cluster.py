@@ -203,6 +203,8 @@ def _unit_where_needed(key: str, value):
     """A cluster file's value as to_dict writes it: a bare number in the base unit, as ever,
     but with its unit where the loader would take the bare number for a forgotten unit
     (_given_unit: a latency of a second or more, a bandwidth under 1 kB/s)."""
+    if key == "memory" and isinstance(value, float) and value.is_integer():
+        return int(value)  # (bytes: 17179869184, not 17179869184.0)
     plausible, unit = _BARE_RANGE.get(key, (None, None))
     if plausible is None or not isinstance(value, float) or value <= 0 or plausible[0] <= value < plausible[1]:
         return value
