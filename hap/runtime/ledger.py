@@ -318,7 +318,10 @@ def _check_failed_alike(ledger: Ledger) -> None:
     called = dict(ledger.calls).get(n - 1, "its call")
     deadline = time.monotonic() + FAILED_WAIT_S
     while True:
-        every = ledger.slots.read_every()
+        try:
+            every = ledger.slots.read_every()
+        except Exception:  # (a store whose host has ended: no one left to compare with)
+            return
         behind = [r for r, calls in sorted(every.items()) if r != ledger.rank and (calls[-1][0] if calls else 0) < n]
         other = [(r, name) for r, calls in sorted(every.items()) for m, name in calls
                  if r != ledger.rank and m == n and not name.startswith(FAILED)]
@@ -335,7 +338,8 @@ def _check_failed_alike(ledger: Ledger) -> None:
 
 FAILED_WAIT_S = 3.0
 """How long a store ledger's rank whose collective failed waits for its peers' calls to show a
-parting (a peer that left writes its end as it exits)."""
+parting (a peer that left writes its end as it exits); and a rank whose call raised, for its
+peers' to have raised too (_check_failed_alike)."""
 
 
 def _collective_failed(error: Exception) -> bool:
