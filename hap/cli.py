@@ -391,15 +391,16 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
                             f"({device.name}), which has {size_text(device.memory)}")
     made_for = plan.cluster.get("name") if isinstance(plan.cluster, dict) else None
     old, new = plan.estimated_iteration_seconds, here.estimated_iteration_seconds
+    repriced = made_for != cluster.name or not math.isclose(old, new, rel_tol=1e-6)
     if made_for != cluster.name:
         say(f"--plan {path} was made for cluster {made_for!r}; priced on {cluster.name!r}: "
             f"{new * 1e3:.2f} ms per iteration (it said {old * 1e3:.2f} ms)")
-    elif not math.isclose(old, new, rel_tol=1e-6):
+    elif repriced:
         said, again = _distinct_ms(old, new)
         say(f"--plan {path} says {said} ms per iteration, priced again {again} ms (planned for other model knobs, "
             "batch or input shape, for a cluster file of this name since changed, or edited since?): training with "
             "the price of it as it is")
-    if here.baselines and (made_for != cluster.name or not math.isclose(old, new, rel_tol=1e-6)):
+    if here.baselines and repriced:
         # priced where the plan was made: the summary's "hap is Nx" would be of that model and cluster
         try:
             here = dataclasses.replace(here, baselines=baselines_on(graph, cluster, list(here.baselines), config))

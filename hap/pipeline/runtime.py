@@ -45,8 +45,9 @@ from ..runtime.executor import check_inputs, leaf_values
 from ..runtime import ledger, wire
 from ..runtime.mirror import MirrorsModel
 from ..runtime.module import (PIPELINE_DIFFERENT_BATCHES, SHAPES_KEPT, StepCheck, WrappedWatch, agree_plan,
-                              check_trainable, clip_spread_, cluster_setting, held_by_original, input_shapes, rank_comm, spot_check_due,
-                              spread_gradients, state_keys, sum_step, watch_wrapped, wrapped_state)
+                              check_trainable, clip_spread_, cluster_setting, held_by_original, input_shapes,
+                              rank_comm, spot_check_due, spread_gradients, state_keys, sum_step, watch_wrapped,
+                              wrapped_state)
 from .price import card_loads, card_seconds
 from .schedule import stage_order
 from .stages import check_aligned, check_pipelinable, crossings, overlaps, row_ranges, stage_of_nodes, stage_pieces

@@ -1021,12 +1021,12 @@ def _backward_begins(grad: torch.Tensor) -> None:
     ledger.mark("a backward through dmodel's loss")
 
 
-DIFFERENT_BATCHES = ("the ranks were given different batches (each its own sample, as DistributedSampler gives DDP): "
-                     "give every rank the same global batch, or each rank its part of it (dmodel.local_batch(*batch), "
-                     "or the rows dmodel.input_slices() names, with part=True)")
-PIPELINE_DIFFERENT_BATCHES = ("the ranks were given different batches (each its own sample, as DistributedSampler "
-                              "gives DDP): give every rank the same global batch (hap.Pipeline's train_step takes "
-                              "the whole batch on every rank and splits it into micro-batches itself)")
+_GIVE_THE_SAME = ("the ranks were given different batches (each its own sample, as DistributedSampler gives DDP): "
+                  "give every rank the same global batch")
+DIFFERENT_BATCHES = (_GIVE_THE_SAME + ", or each rank its part of it (dmodel.local_batch(*batch), or the rows "
+                     "dmodel.input_slices() names, with part=True)")
+PIPELINE_DIFFERENT_BATCHES = (_GIVE_THE_SAME + " (hap.Pipeline's train_step takes the whole batch on every rank and "
+                              "splits it into micro-batches itself)")
 
 
 def fingerprints(inputs: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
