@@ -90,14 +90,11 @@ def off_plan(speeds: Sequence[float], planned: Sequence[float], measured: Sequen
     The plan's absolute scale cancels: only how the ranks compare counts. Ranks planned less
     than SUBSTANTIAL of the busiest's are left out (a stage of the loss alone, estimated at
     0.05 ms, is busy with the step's fixed costs: 20x its estimate on a healthy run), and at
-    least two must remain. Of two, the faster is taken for healthy (a straggler is slower than
-    planned, seldom faster): their mean, the median of two, made the healthy one 3.5x fast
-    beside a 6x slow one, and so every rank left out 3.5x slow."""
+    least two must remain."""
     counted = comparable(planned, measured)
     if len(counted) < 2:
         return None
-    busy = [measured[i] / planned[i] for i in counted]
-    scale = statistics.median(busy) if len(busy) > 2 else min(busy)
+    scale = statistics.median(measured[i] / planned[i] for i in counted)
     relative = [measured[i] / planned[i] / scale if i in counted else 1.0 for i in range(len(planned))]
     return changed_speeds(speeds, [1.0] * len(speeds), relative, threshold)
 
