@@ -30,9 +30,15 @@ def test_a_rank_busy_four_times_longer_runs_at_a_quarter_of_its_speed():
 def test_a_rank_off_the_plans_estimate_against_the_others_has_its_speed_from_the_start():
     # stage 1 planned twice stage 0's work; measured 3x the estimate on both: the plan's scale, no change
     assert off_plan([1.0, 1.0], [1.0, 2.0], [3.0, 6.0], 0.5) is None
-    # rank 1 six times slower: against the median (of two: their mean) both move, 6x apart
-    speeds = off_plan([1.0, 1.0], [1.0, 2.0], [3.0, 36.0], 0.5)
-    assert speeds[0] / speeds[1] == pytest.approx(6.0) and speeds[1] < 1.0 < speeds[0]
+    # rank 1 six times slower: 6 > 3 apart is off against their mean; the move is measured from
+    # the faster (from their mean both moved, 6x apart, and a rank left out, at 1, was taken
+    # 3.5x slower than the healthy one)
+    assert off_plan([1.0, 1.0], [1.0, 2.0], [3.0, 36.0], 0.5) == pytest.approx([1.0, 1.0 / 6])
+    assert off_plan([1.0] * 4, [1.0, 1.0, 0.01, 0.01], [6.0, 1.0, 0.2, 0.2], 0.5) == pytest.approx([1 / 6, 1.0, 1.0, 1.0])
+    # 2.5x apart is within what the estimate's error between stages did to two ranks under
+    # contention (against the faster alone it was off, and a healthy run moved: CI at 8b5b08a)
+    assert off_plan([1.0, 1.0], [1.0, 2.0], [3.0, 15.0], 0.5) is None
+    assert off_plan([1.0] * 4, [1.0, 1.0, 0.01, 0.01], [2.5, 1.0, 0.2, 0.2], 0.5) is None
     # three ranks: the median is a healthy one's; only the slow one moves (4 / 2.2 = 3.6x)
     assert off_plan([1.0, 1.0, 1.0], [1.0, 1.0, 2.0], [2.0, 2.2, 16.0], 0.5) == pytest.approx([1.0, 1.0, 2.2 / 8.0])
     # within the estimate's error between stages (0.35 measured): nothing

@@ -90,13 +90,27 @@ def off_plan(speeds: Sequence[float], planned: Sequence[float], measured: Sequen
     The plan's absolute scale cancels: only how the ranks compare counts. Ranks planned less
     than SUBSTANTIAL of the busiest's are left out (a stage of the loss alone, estimated at
     0.05 ms, is busy with the step's fixed costs: 20x its estimate on a healthy run), and at
-    least two must remain."""
+    least two must remain.
+
+    Of two, whether to move is decided against their mean (the median of two: the pair more
+    than (1 + threshold) / (1 - threshold) apart, 3x at 0.5, as the estimate's error between
+    stages is not), and the move is then measured from the faster, taken for healthy (a
+    straggler is slower than planned, seldom faster): measured from their mean, a 6x straggler's
+    healthy peer was 3.5x fast, and so every rank left out 3.5x slow."""
     counted = comparable(planned, measured)
     if len(counted) < 2:
         return None
-    scale = statistics.median(measured[i] / planned[i] for i in counted)
-    relative = [measured[i] / planned[i] / scale if i in counted else 1.0 for i in range(len(planned))]
-    return changed_speeds(speeds, [1.0] * len(speeds), relative, threshold)
+    busy = {i: measured[i] / planned[i] for i in counted}
+    if changed_speeds(speeds, [1.0] * len(speeds), _relative(busy, statistics.median(busy.values()), len(planned)),
+                      threshold) is None:
+        return None
+    scale = statistics.median(busy.values()) if len(busy) > 2 else min(busy.values())
+    return changed_speeds(speeds, [1.0] * len(speeds), _relative(busy, scale, len(planned)), threshold)
+
+
+def _relative(busy: dict[int, float], scale: float, ranks: int) -> list[float]:
+    """Each rank's busy seconds over plan relative to `scale` (1 for a rank not compared)."""
+    return [busy[i] / scale if i in busy else 1.0 for i in range(ranks)]
 
 
 SUBSTANTIAL = 0.25
