@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args
 
+from .cost.model import OPTIMIZER_STATES
 from .ir import Graph, size_text  # noqa: F401 (size_text: plan.size_text too)
 from .pipeline.schedule import SCHEDULES, ScheduleName
 from .placement import Placement, parse
@@ -405,6 +406,9 @@ class Plan:
             raise ValueError("malformed plan: its estimate and its devices' memory must be finite positive numbers")
         if self.search.get("gap") is not None and not isinstance(self.search["gap"], (int, float)):
             raise ValueError(f"malformed plan: search gap {self.search['gap']!r} is not a number")
+        if self.search.get("optimizer", "sgd") not in OPTIMIZER_STATES:
+            raise ValueError(f"malformed plan: search optimizer {self.search['optimizer']!r} is none of "
+                             f"{', '.join(OPTIMIZER_STATES)}")
         bad = next((e for e in self.sync if not set(e.devices) <= set(range(n))), None)
         if bad is not None:
             raise ValueError(f"malformed plan: {bad.param} is synchronized over devices {list(bad.devices)} of {n}")
@@ -606,6 +610,14 @@ class Plan:
             parts.append(f"{self.search['rounds']} Q/B rounds")
         return f" ({', '.join(parts)})" if parts else ""
 
+    def _memory_parts(self) -> str:
+        """' (what memory_bytes counts)' where the search record names the optimizer priced."""
+        optimizer = self.search.get("optimizer")
+        if optimizer is None:
+            return ""
+        state = "" if optimizer == "sgd" else f", {optimizer} state"
+        return f" (parameters, gradients{state}, activations)"
+
     def summary(self) -> str:
         lines = [f"model {self.model} on {self.cluster['name']} ({len(self.devices)} devices)",
                  f"  synthesis {self.synthesis_seconds:.2f} s{self._how()}, winner: {self.search.get('winner', '?')}"
@@ -633,7 +645,7 @@ class Plan:
                 if idle:
                     lines.append(f"  note: devices {idle} get none of any split tensor in segment {s} (at these "
                                  "ratios the dims the plan splits, batch rows, heads or features, have too few to reach them)")
-        lines.append(f"  memory per GPU: {' '.join(size_text(b) for b in self.memory_bytes)}")
+        lines.append(f"  memory per GPU{self._memory_parts()}: {' '.join(size_text(b) for b in self.memory_bytes)}")
         caps = [d.get("memory") for d in self.cluster.get("devices", [])]
         over = [j for j, (b, cap) in enumerate(zip(self.memory_bytes, caps)) if cap and b > cap]
         if over:

@@ -246,7 +246,9 @@ def plan(graph: Graph, cluster: Cluster, config: PlannerConfig | None = None,
                          "(hap.planners.make_plan('pp-exact', ...)); hap.plan synthesizes one stage")
     check_graph_and_cluster(graph, cluster)
     with paused_gc():
-        return _plan(graph, cluster, config, progress)
+        result = _plan(graph, cluster, config, progress)
+    result.search = {**result.search, "optimizer": config.optimizer}  # (whose state its memory counts)
+    return result
 
 
 def _plan(graph: Graph, cluster: Cluster, config: PlannerConfig, progress: Callable[[str], None] | None) -> Plan:
@@ -523,7 +525,9 @@ def priced(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | N
     """`plan` with its estimate (seconds, breakdown, timeline, memory) priced again, as
     `estimate` prices it; a plan whose sync entries came from elsewhere than its program's
     buckets (plan.search["sync"]: `hap sync`, `resync`) with them, as sync.price prices them; a
-    pipeline's by its pricer (pipeline.plan.priced_pipeline)."""
+    pipeline's by its pricer (pipeline.plan.priced_pipeline). Its search record names the
+    optimizer whose state the memory now counts."""
+    plan = dataclasses.replace(plan, search={**plan.search, "optimizer": (config or PlannerConfig()).optimizer})
     if len(plan.stages) > 1:
         from .pipeline.plan import priced_pipeline  # (the pipeline plans with the planner)
 

@@ -24,7 +24,8 @@ def test_train_prints_a_line_every_tenth_of_the_steps(capfd):  # capfd: the rank
     out = capfd.readouterr().out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == [f"{k}/20" for k in range(2, 21, 2)]
-    assert "memory per GPU:" in out and ("KiB" in out or "MiB" in out)
+    # hap train's SGD with momentum: its one state tensor per parameter is what the memory counts
+    assert "memory per GPU (parameters, gradients, momentum state, activations):" in out and ("KiB" in out or "MiB" in out)
 
 
 def test_sizes_read_in_a_unit_that_fits():

@@ -297,6 +297,22 @@ def test_memory_tight_cluster_shards_large_parameters(graph):
     assert "sharded parameters" in result.search["winner"]
 
 
+def test_the_summary_says_whose_optimizer_state_the_memory_counts(graph, result, tmp_path):
+    from hap.planner import priced
+
+    assert "memory per GPU (parameters, gradients, adam state, activations): " in result.summary()
+    # hap train prices a plan again for its SGD: no state tensor, less memory, and said so
+    plain = priced(graph, load_cluster("paper-hetero-8"), result, PlannerConfig(optimizer="sgd"))
+    assert "memory per GPU (parameters, gradients, activations): " in plain.summary()
+    assert all(b < a for a, b in zip(result.memory_bytes, plain.memory_bytes))
+    path = tmp_path / "plan.json"
+    data = json.loads(result.to_json())
+    data["search"]["optimizer"] = "lion"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="search optimizer 'lion' is none of adam, momentum, sgd"):
+        Plan.from_json(path)
+
+
 def test_estimate_reprices_a_plan_exactly(graph, result):
     """planner.estimate replays a plan's program under the graph's and cluster's cost model: with
     nothing changed it gives the planner's own figure, and a slower cluster costs more."""

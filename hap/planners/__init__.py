@@ -78,7 +78,9 @@ def make_plan(name: str, graph: Graph, cluster: Cluster, config: PlannerConfig |
         if fields and knob not in KNOBS[name]:
             raise ValueError(f"PlannerConfig.{fields[0]} is for the planners {', '.join(reading(knob))}, not {name}")
     check_graph_and_cluster(graph, cluster)
-    return planner(graph, cluster, config, progress or (lambda msg: None))
+    plan = planner(graph, cluster, config, progress or (lambda msg: None))
+    plan.search = {**plan.search, "optimizer": config.optimizer}  # (whose state its memory counts)
+    return plan
 
 
 @register("astar", reads=("segments",))
