@@ -55,6 +55,27 @@ def test_a_rank_off_the_plans_estimate_against_the_others_has_its_speed_from_the
     assert comparable([2.0, 2.0], [6.0, 0.0]) == [0]  # (a rank not busy at all: no measure)
 
 
+def test_a_rank_left_the_loss_alone_keeps_its_speed():
+    # rank 1 holds the loss alone: its busy seconds (0.1 ms -> 0.6 ms, the step's fixed costs)
+    # moved 6x by noise and read as a 6x recovery, and the model was moved back onto it
+    assert changed_speeds([0.7, 1 / 6], [0.05, 1e-4], [0.05, 6e-4], 0.25, counted=[0]) is None
+    assert changed_speeds([0.7, 1 / 6], [0.05, 1e-4], [0.1, 6e-4], 0.25, counted=[0]) == pytest.approx([0.35, 1 / 6])
+    from hap.capture import capture
+    from hap.cost.cluster import local_cluster
+    from hap.pipeline.plan import PipelineSpace, assemble
+    from hap.pipeline.rebalance import measurable
+    from hap.planner import PlannerConfig, baseline_plan
+
+    model, batch = _setup()
+    cluster = local_cluster((1.0, 1.0), "local")
+    graph = capture(model, batch)
+    last = len(graph.nodes) - 1
+    space = PipelineSpace(graph, cluster, PlannerConfig(schedule="1f1b"))
+    assert measurable(assemble(space, [last], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {}), [1.0, 1.0]) == [0]
+    assert measurable(assemble(space, [last // 2], [[0], [1]], [[1.0], [1.0]], 2, 0.0, {}), [1.0, 1.0]) == [0, 1]
+    assert measurable(baseline_plan(graph, cluster, "dp-cp"), [1.0, 1.0]) == [0, 1]  # no estimate: every rank
+
+
 def test_the_plans_busy_seconds_are_each_stages_forward_and_backward_per_micro_batch():
     from hap.capture import capture
     from hap.cost.cluster import local_cluster
@@ -92,6 +113,32 @@ def test_a_step_of_another_batch_shape_is_not_a_speed(monkeypatch):
         pipe.last_step = {"compute": seconds, "planned_shape": planned}
         reb.end_step()
     assert reb.busy == [[1.0, 1.0]] * 4 and reb.speeds == [1.0, 1.0]  # (the first step warms up: not counted)
+
+
+def test_the_rebalancer_reads_no_speed_from_a_rank_with_the_loss_alone(monkeypatch):
+    from types import SimpleNamespace
+
+    import hap.pipeline.rebalance as rebalance
+    from hap.pipeline.rebalance import RebalanceConfig, Rebalancer
+    busy = {"now": [1.0, 1.0]}
+    monkeypatch.setattr(rebalance.wire, "all_gather", lambda found, mine, group=None: [
+        f.fill_(x) for f, x in zip(found, busy["now"])])
+    # stage 1 holds the loss alone: planned 3 us of rank 0's 3 s per step
+    plan = SimpleNamespace(timeline={"pipeline": {"fwd": [1.0, 1e-6], "bwd": [2.0, 2e-6]}},
+                           schedule=SimpleNamespace(micro_batches=1), devices=["a", "b"],
+                           stages=[SimpleNamespace(devices=[0]), SimpleNamespace(devices=[1])])
+    pipe = SimpleNamespace(comm=SimpleNamespace(world=2, rank=0, group=None), emulation=SimpleNamespace(slowdown=1.0),
+                           plan=plan, last_step={})
+    reb = Rebalancer(pipe, None, (), RebalanceConfig(policy="none", window=2), lambda groups: None)
+    for it, times in enumerate([[3.0, 1e-4]] * 3 + [[3.1, 6e-4]] * 2 + [[6.0, 6e-4]] * 2):
+        reb.begin_step(it)
+        busy["now"] = times
+        pipe.last_step = {"compute": times[0]}
+        record = reb.end_step()
+        if it == 4:  # rank 1's fixed costs 6x longer: not a speed (it was read 6x slower)
+            assert reb.start_untold and record["speeds"] == [1.0, 1.0] and len(reb.busy) == 4
+    # rank 0 slowed (re-measured at the window of 3.1 and 6.0 s, median 4.55 s); rank 1 kept
+    assert reb.speeds == pytest.approx([3.0 / 4.55, 1.0])
 
 
 def test_config_refuses_what_a_pipeline_cannot_do():

@@ -13,7 +13,8 @@ Detection: every step the ranks all-gather their busy seconds (Pipeline.last_ste
 forward and backward, an emulated device's sleep included, waiting not). A rank's reference is
 the median of its first `window` steps under the current plan; when the median of its last
 `window` steps is off it by more than `threshold`, its relative speed is divided by that
-ratio and the references start again. A device slow from the start (before any reference)
+ratio and the references start again (a rank the plan leaves under SUBSTANTIAL of the busiest's
+estimate, the loss alone, keeps its speed: measurable). A device slow from the start (before any reference)
 is found at the first window by the plan's own estimate: each rank's busy seconds over the
 plan's (its stage's forward and backward, M micro-batches), relative to the median rank's,
 off by more than `start_threshold` (the estimate's own error between stages, op overheads
@@ -39,7 +40,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Collection, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,10 +75,12 @@ class RebalanceConfig:
 
 
 def changed_speeds(speeds: Sequence[float], reference: Sequence[float], recent: Sequence[float],
-                   threshold: float) -> list[float] | None:
+                   threshold: float, counted: Collection[int] | None = None) -> list[float] | None:
     """New relative speeds where a rank's recent busy seconds are off its reference by more than
-    `threshold` (busy twice as long: half the speed), else None."""
-    ratios = [now / ref if ref > 0 else 1.0 for now, ref in zip(recent, reference)]
+    `threshold` (busy twice as long: half the speed), else None. A rank outside `counted` (None:
+    every rank) keeps its speed: its busy seconds are no measure of it (measurable)."""
+    ratios = [now / ref if ref > 0 and (counted is None or i in counted) else 1.0
+              for i, (now, ref) in enumerate(zip(recent, reference))]
     if all(abs(r - 1.0) <= threshold for r in ratios):
         return None
     return [s / r if abs(r - 1.0) > threshold else s for s, r in zip(speeds, ratios)]
@@ -121,6 +124,15 @@ def comparable(planned: Sequence[float], measured: Sequence[float]) -> list[int]
     """The ranks off_plan compares: planned at least SUBSTANTIAL of the busiest's seconds, and busy."""
     top = max(planned, default=0.0)
     return [i for i, (p, m) in enumerate(zip(planned, measured)) if top > 0 and p >= SUBSTANTIAL * top and m > 0]
+
+
+def measurable(plan: Plan, reference: Sequence[float]) -> list[int]:
+    """The ranks whose busy seconds under `plan` measure their speed: those comparable by the
+    plan's estimate (every rank where it holds none). A rank left the loss alone by a move (busy
+    with the step's fixed costs) is not: its noise, read as a 6x speed-up, moved the model back
+    onto a 6x straggler."""
+    planned = planned_busy(plan)
+    return comparable(planned, reference) if any(planned) else list(range(len(planned)))
 
 
 def planned_busy(plan: Plan) -> list[float]:
@@ -204,7 +216,8 @@ class Rebalancer:
                 if self.config.policy == "rebalance":
                     self._replan()
         elif self.reference is not None and len(self.busy) >= 2 * window:
-            speeds = changed_speeds(self.speeds, self.reference, _medians(self.busy[-window:]), self.config.threshold)
+            speeds = changed_speeds(self.speeds, self.reference, _medians(self.busy[-window:]), self.config.threshold,
+                                    counted=measurable(self.pipe.plan, self.reference))
             if speeds is not None:
                 self.speeds, self.reference, self.busy = speeds, None, []
                 record["speeds"] = list(speeds)
