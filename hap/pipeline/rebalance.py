@@ -129,8 +129,8 @@ def comparable(planned: Sequence[float], measured: Sequence[float]) -> list[int]
 def measurable(plan: Plan, reference: Sequence[float]) -> list[int]:
     """The ranks whose busy seconds under `plan` measure their speed: those comparable by the
     plan's estimate (every rank where it holds none). A rank left the loss alone by a move (busy
-    with the step's fixed costs) is not: its noise, read as a 6x speed-up, moved the model back
-    onto a 6x straggler."""
+    with the step's fixed costs) is not: its noise, read as a speed, can make a 6x straggler
+    look fast again and move the model back onto it."""
     planned = planned_busy(plan)
     return comparable(planned, reference) if any(planned) else list(range(len(planned)))
 
