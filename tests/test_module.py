@@ -956,13 +956,15 @@ class Mlp(torch.nn.Module):
 def mlp():
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    return Mlp(), [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen)) for _ in range(3)]
+    return Mlp(), [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen)) for _ in range(4)]
 
 
 def train_penalized(model, batches):
     """SGD steps on the loss plus an L2 penalty on model.parameters() added outside the model:
     step 0 one backward; step 1 two half batches, each with the penalty; step 2 the penalty's
-    own backward after the loss's."""
+    own backward after the loss's; step 3 one backward through two forwards' losses (the program
+    met each parameter twice: the first forward's gradient was left unsummed, 0.6x and 0.4x of
+    fc2.bias's on the two ranks)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
 
     def penalty():
@@ -975,6 +977,8 @@ def train_penalized(model, batches):
         elif i == 2:
             model(x, y).backward()
             penalty().backward()
+        elif i == 3:
+            (model(x[:4], y[:4]) * 0.4 + model(x[4:], y[4:]) * 0.6 + penalty()).backward()
         else:
             (model(x, y) + penalty()).backward()
         opt.step()

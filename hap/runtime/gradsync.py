@@ -232,7 +232,9 @@ class GradSync:
             p.grad = None
         if id(p) in self._aliased:
             mine = self.from_graph.pop(id(p), None)
-            if mine is not grad:  # (the program's alone: autograd hands its tensor on as it is)
+            # (the program's alone: autograd hands its tensor on as it is, or the sum of its
+            # aliases' where two forwards met, which may round apart from ours: equal, or not)
+            if mine is not grad and (mine is None or not torch.equal(mine, grad)):
                 self.outside[id(p)] = (p, grad if mine is None else grad - mine)
 
     def _arrived(self, p: nn.Parameter) -> None:
@@ -378,7 +380,10 @@ class _FromGraph(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.sink[ctx.key] = grad
+        # one backward through two forwards' losses ((l1 + l2).backward()) meets two aliases of
+        # p: the program's gradient is both (the last alone left the other unsummed)
+        earlier = ctx.sink.get(ctx.key)
+        ctx.sink[ctx.key] = grad if earlier is None else earlier + grad
         return grad, None
 
 
