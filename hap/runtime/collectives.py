@@ -284,6 +284,19 @@ def _own(x: torch.Tensor, dim: int, sizes: Sequence[int], comm: Comm) -> torch.T
 
 # -- autograd: each forward with its dual ----------------------------------------------------------
 
+HIGHER_ORDER = ("a gradient of a gradient (backward or autograd.grad with create_graph=True: a gradient penalty, "
+                "a Hessian-vector product) is not supported through hap's collectives: their backwards are not "
+                "differentiable, so its gradient would be silently wrong")
+
+
+def first_order_only() -> None:
+    """In a backward that communicates: refuse create_graph=True (grad mode is on there only
+    then), whose second backward would not see the collectives (a penalty on an input's
+    gradient was dropped as a constant, or its parameter gradients 5-50% off)."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(HIGHER_ORDER)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, how, grad_partial, comm):
@@ -292,6 +305,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         dim, sizes, grad_partial, comm = ctx.args
         # R's gradient is a partial sum: add the ranks' parts and keep mine. D's is whole: slice.
         gx = reduce_scatter(g, dim, sizes, comm) if grad_partial else _own(g, dim, sizes, comm).contiguous()
@@ -306,6 +320,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         grad_partial, comm = ctx.args
         # P's gradient is whole on every rank: sum R's partial gradient, pass D's through.
         return (all_reduce(g, comm) if grad_partial else g), None, None
@@ -319,6 +334,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         dim, sizes, comm = ctx.args
         return gather_padded(g.contiguous(), dim, sizes, comm), None, None, None
 
@@ -331,6 +347,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         src_dim, dst_dim, src_sizes, dst_sizes, comm = ctx.args
         return all_to_all(g.contiguous(), dst_dim, src_dim, dst_sizes, src_sizes, comm), None, None, None, None, None
 
@@ -343,6 +360,7 @@ class _Resplit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         dim, old, new, comm = ctx.args
         return resplit(g.contiguous(), dim, new, old, comm), None, None, None, None
 
@@ -355,6 +373,7 @@ class _Slice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         dim, sizes, grad_partial, comm, shape = ctx.args
         if grad_partial:  # R: my shard's gradient, zeros elsewhere, sums to the whole gradient
             gx = g.new_zeros(shape)
@@ -376,6 +395,7 @@ class _SameValues(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         to_r, comm = ctx.args
         if to_r:
             return all_reduce(g, comm), None, None
@@ -392,6 +412,7 @@ class _ZeroPartial(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        first_order_only()
         grad_partial, comm = ctx.args
         # P's gradient is whole on every rank. As R's partial gradient only rank 0 keeps it
         # (x feeds the output only there); D takes it whole.

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from .._torch import at_backward_end
 from ..plan import SyncEntry
-from .collectives import Comm
+from .collectives import Comm, first_order_only
 from . import wire
 
 Lane = tuple[tuple[int, ...], int]  # (devices, lane): a process group
@@ -224,6 +224,7 @@ class GradSync:
         it once per rank. It waits aside and is added back after this backward's own sum. So
         does the part of `grad` that did not come through the program (alias): _arrived takes
         it out of p.grad before the sum."""
+        first_order_only()  # (create_graph=True: the sum below would cut p.grad from its graph)
         if not self.queued:
             at_backward_end(self._backward_ended)
             self.queued = True
@@ -380,6 +381,7 @@ class _FromGraph(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        first_order_only()  # (before the sink is written: the next backward would find it)
         # one backward through two forwards' losses ((l1 + l2).backward()) meets two aliases of
         # p: the program's gradient is both (the last alone left the other unsummed)
         earlier = ctx.sink.get(ctx.key)

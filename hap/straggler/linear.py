@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ..runtime.collectives import Comm, broadcast
+from ..runtime.collectives import Comm, broadcast, first_order_only
 from . import migrate
 from .migrate import Handover, Method
 from .prune import Lineage
@@ -170,6 +170,7 @@ class TPLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        first_order_only()
         x, w = ctx.saved_tensors
         c = ctx.c
         work, comm, site, meter = c.work, c.meter.comm, c.site, c.meter
