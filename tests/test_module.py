@@ -1042,6 +1042,48 @@ def test_a_gradient_of_a_gradient_is_refused_in_one_line(planner, tmp_path):
             assert torch.allclose(torch.tensor(params[k]), p.detach(), rtol=1e-5, atol=1e-7), k
 
 
+def aborted_backward(rank, world, planner):
+    model, batches = mlp()
+    dmodel = skewed(model, batches[0], planner)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.5)
+    x, y = batches[0]
+    # a parameter kept whole, whose gradient comes late: fc1.bias (fc2's bucket may have started)
+    # under dp-cp, fc2.bias (the first) under megatron
+    whole = next(p for p in dmodel.parameters() if p.shape == ((24,) if planner == "dp-cp" else (5,)))
+
+    def interrupt(grad):
+        raise KeyboardInterrupt  # (Ctrl-C in a notebook, mid-backward: on every rank alike here)
+
+    hook = whole.register_hook(interrupt)
+    try:
+        dmodel(x, y).backward()
+    except KeyboardInterrupt:
+        pass
+    hook.remove()
+    opt.zero_grad(set_to_none=True)
+    for x, y in batches[1:3]:
+        dmodel(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+
+
+@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
+def test_a_backward_interrupted_midway_leaves_the_next_steps_one_devices(planner, tmp_path):
+    """A backward that ended in an exception never ran its end (the engine drops it): its
+    buckets' counts, the gradients it set aside and the program's gradients it noted stayed
+    for the next backward."""
+    model, batches = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x, y in batches[1:3]:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for params in run_ranks(aborted_backward, 2, tmp_path, planner):
+        for k, p in model.named_parameters():
+            assert torch.allclose(torch.tensor(params[k]), p.detach(), rtol=1e-5, atol=1e-7), k
+
+
 def trainable_changed(rank, world):
     model, batches, _ = dropout_bn()
     model.fc1.requires_grad_(False)

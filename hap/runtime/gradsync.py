@@ -177,6 +177,26 @@ class GradSync:
             return p
         return _FromGraph.apply(p, self.from_graph)
 
+    def forward_begins(self) -> None:
+        """At each forward. A backward still running here ended in an exception (Ctrl-C, a
+        hook's error; torch drops its end, _backward_ended): its buckets' counts, the program's
+        gradients it noted and its outside terms would be taken for the next backward's. They
+        are dropped, the collectives it started finished (every rank started the same where the
+        exception was alike), and the gradients it set aside (earlier backwards', summed) put back
+        in .grad in place of its own; elsewhere what it wrote to .grad stays, as on one device
+        after an exception (zero_grad before training on)."""
+        if not self.queued:
+            return
+        self._progress(block=True)
+        self.queued = False
+        self.from_graph.clear()
+        self.outside.clear()
+        self.arrived.clear()
+        for p, earlier in self.earlier.values():
+            p.grad = earlier
+        self.earlier.clear()
+        self._reset()
+
     def close(self) -> None:
         """Stop synchronizing (another GradSync takes over)."""
         for h in self.hooks:

@@ -194,6 +194,8 @@ class HAP(MirrorsModel):
             return self._forward(batch, part)
 
     def _forward(self, batch: tuple[torch.Tensor, ...], part: bool | None) -> torch.Tensor:
+        if self.grad_sync is not None:
+            self.grad_sync.forward_begins()
         check, self._step_check = self._step_check, None
         if check is not None:
             check.verify()
