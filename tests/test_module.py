@@ -1006,9 +1006,11 @@ def test_a_penalty_on_the_parameters_outside_the_model_counts_once(planner, tmp_
             assert torch.allclose(torch.tensor(got[k]), v, rtol=1e-5, atol=1e-6), k
 
 
-def second_order_refused(rank, world, planner):
+def refused_and_interrupted(rank, world, planner):
+    """Two gradients of gradients, refused, and a backward interrupted midway; then two steps."""
     model, batches = mlp()
     dmodel = skewed(model, batches[0], planner)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.5)
     x, y = batches[0]
     said = []
     for how in ("input penalty", "create_graph"):
@@ -1022,31 +1024,6 @@ def second_order_refused(rank, world, planner):
             said.append(None)
         except NotImplementedError as e:
             said.append(str(e))
-    dmodel.zero_grad(set_to_none=True)
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.5)
-    dmodel(x, y).backward()  # (a refusal leaves the next step as one device's)
-    opt.step()
-    return said, {k: v.tolist() for k, v in dmodel.full_parameters().items()}
-
-
-@pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
-def test_a_gradient_of_a_gradient_is_refused_in_one_line(planner, tmp_path):
-    from hap.runtime.collectives import HIGHER_ORDER
-
-    model, batches = mlp()
-    model(*batches[0]).backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    for said, params in run_ranks(second_order_refused, 2, tmp_path, planner):
-        assert said == [HIGHER_ORDER, HIGHER_ORDER]
-        for k, p in model.named_parameters():
-            assert torch.allclose(torch.tensor(params[k]), p.detach(), rtol=1e-5, atol=1e-7), k
-
-
-def aborted_backward(rank, world, planner):
-    model, batches = mlp()
-    dmodel = skewed(model, batches[0], planner)
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.5)
-    x, y = batches[0]
     # a parameter kept whole, whose gradient comes late: fc1.bias (fc2's bucket may have started)
     # under dp-cp, fc2.bias (the first) under megatron
     whole = next(p for p in dmodel.parameters() if p.shape == ((24,) if planner == "dp-cp" else (5,)))
@@ -1058,28 +1035,32 @@ def aborted_backward(rank, world, planner):
     try:
         dmodel(x, y).backward()
     except KeyboardInterrupt:
-        pass
+        said.append("interrupted")
     hook.remove()
     opt.zero_grad(set_to_none=True)
     for x, y in batches[1:3]:
         dmodel(x, y).backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.tolist() for k, v in dmodel.full_parameters().items()}
+    return said, {k: v.tolist() for k, v in dmodel.full_parameters().items()}
 
 
 @pytest.mark.parametrize("planner", ["dp-cp", "megatron"])
-def test_a_backward_interrupted_midway_leaves_the_next_steps_one_devices(planner, tmp_path):
-    """A backward that ended in an exception never ran its end (the engine drops it): its
-    buckets' counts, the gradients it set aside and the program's gradients it noted stayed
-    for the next backward."""
+def test_refused_and_interrupted_backwards_leave_the_next_steps_one_devices(planner, tmp_path):
+    """A gradient of a gradient is refused in one line, changing nothing. A backward that ended
+    in an exception never ran its end (the engine drops it): its buckets' counts, the gradients
+    it set aside and the program's gradients it noted were taken for the next backward's (which
+    crashed); they are dropped at the next forward."""
+    from hap.runtime.collectives import HIGHER_ORDER
+
     model, batches = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for x, y in batches[1:3]:
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
-    for params in run_ranks(aborted_backward, 2, tmp_path, planner):
+    for said, params in run_ranks(refused_and_interrupted, 2, tmp_path, planner):
+        assert said == [HIGHER_ORDER, HIGHER_ORDER, "interrupted"]
         for k, p in model.named_parameters():
             assert torch.allclose(torch.tensor(params[k]), p.detach(), rtol=1e-5, atol=1e-7), k
 
