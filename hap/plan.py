@@ -622,6 +622,8 @@ class Plan:
         lines = [f"model {self.model} on {self.cluster['name']} ({len(self.devices)} devices)",
                  f"  synthesis {self.synthesis_seconds:.2f} s{self._how()}, winner: {self.search.get('winner', '?')}"
                  + ("" if self.search.get("exhaustive", True) else
+                    " (its programs searched width-limited: the best found, not proven the best of them)"
+                    if self.search.get("family") else
                     f" ({'a DQN' if str(self.search.get('planner', '')).startswith('dqn') else 'width-limited'} "
                     "search: best found, not proven optimal"
                     + (f"; each of its searches' programs within {self.search['gap']:.0%} of that search's optimum" if self.search.get("gap") is not None else "")

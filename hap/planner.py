@@ -512,7 +512,7 @@ def _plan_at(graph: Graph, cluster: Cluster, rs: list[list[float]], config: Plan
     program = find(search, rs)
     est = replay(program, cost, segment_of, rs)
     return _assemble(cost, segment_of, program, rs, est, {}, time.perf_counter() - t0,
-                     {"winner": winner, "exhaustive": all(exhaustive)})
+                     {"winner": winner, "exhaustive": all(exhaustive), "family": True})
 
 
 def estimate(graph: Graph, cluster: Cluster, plan: Plan, config: PlannerConfig | None = None) -> Estimate:

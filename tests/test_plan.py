@@ -313,6 +313,15 @@ def test_the_summary_says_whose_optimizer_state_the_memory_counts(graph, result,
         Plan.from_json(path)
 
 
+def test_a_fixed_familys_plan_says_its_own_search_was_width_limited(result):
+    # a baseline's program is the best a search of its family found (it said "width-limited
+    # search: best found, not proven optimal", as if of every program)
+    said = dataclasses.replace(result, search={"winner": "megatron", "exhaustive": False, "family": True}).summary()
+    assert "winner: megatron (its programs searched width-limited: the best found, not proven the best of them)" in said
+    said = dataclasses.replace(result, search={"winner": "hap", "exhaustive": False}).summary()
+    assert "winner: hap (width-limited search: best found, not proven optimal)" in said
+
+
 def test_estimate_reprices_a_plan_exactly(graph, result):
     """planner.estimate replays a plan's program under the graph's and cluster's cost model: with
     nothing changed it gives the planner's own figure, and a slower cluster costs more."""
