@@ -87,7 +87,8 @@ def _report(out: Path, cases: list[dict], seconds: float, trials: int) -> None:
     names = sorted({n for c in cases for n in c["baselines"]})
     lines = ["# AutoSync on the emulated mixed clusters", "",
              f"{len(cases)} cases, {trials} trials each, {seconds:.0f} s. Milliseconds per training step, measured "
-             "(mean of at least 5 steps and 0.5 s, after 2 warm-up steps, the slowest rank). The last column: the best baseline's time "
+             "(after 2 warm-up steps, blocks of 5 steps, each timed on its slowest rank, until 0.5 s: the median block's). "
+             "The last column: the best baseline's time "
              "over the search's best trial (above 1: the search found a faster strategy).", "",
              "| model | space | cluster | trials | AutoSync best trial | " + " | ".join(names)
              + " | best trial vs best baseline | confirmed: trial, baseline (median of 3) |",

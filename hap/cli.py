@@ -423,6 +423,7 @@ def _distinct_ms(a: float, b: float) -> tuple[str, str]:
 def cmd_sync(args) -> int:
     from .cost.cluster import load_cluster
     from .sync import AutoSyncConfig, SpaceConfig, run
+    from .sync.autosync import PlanMismatch
     from .sync.strategy import check_one_stage
 
     cluster = load_cluster(args.cluster)
@@ -447,6 +448,8 @@ def cmd_sync(args) -> int:
     try:
         result = run(args.model, knobs, cluster, args.out, config, plan=plan,
                      say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except PlanMismatch as e:  # (named by its file, as hap train names it)
+        raise UserError(f"--plan {args.plan}: {e}") from None
     except ValueError as e:
         raise UserError(str(e)) from None
     _print_sync_result(result)

@@ -219,6 +219,12 @@ def test_a_plan_for_another_model_or_batch_is_refused_before_the_ranks_start(tmp
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     capsys.readouterr()
     assert refused(tmp_path / "edited.json").endswith("synchronizes ['p_nope'], which are not parameters of this model")
+    # hap sync names the file too (it said the plan's error alone)
+    assert main(["sync", "--model", "vit", "--scale", "small", "--cluster", "local", "--plan", str(tmp_path / "edited.json"),
+                 "--out", str(tmp_path / "searched")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hap: error: --plan {tmp_path / 'edited.json'}: the plan synchronizes ['p_nope'], which are not parameters "
+        "of this model")
     reratioed = json.loads((tmp_path / "vit.json").read_text())  # ratios edited, shards kept: it blamed the model
     reratioed["stages"][0]["ratios"] = [[0.6, 0.4]]
     (tmp_path / "reratioed.json").write_text(json.dumps(reratioed))

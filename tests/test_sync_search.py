@@ -406,6 +406,18 @@ def test_the_plan_baseline_is_the_plans_own_sync(setting):
               dataclasses.replace(e, rows=(40, 24)) if e.param == fc1.param else e for e in planned.sync]
     with pytest.raises(ValueError, match=r"rows \[\(0, 40\), \(40, 24\)\], not as a strategy does"):
         baselines.plan_sync(variables, uneven)
+    # a strategy's own entries run as they are; a hand-made sync's buckets may not: said
+    assert baselines.bucket_changes(variables, planned.sync, got) is None
+    last = max(e.bucket for e in planned.sync)
+    flipped = [dataclasses.replace(e, bucket=last - e.bucket) for e in planned.sync]  # launched the other way round
+    assert baselines.bucket_changes(variables, flipped, got) == f"its {last + 1} buckets launch in the order they complete"
+    # every parameter on server 1 in one bucket: a strategy's server parts are a bucket each
+    one_bucket = [dataclasses.replace(e, strategy=PS, server=1, bucket=0, rows=None, compressor="none",
+                                      hierarchical=False)
+                  for e in with_strategy(plan, variables, baselines.ddp(variables)).sync]
+    served = baselines.plan_sync(variables, one_bucket)
+    assert baselines.bucket_changes(variables, one_bucket, served) == (
+        f"its 1 bucket runs as {len(variables.vars)} (a parameter server's part is a bucket of its own)")
 
 
 # -- sparse gradients ------------------------------------------------------------------------------
@@ -794,3 +806,18 @@ def test_trial_ranks_end_once_their_search_is_killed(tmp_path):
     search.kill()
     search.wait()
     assert still_running(ranks) == []
+
+
+def test_a_plan_made_for_another_cluster_is_searched_and_written_for_this_one():
+    # hap sync --cluster local-homo --plan P (P made for local) wrote a plan naming local, with
+    # local-homo's estimate: hap train then took it for another cluster's, or for edited
+    from hap.cost.cluster import load_cluster
+    from hap.sync.autosync import _setting
+
+    knobs = {"scale": "small"}
+    _, made, *_ = _setting("ncf-sparse", knobs, load_cluster("local"), None)
+    assert made.cluster["name"] == "local"
+    homo = load_cluster("local-homo")
+    _, plan, _, _, est = _setting("ncf-sparse", knobs, homo, made)
+    assert plan.cluster == homo.to_dict() and plan.devices == [d.name for d in homo.devices]
+    assert plan.sync == made.sync and est.seconds > 0

@@ -24,6 +24,7 @@ predicted against measured times and of the best time so far against trials are 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -37,7 +38,7 @@ import torch
 
 from ..capture import capture
 from ..config import check_fields, flag, instance, number, one_of, whole
-from ..cost.cluster import Cluster
+from ..cost.cluster import Cluster, load_cluster
 from ..models import build, capture_device, changing_knobs
 from ..plan import Plan
 from ..planner import baseline_plan, replayed
@@ -97,11 +98,16 @@ class AutoSyncConfig:
                      baselines=flag(), space=instance(SpaceConfig))
 
 
-def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: AutoSyncConfig | None = None,
+def run(model: str, knobs: dict, cluster: Cluster | str, out: str | Path, config: AutoSyncConfig | None = None,
         plan: Plan | None = None, say: Callable[[str], None] = print) -> dict:
     """Search the synchronization strategy for `model` (hap.models) on `cluster` (local ranks),
-    of `plan`'s gradients (default: data parallelism at compute-proportional batch shares)."""
+    of `plan`'s gradients (default: data parallelism at compute-proportional batch shares).
+    `cluster` may be given by name or cluster file, as hap sync's --cluster."""
     config = config or AutoSyncConfig()
+    if isinstance(cluster, (str, Path)):
+        cluster = load_cluster(str(cluster))
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a hap Cluster, a cluster name or a cluster file, got {type(cluster).__name__}")
     if not cluster.local:  # (as hap sync says: CPU timings would stand for the cluster's devices)
         raise ValueError(f"cluster {cluster.name!r} is not local: the search measures strategies on local processes "
                          "(a cluster file with local: true, emulating its devices and links)")
@@ -122,12 +128,19 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
     except TypeError as e:  # (an unknown knob: resolve() got an unexpected keyword argument)
         raise ValueError(f"{model}: {str(e).removeprefix('resolve() ')}") from None
     rng = random.Random(config.seed)
+    made_for = plan.cluster.get("name") if plan is not None and isinstance(plan.cluster, dict) else cluster.name
+    if made_for != cluster.name:  # (as hap train says it; the plan written names the cluster searched on)
+        say(f"[autosync] the plan was made for cluster {made_for!r}: its sync is searched and priced on {cluster.name!r}")
     graph, plan, variables, cost, est = _setting(model, knobs, cluster, plan)
     if not variables.vars:
         raise ValueError(f"the plan of {model} keeps no parameter whole: there is no gradient to synchronize")
-    if not baselines.plan_sync(variables, plan.sync).exact and not config.space.compress:  # (its baseline, "hap")
+    own = baselines.plan_sync(variables, plan.sync)  # (its baseline, "hap")
+    if not own.exact and not config.space.compress:
         raise ValueError("the plan's sync compresses gradients, which a search without compression never "
                          "returns: search with compression (--compress), or give a plan that synchronizes exactly")
+    changes = baselines.bucket_changes(variables, plan.sync, own)
+    if changes is not None:
+        say(f"[autosync] baseline hap is the plan's sync as a strategy: {changes}")
     domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
     key = _domain_key(model, knobs, cluster, plan, config.space.compress)
     log = out / "trials.jsonl"
@@ -184,7 +197,7 @@ def run(model: str, knobs: dict, cluster: Cluster, out: str | Path, config: Auto
             picked = select(pool, predicted, k, config.alpha, sim)
             seconds = measure([("trial", pool[i]) for i in picked])
             best = min(t["seconds"] for t in history if t["domain"] == key and t["kind"] == "trial")
-            say(f"[autosync] trials {done + k}/{config.trials}: {', '.join(f'{s * 1e3:.1f}' for s in seconds)} ms; "
+            say(f"[autosync] trials {done + len(picked)}/{config.trials}: {', '.join(f'{s * 1e3:.1f}' for s in seconds)} ms; "
                 f"best so far {best * 1e3:.1f} ms")
         confirmed = _confirm(history, key, measure, config, say)
     result = _result(history, key, domain, base, config, time.perf_counter() - t_start, confirmed)
@@ -325,6 +338,10 @@ def _trained(history, key, domain, others: list[Sample], config: AutoSyncConfig,
     return sim
 
 
+class PlanMismatch(ValueError):
+    """The plan given cannot be this search's (another model, batch or cluster size; a pipeline)."""
+
+
 def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
     """(graph, plan, variables, cost, estimate) of a search: the model captured as the trial
     ranks capture it (models.capture_device), its plan (default: data parallel at compute-proportional batch shares, AutoSync's
@@ -333,9 +350,14 @@ def _setting(model: str, knobs: dict, cluster: Cluster, plan: Plan | None):
     graph = capture(built, inputs, name=model)
     if plan is None:
         plan = baseline_plan(graph, cluster, "dp-cp")
-    check_one_stage(plan)
-    plan.check_fits(graph)
-    cost, est = replayed(graph, cluster, plan)
+    elif len(plan.devices) == cluster.size:  # (made for another cluster of this size: searched and priced on this one)
+        plan = dataclasses.replace(plan, cluster=cluster.to_dict(), devices=[d.name for d in cluster.devices])
+    try:
+        check_one_stage(plan)
+        plan.check_fits(graph)
+        cost, est = replayed(graph, cluster, plan)
+    except ValueError as e:
+        raise PlanMismatch(str(e)) from None
     variables = Variables.of(plan, graph, cluster.machines, cost)
     return graph, plan, variables, cost, est
 

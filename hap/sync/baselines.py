@@ -152,3 +152,23 @@ def plan_sync(variables: Variables, entries) -> SyncStrategy:
                      low_rank=e.low_rank, server=e.server if e.server is not None else 0,
                      hierarchical=e.hierarchical) for e in mine)))
     return SyncStrategy(tuple(out))
+
+
+def bucket_changes(variables: Variables, entries, strategy: SyncStrategy) -> str | None:
+    """How a plan's sync `entries` run as `strategy` (plan_sync's) differently, in words, or
+    None: a strategy makes every parameter server's part its own bucket and launches buckets
+    in the order they complete (Variables.entries), where a hand-made sync may do neither."""
+    def buckets(es) -> list[frozenset]:
+        found: dict[int, set] = {}
+        for e in es:
+            found.setdefault(e.bucket, set()).add((e.param, e.rows))
+        return [frozenset(found[b]) for b in sorted(found)]
+
+    given, mine = buckets(entries), buckets(variables.entries(strategy))
+    if given == mine:
+        return None
+    its = f"its {len(given)} bucket{'s' if len(given) > 1 else ''}"
+    if sorted(given, key=sorted) == sorted(mine, key=sorted):
+        return f"{its} launch in the order they complete"
+    return f"{its} run{'s' if len(given) == 1 else ''} as {len(mine)} (a parameter server's part is a bucket of its own)"
+
