@@ -577,9 +577,13 @@ def _functional(ep: ExportedProgram) -> ExportedProgram:
                         args[i] = cut
             fx.args = tuple(args)
     ep.graph_module.recompile()
+    dead, live = _dead_draws(ep.graph)
     with warnings.catch_warnings():  # torch's own pytree deprecation notices, not the user's business
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions({})
+    if dead:
+        _draw_again(ep.graph, dead, live)
+        ep.graph_module.recompile()
     copies = [fx for fx in ep.graph.nodes if fx.op == "call_function" and fx.target is torch.ops.aten.copy.default]
     for fx in copies:
         _copy_as_clone(ep.graph, fx)
@@ -594,6 +598,59 @@ def _functional(ep: ExportedProgram) -> ExportedProgram:
         raise CaptureError(f"unsupported higher-order op {op} at {_scope(fx) or 'the top module'} "
                            f"(node {fx.name}): hap captures plain ATen ops only")
     return ep
+
+
+def _draws(fx: torch.fx.Node) -> bool:
+    """Whether an FX node may draw from torch's generator (an op torch tags nondeterministic_seeded,
+    or attention, which may have dropout)."""
+    return fx.op == "call_function" and (torch.Tag.nondeterministic_seeded in getattr(fx.target, "tags", ())
+                                         or fx.target is torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def _dead_draws(graph: torch.fx.Graph) -> tuple[list[tuple[int, torch.fx.Node]], int]:
+    """The random nodes whose outputs reach nothing (a dropout on a branch the loss never uses),
+    each with the number of live random nodes before it, and the number of live ones.
+    run_decompositions drops them, but one device draws their numbers all the same, so every
+    later mask would be another (a Canine classifier's losses 1.5e-3 off one device's)."""
+    live: set[torch.fx.Node] = set()
+    todo = [fx for fx in graph.nodes if fx.op == "output"]
+    while todo:
+        fx = todo.pop()
+        if fx not in live:
+            live.add(fx)
+            todo += fx.all_input_nodes
+    found, before = [], 0
+    for fx in graph.nodes:
+        if _draws(fx):
+            if fx in live:
+                before += 1
+            else:
+                found.append((before, fx))
+    return found, before
+
+
+def _draw_again(graph: torch.fx.Graph, dead: list[tuple[int, torch.fx.Node]], live: int) -> None:
+    """Put each dead random node back where one device draws it (before the live random node
+    that followed it), on tensors of ones of its inputs' shapes: its draws depend on those alone,
+    and its output stays unused."""
+    anchors = [fx for fx in graph.nodes if _draws(fx)]
+    if len(anchors) != live:  # (the decomposition made other random nodes of them: no place to tell)
+        raise CaptureError("a random op whose output the loss never uses could not be kept in place: "
+                           "one device draws its numbers, so hap's later random numbers would differ")
+    output = next(fx for fx in graph.nodes if fx.op == "output")
+    for k, old in dead:
+        with graph.inserting_before(anchors[k] if k < len(anchors) else output):
+            def ones(arg):
+                if not isinstance(arg, torch.fx.Node):
+                    return arg
+                val = arg.meta["val"]
+                made = graph.call_function(torch.ops.aten.ones.default, (list(val.shape),),
+                                           {"dtype": val.dtype, "device": val.device})
+                made.meta.update(val=val)
+                return made
+            again = graph.call_function(old.target, tuple(ones(a) for a in old.args),
+                                        {k_: ones(v) for k_, v in old.kwargs.items()})
+            again.meta.update({k_: v for k_, v in old.meta.items() if k_ in ("val", "stack_trace", "nn_module_stack")})
 
 
 def _expert_params(model: torch.nn.Module, graph: Graph) -> list[str]:

@@ -636,6 +636,46 @@ def test_a_batchnorm_frozen_in_eval_mode_stays_frozen(planner, tmp_path):
             assert torch.allclose(torch.tensor(got["state"][k], dtype=v.dtype), v, rtol=1e-4, atol=1e-5), k
 
 
+class DeadDropout(torch.nn.Module):
+    """A dropout on a branch the loss never uses (Canine's char encoder under a classifier)
+    before one it uses: one device draws both masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(12, 16), torch.nn.Linear(16, 12)
+        self.unused, self.drop = torch.nn.Dropout(0.3), torch.nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        _ = self.unused(h) * 2  # [B, 16], drawn and thrown away
+        return torch.nn.functional.mse_loss(self.b(self.drop(h)), y)
+
+
+def trained_past_a_dead_dropout(rank, world):
+    model, batches, _ = dropout_bn()
+    torch.manual_seed(0)
+    model = DeadDropout()
+    dmodel = skewed(model, batches[0])
+    torch.manual_seed(5)
+    return train(dmodel, batches), torch.rand(1).item()
+
+
+def test_a_dropout_the_loss_never_uses_still_draws(tmp_path):
+    """Export's decomposition dropped the dead dropout, so hap drew every later mask from
+    another point of the generator: losses off one device's, silently (found by a review)."""
+    from hap.capture import capture
+
+    _, batches, _ = dropout_bn()
+    torch.manual_seed(0)
+    model = DeadDropout()
+    graph = capture(model, batches[0])
+    assert [n.op for n in graph.nodes if "dropout" in n.op] == ["aten.dropout.default", "aten.native_dropout.default"]
+    torch.manual_seed(5)
+    losses, after = train(model, batches), torch.rand(1).item()
+    for got, then in run_ranks(trained_past_a_dead_dropout, 2, tmp_path):
+        assert got == pytest.approx(losses, rel=1e-6) and then == after
+
+
 def validate_through(switched, model, batches, val):
     """SGD steps, each followed by validation in eval mode switched on `switched` (the model
     itself, or the one hap wrapped): validation losses, then training losses."""
