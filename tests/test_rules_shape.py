@@ -169,6 +169,17 @@ def test_roll_keeps_the_rolled_dims_whole():
     assert some == {((S(0),), (S(0),)), ((P,), (P,))} and flat == {((P,), (P,))}
 
 
+def test_tril_and_triu_split_the_dims_before_their_triangle():
+    def fn(y):  # y: [6, 5, 5]; torch.multiply: mul's alias, which ConvBERT calls
+        return (torch.tril(y, -1) ** 2).sum() + (torch.multiply(torch.triu(y, 1), y) ** 2).sum()
+
+    g = graph_of(fn, (6, 5, 5))
+    found = check_ops(g, ["aten.tril.default", "aten.triu.default", "aten.multiply.Tensor"])
+    for node in found["aten.tril.default"] + found["aten.triu.default"]:
+        assert offered(node, g) - {((R,), (R,)), ((D,), (D,))} == {((S(0),), (S(0),)), ((P,), (P,))}
+    assert {((S(2), S(2)), (S(2),)), ((P, R), (P,)), ((R, P), (P,))} <= offered(found["aten.multiply.Tensor"][0], g)
+
+
 def test_cat_skips_a_legacy_empty_operand():
     """A key-value cache's first step concatenates an empty (0,) tensor with the keys
     (Hugging Face's DynamicCache): torch.cat skips it, and so does the rule, which used to

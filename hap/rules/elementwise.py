@@ -22,7 +22,7 @@ UNARY = [
     "empty_like", "full_like", "rand_like", "randn_like", "dropout", "native_dropout", "feature_dropout",
     "alias", "lift_fresh_copy", "pow", "clamp", "clamp_min", "clamp_max", "floor", "ceil", "round", "trunc",
     "masked_fill", "type_as", "bernoulli", "exponential", "eq", "ne", "lt", "gt", "le", "ge", "add", "sub",
-    "mul", "div", "rsub", "remainder", "fmod", "where", "maximum", "minimum", "bitwise_and", "bitwise_or",
+    "mul", "multiply", "div", "rsub", "remainder", "fmod", "where", "maximum", "minimum", "bitwise_and", "bitwise_or",
     "bitwise_xor", "logical_and", "logical_or", "logical_xor", "atan2", "copy", "lerp", "addcmul", "addcdiv",
     "gelu_backward", "threshold", "nan_to_num", "scalar_tensor", "fill", "floor_divide",
     "__and__", "__or__", "__xor__",  # what `mask & other` records (transformers' and_masks)
@@ -36,7 +36,8 @@ LINEAR_ALL = {"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.cl
               "aten.contiguous.default", "aten.alias.default", "aten._to_copy.default", "aten.to.dtype",
               "aten.to.dtype_layout", "aten.mul.Scalar", "aten.div.Scalar", "aten.where.self"}
 # Linear in exactly one operand when the others are replicated (and not partial).
-LINEAR_ONE = {"aten.mul.Tensor", "aten.div.Tensor"}  # div: linear in the numerator only
+LINEAR_ONE = {"aten.mul.Tensor", "aten.multiply.Tensor", "aten.div.Tensor"}  # div: linear in the numerator only
+PRODUCTS = {"aten.mul.Tensor", "aten.multiply.Tensor"}  # (multiply: torch.multiply, mul's alias)
 
 
 def broadcast_strategies(node: Node, graph: Graph) -> list[Strategy]:
@@ -60,7 +61,7 @@ def broadcast_strategies(node: Node, graph: Graph) -> list[Strategy]:
     if node.op in LINEAR_ONE and n_in == 1 and isinstance(node.args[0], TensorRef):  # x * c or x / c, not c / x
         found.append(Strategy((P,), (P,), "partial"))
     if node.op in LINEAR_ONE and n_in == 2:
-        for i in ((0, 1) if node.op == "aten.mul.Tensor" else (0,)):
+        for i in ((0, 1) if node.op in PRODUCTS else (0,)):
             if graph.tensors[node.inputs[i]].shape == out_shape:
                 ins = tuple(P if k == i else R for k in range(n_in))
                 found.append(Strategy(ins, (P,), "partial"))
@@ -91,3 +92,12 @@ def _register_all():
 
 
 _register_all()
+
+
+@register("aten.tril.default", "aten.triu.default")
+def triangle_strategies(node: Node, graph: Graph) -> list[Strategy]:
+    """tril and triu keep x[..., i, j] or zero it by j - i, positions in the last two dims: a
+    shard there would be its own triangle, so only the dims before them split. Linear:
+        tril(A1 + A2) = tril(A1) + tril(A2)"""
+    dims = len(graph.tensors[node.outputs[0]].shape)
+    return [Strategy((S(d),), (S(d),), f"dim{d}") for d in range(dims - 2)] + [Strategy((P,), (P,), "partial")]
