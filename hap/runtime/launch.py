@@ -465,6 +465,10 @@ def _report(rank: int, world: int, e: BaseException, timeout_s: float, reports: 
 def _write_report(rank: int, reports: str, headline: str, trace: str, own: bool) -> None:
     report = {"time": time.monotonic(), "own": own, "headline": headline, "traceback": trace}
     path = os.path.join(reports, f"{rank}.json")
-    with open(path + ".tmp", "w") as f:
+    # a temporary file of this writer's own: a rank's watcher thread and its main thread may
+    # both report (a parting seen, then the collective it broke), and a shared one, truncated
+    # by the second while the first moved it in place, was read empty (CI at 5c58163)
+    mine = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(mine, "w") as f:
         json.dump(report, f)
-    os.replace(path + ".tmp", path)
+    os.replace(mine, path)
