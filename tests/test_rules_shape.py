@@ -286,13 +286,16 @@ def test_repeat_interleave_shards_the_repeated_dim_at_k_times_the_rows():
     """Rows [a, b) of x become rows [k a, k b): the repeated dim shards too (Mixtral's batched
     experts repeat each token once per chosen expert); a global output_size does not."""
     def fn(y):  # y: [10, 12, 4]
-        return (y.repeat_interleave(2, dim=0) ** 2).sum() + (y.flatten().repeat_interleave(3) ** 2).sum()
+        return ((y.repeat_interleave(2, dim=0) ** 2).sum() + (y.flatten().repeat_interleave(3) ** 2).sum()
+                + (y.repeat_interleave(3, dim=1, output_size=36) ** 2).sum())
 
     g = graph_of(fn, (10, 12, 4))
     ops = check_ops(g, ["aten.repeat_interleave.self_int"])
-    along_rows, flat = ops["aten.repeat_interleave.self_int"]
+    along_rows, flat, sized = ops["aten.repeat_interleave.self_int"]
     assert {((S(0),), (S(0),)), ((S(2),), (S(2),)), ((P,), (P,))} <= offered(along_rows, g)
     assert ((S(0),), (S(0),)) in offered(flat, g)
+    # output_size is the whole's along dim 1: the batch and the last dim carry it (Mamba2's heads)
+    assert offered(sized, g) - {((R,), (R,)), ((D,), (D,))} == {((S(0),), (S(0),)), ((S(2),), (S(2),)), ((P,), (P,))}
 
 
 

@@ -170,12 +170,15 @@ def repeat_interleave(node: Node, graph: Graph) -> list[Strategy]:
     # [k a, k b) of the output, so d shards alike too (its shard class splits both at the same
     # granules: k times as many elements out), and the other dims are carried:
     #     repeat_interleave(concat_j x_j, k, d) = concat_j repeat_interleave(x_j, k, d)
-    # Without a dim x is flattened first; a given output_size is the whole's (not a shard's).
+    # Without a dim x is flattened first. A given output_size is the whole's length along d
+    # (not a shard's): the other dims carry it as it is (Mamba2's B and C heads, [B, L, G, N]
+    # -> [B, L, H, N] with output_size H).
     rank = ndim(graph, node.inputs[0])
     dim, size = arg(node, 2, "dim", None), arg(node, 3, "output_size", None)
-    if not isinstance(arg(node, 1, "repeats"), int) or size is not None or (dim is None and rank != 1):
+    if not isinstance(arg(node, 1, "repeats"), int) or (dim is None and rank != 1):
         return [partial()]
-    return along((k, k) for k in range(rank)) + [partial()]
+    d = norm_dim(dim if dim is not None else 0, rank)
+    return along((k, k) for k in range(rank) if size is None or k != d) + [partial()]
 
 
 # ---------------------------------------------------------------------------------------------
