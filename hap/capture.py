@@ -638,19 +638,21 @@ def _draw_again(graph: torch.fx.Graph, dead: list[tuple[int, torch.fx.Node]], li
         raise CaptureError("a random op whose output the loss never uses could not be kept in place: "
                            "one device draws its numbers, so hap's later random numbers would differ")
     output = next(fx for fx in graph.nodes if fx.op == "output")
-    for k, old in dead:
-        with graph.inserting_before(anchors[k] if k < len(anchors) else output):
-            def ones(arg):
-                if not isinstance(arg, torch.fx.Node):
-                    return arg
-                val = arg.meta["val"]
-                made = graph.call_function(torch.ops.aten.ones.default, (list(val.shape),),
-                                           {"dtype": val.dtype, "device": val.device})
-                made.meta.update(val=val)
-                return made
-            again = graph.call_function(old.target, tuple(ones(a) for a in old.args),
-                                        {k_: ones(v) for k_, v in old.kwargs.items()})
-            again.meta.update({k_: v for k_, v in old.meta.items() if k_ in ("val", "stack_trace", "nn_module_stack")})
+    for before, node in dead:
+        with graph.inserting_before(anchors[before] if before < len(anchors) else output):
+            again = graph.call_function(node.target, tuple(_ones_for(graph, a) for a in node.args),
+                                        {name: _ones_for(graph, a) for name, a in node.kwargs.items()})
+        again.meta.update({key: node.meta[key] for key in ("val", "stack_trace", "nn_module_stack") if key in node.meta})
+
+
+def _ones_for(graph: torch.fx.Graph, arg):
+    """A constant argument as it is; a tensor's, a new node of ones of its shape and dtype."""
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    val = arg.meta["val"]
+    made = graph.call_function(torch.ops.aten.ones.default, (list(val.shape),), {"dtype": val.dtype, "device": val.device})
+    made.meta["val"] = val
+    return made
 
 
 def _expert_params(model: torch.nn.Module, graph: Graph) -> list[str]:

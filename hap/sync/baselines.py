@@ -168,7 +168,7 @@ def bucket_changes(variables: Variables, entries, strategy: SyncStrategy) -> str
     if given == mine:
         return None
     its = f"its {len(given)} bucket{'s' if len(given) > 1 else ''}"
-    if sorted(given, key=sorted) == sorted(mine, key=sorted):
+    if set(given) == set(mine):  # (the same buckets, in another order)
         return f"{its} launch in the order they complete"
     return f"{its} run{'s' if len(given) == 1 else ''} as {len(mine)} (a parameter server's part is a bucket of its own)"
 
