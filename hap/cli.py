@@ -121,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--trace", metavar="DIR", help="write a Chrome trace of the last steps per rank, DIR/rank<r>.json, "
                    "and the plan they ran, DIR/plan.json")
     t.add_argument("--calibrate", action="store_true",
-                   help="price the plan from the model's own node times measured on this cluster (cached in .hap-cache/)")
+                   help="price the plan (a --plan's too) from the model's own node times measured on this cluster "
+                   "(cached in .hap-cache/)")
     t.add_argument("--emulate", action="store_true",
                    help="run a cluster of devices not on this machine as local processes at this machine's speed")
     t.add_argument("--checkpoint", metavar="DIR",
@@ -250,11 +251,13 @@ def cmd_train(args) -> int:
     resume = _resume_from(args)
     if args.planner is not None and args.strategy is not None:
         raise UserError("give --planner or --strategy, not both")
-    if args.plan is not None and (args.planner or args.strategy or args.calibrate):
-        flag = "--planner" if args.planner else "--strategy" if args.strategy else "--calibrate"
+    if args.plan is not None and (args.planner or args.strategy):  # (--calibrate prices it: kept)
+        flag = "--planner" if args.planner else "--strategy"
         raise UserError(f"--plan trains the plan in {args.plan} as it is: {flag} would be ignored")
     if args.calibrate and cluster.size < 2:  # said before any node is timed
         raise UserError(f"--calibrate: calibration needs two devices at least; cluster {cluster.name!r} has {cluster.size}")
+    if args.calibrate and os.path.exists(".hap-cache") and not os.path.isdir(".hap-cache"):  # (said after calibrating)
+        raise UserError("--calibrate: .hap-cache is a file here; the node times are cached in a directory of that name")
     planner = _check_planner(args.planner or {"hap": "astar", None: "astar"}.get(args.strategy, args.strategy))
     config = _planner_config(args, planner if args.plan is None else f"the plan in {args.plan}")
     config = dataclasses.replace(config, optimizer=TRAIN_OPTIMIZER)  # (its state counts in the memory priced)
@@ -276,18 +279,21 @@ def cmd_train(args) -> int:
         say(f"resuming from {resume[0]} (step {resume[1]}), learning rate "
             + ("the checkpoint's" if args.lr is None else f"{args.lr} (replacing the checkpoint's)"))
     say(cluster.describe())
+    given = _plan_file(args.plan, cluster) if args.plan is not None else None  # (read before calibrating)
+    if given is not None:
+        _check_plan_fits(args.plan, given, graph)
     if args.calibrate:
         graph.timing = _calibrated(args, graph, cluster, say)
-    if args.plan is not None:
-        result = _plan_file(args.plan, cluster)
-        _check_plan_fits(args.plan, result, graph)
-        result = _priced_here(args.plan, result, graph, cluster, config, say)
+    if given is not None:
+        result = _priced_here(args.plan, given, graph, cluster, config, say)
         planner = f"the plan in {args.plan}"
     else:
         try:
             result = make_plan(planner, graph, cluster, config, progress=say)
         except ValueError as e:  # a baseline this graph has not (ep without experts)
             raise UserError(f"--planner {planner}: {str(e).removeprefix(planner + ': ')}") from None
+    # whether its estimate is of calibrated node times: a later --plan of it is priced alike or says so
+    result = dataclasses.replace(result, search={**result.search, "calibrated": graph.timing is not None})
     print(result.summary())
     if len(result.stages) > 1:
         _check_pipeline(args, graph, result)
@@ -397,8 +403,12 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
             f"{new * 1e3:.2f} ms per iteration (it said {old * 1e3:.2f} ms)")
     elif repriced:
         said, again = _distinct_ms(old, new)
-        say(f"--plan {path} says {said} ms per iteration, priced again {again} ms (planned for other model knobs, "
-            "batch or input shape, for a cluster file of this name since changed, or edited since?): training with "
+        calibrated = plan.search.get("calibrated")
+        why = ("its estimate is of calibrated node times, this price not: add --calibrate" if calibrated and graph.timing is None
+               else "its estimate is not of calibrated node times, this price is" if calibrated is False and graph.timing
+               else "planned for other model knobs, batch or input shape, for a cluster file of this name since changed, "
+                    "or edited since?")
+        say(f"--plan {path} says {said} ms per iteration, priced again {again} ms ({why}): training with "
             "the price of it as it is")
     if here.baselines and repriced:
         # priced where the plan was made: the summary's "hap is Nx" would be of that model and cluster

@@ -156,7 +156,6 @@ def test_bad_training_settings_and_output_paths_are_refused_before_any_work(tmp_
                                                                      "is a directory; the command writes a file of that name"),
         (["train", *small, "--plan", str(afile), "--planner", "dp-ev"], f"--plan trains the plan in {afile} as it is: "
                                                                         "--planner would be ignored"),
-        (["train", *small, "--plan", str(afile), "--calibrate"], "--plan trains the plan in"),
         (["plan", *small, "--planner", "dp-ev", "--segments", "3"], "--segments is for the planners astar, auto, "
                                                                     "not dp-ev"),
         (["train", *small, "--migration", "scatter-gather"], "--migration is for --straggler migrate, semi, "
@@ -514,3 +513,41 @@ def test_progress_prints_a_tenth_of_the_steps_this_run_trains(capsys):
     for _ in range(20):
         progress.step(1.0, 0.01, None)
     assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == [f"{k}/20" for k in range(2, 21, 2)]
+
+
+def test_a_calibrated_plan_priced_again_without_calibration_says_why(tmp_path, capsys):
+    """hap train --calibrate --trace T, then --plan T/plan.json: priced without the calibration
+    (3.05 ms where the plan said 8.87), it was blamed on edits; --calibrate was refused there."""
+    import dataclasses
+
+    from hap import capture, load_cluster, plan
+    from hap.cli import _priced_here
+    from hap.models import build
+    from hap.planner import PlannerConfig
+
+    cluster = load_cluster("local")
+    model, inputs = build("vit", devices=2, scale="small")
+    graph = capture(model, inputs)
+    made = plan(graph, cluster)
+    said = []
+    for calibrated, why in ((True, "its estimate is of calibrated node times, this price not: add --calibrate"),
+                            (None, "planned for other model knobs, batch or input shape")):
+        edited = dataclasses.replace(made, estimated_iteration_seconds=made.estimated_iteration_seconds * 3,
+                                     search={**made.search, "calibrated": calibrated})
+        _priced_here("p.json", edited, graph, cluster, PlannerConfig(), said.append)
+        assert f"priced again {made.estimated_iteration_seconds * 1e3:.2f} ms ({why}" in said[-1], said[-1]
+    # and --calibrate with --plan is taken (it prices the plan), no longer refused as ignored
+    capsys.readouterr()
+    assert main(["train", "--model", "vit", "--scale", "small", "--cluster", "local", "--steps", "1", "--plan",
+                 str(tmp_path / "none.json"), "--calibrate"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"hap: error: --plan {tmp_path / 'none.json'}: ")
+
+
+def test_a_cache_path_taken_by_a_file_is_refused_before_calibrating(tmp_path, monkeypatch, capsys):
+    # it failed after the whole calibration: "hap: error: .hap-cache: File exists"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".hap-cache").write_text("")
+    assert main(["train", "--model", "vit", "--scale", "small", "--cluster", "local", "--calibrate"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hap: error: --calibrate: .hap-cache is a file here; the node times are cached in a directory of that name")
+

@@ -11,7 +11,7 @@ from gloo import run_ranks
 from hap.cost.cluster import ClusterError, cluster_from_dict, local_cluster
 from hap.runtime.collectives import Comm
 from hap.runtime.emulate import Emulation
-from hap.runtime.profile import fit_line, profile_cluster
+from hap.runtime.profile import bandwidth_of, fit_line, profile_cluster
 
 
 def test_fit_line_recovers_an_exact_line():
@@ -27,6 +27,10 @@ def test_fit_line_never_goes_negative():
     # and the constant minimises ((c - 3)/3)^2 + ((c - 1)/1)^2: c = (1/3 + 1) / (1/9 + 1) = 1.2
     fit = fit_line([1.0, 2.0], [3.0, 1.0])
     assert fit.per_unit == 0.0 and fit.const == pytest.approx(1.2)
+    # no slope is no infinite bandwidth (1e15 B/s was written): the largest message's units over
+    # its whole time, 2 / 1; a slope's is its inverse
+    assert bandwidth_of(fit, [1.0, 2.0], [3.0, 1.0]) == 2.0
+    assert bandwidth_of(fit_line([0.0, 1e6, 4e6], [2e-5, 1.02e-3, 4.02e-3]), [], []) == pytest.approx(1e9, rel=1e-6)
 
 
 def test_fit_line_needs_two_sizes():
@@ -290,9 +294,18 @@ def test_calibration_cache_keys_precision_and_frozen_layers_and_survives_damage(
     tables = [torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=sparse), torch.nn.Flatten(0)) for sparse in (False, True)]
     assert len({calibrate._timing_key(capture(Loss(*t), ids), cluster) for t in tables}) == 2
 
+    # nor on a machine with other cores free to this process (taskset: the cache priced 1.6x low)
     graph = capture(model, x)
-    speeds = []
-    monkeypatch.setattr(calibrate, "measure_nodes", lambda graph, model, inputs, speed, small: speeds.append(speed))
+    mine = calibrate._timing_key(graph, cluster)
+    monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 64)
+    assert calibrate._timing_key(graph, cluster) != mine
+    monkeypatch.undo()
+
+    speeds, threads = [], []
+    monkeypatch.setattr(calibrate, "measure_nodes", lambda graph, model, inputs, speed, small: (
+        speeds.append(speed), threads.append(torch.get_num_threads())))
+    torch.set_num_threads(2)  # the launcher's (the ranks run on one; so are the nodes timed)
     n = len(graph.nodes)
     monkeypatch.setattr(calibrate, "calibrate_nodes", lambda measured, model, inputs, cluster: NodeTiming(
         fwd=(1.0,) * n, bwd=(2.0,) * n, fwd_fixed=(0.0,) * n, bwd_fixed=(0.0,) * n, device_flops=9e10,
@@ -309,7 +322,8 @@ def test_calibration_cache_keys_precision_and_frozen_layers_and_survives_damage(
         timing, cached = calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path))
         assert not cached and timing.fwd == (1.0,) * n
         assert calibrate.calibrated_timing(graph, model, x, cluster, str(tmp_path)) == (timing, True)  # replaced
-    assert speeds == [pytest.approx(9e10)] * 9
+    assert speeds == [pytest.approx(9e10)] * 9 and threads == [1] * 9 and torch.get_num_threads() == 2
+    torch.set_num_threads(1)
 
 
 class Classifier(torch.nn.Module):

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -271,9 +272,10 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
     """The graph's node times on this cluster (measure_nodes at the full and a quarter batch,
     then calibrate_nodes), read from `cache_dir` where this graph was calibrated on this
     cluster before; and whether they came from the cache. The cache key is the graph's ops and
-    its tensors' shapes, dtypes and requires_grad, the cluster spec and the torch version:
-    another model, size, precision, frozen layer or cluster measures anew; so does a damaged
-    cache file (a warning)."""
+    its tensors' shapes, dtypes and requires_grad, the cluster spec, the torch version and the
+    machine (its name, processor and the cores this process may use): another model, size,
+    precision, frozen layer, cluster or machine measures anew; so does a damaged cache file (a
+    warning). Nodes are timed on one thread, as each rank runs."""
     key = _timing_key(graph, cluster)
     path = os.path.join(cache_dir, f"timing-{key}.json") if cache_dir else None
     if path and os.path.exists(path):
@@ -289,7 +291,13 @@ def calibrated_timing(graph: Graph, model: nn.Module, inputs: Sequence[torch.Ten
             log.warning("hap: the calibration cache %s is damaged (%s: %s); measuring again", path, type(e).__name__, e)
     speed = max(d.flops * d.slowdown for d in cluster.devices)  # the machine's, unslowed (every device may be emulated)
     small = tuple(t[: max(1, t.shape[0] // 4)] for t in inputs)
-    timing = calibrate_nodes(measure_nodes(graph, model, inputs, speed, small), model, inputs, cluster)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank runs (on all threads, vgg19's nodes took half the time and the scales doubled)
+    try:
+        nodes = measure_nodes(graph, model, inputs, speed, small)
+    finally:
+        torch.set_num_threads(threads)
+    timing = calibrate_nodes(nodes, model, inputs, cluster)
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -319,5 +327,8 @@ def _timing_key(graph: Graph, cluster: Cluster) -> str:
     # each node's op, its tensors and its other arguments (an embedding's sparse=True, a dropout's p)
     shape = [(n.op, [(graph.tensors[t].shape, graph.tensors[t].dtype, graph.tensors[t].requires_grad)
                      for t in (*n.inputs, *n.outputs)], _constant_args(n)) for n in graph.nodes]
-    text = json.dumps([shape, cluster.to_dict(), torch.__version__], sort_keys=True, default=str)
+    # and the machine: a cache made on another (or with fewer cores free: taskset) priced 1.6x low
+    machine = [platform.node(), platform.machine(), platform.processor(), os.cpu_count(),
+               len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None]
+    text = json.dumps([shape, cluster.to_dict(), torch.__version__, machine], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -60,6 +60,16 @@ def fit_line(units: Sequence[float], seconds: Sequence[float]) -> LineFit:
     return LineFit(float(const), float(per_unit), float(np.max(np.abs(fitted - y) / y)))
 
 
+def bandwidth_of(fit: LineFit, units: Sequence[float], seconds: Sequence[float]) -> float:
+    """Units per second of a line fit; where noise left it no slope (the largest message no
+    slower than the smallest), the largest message's units over its whole time: a bound from
+    below, where 1 / 0 wrote a link of 1e15 B/s (hap profile --quick on a busy machine)."""
+    if fit.per_unit > 0:
+        return 1.0 / fit.per_unit
+    big = max(range(len(units)), key=lambda i: units[i])
+    return units[big] / seconds[big]
+
+
 def timed(fn: Callable[[], object], emulation: Emulation | None, repeats: int, min_sample: float = 2e-3) -> float:
     """Wall seconds of fn(): the least of `repeats` samples (on a shared machine noise only adds
     time), with this rank's emulated slowness paid inside each. A sample runs fn() often enough
@@ -225,9 +235,9 @@ def profile_collectives(comm: Comm, quick: bool = False) -> dict[str, dict]:
         for _, run in runs:
             dist.barrier(group=comm.group)
             seconds.append(_timed_after_compute(run, repeats))
-        fit = fit_line([v for v, _ in runs], seconds)
-        fits[kind] = {"alpha": fit.const, "beta": 1.0 / fit.per_unit if fit.per_unit > 0 else 1e15,
-                      "worst_residual": fit.worst_residual}
+        volumes = [v for v, _ in runs]
+        fit = fit_line(volumes, seconds)
+        fits[kind] = {"alpha": fit.const, "beta": bandwidth_of(fit, volumes, seconds), "worst_residual": fit.worst_residual}
     return fits
 
 
@@ -258,7 +268,7 @@ def profile_links(comm: Comm, quick: bool = False) -> dict[tuple[int, int], dict
                 seconds.append(statistics.median(samples[1:]))
             if comm.rank == a:
                 fit = fit_line(sizes, seconds)
-                mine[f"{a},{b}"] = {"latency": max(fit.const, 0.0), "bandwidth": 1.0 / fit.per_unit if fit.per_unit > 0 else 1e15}
+                mine[f"{a},{b}"] = {"latency": max(fit.const, 0.0), "bandwidth": bandwidth_of(fit, sizes, seconds)}
     parts = [None] * comm.world
     dist.all_gather_object(parts, mine, group=comm.group)
     return {tuple(int(x) for x in key.split(",")): link for part in parts for key, link in part.items()}
