@@ -405,7 +405,7 @@ def _priced_here(path: str, plan, graph, cluster, config, say):
         said, again = _distinct_ms(old, new)
         calibrated = plan.search.get("calibrated")
         why = ("its estimate is of calibrated node times, this price not: add --calibrate" if calibrated and graph.timing is None
-               else "its estimate is not of calibrated node times, this price is" if calibrated is False and graph.timing
+               else "its estimate is not of calibrated node times, this price is" if not calibrated and graph.timing
                else "planned for other model knobs, batch or input shape, for a cluster file of this name since changed, "
                     "or edited since?")
         say(f"--plan {path} says {said} ms per iteration, priced again {again} ms ({why}): training with "
