@@ -821,3 +821,46 @@ def test_a_plan_made_for_another_cluster_is_searched_and_written_for_this_one():
     _, plan, _, _, est = _setting("ncf-sparse", knobs, homo, made)
     assert plan.cluster == homo.to_dict() and plan.devices == [d.name for d in homo.devices]
     assert plan.sync == made.sync and est.seconds > 0
+
+
+def test_the_plans_own_sync_is_measured_as_it_is_and_written_where_it_wins(tmp_path, monkeypatch):
+    """hap sync --plan P whose sync no strategy runs as it is (every parameter on one server, in
+    one bucket: a strategy makes a bucket of each part): baseline "hap" measured the strategy
+    form (one bucket per parameter), and wrote that where it won, not P's sync."""
+    import dataclasses as dc
+    import json
+
+    import hap.sync.autosync as autosync
+    from hap.cost.cluster import load_cluster
+
+    cluster = load_cluster("local")
+    _, made, variables, _, _ = autosync._setting("ncf-sparse", {"scale": "small"}, cluster, None)
+    served = [dc.replace(e, strategy=PS, server=1, bucket=0, rows=None, compressor="none", hierarchical=False)
+              for e in made.sync if not e.sparse]
+    sparse = [dc.replace(e, bucket=1 + i) for i, e in enumerate(e for e in made.sync if e.sparse)]  # (each alone)
+    mine = dc.replace(made, sync=served + sparse)
+    ran = []
+
+    class Trials:  # P's sync as it is is the fastest; every other run slower
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def measure(self, runs):
+            ran.extend(runs)
+            return [1.0 if run == mine.sync else 2.0 for run in runs]
+
+    monkeypatch.setattr(autosync, "TrialCluster", Trials)
+    config = autosync.AutoSyncConfig(trials=2, per_round=2, candidates=4, horovod_samples=2, confirm=1)
+    said = []
+    result = autosync.run("ncf-sparse", {"scale": "small"}, cluster, tmp_path, config, plan=mine, say=said.append)
+    assert any(run == mine.sync for run in ran)
+    assert result["best"]["kind"] == "baseline:hap"
+    written = json.loads((tmp_path / "plan.json").read_text())["sync"]
+    assert [(e["param"], e["bucket"], e["strategy"]) for e in written] == [(e.param, e.bucket, e.strategy) for e in mine.sync]
+    assert any("baseline hap runs the plan's sync as it is" in line for line in said)

@@ -139,8 +139,14 @@ def run(model: str, knobs: dict, cluster: Cluster | str, out: str | Path, config
         raise ValueError("the plan's sync compresses gradients, which a search without compression never "
                          "returns: search with compression (--compress), or give a plan that synchronizes exactly")
     changes = baselines.bucket_changes(variables, plan.sync, own)
+    # P's sync where no strategy runs it as it is (a server's bucket of several parameters, its
+    # own launch order): baseline "hap" measures it so; its strategy form stands for it in the log
+    as_is = list(plan.sync) if changes is not None else None
     if changes is not None:
-        say(f"[autosync] baseline hap is the plan's sync as a strategy: {changes}")
+        say(f"[autosync] baseline hap runs the plan's sync as it is; as a strategy (in the log) {changes}")
+
+    def entries_of(kind: str, strategy: SyncStrategy) -> list:
+        return as_is if as_is is not None and kind.endswith("baseline:hap") else variables.entries(strategy)
     domain = Domain(f"{model} {json.dumps(knobs, sort_keys=True)} on {cluster.name}", variables, cost, est)
     key = _domain_key(model, knobs, cluster, plan, config.space.compress)
     log = out / "trials.jsonl"
@@ -169,17 +175,18 @@ def run(model: str, knobs: dict, cluster: Cluster | str, out: str | Path, config
     # the trial ranks' model is the one captured here where it was built alike (on the CPU, not meta)
     with TrialCluster(workload, graph=graph if capture_device(knobs.get("scale")) is None else None) as trials:
         def measure(named: list[tuple[str, SyncStrategy]], tried: list[dict] | None = None) -> list[float]:
-            seconds = trials.measure([variables.entries(s) for _, s in named])
+            seconds = trials.measure([entries_of(kind, s) for kind, s in named])
             with log.open("a") as f:
                 for (kind, s), t, how in zip(named, seconds, tried or [{}] * len(named)):
                     row = {"domain": key, "model": model, "knobs": knobs, "cluster": cluster.name, "kind": kind,
                            "strategy": s.to_json(), "seconds": t, "knobs_tried": how,
-                           "hap_estimate": price.overlapped(variables.entries(s), variables, cost, est)}
+                           "hap_estimate": price.overlapped(entries_of(kind, s), variables, cost, est)}
                     f.write(json.dumps(row) + "\n")
                     history.append(row)
             return seconds
 
-        base = _baselines(variables, plan, est, bw, measure, history, key, config, say) if config.baselines else {}
+        base = _baselines(variables, plan, est, bw, measure, history, key, config, say,
+                          as_is=as_is is not None) if config.baselines else {}
         simulator: Simulator | None = None
         while sum(1 for t in history if t["domain"] == key and t["kind"] == "trial") < config.trials:
             done = sum(1 for t in history if t["domain"] == key and t["kind"] == "trial")
@@ -202,7 +209,8 @@ def run(model: str, knobs: dict, cluster: Cluster | str, out: str | Path, config
         confirmed = _confirm(history, key, measure, config, say)
     result = _result(history, key, domain, base, config, time.perf_counter() - t_start, confirmed)
     best = SyncStrategy.from_json(result["best"]["strategy"])
-    best_plan = with_strategy(plan, variables, best)
+    won_as_is = as_is is not None and result["best"]["kind"].endswith("baseline:hap")
+    best_plan = plan if won_as_is else with_strategy(plan, variables, best)  # (P's sync as it ran)
     best_plan = price.with_estimate(best_plan, graph, cost, est, searched="autosync")
     best_plan.to_json(out / "plan.json")
     (out / "result.json").write_text(json.dumps(result, indent=1))
@@ -414,7 +422,8 @@ def _similarity(pool, samples, simulator, config: AutoSyncConfig):
     return lambda i, j: similarity(pool[i], pool[j])
 
 
-def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSyncConfig, say) -> dict[str, dict]:
+def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSyncConfig, say,
+               as_is: bool = False) -> dict[str, dict]:
     """Each baseline's best measured run. A run this search logged before (the same baseline and
     knobs) is taken from the log, not measured again: a search stopped among its baselines
     resumes where it stopped, Horovod's tuning too (it proposes the same points, given the same
@@ -431,7 +440,9 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
     ran: dict[tuple, float] = {}
 
     def logged_or_measured(named, tried):
-        keys = [variables.key(s) for _, s in named]
+        # (the plan's sync run as it is is no strategy's run: as_is)
+        keys = [("the plan's sync as it is",) if as_is and kind == "baseline:hap" else variables.key(s)
+                for kind, s in named]
         for k, (kind, _), how in zip(keys, named, tried):  # (resumed: a run this search logged before)
             past = logged.get((kind, json.dumps(how, sort_keys=True)))
             if k not in ran and past is not None:
