@@ -1000,10 +1000,10 @@ def _check_outputs(args, made: list[str]) -> None:
             raise UserError(f"{flag} {path} ends in {os.sep}; give a file name")
         if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"{flag} {path} is a file; give a directory")
-        for inside in _FILES_IN.get((command, name), ()):  # (explain wrote timeline.json, then PIL raised; a
-            for entry in (os.listdir(path) if os.path.isdir(path) else ()):  # trace and a checkpoint after training)
-                if re.fullmatch(inside, entry) and os.path.isdir(os.path.join(path, entry)):
-                    raise UserError(f"{flag} {path}: {entry} there is a directory; the command writes a file of that name")
+        inside = _FILES_IN.get((command, name), ())  # (explain wrote timeline.json, then PIL raised; a trace
+        for entry in (os.listdir(path) if inside and os.path.isdir(path) else ()):  # and a checkpoint after training)
+            if any(re.fullmatch(f, entry) for f in inside) and os.path.isdir(os.path.join(path, entry)):
+                raise UserError(f"{flag} {path}: {entry} there is a directory; the command writes a file of that name")
         try:
             _make_folders(folder, made)
         except OSError as e:

@@ -104,10 +104,10 @@ def off_plan(speeds: Sequence[float], planned: Sequence[float], measured: Sequen
     if len(counted) < 2:
         return None
     busy = {i: measured[i] / planned[i] for i in counted}
-    if changed_speeds(speeds, [1.0] * len(speeds), _relative(busy, statistics.median(busy.values()), len(planned)),
-                      threshold) is None:
+    middle = statistics.median(busy.values())
+    if changed_speeds(speeds, [1.0] * len(speeds), _relative(busy, middle, len(planned)), threshold) is None:
         return None
-    scale = statistics.median(busy.values()) if len(busy) > 2 else min(busy.values())
+    scale = middle if len(busy) > 2 else min(busy.values())
     return changed_speeds(speeds, [1.0] * len(speeds), _relative(busy, scale, len(planned)), threshold)
 
 
