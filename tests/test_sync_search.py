@@ -612,7 +612,8 @@ def test_baselines_stopped_midway_resume_where_they_stopped(setting):
         return measure
 
     whole, calls = [], []
-    straight = autosync._baselines(variables, plan, est, bw, measuring(whole, calls), whole, "k", config, lambda m: None)
+    own = baselines.plan_sync(variables, plan.sync)
+    straight = autosync._baselines(variables, own, est, bw, measuring(whole, calls), whole, "k", config, lambda m: None)
     assert len(calls) == len(whole) and 1 <= calls.count("baseline:horovod") < 6
     # no strategy run twice: Horovod's thresholds that give buckets measured already (hap's, say)
     # take their time (the least of 20 runs of one strategy beat its one run by noise)
@@ -620,7 +621,7 @@ def test_baselines_stopped_midway_resume_where_they_stopped(setting):
     assert len(set(ran)) == len(ran)
     for stop in (3, len(whole) - 4):  # among the first baselines; midway through Horovod's tuning
         history, again = whole[:stop], []
-        resumed = autosync._baselines(variables, plan, est, bw, measuring(history, again), history, "k", config,
+        resumed = autosync._baselines(variables, own, est, bw, measuring(history, again), history, "k", config,
                                       lambda m: None)
         assert again == calls[stop:]  # each run once, in the same order
         assert {n: b["strategy"] for n, b in resumed.items()} == {n: b["strategy"] for n, b in straight.items()}

@@ -185,7 +185,7 @@ def run(model: str, knobs: dict, cluster: Cluster | str, out: str | Path, config
                     history.append(row)
             return seconds
 
-        base = _baselines(variables, plan, est, bw, measure, history, key, config, say,
+        base = _baselines(variables, own, est, bw, measure, history, key, config, say,
                           as_is=as_is is not None) if config.baselines else {}
         simulator: Simulator | None = None
         while sum(1 for t in history if t["domain"] == key and t["kind"] == "trial") < config.trials:
@@ -422,7 +422,7 @@ def _similarity(pool, samples, simulator, config: AutoSyncConfig):
     return lambda i, j: similarity(pool[i], pool[j])
 
 
-def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSyncConfig, say,
+def _baselines(variables, own: SyncStrategy, est, bw, measure, history, key, config: AutoSyncConfig, say,
                as_is: bool = False) -> dict[str, dict]:
     """Each baseline's best measured run. A run this search logged before (the same baseline and
     knobs) is taken from the log, not measured again: a search stopped among its baselines
@@ -460,7 +460,7 @@ def _baselines(variables, plan, est, bw, measure, history, key, config: AutoSync
     out = {}
     largest = max(v.nbytes for v in variables.vars)
     sizes = sorted({max(2**16, largest // d) for d in (1, 2, 4, 8)}, reverse=True)  # partition sizes tried
-    named = [("hap", baselines.plan_sync(variables, plan.sync)), ("ddp", baselines.ddp(variables))]
+    named = [("hap", own), ("ddp", baselines.ddp(variables))]  # (own: the plan's sync, baselines.plan_sync)
     named += [("tuned-ps", baselines.tuned_ps(variables, bw, s)) for s in sizes]
     seconds = logged_or_measured([(f"baseline:{n}", s) for n, s in named], [{"partition_bytes": None}] * 2 +
                       [{"partition_bytes": s} for s in sizes])
